@@ -1,0 +1,35 @@
+# The README's two commands: `make train` and `make test`. Both create the venv on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+DATA   ?= data/stdlib
+CONFIG ?= configs/train/debug.toml
+
+.PHONY: train test lint prepare-data clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# CPU build first: a bare `torch` requirement would pull a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+$(DATA)/manifest.json: | $(VENV)/.installed
+	$(PY) scripts/prepare_data.py --out $(DATA)
+
+prepare-data: $(DATA)/manifest.json
+
+train: $(VENV)/.installed $(DATA)/manifest.json
+	$(PY) scripts/train.py $(CONFIG) $(ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check forge scripts tests benchmarks
+	$(VENV)/bin/ruff format --check forge scripts tests benchmarks
+	$(VENV)/bin/pyright forge
+
+test: $(VENV)/.installed lint
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf runs
