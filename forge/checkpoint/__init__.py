@@ -1,0 +1,1 @@
+"""Checkpoint policy (pure), the DCP store and resume resolution."""

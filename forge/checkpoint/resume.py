@@ -1,0 +1,66 @@
+"""The one resume resolver every entry point uses.
+
+Precedence: (1) the newest complete checkpoint in ``checkpoint.dir`` (auto-resume: model,
+optimizer, train state); (2) else ``checkpoint.load_path`` as initial weights (model only);
+(3) else a fresh start. Incomplete checkpoints are reported and skipped, never returned.
+"""
+
+from __future__ import annotations
+
+import enum
+import pathlib
+
+import attrs
+
+from forge.checkpoint.store import (
+    CheckpointError,
+    is_complete,
+    latest_step,
+    list_steps,
+    newest_complete,
+    step_dir,
+)
+
+
+class ResumeSource(enum.Enum):
+    CHECKPOINT_DIR = "checkpoint_dir"  # full state: continue the run
+    LOAD_PATH = "load_path"  # weights only: a new run from given initial weights
+    FRESH = "fresh"
+
+
+@attrs.frozen
+class ResumePlan:
+    source: ResumeSource
+    path: pathlib.Path | None = None
+    skipped: tuple[pathlib.Path, ...] = ()  # incomplete checkpoints newer than ``path``
+
+
+def resolve_resume(checkpoint_dir: pathlib.Path, load_path: pathlib.Path | None) -> ResumePlan:
+    """Where a run starts from (see the module docstring for the precedence)."""
+    found = newest_complete(checkpoint_dir)
+    candidates = list_steps(checkpoint_dir)
+    latest = latest_step(checkpoint_dir)
+    newest_step = max([*candidates, *([latest] if latest is not None else [])], default=None)
+    if found is not None:
+        found_step = int(found.name.removeprefix("step_"))
+        skipped = tuple(
+            step_dir(checkpoint_dir, s)
+            for s in candidates
+            if s > found_step and not is_complete(step_dir(checkpoint_dir, s))
+        )
+        return ResumePlan(ResumeSource.CHECKPOINT_DIR, found, skipped)
+    skipped = tuple(step_dir(checkpoint_dir, s) for s in candidates)
+    if load_path is not None:
+        target = newest_complete(load_path) if not is_complete(load_path) else load_path
+        if target is None:
+            raise CheckpointError(
+                f"checkpoint.load_path={load_path}: no complete checkpoint there; "
+                "point it at a step_<N> folder or a checkpoint directory"
+            )
+        return ResumePlan(ResumeSource.LOAD_PATH, target, skipped)
+    if newest_step is not None and skipped:
+        raise CheckpointError(
+            f"{checkpoint_dir}: holds checkpoints but none is complete "
+            f"({', '.join(p.name for p in skipped)}); delete them to start fresh"
+        )
+    return ResumePlan(ResumeSource.FRESH)

@@ -1,0 +1,203 @@
+"""On-disk checkpoints: DCP shards for model and optimizer, JSON train state, RNG tensors.
+
+Layout under the checkpoint directory::
+
+    step_<N>/            .metadata + *.distcp (model, optimizer), train_state.json, rng_rank<r>.pt
+    latest -> step_<N>   relative symlink, moved by atomic rename
+
+A save is written to ``step_<N>.tmp`` and renamed when complete; ``latest`` moves after that,
+then retention runs. A crash at any instant leaves the previous checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from forge.checkpoint.policy import SaveSchedule, retention_plan, step_of
+from forge.errors import UserInputError
+
+TRAIN_STATE = "train_state.json"
+LATEST = "latest"
+
+
+class CheckpointError(UserInputError):
+    """A checkpoint cannot be used: missing, incomplete or not matching the model."""
+
+
+def step_dir(root: pathlib.Path, step: int) -> pathlib.Path:
+    return root / f"step_{step}"
+
+
+def is_complete(path: pathlib.Path) -> bool:
+    """DCP writes ``.metadata`` last and the train state is written after DCP returns."""
+    return (path / ".metadata").is_file() and (path / TRAIN_STATE).is_file()
+
+
+def list_steps(root: pathlib.Path) -> list[int]:
+    """Steps of every ``step_<N>`` directory (complete or not), ascending."""
+    if not root.is_dir():
+        return []
+    return sorted(s for p in root.iterdir() if (s := step_of(p.name)) is not None)
+
+
+def latest_step(root: pathlib.Path) -> int | None:
+    """Step the ``latest`` link names, if it exists."""
+    link = root / LATEST
+    if not link.is_symlink():
+        return None
+    return step_of(os.readlink(link))
+
+
+def newest_complete(root: pathlib.Path) -> pathlib.Path | None:
+    """The checkpoint to resume from: ``latest`` if complete, else the newest complete step."""
+    latest = latest_step(root)
+    if latest is not None and is_complete(step_dir(root, latest)):
+        return step_dir(root, latest)
+    for step in reversed(list_steps(root)):
+        if is_complete(step_dir(root, step)):
+            return step_dir(root, step)
+    return None
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG streams as tensors and plain values (loadable with weights_only)."""
+    import random
+
+    state: dict[str, Any] = {"torch_cpu": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    import random
+
+    torch.set_rng_state(state["torch_cpu"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["torch_cuda"])
+
+
+def _write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _point_latest(root: pathlib.Path, step: int) -> None:
+    tmp = root / f"{LATEST}.tmp"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(f"step_{step}")
+    os.replace(tmp, root / LATEST)
+
+
+def save_checkpoint(
+    root: pathlib.Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict[str, Any],
+    *,
+    rank: int = 0,
+) -> pathlib.Path:
+    """Write ``step_<step>`` atomically and move ``latest`` to it; returns its path."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = step_dir(root, step)
+    tmp = root / f"step_{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
+    torch.save(capture_rng(), tmp / f"rng_rank{rank}.pt")
+    _write_json(tmp / TRAIN_STATE, train_state)
+    if final.exists():  # re-saving a step (e.g. after a resume): keep the new one
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _point_latest(root, step)
+    return final
+
+
+def apply_retention(root: pathlib.Path, keep_last_n: int, schedule: SaveSchedule) -> list[int]:
+    """Delete what ``retention_plan`` names; returns the deleted steps."""
+    doomed = retention_plan(list_steps(root), keep_last_n, latest_step(root), schedule)
+    for step in doomed:
+        shutil.rmtree(step_dir(root, step), ignore_errors=True)
+    return doomed
+
+
+def read_train_state(path: pathlib.Path) -> dict[str, Any]:
+    """The JSON train state of a checkpoint directory."""
+    try:
+        return json.loads((path / TRAIN_STATE).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path / TRAIN_STATE}: unreadable train state ({exc})") from None
+
+
+def load_checkpoint(
+    path: pathlib.Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    rank: int = 0,
+    restore_rng_state: bool = True,
+) -> dict[str, Any]:
+    """Load model (and optimizer) state in place; returns the train state. Never unpickles code."""
+    if not is_complete(path):
+        raise CheckpointError(f"{path}: not a complete checkpoint (no .metadata or {TRAIN_STATE})")
+    _check_shapes(path, model)
+    if optimizer is None:
+        state: dict[str, Any] = {"model": model.state_dict()}
+        _dcp_load(state, path)
+        model.load_state_dict(state["model"])
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        _dcp_load(state, path)
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
+    rng_file = path / f"rng_rank{rank}.pt"
+    if restore_rng_state and rng_file.is_file():
+        restore_rng(torch.load(rng_file, weights_only=True))
+    return read_train_state(path)
+
+
+def _dcp_load(state: dict[str, Any], path: pathlib.Path) -> None:
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except BaseException as exc:  # DCP's CheckpointException is not an Exception
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        raise CheckpointError(f"{path}: DCP load failed ({type(exc).__name__}: {exc})") from None
+
+
+def _check_shapes(path: pathlib.Path, model: nn.Module) -> None:
+    """One line naming the first parameter whose saved shape differs from the model's."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    saved = {
+        k.removeprefix("model."): tuple(v.size)
+        for k, v in meta.state_dict_metadata.items()
+        if k.startswith("model.") and hasattr(v, "size")
+    }
+    for name, tensor in model.state_dict().items():
+        if name not in saved:
+            raise CheckpointError(f"{path}: has no parameter '{name}'; the model config differs")
+        if saved[name] != tuple(tensor.shape):
+            raise CheckpointError(
+                f"{path}: '{name}' has shape {list(saved[name])} in the checkpoint but "
+                f"{list(tensor.shape)} in the model; match the [model] config to the checkpoint"
+            )

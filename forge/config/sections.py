@@ -1,0 +1,298 @@
+"""Config sections: one frozen attrs class per TOML table, with documented defaults.
+
+Each section's ``problems()`` returns every out-of-range value as ``(key, message)`` pairs, so
+that the loader can report all of them at once instead of stopping at the first.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+Problem = tuple[str, str]
+
+
+class Precision(enum.Enum):
+    """Compute dtype of the forward and backward pass (parameters stay fp32)."""
+
+    BF16 = "bf16"
+    FP32 = "fp32"
+
+
+class OptimizerName(enum.Enum):
+    ADAMW = "adamw"
+
+
+class ScheduleName(enum.Enum):
+    """LR schedule shapes; each has a linear warmup in front."""
+
+    COSINE = "cosine"
+    LINEAR = "linear"
+    WSD = "wsd"
+    CONSTANT = "constant"
+    NONE = "none"
+
+
+class NonFinitePolicy(enum.Enum):
+    """What the loop does with a step whose loss or grad norm is not finite."""
+
+    SKIP = "skip"
+    ABORT = "abort"
+
+
+def _positive(problems: list[Problem], key: str, value: float) -> None:
+    if value <= 0:
+        problems.append((key, f"must be > 0, got {value}"))
+
+
+def _non_negative(problems: list[Problem], key: str, value: float) -> None:
+    if value < 0:
+        problems.append((key, f"must be >= 0, got {value}"))
+
+
+@attrs.frozen
+class RunConfig:
+    """Where a run lives. ``dir`` defaults to ``runs/<config file stem>``."""
+
+    dir: str | None = None
+
+    def problems(self) -> list[Problem]:
+        return []
+
+
+@attrs.frozen
+class ModelConfig:
+    """A Llama-style decoder. ``n_kv_heads`` < ``n_heads`` gives grouped-query attention."""
+
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: same as n_heads (plain multi-head attention)
+    vocab_size: int = 259
+    ffn_hidden_dim: int | None = None  # None: 8/3 * dim rounded up to `multiple_of`
+    multiple_of: int = 32
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_hidden_dim is not None:
+            return self.ffn_hidden_dim
+        raw = int(8 * self.dim / 3)
+        return self.multiple_of * -(-raw // self.multiple_of)
+
+    def problems(self) -> list[Problem]:
+        p: list[Problem] = []
+        for key in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
+            _positive(p, f"model.{key}", getattr(self, key))
+        _positive(p, "model.norm_eps", self.norm_eps)
+        _positive(p, "model.rope_theta", self.rope_theta)
+        _positive(p, "model.init_std", self.init_std)
+        if self.n_kv_heads is not None:
+            _positive(p, "model.n_kv_heads", self.n_kv_heads)
+        if self.ffn_hidden_dim is not None:
+            _positive(p, "model.ffn_hidden_dim", self.ffn_hidden_dim)
+        if self.n_heads > 0 and self.dim % self.n_heads:
+            p.append(("model.dim", f"must be divisible by model.n_heads={self.n_heads}"))
+        elif self.n_heads > 0 and (self.dim // self.n_heads) % 2:
+            p.append(("model.dim", "dim / n_heads (the head size) must be even for RoPE"))
+        if self.n_heads > 0 and self.kv_heads > 0 and self.n_heads % self.kv_heads:
+            p.append(("model.n_kv_heads", f"must divide model.n_heads={self.n_heads}"))
+        return p
+
+
+@attrs.frozen
+class TrainConfig:
+    """The optimisation loop. ``batch_size`` is per micro-batch; a step is
+    ``grad_accum_steps`` micro-batches."""
+
+    batch_size: int = 8
+    seq_len: int = 256
+    max_steps: int = 1000
+    max_epochs: int | None = None  # None: unbounded; else the loop ends DATA_EXHAUSTED
+    grad_accum_steps: int = 1
+    grad_clip_norm: float | None = 1.0  # None: no clipping (the norm is still measured)
+    seed: int = 42
+    data_seed: int | None = None  # None: same as seed
+    mixed_precision: Precision = Precision.BF16
+    num_threads: int = 0  # 0: torch's default
+
+    @property
+    def effective_data_seed(self) -> int:
+        return self.seed if self.data_seed is None else self.data_seed
+
+    def problems(self) -> list[Problem]:
+        p: list[Problem] = []
+        for key in ("batch_size", "seq_len", "max_steps", "grad_accum_steps"):
+            _positive(p, f"train.{key}", getattr(self, key))
+        if self.max_epochs is not None:
+            _positive(p, "train.max_epochs", self.max_epochs)
+        if self.grad_clip_norm is not None:
+            _positive(p, "train.grad_clip_norm", self.grad_clip_norm)
+        _non_negative(p, "train.seed", self.seed)
+        _non_negative(p, "train.num_threads", self.num_threads)
+        return p
+
+
+@attrs.frozen
+class OptimizerConfig:
+    """AdamW with explicit param groups: norms and biases never decay; embeddings by switch."""
+
+    name: OptimizerName = OptimizerName.ADAMW
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    decay_embeddings: bool = False
+
+    def problems(self) -> list[Problem]:
+        p: list[Problem] = []
+        _positive(p, "optimizer.lr", self.lr)
+        _non_negative(p, "optimizer.weight_decay", self.weight_decay)
+        _positive(p, "optimizer.eps", self.eps)
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            p.append(("optimizer.betas", f"each beta must be in [0, 1), got {list(self.betas)}"))
+        return p
+
+
+@attrs.frozen
+class SchedulerConfig:
+    """LR schedule as a pure function of the step. ``decay_steps`` is the length of the decay
+    (cosine, linear: from the end of warmup; wsd: the final tail). None: up to max_steps."""
+
+    name: ScheduleName = ScheduleName.COSINE
+    warmup_steps: int = 100
+    decay_steps: int | None = None
+    min_lr_ratio: float = 0.1
+
+    def problems(self) -> list[Problem]:
+        p: list[Problem] = []
+        _non_negative(p, "scheduler.warmup_steps", self.warmup_steps)
+        if self.decay_steps is not None:
+            _positive(p, "scheduler.decay_steps", self.decay_steps)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            p.append(("scheduler.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}"))
+        return p
+
+
+@attrs.frozen
+class DataConfig:
+    """Token shards prepared by ``scripts/prepare_data.py`` (a folder with ``manifest.json``)."""
+
+    path: str = "data/stdlib"
+    train_split: str = "train"
+    eval_split: str = "validation"
+    verify_checksum: bool = True
+
+    def problems(self) -> list[Problem]:
+        p: list[Problem] = []
+        if not self.path:
+            p.append(("data.path", "must name a folder made by scripts/prepare_data.py"))
+        return p
+
+
+@attrs.frozen
+class EvalConfig:
+    """Held-out loss every ``interval`` steps over ``steps`` batches (interval 0: off)."""
+
+    interval: int = 0
+    steps: int = 20
+
+    def problems(self) -> list[Problem]:
+        p: list[Problem] = []
+        _non_negative(p, "eval.interval", self.interval)
+        _positive(p, "eval.steps", self.steps)
+        return p
+
+
+@attrs.frozen
+class DynamicWindow:
+    """Power-of-two milestones: inside [start, stop] save at start, start+1, start+2, start+4..."""
+
+    start: int = 0
+    stop: int = 512
+
+    def problems(self, prefix: str) -> list[Problem]:
+        p: list[Problem] = []
+        _non_negative(p, f"{prefix}.start", self.start)
+        if self.stop < self.start:
+            p.append((f"{prefix}.stop", f"must be >= start={self.start}, got {self.stop}"))
+        return p
+
+
+@attrs.frozen
+class CheckpointConfig:
+    """DCP checkpoints. ``dir`` defaults to ``<run.dir>/checkpoints``; ``keep_last_n`` <= 0 keeps
+    all. ``load_path`` is used as initial weights only when ``dir`` holds no checkpoint."""
+
+    enabled: bool = True
+    dir: str | None = None
+    interval: int = 1000
+    dyn_ckpt_window: DynamicWindow | None = None
+    keep_last_n: int = 3
+    load_path: str | None = None
+
+    def problems(self) -> list[Problem]:
+        p: list[Problem] = []
+        _positive(p, "checkpoint.interval", self.interval)
+        if self.dyn_ckpt_window is not None:
+            p += self.dyn_ckpt_window.problems("checkpoint.dyn_ckpt_window")
+        return p
+
+
+@attrs.frozen
+class MetricsConfig:
+    """Step metrics to stdout and ``<run.dir>/metrics.jsonl`` every ``log_interval`` steps."""
+
+    log_interval: int = 10
+    jsonl: bool = True
+
+    def problems(self) -> list[Problem]:
+        p: list[Problem] = []
+        _positive(p, "metrics.log_interval", self.log_interval)
+        return p
+
+
+@attrs.frozen
+class ResilienceConfig:
+    """Non-finite steps: ``skip`` drops the update; after ``max_consecutive_nonfinite`` in a row
+    the run ends NAN_ABORT (``abort`` ends it at the first)."""
+
+    on_nonfinite: NonFinitePolicy = NonFinitePolicy.SKIP
+    max_consecutive_nonfinite: int = 3
+
+    def problems(self) -> list[Problem]:
+        p: list[Problem] = []
+        _positive(p, "resilience.max_consecutive_nonfinite", self.max_consecutive_nonfinite)
+        return p
+
+
+@attrs.frozen
+class JobConfig:
+    """The whole run configuration: one attribute per TOML table."""
+
+    run: RunConfig = attrs.Factory(RunConfig)
+    model: ModelConfig = attrs.Factory(ModelConfig)
+    train: TrainConfig = attrs.Factory(TrainConfig)
+    optimizer: OptimizerConfig = attrs.Factory(OptimizerConfig)
+    scheduler: SchedulerConfig = attrs.Factory(SchedulerConfig)
+    data: DataConfig = attrs.Factory(DataConfig)
+    eval: EvalConfig = attrs.Factory(EvalConfig)
+    checkpoint: CheckpointConfig = attrs.Factory(CheckpointConfig)
+    metrics: MetricsConfig = attrs.Factory(MetricsConfig)
+    resilience: ResilienceConfig = attrs.Factory(ResilienceConfig)
+
+    @property
+    def nonfinite_limit(self) -> int:
+        """Consecutive non-finite steps that end the run."""
+        if self.resilience.on_nonfinite is NonFinitePolicy.ABORT:
+            return 1
+        return self.resilience.max_consecutive_nonfinite

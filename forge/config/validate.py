@@ -1,0 +1,36 @@
+"""Cross-section checks: combinations that are each valid alone but not together."""
+
+from __future__ import annotations
+
+from forge.config.sections import JobConfig, Problem, ScheduleName
+
+
+def cross_section_problems(config: JobConfig) -> list[Problem]:
+    """Problems that involve more than one section."""
+    p: list[Problem] = []
+    if config.train.seq_len > config.model.max_seq_len:
+        p.append(
+            (
+                "train.seq_len",
+                f"must be <= model.max_seq_len={config.model.max_seq_len}, "
+                f"got {config.train.seq_len}",
+            )
+        )
+    sched = config.scheduler
+    if 0 < config.train.max_steps <= sched.warmup_steps and sched.name is not ScheduleName.NONE:
+        p.append(
+            (
+                "scheduler.warmup_steps",
+                f"must be < train.max_steps={config.train.max_steps} "
+                "(the run would end inside warmup)",
+            )
+        )
+    window = config.checkpoint.dyn_ckpt_window
+    if window is not None and window.start > config.train.max_steps:
+        p.append(
+            (
+                "checkpoint.dyn_ckpt_window.start",
+                f"is past train.max_steps={config.train.max_steps}; no milestone would fire",
+            )
+        )
+    return p

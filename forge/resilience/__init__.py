@@ -1,0 +1,1 @@
+"""Signals, the per-step control word and non-finite handling."""

@@ -1,0 +1,1 @@
+"""Contexts, setup phases, step functions, the loop (a reducer), finalize and hooks."""

@@ -1,0 +1,157 @@
+"""The real ``Effects``: checkpoints, metrics, eval and hooks, as the loop's plans ask.
+
+Decisions are not made here (``plan_step`` and ``finalize`` made them); this only carries them out.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from forge.checkpoint.store import apply_retention, save_checkpoint
+from forge.metrics.sinks import JsonlSink, MetricsSink, StdoutSink
+from forge.training.context import DataContext, DistContext, ModelContext, RunContext
+from forge.training.hooks import Hooks, HookList
+from forge.training.outcome import LoopOutcome
+from forge.training.phases import config_fingerprint, loop_policy
+from forge.training.state import LoopState, SaveReason, StepResult
+from forge.training.step import evaluate_loss
+
+TRAIN_STATE_VERSION = 1
+
+
+def step_record(
+    state: LoopState, result: StepResult, step_time: float, tokens_per_sec: float
+) -> dict[str, Any]:
+    """The metrics one logged step writes."""
+    return {
+        "step": state.step,
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "lr": result.lr,
+        "tokens_seen": state.tokens_seen,
+        "tokens_per_sec": tokens_per_sec,
+        "step_time": step_time,
+    }
+
+
+class TrainingEffects:
+    """Saves, logs, evaluates and calls hooks for one training run."""
+
+    def __init__(
+        self,
+        run: RunContext,
+        dist: DistContext,
+        model: ModelContext,
+        data: DataContext,
+        *,
+        hooks: Sequence[Hooks] = (),
+        sinks: Sequence[MetricsSink] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.run = run
+        self.dist = dist
+        self.model = model
+        self.data = data
+        self.hooks = HookList(hooks)
+        self.clock = clock
+        if sinks is None:
+            sinks = default_sinks(run, dist)
+        self.sinks = list(sinks)
+        self._mark_time = clock()
+        self._mark_step = 0
+        self._schedule = loop_policy(run.config).schedule
+
+    def _restart_clock(self, state: LoopState) -> None:
+        self._mark_time, self._mark_step = self.clock(), state.step
+
+    def begin(self, state: LoopState) -> None:
+        """Start timing and call ``on_train_begin``."""
+        self._restart_clock(state)
+        self.hooks.on_train_begin(state)
+
+    def train_state(self, state: LoopState, reason: SaveReason) -> dict[str, Any]:
+        """The JSON train state saved beside the tensors."""
+        return {
+            "format_version": TRAIN_STATE_VERSION,
+            "step": state.step,
+            "tokens_seen": state.tokens_seen,
+            "reason": reason.value,
+            "loop_state": attrs.asdict(state),
+            "loader": {str(self.dist.rank): self.data.train_loader.state_dict()},
+            "schedule": {
+                "name": self.model.schedule.name.value,
+                "warmup_steps": self.model.schedule.warmup_steps,
+                "decay_steps": self.model.schedule.decay_steps,
+                "total_steps": self.model.schedule.total_steps,
+            },
+            "model_fingerprint": config_fingerprint(self.run.config),
+            "world_size": self.dist.world_size,
+        }
+
+    def save(self, state: LoopState, reason: SaveReason) -> None:
+        saved = attrs.evolve(state, last_saved_step=state.step)
+        path = save_checkpoint(
+            self.run.checkpoint_dir,
+            state.step,
+            self.model.model,
+            self.model.optimizer,
+            self.train_state(saved, reason),
+            rank=self.dist.rank,
+        )
+        if self._schedule is not None:
+            apply_retention(
+                self.run.checkpoint_dir, self.run.config.checkpoint.keep_last_n, self._schedule
+            )
+        self.hooks.on_checkpoint_save(state.step, path)
+        self._restart_clock(state)
+
+    def wait(self) -> None:
+        """Saves are synchronous for now: nothing is ever in flight."""
+
+    def log(self, state: LoopState, result: StepResult) -> None:
+        elapsed = self.clock() - self._mark_time
+        steps = max(1, state.step - self._mark_step)
+        step_time = elapsed / steps
+        tps = result.tokens / step_time if step_time > 0 else math.inf
+        self._emit(step_record(state, result, step_time, tps))
+        self._restart_clock(state)
+
+    def evaluate(self, state: LoopState) -> None:
+        loader = self.data.eval_loader
+        if loader is None:
+            return
+        loader.load_state_dict({"epoch": 0, "batch": 0})
+        steps = self.run.config.eval.steps
+        batches = [b for _, b in zip(range(steps), loader, strict=False)]
+        loss = evaluate_loss(self.model.model, batches, self.run.config.train.mixed_precision)
+        self._emit({"step": state.step, "eval/loss": loss, "eval/perplexity": math.exp(loss)})
+        self._restart_clock(state)
+
+    def step_end(self, state: LoopState, result: StepResult) -> None:
+        self.hooks.on_step_end(state, result)
+
+    def end(self, outcome: LoopOutcome, state: LoopState) -> None:
+        """Call ``on_train_end`` and close the sinks."""
+        self.hooks.on_train_end(outcome, state)
+        for sink in self.sinks:
+            sink.close()
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+
+def default_sinks(run: RunContext, dist: DistContext) -> list[MetricsSink]:
+    """stdout and ``metrics.jsonl`` on rank 0; nothing elsewhere."""
+    if not dist.is_main:
+        return []
+    sinks: list[MetricsSink] = [StdoutSink(sys.stdout)]
+    if run.config.metrics.jsonl:
+        sinks.append(JsonlSink(run.metrics_path))
+    return sinks

@@ -1,0 +1,69 @@
+"""The final-save decision. This module must not import torch: it is tested without it.
+
+``finalize(outcome, ckpt)`` answers one question after the loop: does the run need one more
+checkpoint? The caller makes that save (if any) and then waits for in-flight saves (save → wait).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from forge.training.outcome import LoopOutcome
+
+
+@attrs.frozen
+class CheckpointView:
+    """All ``finalize`` may know about checkpoints: plain values, no torch."""
+
+    step: int
+    max_steps: int
+    last_saved_step: int | None
+    last_step_finite: bool = True
+    enabled: bool = True
+
+
+class FinalSaveReason(enum.Enum):
+    CLEAN_FINISH = "clean finish off-schedule: save the final weights"
+    DATA_EXHAUSTED = "data ran out early: save the step reached"
+    ALREADY_SAVED = "this step is already saved (on schedule, or an emergency save)"
+    NONFINITE_LAST_STEP = "last step was skipped as non-finite: weights are those of step N-1"
+    FAILURE = "the run failed: its last state is not trusted"
+    SHUTDOWN = "shutdown: the emergency save covered this step"
+    NOTHING_TRAINED = "no step ran in this process"
+    DISABLED = "checkpointing is disabled"
+
+
+@attrs.frozen
+class FinalSave:
+    """Whether to save once more, at which step, and why."""
+
+    save: bool
+    step: int | None
+    reason: FinalSaveReason
+
+
+def _no(reason: FinalSaveReason) -> FinalSave:
+    return FinalSave(save=False, step=None, reason=reason)
+
+
+def finalize(outcome: LoopOutcome, ckpt: CheckpointView) -> FinalSave:
+    """Decide the final save for a loop that ended with ``outcome``."""
+    if not ckpt.enabled:
+        return _no(FinalSaveReason.DISABLED)
+    if outcome in (LoopOutcome.NAN_ABORT, LoopOutcome.HEALTH_FAILURE):
+        return _no(FinalSaveReason.FAILURE)
+    if outcome is LoopOutcome.SHUTDOWN:
+        return _no(FinalSaveReason.SHUTDOWN)
+    if outcome is LoopOutcome.ALREADY_COMPLETE:
+        return _no(FinalSaveReason.NOTHING_TRAINED)
+    if not ckpt.last_step_finite:
+        return _no(FinalSaveReason.NONFINITE_LAST_STEP)
+    if ckpt.last_saved_step == ckpt.step:
+        return _no(FinalSaveReason.ALREADY_SAVED)
+    if outcome is LoopOutcome.DATA_EXHAUSTED:
+        if ckpt.step == 0:
+            return _no(FinalSaveReason.NOTHING_TRAINED)
+        return FinalSave(save=True, step=ckpt.step, reason=FinalSaveReason.DATA_EXHAUSTED)
+    return FinalSave(save=True, step=ckpt.step, reason=FinalSaveReason.CLEAN_FINISH)

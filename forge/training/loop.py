@@ -1,0 +1,101 @@
+"""The training loop as a reducer over steps. No torch here: effects are injected.
+
+``run_training_loop`` pulls a batch, runs the step function, asks ``plan_step`` what follows,
+hands the effects to the ``Effects`` object and carries the new ``LoopState`` on, until a plan
+says stop. ``conclude`` then applies ``finalize``: the final save (if any), then the wait.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Protocol, TypeVar
+
+import attrs
+
+from forge.training.finalize import CheckpointView, FinalSave, finalize
+from forge.training.outcome import LoopOutcome
+from forge.training.state import (
+    LoopPolicy,
+    LoopState,
+    SaveReason,
+    Signals,
+    StepResult,
+    plan_step,
+    saves_initial_milestone,
+    starting_outcome,
+)
+
+BatchT = TypeVar("BatchT", contravariant=True)
+
+
+class StepFn(Protocol[BatchT]):
+    """The seam between loop and model: one optimizer step on one step's micro-batches."""
+
+    def __call__(self, batch: BatchT, state: LoopState, /) -> StepResult: ...
+
+
+class Effects(Protocol):
+    """What the loop asks the outside world to do. Tests pass spies; training passes the real one."""
+
+    def save(self, state: LoopState, reason: SaveReason) -> None: ...
+    def wait(self) -> None: ...
+    def log(self, state: LoopState, result: StepResult) -> None: ...
+    def evaluate(self, state: LoopState) -> None: ...
+    def step_end(self, state: LoopState, result: StepResult) -> None: ...
+
+
+def run_training_loop(
+    state: LoopState,
+    batches: Iterator[BatchT],
+    step_fn: StepFn[BatchT],
+    policy: LoopPolicy,
+    effects: Effects,
+    poll: Callable[[], Signals] = Signals,
+) -> tuple[LoopOutcome, LoopState]:
+    """Reduce steps into a final ``LoopState`` and say how the loop ended."""
+    already = starting_outcome(state, policy)
+    if already is not None:
+        return already, state
+    if saves_initial_milestone(state, policy):
+        effects.save(state, SaveReason.SCHEDULED)
+        state = attrs.evolve(state, last_saved_step=state.step)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return LoopOutcome.DATA_EXHAUSTED, state
+        result = step_fn(batch, state)
+        plan = plan_step(state, result, poll(), policy)
+        state = plan.state
+        if plan.log:
+            effects.log(state, result)
+        if plan.evaluate:
+            effects.evaluate(state)
+        if plan.save is not None:
+            effects.save(state, plan.save)
+        effects.step_end(state, result)
+        if plan.stop is not None:
+            return plan.stop, state
+
+
+def checkpoint_view(state: LoopState, policy: LoopPolicy) -> CheckpointView:
+    """The plain values ``finalize`` decides on."""
+    return CheckpointView(
+        step=state.step,
+        max_steps=policy.max_steps,
+        last_saved_step=state.last_saved_step,
+        last_step_finite=state.last_step_finite,
+        enabled=policy.schedule is not None,
+    )
+
+
+def conclude(
+    outcome: LoopOutcome, state: LoopState, policy: LoopPolicy, effects: Effects
+) -> tuple[FinalSave, LoopState]:
+    """Apply ``finalize``: save if it says so, then wait for every in-flight save."""
+    decision = finalize(outcome, checkpoint_view(state, policy))
+    if decision.save:
+        effects.save(state, SaveReason.FINAL)
+        state = attrs.evolve(state, last_saved_step=state.step)
+    effects.wait()
+    return decision, state

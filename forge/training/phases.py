@@ -1,0 +1,235 @@
+"""The named setup phases. Each takes contexts and returns a new one; a notebook can call them
+one by one and inspect what each built.
+
+Order: ``load_and_validate_config`` → ``setup_distributed`` → ``build_model_and_optim`` →
+``setup_data`` → ``setup_checkpointing`` → ``prepare_run_dir`` → the loop → ``conclude`` →
+``teardown``. Nothing is written to disk before ``prepare_run_dir``, so bad input of any kind
+leaves no run directory behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import random
+import sys
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from forge.checkpoint.policy import SaveSchedule
+from forge.checkpoint.resume import ResumeSource, resolve_resume
+from forge.checkpoint.store import load_checkpoint
+from forge.config.loader import CONVERTER, ConfigError, load_config, unstructure_config
+from forge.config.sections import JobConfig
+from forge.config.toml_writer import dumps_toml
+from forge.data.dataset import TokenWindows
+from forge.data.loader import Batch, TextLoader, step_batches
+from forge.data.shards import DataError, open_split, read_manifest
+from forge.metrics.sinks import trim_records_after
+from forge.model.transformer import Transformer, num_parameters
+from forge.optim.param_groups import build_optimizer
+from forge.optim.schedules import resolve_schedule
+from forge.training.context import (
+    CheckpointContext,
+    DataContext,
+    DistContext,
+    ModelContext,
+    RunContext,
+    StepBatches,
+)
+from forge.training.state import LoopPolicy, LoopState, StepResult
+from forge.training.step import make_text_step
+
+
+def load_and_validate_config(argv: Sequence[str]) -> RunContext:
+    """Parse ``[config.toml, --overrides...]``, validate it against the data on disk.
+
+    Raises ``ConfigError`` listing every problem; reads files but writes none.
+    """
+    loaded = load_config(argv)
+    config = loaded.config
+    problems = data_problems(config)
+    if problems:
+        raise ConfigError(problems)
+    run_dir = pathlib.Path(str(config.run.dir))
+    ckpt_dir = pathlib.Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
+    return RunContext(
+        config=config, config_source=loaded.source, run_dir=run_dir, checkpoint_dir=ckpt_dir
+    )
+
+
+def data_problems(config: JobConfig) -> list[str]:
+    """The dataset exists and fits the model: its manifest is readable, its ids fit the vocab."""
+    folder = pathlib.Path(config.data.path)
+    try:
+        manifest = read_manifest(folder)
+    except DataError as exc:
+        return [f"data.path: {line}" for line in exc.lines]
+    if manifest.vocab_size > config.model.vocab_size:
+        return [
+            f"model.vocab_size: {config.model.vocab_size} is smaller than the dataset's "
+            f"vocab size {manifest.vocab_size} ({folder}); set model.vocab_size >= "
+            f"{manifest.vocab_size}"
+        ]
+    return []
+
+
+def setup_distributed(run: RunContext) -> DistContext:
+    """World info and seeding. One process for now: rank 0 of a world of 1."""
+    seed_everything(run.config.train.seed)
+    if run.config.train.num_threads > 0:
+        torch.set_num_threads(run.config.train.num_threads)
+    return DistContext()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (model init and any sampling draw from these)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
+    """The model in fp32 on the device, AdamW with param groups, and the resolved LR schedule."""
+    cfg = run.config
+    model = Transformer(cfg.model).to(dist.device)
+    return ModelContext(
+        model=model,
+        optimizer=build_optimizer(model, cfg.optimizer),
+        schedule=resolve_schedule(cfg.scheduler, cfg.train.max_steps),
+        num_params=num_parameters(model),
+    )
+
+
+def setup_data(run: RunContext, dist: DistContext) -> DataContext:
+    """Memory-mapped train (and eval) windows and the stateful loaders over them."""
+    cfg = run.config
+    folder = pathlib.Path(cfg.data.path)
+    manifest = read_manifest(folder)
+    train = TokenWindows(
+        open_split(folder, manifest, cfg.data.train_split, cfg.data.verify_checksum),
+        cfg.train.seq_len,
+    )
+    needed = cfg.train.batch_size * dist.world_size
+    if len(train) < needed:
+        raise DataError(
+            f"{folder}: split '{cfg.data.train_split}' has {len(train)} windows of "
+            f"{cfg.train.seq_len + 1} tokens, fewer than one batch ({needed}); "
+            "use more data or a smaller train.seq_len / train.batch_size"
+        )
+    loader = TextLoader(
+        train,
+        cfg.train.batch_size,
+        cfg.train.effective_data_seed,
+        rank=dist.rank,
+        world_size=dist.world_size,
+        max_epochs=cfg.train.max_epochs,
+    )
+    eval_loader = None
+    if cfg.eval.interval > 0:
+        held_out = TokenWindows(
+            open_split(folder, manifest, cfg.data.eval_split, cfg.data.verify_checksum),
+            cfg.train.seq_len,
+        )
+        eval_loader = TextLoader(
+            held_out, cfg.train.batch_size, seed=0, rank=dist.rank, world_size=dist.world_size
+        )
+    tokens = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum_steps
+    return DataContext(
+        manifest=manifest,
+        train_loader=loader,
+        eval_loader=eval_loader,
+        tokens_per_step=tokens * dist.world_size,
+    )
+
+
+def setup_checkpointing(
+    run: RunContext, dist: DistContext, model: ModelContext, data: DataContext
+) -> CheckpointContext:
+    """Resolve where the run starts and restore that state into the model, optimizer and loader."""
+    cfg = run.config.checkpoint
+    load_path = pathlib.Path(cfg.load_path) if cfg.load_path else None
+    plan = resolve_resume(run.checkpoint_dir, load_path)
+    for path in plan.skipped:
+        print(f"[forge] skipping incomplete checkpoint {path}", file=sys.stderr)
+    state = LoopState()
+    if plan.source is ResumeSource.CHECKPOINT_DIR and plan.path is not None:
+        train_state = load_checkpoint(plan.path, model.model, model.optimizer, rank=dist.rank)
+        state = CONVERTER.structure(train_state["loop_state"], LoopState)
+        data.train_loader.load_state_dict(train_state["loader"][str(dist.rank)])
+        print(f"[forge] resumed from {plan.path} at step {state.step}", file=sys.stderr)
+    elif plan.source is ResumeSource.LOAD_PATH and plan.path is not None:
+        load_checkpoint(plan.path, model.model, None, rank=dist.rank, restore_rng_state=False)
+        print(f"[forge] initial weights from {plan.path}", file=sys.stderr)
+    return CheckpointContext(plan=plan, initial_state=state)
+
+
+def prepare_run_dir(run: RunContext, dist: DistContext, ckpt: CheckpointContext) -> None:
+    """Create the run directory, write the resolved ``config.toml`` and align ``metrics.jsonl``
+    with the resumed step (records past it came from a run that crashed after its checkpoint)."""
+    if not dist.is_main:
+        return
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    (run.run_dir / "config.toml").write_text(dumps_toml(unstructure_config(run.config)))
+    trim_records_after(run.metrics_path, ckpt.initial_state.step)
+
+
+def make_step_fn(
+    run: RunContext, model: ModelContext
+) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
+    """The step function the config selects (the text LM step for now)."""
+    cfg = run.config
+    return make_text_step(
+        model.model,
+        model.optimizer,
+        model.schedule,
+        cfg.optimizer.lr,
+        cfg.train.mixed_precision,
+        cfg.train.grad_clip_norm,
+    )
+
+
+def train_batches(run: RunContext, data: DataContext) -> StepBatches:
+    """The loader grouped into optimizer steps of ``grad_accum_steps`` micro-batches."""
+    return step_batches(data.train_loader, run.config.train.grad_accum_steps)
+
+
+def loop_policy(config: JobConfig) -> LoopPolicy:
+    """The loop's fixed parameters from the config."""
+    ck = config.checkpoint
+    schedule = None
+    if ck.enabled:
+        window = ck.dyn_ckpt_window
+        schedule = SaveSchedule(
+            interval=ck.interval,
+            window_start=window.start if window else None,
+            window_stop=window.stop if window else None,
+        )
+    return LoopPolicy(
+        max_steps=config.train.max_steps,
+        log_interval=config.metrics.log_interval,
+        eval_interval=config.eval.interval,
+        schedule=schedule,
+        nonfinite_limit=config.nonfinite_limit,
+    )
+
+
+def config_fingerprint(config: JobConfig) -> str:
+    """A short hash of the model section: a resume under a different architecture is caught."""
+    text = json.dumps(CONVERTER.unstructure(config.model), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+
+def teardown(dist: DistContext) -> None:
+    """End the process group if one was started (none is, in a single process) and flush output."""
+    import torch.distributed as torch_dist
+
+    if dist.world_size > 1 and torch_dist.is_initialized():
+        torch_dist.barrier()
+        torch_dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()

@@ -1,0 +1,68 @@
+"""Train a model: ``python scripts/train.py CONFIG.toml [--section.key=value ...]``.
+
+The same command line works under ``torchrun``. ``main`` only strings the phases together;
+each phase is a named function in ``forge.training.phases``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from forge.errors import UserInputError
+from forge.resilience.signals import ShutdownFlag
+from forge.training.effects import TrainingEffects
+from forge.training.hooks import Hooks
+from forge.training.loop import conclude, run_training_loop
+from forge.training.outcome import CONFIG_ERROR_EXIT, exit_code
+from forge.training.phases import (
+    build_model_and_optim,
+    load_and_validate_config,
+    loop_policy,
+    make_step_fn,
+    prepare_run_dir,
+    setup_checkpointing,
+    setup_data,
+    setup_distributed,
+    teardown,
+    train_batches,
+)
+
+
+def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
+    """Run the phases in order; returns the process exit code of the loop's outcome."""
+    flag = ShutdownFlag().install()  # before set-up, so an early signal is not lost
+    try:
+        run = load_and_validate_config(sys.argv[1:] if argv is None else argv)
+        dist = setup_distributed(run)
+        model = build_model_and_optim(run, dist)
+        data = setup_data(run, dist)
+        ckpt = setup_checkpointing(run, dist, model, data)
+    except UserInputError as exc:
+        for line in exc.lines:
+            print(f"error: {line}", file=sys.stderr)
+        flag.uninstall()
+        return CONFIG_ERROR_EXIT
+    prepare_run_dir(run, dist, ckpt)
+    print(f"[forge] {model.num_params:,} parameters; run dir {run.run_dir}", file=sys.stderr)
+    policy = loop_policy(run.config)
+    effects = TrainingEffects(run, dist, model, data, hooks=hooks)
+    effects.begin(ckpt.initial_state)
+    outcome, state = run_training_loop(
+        ckpt.initial_state,
+        train_batches(run, data),
+        make_step_fn(run, model),
+        policy,
+        effects,
+        flag.poll,
+    )
+    decision, state = conclude(outcome, state, policy, effects)
+    effects.end(outcome, state)
+    print(f"[forge] {outcome.name} at step {state.step}; final save: {decision.reason.value}")
+    flag.uninstall()
+    teardown(dist)
+    return exit_code(outcome)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
