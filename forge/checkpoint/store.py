@@ -15,6 +15,9 @@ import json
 import os
 import pathlib
 import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -31,6 +34,14 @@ LATEST = "latest"
 
 class CheckpointError(UserInputError):
     """A checkpoint cannot be used: missing, incomplete or not matching the model."""
+
+
+@contextmanager
+def _single_process_dcp() -> Iterator[None]:
+    """DCP warns that it assumes one process when no process group exists; here that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
 
 
 def step_dir(root: pathlib.Path, step: int) -> pathlib.Path:
@@ -121,7 +132,8 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
+    with _single_process_dcp():
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
     torch.save(capture_rng(), tmp / f"rng_rank{rank}.pt")
     _write_json(tmp / TRAIN_STATE, train_state)
     if final.exists():  # re-saving a step (e.g. after a resume): keep the new one
@@ -178,7 +190,8 @@ def load_checkpoint(
 
 def _dcp_load(state: dict[str, Any], path: pathlib.Path) -> None:
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        with _single_process_dcp():
+            dcp.load(state, checkpoint_id=str(path))
     except BaseException as exc:  # DCP's CheckpointException is not an Exception
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise

@@ -1,0 +1,163 @@
+"""The loop driven by scripted step results and a spy: each finalize row end to end, no model."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import pytest
+
+from forge.checkpoint.policy import SaveSchedule
+from forge.training.loop import conclude, run_training_loop
+from forge.training.outcome import LoopOutcome
+from forge.training.state import LoopPolicy, LoopState, SaveReason, Signals, StepResult
+
+NAN = math.nan
+
+
+class Spy:
+    """Records every effect in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def save(self, state: LoopState, reason: SaveReason) -> None:
+        self.calls.append(("save", state.step, reason))
+
+    def wait(self) -> None:
+        self.calls.append(("wait",))
+
+    def log(self, state: LoopState, result: StepResult) -> None:
+        self.calls.append(("log", state.step))
+
+    def evaluate(self, state: LoopState) -> None:
+        self.calls.append(("eval", state.step))
+
+    def step_end(self, state: LoopState, result: StepResult) -> None:
+        self.calls.append(("step_end", state.step))
+
+    def saves(self) -> list[tuple[int, SaveReason]]:
+        return [(c[1], c[2]) for c in self.calls if c[0] == "save"]
+
+
+def scripted(losses: list[float]):
+    """A step function that reports the scripted losses in order."""
+    it = iter(losses)
+
+    def step(batch: int, state: LoopState) -> StepResult:
+        return StepResult(loss=next(it), grad_norm=1.0, tokens=4, lr=0.1)
+
+    return step
+
+
+def signals_at(shutdown: set[int] = frozenset(), health: set[int] = frozenset()):
+    """A poll that reports a shutdown / health failure while step ``k`` (1-based) ends."""
+    count = {"n": 0}
+
+    def poll() -> Signals:
+        count["n"] += 1
+        return Signals(shutdown_requested=count["n"] in shutdown, health_failed=count["n"] in health)
+
+    return poll
+
+
+def policy(max_steps=10, interval=4, nonfinite_limit=3, **kw) -> LoopPolicy:
+    return LoopPolicy(
+        max_steps=max_steps,
+        log_interval=100,
+        schedule=SaveSchedule(interval=interval, **kw),
+        nonfinite_limit=nonfinite_limit,
+    )
+
+
+def run(losses, pol, *, start=LoopState(), poll=None, batches=None):
+    spy = Spy()
+    outcome, state = run_training_loop(
+        start,
+        iter(range(len(losses)) if batches is None else batches),
+        scripted(losses),
+        pol,
+        spy,
+        poll or Signals,
+    )
+    decision, state = conclude(outcome, state, pol, spy)
+    return outcome, state, decision, spy
+
+
+S, E, F = SaveReason.SCHEDULED, SaveReason.EMERGENCY, SaveReason.FINAL
+
+# (case, losses, policy, start, poll, batches, outcome, final step, saves)
+ROWS = [
+    ("clean finish off-schedule", [1.0] * 10, policy(10, 4), LoopState(), None, None,
+     LoopOutcome.COMPLETED, 10, [(4, S), (8, S), (10, F)]),
+    ("clean finish on-schedule", [1.0] * 8, policy(8, 4), LoopState(), None, None,
+     LoopOutcome.COMPLETED, 8, [(4, S), (8, S)]),
+    ("NaN on the last step", [1.0] * 9 + [NAN], policy(10, 4), LoopState(), None, None,
+     LoopOutcome.COMPLETED, 10, [(4, S), (8, S)]),
+    ("NaN abort on the last step", [1.0] * 9 + [NAN], policy(10, 4, nonfinite_limit=1),
+     LoopState(), None, None, LoopOutcome.NAN_ABORT, 10, [(4, S), (8, S)]),
+    ("health failure on the last step", [1.0] * 10, policy(10, 4), LoopState(),
+     signals_at(health={10}), None, LoopOutcome.HEALTH_FAILURE, 10, [(4, S), (8, S)]),
+    ("shutdown on the last step", [1.0] * 10, policy(10, 4), LoopState(),
+     signals_at(shutdown={10}), None, LoopOutcome.SHUTDOWN, 10, [(4, S), (8, S), (10, E)]),
+    ("shutdown mid-run", [1.0] * 10, policy(10, 4), LoopState(), signals_at(shutdown={6}), None,
+     LoopOutcome.SHUTDOWN, 6, [(4, S), (6, E)]),
+    ("resumed at max_steps", [], policy(10, 4), LoopState(step=10, last_saved_step=10), None,
+     None, LoopOutcome.ALREADY_COMPLETE, 10, []),
+    ("data exhausted early", [1.0] * 7, policy(10, 4), LoopState(), None, range(7),
+     LoopOutcome.DATA_EXHAUSTED, 7, [(4, S), (7, F)]),
+    ("milestone at step 0 on a fresh run", [1.0] * 3, policy(3, 100, window_start=0, window_stop=2),
+     LoopState(), None, None, LoopOutcome.COMPLETED, 3, [(0, S), (1, S), (2, S), (3, F)]),
+]
+
+
+@pytest.mark.parametrize(
+    "losses,pol,start,poll,batches,outcome,final_step,saves",
+    [r[1:] for r in ROWS],
+    ids=[r[0] for r in ROWS],
+)
+def test_loop_rows_end_to_end(losses, pol, start, poll, batches, outcome, final_step, saves):
+    got_outcome, state, _, spy = run(losses, pol, start=start, poll=poll, batches=batches)
+    assert got_outcome is outcome
+    assert state.step == final_step
+    assert spy.saves() == saves
+    assert spy.calls[-1] == ("wait",), "the wait comes last, after any final save"
+
+
+def test_resume_at_max_steps_runs_zero_iterations():
+    _, _, _, spy = run([], policy(10, 4), start=LoopState(step=10, last_saved_step=10))
+    assert [c for c in spy.calls if c[0] == "step_end"] == []
+    assert spy.calls == [("wait",)]
+
+
+def test_final_save_comes_before_the_wait():
+    _, _, _, spy = run([1.0] * 5, policy(5, 4))
+    kinds = [c[0] for c in spy.calls if c[0] in ("save", "wait")]
+    assert kinds == ["save", "save", "wait"]
+
+
+def test_skipped_step_keeps_bookkeeping_and_gate():
+    """A NaN step still advances step and tokens, and the checkpoint gate still fires on it."""
+    outcome, state, _, spy = run([1.0, 1.0, 1.0, NAN, 1.0], policy(5, 4))
+    assert outcome is LoopOutcome.COMPLETED
+    assert state.tokens_seen == 5 * 4
+    assert (4, S) in spy.saves()
+
+
+def test_consecutive_nonfinite_steps_abort_at_the_limit():
+    outcome, state, decision, _ = run([1.0, NAN, NAN, NAN, 1.0], policy(10, 100, nonfinite_limit=3))
+    assert outcome is LoopOutcome.NAN_ABORT
+    assert state.step == 4
+    assert not decision.save
+
+
+def test_streak_resets_after_a_finite_step():
+    outcome, _, _, _ = run([NAN, NAN, 1.0, NAN, NAN, 1.0], policy(6, 100, nonfinite_limit=3))
+    assert outcome is LoopOutcome.COMPLETED
+
+
+def test_checkpointing_disabled_never_saves():
+    pol = attrs.evolve(policy(10, 4), schedule=None)
+    _, _, decision, spy = run([1.0] * 10, pol)
+    assert spy.saves() == []
+    assert not decision.save
