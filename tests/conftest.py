@@ -1,0 +1,72 @@
+"""Shared fixtures: a small prepared dataset and a tiny run config."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from forge.data.corpus import Document, iter_documents, split_of, stdlib_files, stdlib_root
+from forge.data.shards import write_dataset
+from forge.data.tokenizer import ByteTokenizer
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def make_dataset(out: pathlib.Path, docs: dict[str, list[Document]]) -> pathlib.Path:
+    write_dataset(out, {k: iter(v) for k, v in docs.items()}, ByteTokenizer(), source="test")
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory) -> pathlib.Path:
+    """The stdlib's ``json`` and ``email`` packages, tokenized like the default corpus."""
+    root = stdlib_root()
+    files = [f for f in stdlib_files(root) if f.relative_to(root).parts[0] in ("json", "email")]
+    names = {f: f.relative_to(root).as_posix() for f in files}
+    splits = {
+        s: list(iter_documents(root, [f for f in files if split_of(names[f], 15) == s]))
+        for s in ("train", "validation")
+    }
+    return make_dataset(tmp_path_factory.mktemp("data") / "small", splits)
+
+
+TINY = """\
+[model]
+dim = 32
+n_layers = 2
+n_heads = 4
+n_kv_heads = 2
+vocab_size = 259
+max_seq_len = 32
+
+[train]
+batch_size = 4
+seq_len = 32
+max_steps = 12
+mixed_precision = "fp32"
+seed = 3
+
+[optimizer]
+lr = 3e-3
+
+[scheduler]
+warmup_steps = 2
+
+[data]
+path = "{data}"
+
+[checkpoint]
+interval = 5
+
+[metrics]
+log_interval = 1
+"""
+
+
+@pytest.fixture
+def tiny_config(tmp_path: pathlib.Path, small_corpus: pathlib.Path) -> pathlib.Path:
+    """A config for a ~30k-parameter model on the small corpus, its run dir under tmp_path."""
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY.format(data=small_corpus) + f'\n[run]\ndir = "{tmp_path / "run"}"\n')
+    return path

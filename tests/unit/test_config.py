@@ -1,0 +1,170 @@
+"""Config loading: TOML + CLI overrides, strict types, every problem reported at once."""
+
+import pathlib
+
+import pytest
+import tomli
+
+from forge.config import (
+    ConfigError,
+    JobConfig,
+    Precision,
+    ScheduleName,
+    dumps_toml,
+    load_config,
+    structure_config,
+    unstructure_config,
+)
+from forge.config.loader import apply_overrides, parse_cli, parse_override_value
+
+
+@pytest.fixture
+def toml_file(tmp_path: pathlib.Path) -> pathlib.Path:
+    path = tmp_path / "tiny.toml"
+    path.write_text("[train]\nmax_steps = 50\n[optimizer]\nlr = 1e-3\n[scheduler]\nwarmup_steps = 5\n")
+    return path
+
+
+def test_defaults_then_toml_then_cli(toml_file):
+    loaded = load_config([str(toml_file), "--optimizer.betas=[0.8,0.9]", "--train.seed=7"])
+    cfg = loaded.config
+    assert cfg.train.max_steps == 50  # TOML
+    assert cfg.optimizer.lr == 1e-3  # TOML
+    assert cfg.optimizer.betas == (0.8, 0.9)  # CLI, TOML syntax
+    assert cfg.train.seed == 7
+    assert cfg.train.batch_size == JobConfig().train.batch_size  # default
+
+
+def test_run_dir_defaults_to_the_config_stem(toml_file):
+    assert load_config([str(toml_file)]).config.run.dir == "runs/tiny"
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("3", 3),
+        ("3e-4", 3e-4),
+        ("true", True),
+        ("[0.9,0.95]", [0.9, 0.95]),
+        ('"quoted"', "quoted"),
+        ("runs/x", "runs/x"),
+        ("bf16", "bf16"),
+    ],
+)
+def test_override_values_use_toml_syntax(text, value):
+    assert parse_override_value(text) == value
+
+
+def test_bare_flag_means_true():
+    overrides, problems = parse_cli(["--model.tie_embeddings"])
+    assert overrides == [("model.tie_embeddings", True)] and problems == []
+
+
+def test_overrides_create_nested_tables():
+    raw = apply_overrides({}, [("checkpoint.dyn_ckpt_window.stop", 8)])
+    assert raw == {"checkpoint": {"dyn_ckpt_window": {"stop": 8}}}
+    cfg = structure_config(raw)
+    assert cfg.checkpoint.dyn_ckpt_window is not None
+    assert cfg.checkpoint.dyn_ckpt_window.stop == 8
+
+
+def test_enum_values_structure_to_members():
+    cfg = structure_config({"train": {"mixed_precision": "fp32"}, "scheduler": {"name": "wsd"}})
+    assert cfg.train.mixed_precision is Precision.FP32
+    assert cfg.scheduler.name is ScheduleName.WSD
+
+
+# (case, raw config, expected line)
+BAD = [
+    ("unknown key", {"train": {"max_step": 5}}, "train.max_step: unknown key; did you mean 'train.max_steps'?"),
+    ("unknown section", {"optimiser": {}}, "optimiser: unknown key; did you mean 'optimizer'?"),
+    ("string for int", {"train": {"batch_size": "8"}}, "train.batch_size: expected an integer, got '8'"),
+    ("fraction for int", {"train": {"max_steps": 1.5}}, "train.max_steps: expected an integer, got 1.5"),
+    ("bool for int", {"model": {"dim": True}}, "model.dim: expected an integer, got a boolean"),
+    ("string for bool", {"model": {"tie_embeddings": "yes"}}, "model.tie_embeddings: expected true or false, got 'yes'"),
+    ("number for string", {"data": {"path": 3}}, "data.path: expected a string, got 3"),
+    ("bad enum", {"train": {"mixed_precision": "fp16"}}, "train.mixed_precision: expected one of 'bf16', 'fp32', got 'fp16'"),
+    ("bad list item", {"optimizer": {"betas": [0.9, "x"]}}, "optimizer.betas[1]: expected a number, got 'x'"),
+    ("out of range", {"train": {"batch_size": 0}}, "train.batch_size: must be > 0, got 0"),
+    ("beta out of range", {"optimizer": {"betas": [0.9, 1.0]}}, "optimizer.betas: each beta must be in [0, 1), got [0.9, 1.0]"),
+    ("heads do not divide dim", {"model": {"dim": 100, "n_heads": 3}}, "model.dim: must be divisible by model.n_heads=3"),
+    ("kv heads do not divide heads", {"model": {"n_heads": 4, "n_kv_heads": 3}}, "model.n_kv_heads: must divide model.n_heads=4"),
+    ("seq longer than the model's", {"train": {"seq_len": 512}, "model": {"max_seq_len": 256}}, "train.seq_len: must be <= model.max_seq_len=256, got 512"),
+    ("window stop before start", {"checkpoint": {"dyn_ckpt_window": {"start": 5, "stop": 2}}}, "checkpoint.dyn_ckpt_window.stop: must be >= start=5, got 2"),
+    ("warmup covers the run", {"train": {"max_steps": 10}, "scheduler": {"warmup_steps": 10}}, "scheduler.warmup_steps: must be < train.max_steps=10 (the run would end inside warmup)"),
+    ("scalar for a table", {"checkpoint": 5}, "checkpoint: is a table; set its keys as checkpoint.<key>=..."),
+]
+
+
+@pytest.mark.parametrize("raw,line", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_config_gives_one_line_naming_the_key(raw, line):
+    with pytest.raises(ConfigError) as info:
+        structure_config(raw)
+    assert info.value.lines == [line]
+
+
+def test_all_type_problems_are_reported_at_once():
+    raw = {"train": {"batch_size": "x", "seq_len": 1.5}, "model": {"dim": "big"}}
+    with pytest.raises(ConfigError) as info:
+        structure_config(raw)
+    assert sorted(line.split(":")[0] for line in info.value.lines) == [
+        "model.dim",
+        "train.batch_size",
+        "train.seq_len",
+    ]
+
+
+def test_all_range_problems_are_reported_at_once():
+    raw = {"train": {"batch_size": 0, "max_steps": -1}, "optimizer": {"lr": 0.0}}
+    with pytest.raises(ConfigError) as info:
+        structure_config(raw)
+    assert len(info.value.lines) == 3
+
+
+def test_stray_positional_argument(toml_file):
+    with pytest.raises(ConfigError) as info:
+        load_config([str(toml_file), "extra"])
+    assert info.value.lines == ["'extra': unexpected argument; overrides look like --section.key=value"]
+
+
+def test_cli_and_config_problems_together(toml_file):
+    with pytest.raises(ConfigError) as info:
+        load_config([str(toml_file), "stray", "--train.batch_size=0"])
+    assert len(info.value.lines) == 2
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config([str(tmp_path / "nope.toml")])
+    assert "config file not found" in info.value.lines[0]
+    assert len(info.value.lines) == 1
+
+
+def test_invalid_toml(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text("[train\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config([str(path)])
+
+
+def test_no_arguments_is_a_usage_error():
+    with pytest.raises(ConfigError, match="usage"):
+        load_config([])
+
+
+def test_resolved_config_round_trips_through_toml():
+    cfg = structure_config(
+        {
+            "run": {"dir": "runs/x"},
+            "optimizer": {"betas": [0.8, 0.9]},
+            "checkpoint": {"dyn_ckpt_window": {"start": 0, "stop": 8}, "load_path": "a b\"c"},
+            "train": {"mixed_precision": "fp32", "grad_clip_norm": 0.5},
+        }
+    )
+    text = dumps_toml(unstructure_config(cfg))
+    assert structure_config(tomli.loads(text)) == cfg
+
+
+def test_shipped_configs_are_valid():
+    for path in sorted(pathlib.Path("configs").rglob("*.toml")):
+        load_config([str(path)])

@@ -1,0 +1,153 @@
+"""Tokenizer, shard format, windows, sampler and the stateful loader."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from forge.data.corpus import Document, split_of
+from forge.data.dataset import TokenWindows
+from forge.data.loader import TextLoader, step_batches
+from forge.data.sampler import epoch_permutation, sample_at
+from forge.data.shards import DataError, open_split, read_manifest
+from forge.data.tokenizer import ByteTokenizer
+from tests.conftest import make_dataset
+
+
+def test_byte_tokenizer_round_trips_any_text():
+    tok = ByteTokenizer()
+    text = "def f(x):\n    return 'ünïcode ✓'\n"
+    ids = tok.encode(text, bos=True, eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert max(ids[1:-1]) < 256
+    assert tok.decode(ids) == text
+
+
+def test_split_is_a_stable_function_of_the_name():
+    names = [f"pkg/mod{i}.py" for i in range(2000)]
+    first = [split_of(n, 5.0) for n in names]
+    assert first == [split_of(n, 5.0) for n in names]
+    share = first.count("validation") / len(first)
+    assert 0.03 < share < 0.07
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    docs = [Document(f"d{i}", bytes(range(65, 65 + 20)) * (i + 1)) for i in range(10)]
+    return make_dataset(tmp_path / "ds", {"train": docs, "validation": docs[:2]})
+
+
+def test_manifest_records_counts_dtype_and_checksums(dataset):
+    m = read_manifest(dataset)
+    assert m.dtype == "uint16" and m.vocab_size == 259
+    assert m.splits["train"].num_documents == 10
+    assert m.splits["train"].num_tokens == sum(20 * (i + 1) + 2 for i in range(10))
+    assert all(len(s.sha256) == 64 for s in m.splits["train"].shards)
+    arrays = open_split(dataset, m, "train", verify=True)
+    assert arrays[0][0] == 256 and arrays[0][21] == 257  # BOS ... EOS framing
+
+
+def test_no_temporary_folder_is_left_behind(dataset):
+    assert not dataset.with_name(dataset.name + ".tmp").exists()
+
+
+def test_missing_manifest_names_the_fix(tmp_path):
+    with pytest.raises(DataError, match="prepare_data.py --out"):
+        read_manifest(tmp_path / "nowhere")
+
+
+def test_malformed_manifest(dataset):
+    (dataset / "manifest.json").write_text(json.dumps({"dtype": "uint16"}))
+    with pytest.raises(DataError, match="malformed manifest"):
+        read_manifest(dataset)
+
+
+def test_checksum_mismatch(dataset):
+    m = read_manifest(dataset)
+    shard = dataset / m.splits["train"].shards[0].file
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DataError, match="checksum mismatch"):
+        open_split(dataset, m, "train", verify=True)
+    open_split(dataset, m, "train", verify=False)  # the switch skips it
+
+
+def test_truncated_shard(dataset):
+    m = read_manifest(dataset)
+    shard = dataset / m.splits["train"].shards[0].file
+    shard.write_bytes(shard.read_bytes()[:-4])
+    with pytest.raises(DataError, match="manifest says"):
+        open_split(dataset, m, "train", verify=False)
+
+
+def test_missing_split(dataset):
+    with pytest.raises(DataError, match="no split 'test'"):
+        open_split(dataset, read_manifest(dataset), "test", verify=False)
+
+
+def test_windows_overlap_by_one_token_and_stay_inside_shards():
+    shards = [np.arange(10), np.arange(100, 108)]
+    w = TokenWindows(shards, seq_len=3)
+    assert len(w) == 3 + 2
+    assert w[0].tolist() == [0, 1, 2, 3]
+    assert w[2].tolist() == [6, 7, 8, 9]
+    assert w[3].tolist() == [100, 101, 102, 103]
+    with pytest.raises(IndexError):
+        w[5]
+
+
+def test_permutation_is_a_pure_function_of_seed_and_epoch():
+    a = epoch_permutation(1, 0, 50)
+    assert np.array_equal(a, epoch_permutation(1, 0, 50))
+    assert sorted(a.tolist()) == list(range(50))
+    assert not np.array_equal(a, epoch_permutation(1, 1, 50))
+    assert not np.array_equal(a, epoch_permutation(2, 0, 50))
+    assert sample_at(1, 0, 7, 50) == int(a[7])
+
+
+def loader_over(n_windows=40, batch=4, **kw) -> TextLoader:
+    tokens = np.arange(n_windows * 8 + 1) % 250
+    return TextLoader(TokenWindows([tokens], seq_len=8), batch, seed=5, **kw)
+
+
+def test_labels_are_inputs_shifted_by_one():
+    b = next(loader_over())
+    assert torch.equal(b.inputs[:, 1:], b.labels[:, :-1])
+    assert b.inputs.dtype == torch.int64 and b.num_tokens == 32
+
+
+@pytest.mark.parametrize("consumed", [0, 3, 9, 10, 17])
+def test_resume_by_seek_gives_the_same_next_batches(consumed):
+    """Also across the epoch boundary (10 batches per epoch)."""
+    ref = loader_over()
+    batches = [next(ref) for _ in range(consumed + 5)]
+    first = loader_over()
+    for _ in range(consumed):
+        next(first)
+    resumed = loader_over()
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    for expected in batches[consumed:]:
+        got = next(resumed)
+        assert torch.equal(got.inputs, expected.inputs)
+
+
+def test_max_epochs_ends_iteration():
+    loader = loader_over(max_epochs=2)
+    assert len(list(loader)) == 2 * 10
+    assert loader.state_dict() == {"epoch": 2, "batch": 0}
+
+
+def test_ranks_take_disjoint_slices():
+    a, b = loader_over(rank=0, world_size=2), loader_over(rank=1, world_size=2)
+    rows_a = {tuple(r.tolist()) for _ in range(5) for r in next(a).inputs}
+    rows_b = {tuple(r.tolist()) for _ in range(5) for r in next(b).inputs}
+    assert len(rows_a) == len(rows_b) == 20 and not rows_a & rows_b
+
+
+def test_step_batches_group_micro_batches_and_drop_a_partial_group():
+    groups = list(step_batches(loader_over(max_epochs=1), 3))
+    assert len(groups) == 3 and all(len(g) == 3 for g in groups)  # 10 batches -> 3 groups
