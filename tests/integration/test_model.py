@@ -1,0 +1,99 @@
+"""The decoder: shapes, causality, GQA, tied embeddings, init, stable names."""
+
+import math
+
+import attrs
+import pytest
+import torch
+
+from forge.config import ModelConfig
+from forge.model.generate import sample
+from forge.model.transformer import Transformer, apply_rope, num_parameters, rope_tables
+
+CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
+
+
+def model(**kw) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(attrs.evolve(CFG, **kw))
+
+
+def test_logits_shape():
+    x = torch.randint(0, 259, (3, 16))
+    assert model()(x).shape == (3, 16, 259)
+
+
+def test_future_tokens_do_not_change_past_logits():
+    m = model()
+    x = torch.randint(0, 259, (1, 16))
+    y = x.clone()
+    y[0, 10:] = (y[0, 10:] + 1) % 259
+    torch.testing.assert_close(m(x)[0, :10], m(y)[0, :10])
+    assert not torch.allclose(m(x)[0, 10:], m(y)[0, 10:])
+
+
+def test_gqa_matches_repeated_kv_heads():
+    """Grouped-query attention equals full attention whose k/v heads are repeated."""
+    gqa = model()
+    full = model(n_kv_heads=4)
+    with torch.no_grad():
+        for g, f in zip(gqa.layers, full.layers, strict=True):
+            hd = 8
+            wk = g.attention.wk.weight.view(2, hd, 32).repeat_interleave(2, 0).reshape(32, 32)
+            wv = g.attention.wv.weight.view(2, hd, 32).repeat_interleave(2, 0).reshape(32, 32)
+            f.attention.wk.weight.copy_(wk)
+            f.attention.wv.weight.copy_(wv)
+            for name in ("wq", "wo"):
+                getattr(f.attention, name).weight.copy_(getattr(g.attention, name).weight)
+            f.feed_forward.load_state_dict(g.feed_forward.state_dict())
+        full.tok_embeddings.load_state_dict(gqa.tok_embeddings.state_dict())
+        full.output.load_state_dict(gqa.output.state_dict())
+    x = torch.randint(0, 259, (2, 16))
+    torch.testing.assert_close(gqa(x), full(x))
+
+
+def test_rope_is_a_rotation_that_depends_on_relative_position():
+    cos, sin = rope_tables(8, 16, 10000.0)
+    q = torch.randn(1, 1, 1, 8)
+    k = torch.randn(1, 1, 1, 8)
+    def dot(i, j):
+        qi = apply_rope(q.expand(1, 1, 16, 8), cos, sin)[0, 0, i]
+        kj = apply_rope(k.expand(1, 1, 16, 8), cos, sin)[0, 0, j]
+        return float(qi @ kj)
+    assert dot(3, 1) == pytest.approx(dot(7, 5), abs=1e-5)
+    rotated = apply_rope(q.expand(1, 1, 16, 8), cos, sin)
+    torch.testing.assert_close(rotated.norm(dim=-1), q.norm(dim=-1).expand(1, 1, 16))
+
+
+def test_tied_embeddings_share_one_tensor():
+    m = model(tie_embeddings=True)
+    assert m.output.weight is m.tok_embeddings.weight
+    assert num_parameters(m) == num_parameters(model()) - 259 * 32
+
+
+def test_residual_projections_get_scaled_init():
+    m = Transformer(ModelConfig(dim=256, n_layers=8, n_heads=4))
+    wq = m.layers[0].attention.wq.weight.std().item()
+    wo = m.layers[0].attention.wo.weight.std().item()
+    assert wq == pytest.approx(0.02, rel=0.05)
+    assert wo == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+
+
+def test_parameter_names_are_stable():
+    names = set(dict(model().named_parameters()))
+    assert {
+        "tok_embeddings.weight",
+        "layers.0.attention.wq.weight",
+        "layers.1.feed_forward.w2.weight",
+        "layers.1.ffn_norm.weight",
+        "norm.weight",
+        "output.weight",
+    } <= names
+    assert not any("rope" in n for n in model().state_dict())  # RoPE tables are not saved
+
+
+def test_sampling_is_reproducible_with_a_generator():
+    m = model()
+    a = sample(m, [1, 2, 3], 8, generator=torch.Generator().manual_seed(1))
+    b = sample(m, [1, 2, 3], 8, generator=torch.Generator().manual_seed(1))
+    assert a == b and len(a) == 11 and a[:3] == [1, 2, 3]

@@ -1,0 +1,88 @@
+"""text_step: accumulation, clipping, and a non-finite step that never touches the optimizer."""
+
+import copy
+
+import pytest
+import torch
+
+from forge.config import ModelConfig, OptimizerConfig, Precision, SchedulerConfig
+from forge.data.loader import Batch
+from forge.model.transformer import Transformer
+from forge.optim import build_optimizer, param_groups, resolve_schedule
+from forge.training.state import LoopState
+from forge.training.step import make_text_step
+
+CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, max_seq_len=16)
+
+
+def setup(clip=None, sgd=False):
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    if sgd:  # the update is the gradient itself: compares gradients, not Adam's normalised steps
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    else:
+        opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
+    sched = resolve_schedule(SchedulerConfig(warmup_steps=0), 100)
+    return model, opt, make_text_step(model, opt, sched, 1e-2, Precision.FP32, clip)
+
+
+def batch(seed, rows=4):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, 259, (rows, 17), generator=g)
+    return Batch(inputs=t[:, :-1], labels=t[:, 1:])
+
+
+def test_accumulation_equals_one_big_batch():
+    m1, _, step1 = setup(sgd=True)
+    m2, _, step2 = setup(sgd=True)
+    a, b = batch(1), batch(2)
+    big = Batch(torch.cat([a.inputs, b.inputs]), torch.cat([a.labels, b.labels]))
+    r1 = step1((a, b), LoopState())
+    r2 = step2((big,), LoopState())
+    assert r1.loss == pytest.approx(r2.loss, rel=1e-5)
+    assert r1.tokens == r2.tokens == 128
+    for p1, p2 in zip(m1.parameters(), m2.parameters(), strict=True):
+        torch.testing.assert_close(p1, p2, rtol=1e-4, atol=1e-6)
+
+
+def test_clipping_bounds_the_update_and_reports_the_raw_norm():
+    _, _, step = setup(clip=1e-3)
+    r = step((batch(1),), LoopState())
+    assert r.grad_norm > 1e-3
+
+
+def test_non_finite_step_leaves_weights_and_optimizer_untouched():
+    model, opt, step = setup()
+    step((batch(1),), LoopState())  # populate optimizer state
+    before_params = copy.deepcopy(model.state_dict())
+    before_opt = copy.deepcopy(opt.state_dict())
+    with torch.no_grad():
+        model.norm.weight[0] = float("nan")
+    nan_weight = model.norm.weight.detach().clone()  # NaN != NaN: compare where the NaNs are
+    r = step((batch(2),), LoopState(step=1))
+    assert not r.finite
+    assert torch.equal(model.norm.weight.isnan(), nan_weight.isnan())
+    for name, p in model.state_dict().items():
+        if name != "norm.weight":
+            assert torch.equal(p, before_params[name]), name
+    after = opt.state_dict()
+    for k, s in before_opt["state"].items():
+        assert after["state"][k]["step"] == s["step"]
+        assert torch.equal(after["state"][k]["exp_avg"], s["exp_avg"])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_lr_follows_the_schedule_step():
+    _, opt, step = setup()
+    r = step((batch(1),), LoopState(step=50))
+    assert r.lr == opt.param_groups[0]["lr"] < 1e-2
+
+
+def test_norms_and_embeddings_do_not_decay():
+    groups = param_groups(Transformer(CFG), OptimizerConfig(weight_decay=0.1))
+    decay = {n for g in groups if g["weight_decay"] > 0 for n in g["names"]}
+    no_decay = {n for g in groups if g["weight_decay"] == 0 for n in g["names"]}
+    assert "tok_embeddings.weight" in no_decay and "norm.weight" in no_decay
+    assert "layers.0.attention.wq.weight" in decay and "output.weight" in decay
+    with_emb = param_groups(Transformer(CFG), OptimizerConfig(decay_embeddings=True))
+    assert "tok_embeddings.weight" in with_emb[0]["names"]
