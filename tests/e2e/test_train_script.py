@@ -1,0 +1,197 @@
+"""scripts/train.py end to end on a tiny model: outcomes, exit codes and the files on disk."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from forge.checkpoint.store import load_checkpoint
+from forge.config import load_config
+from forge.data.corpus import Document
+from forge.model.transformer import Transformer
+from forge.training.hooks import Hooks
+from tests.conftest import REPO, make_dataset
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TRAIN = load_script("train")
+
+
+def run_dir(config: pathlib.Path) -> pathlib.Path:
+    return config.parent / "run"
+
+
+def steps_on_disk(config: pathlib.Path) -> list[str]:
+    ckpt = run_dir(config) / "checkpoints"
+    return sorted((p.name for p in ckpt.glob("step_*")), key=lambda n: int(n.split("_")[1]))
+
+
+def latest(config: pathlib.Path) -> str:
+    return os.readlink(run_dir(config) / "checkpoints" / "latest")
+
+
+def losses(config: pathlib.Path) -> list[tuple[int, float]]:
+    lines = (run_dir(config) / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
+
+
+def final_weights(config: pathlib.Path, step: int) -> dict[str, torch.Tensor]:
+    model = Transformer(load_config([str(config)]).config.model)
+    load_checkpoint(run_dir(config) / "checkpoints" / f"step_{step}", model, None)
+    return model.state_dict()
+
+
+def test_clean_finish_off_schedule_saves_the_last_step(tiny_config):
+    assert TRAIN.main([str(tiny_config)]) == 0
+    assert steps_on_disk(tiny_config) == ["step_5", "step_10", "step_12"]
+    assert latest(tiny_config) == "step_12"
+    assert (run_dir(tiny_config) / "config.toml").is_file()
+    records = [json.loads(x) for x in (run_dir(tiny_config) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "step_time"} <= set(records[0])
+
+
+def test_resumed_at_max_steps_runs_nothing_and_saves_nothing(tiny_config, capsys):
+    assert TRAIN.main([str(tiny_config)]) == 0
+    before = {p: p.stat().st_mtime_ns for p in (run_dir(tiny_config) / "checkpoints").rglob("*")}
+    assert TRAIN.main([str(tiny_config)]) == 0
+    after = {p: p.stat().st_mtime_ns for p in (run_dir(tiny_config) / "checkpoints").rglob("*")}
+    assert before == after
+    assert "ALREADY_COMPLETE at step 12" in capsys.readouterr().out
+
+
+class SignalAt(Hooks):
+    """Delivers a real SIGTERM to this process when a step ends."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, state, result) -> None:
+        if state.step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_saves_an_emergency_checkpoint_and_exits_75(tiny_config):
+    assert TRAIN.main([str(tiny_config)], hooks=[SignalAt(7)]) == 75
+    assert latest(tiny_config) == "step_8"  # the signal is seen at the next step boundary
+    state = json.loads((run_dir(tiny_config) / "checkpoints/step_8/train_state.json").read_text())
+    assert state["reason"] == "emergency"
+
+
+def test_resume_after_shutdown_is_bit_identical(tiny_config, tmp_path):
+    reference = tmp_path / "ref" / "tiny.toml"
+    reference.parent.mkdir()
+    reference.write_text(tiny_config.read_text().replace(str(run_dir(tiny_config)), str(run_dir(reference))))
+    assert TRAIN.main([str(reference)]) == 0
+    assert TRAIN.main([str(tiny_config)], hooks=[SignalAt(5)]) == 75
+    assert TRAIN.main([str(tiny_config)]) == 0
+    assert losses(tiny_config) == losses(reference)  # exact floats, every step once
+    for name, tensor in final_weights(reference, 12).items():
+        assert torch.equal(tensor, final_weights(tiny_config, 12)[name]), name
+
+
+def test_resume_across_processes_is_bit_identical(tiny_config, tmp_path):
+    """2N steps in one process vs N steps, exit, N more in a new process."""
+    reference = tmp_path / "ref" / "tiny.toml"
+    reference.parent.mkdir()
+    reference.write_text(tiny_config.read_text().replace(str(run_dir(tiny_config)), str(run_dir(reference))))
+    same_lr = "--scheduler.decay_steps=10"  # the schedule must not depend on where we stop
+    cmd = [sys.executable, str(REPO / "scripts" / "train.py")]
+
+    def run(config, *extra):
+        out = subprocess.run([*cmd, str(config), same_lr, *extra], capture_output=True, text=True, check=False)
+        assert out.returncode == 0, out.stderr
+        return out
+
+    run(reference)
+    run(tiny_config, "--train.max_steps=6")
+    assert latest(tiny_config) == "step_6"
+    resumed = run(tiny_config)
+    assert "resumed from" in resumed.stderr
+    assert losses(tiny_config) == losses(reference)
+    ref_w, got_w = final_weights(reference, 12), final_weights(tiny_config, 12)
+    assert all(torch.equal(ref_w[k], got_w[k]) for k in ref_w)
+
+
+def test_data_exhausted_saves_the_step_reached(tmp_path):
+    data = make_dataset(tmp_path / "few", {"train": [Document("a", b"x = 1\n" * 400)]})
+    config = tmp_path / "tiny.toml"
+    from tests.conftest import TINY
+
+    config.write_text(
+        TINY.format(data=data).replace("max_steps = 12", "max_steps = 100\nmax_epochs = 1")
+        + f'\n[run]\ndir = "{run_dir(config)}"\n'
+    )
+    assert TRAIN.main([str(config)]) == 0
+    # 2402 tokens -> 75 windows of 33 -> 18 batches of 4 per epoch
+    assert latest(config) == "step_18"
+    state = json.loads((run_dir(config) / "checkpoints/step_18/train_state.json").read_text())
+    assert state["reason"] == "final"
+
+
+def nothing_written(config: pathlib.Path) -> bool:
+    return not run_dir(config).exists()
+
+
+# (case, extra args, text in the one error line)
+BAD_INPUT = [
+    ("unknown key", ["--train.max_step=5"], "train.max_step: unknown key; did you mean 'train.max_steps'?"),
+    ("wrong type", ["--train.batch_size=four"], "train.batch_size: expected an integer, got 'four'"),
+    ("out of range", ["--optimizer.lr=-1"], "optimizer.lr: must be > 0, got -1.0"),
+    ("stray argument", ["oops"], "'oops': unexpected argument"),
+    ("missing corpus", ["--data.path=/nonexistent/corpus"], "data.path: /nonexistent/corpus/manifest.json: no dataset manifest; run 'python scripts/prepare_data.py"),
+    ("vocab too small", ["--model.vocab_size=100"], "model.vocab_size: 100 is smaller than the dataset's vocab size 259"),
+]
+
+
+@pytest.mark.parametrize("extra,text", [b[1:] for b in BAD_INPUT], ids=[b[0] for b in BAD_INPUT])
+def test_bad_input_is_one_line_exit_2_and_nothing_on_disk(tiny_config, capsys, extra, text):
+    assert TRAIN.main([str(tiny_config), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and text in err[0], err
+    assert nothing_written(tiny_config)
+
+
+def test_missing_config_file_from_the_command_line(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train.py"), str(tmp_path / "nope.toml")],
+        capture_output=True, text=True, check=False, cwd=tmp_path,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'nope.toml'}: config file not found; pass a TOML file such as configs/train/debug.toml"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_checkpoint_from_another_architecture_is_refused(tiny_config, capsys):
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=5"]) == 0
+    assert TRAIN.main([str(tiny_config), "--model.dim=64"]) == 2
+    err = capsys.readouterr().err
+    assert "has shape [259, 32] in the checkpoint but [259, 64] in the model" in err
+
+
+def test_generate_prints_text_from_the_trained_run(tiny_config):
+    assert TRAIN.main([str(tiny_config)]) == 0
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "generate.py"), str(run_dir(tiny_config)),
+         "--max-new-tokens", "40"],
+        capture_output=True, text=True, check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("def ") and len(out.stdout) > 10
