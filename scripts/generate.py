@@ -38,7 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if config.checkpoint.dir
             else args.run_dir / "checkpoints"
         )
-        load_path = pathlib.Path(config.checkpoint.load_path) if config.checkpoint.load_path else None
+        load_path = (
+            pathlib.Path(config.checkpoint.load_path) if config.checkpoint.load_path else None
+        )
         plan = resolve_resume(ckpt_dir, load_path)
         if plan.source is ResumeSource.FRESH or plan.path is None:
             raise UserInputError(f"{ckpt_dir}: no checkpoint to sample from; train the run first")

@@ -38,7 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     names = {f: f.relative_to(root).as_posix() for f in files}
     splits = {
-        split: iter_documents(root, [f for f in files if split_of(names[f], args.validation_percent) == split])
+        split: iter_documents(
+            root, [f for f in files if split_of(names[f], args.validation_percent) == split]
+        )
         for split in ("train", "validation")
     }
     manifest = write_dataset(args.out, splits, ByteTokenizer(), source=str(root))

@@ -21,7 +21,7 @@ class SaveSchedule:
     window_stop: int | None = None
 
     def is_milestone(self, step: int) -> bool:
-        """True for the window's power-of-two offsets (step 0 included when the window starts there)."""
+        """True for the window's power-of-two offsets (and its start, step 0 included)."""
         if self.window_start is None or self.window_stop is None:
             return False
         if not self.window_start <= step <= self.window_stop:
@@ -66,7 +66,5 @@ def retention_plan(
     ordered = sorted(set(steps), reverse=True)
     protected = {latest, in_flight}
     return sorted(
-        s
-        for s in ordered[keep_last_n:]
-        if s not in protected and not schedule.is_milestone(s)
+        s for s in ordered[keep_last_n:] if s not in protected and not schedule.is_milestone(s)
     )

@@ -21,9 +21,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from forge.checkpoint.policy import SaveSchedule, retention_plan, step_of
 from forge.errors import UserInputError
@@ -133,7 +136,7 @@ def save_checkpoint(
     tmp.mkdir()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with _single_process_dcp():
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
+        dcp_save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
     torch.save(capture_rng(), tmp / f"rng_rank{rank}.pt")
     _write_json(tmp / TRAIN_STATE, train_state)
     if final.exists():  # re-saving a step (e.g. after a resume): keep the new one
@@ -191,7 +194,7 @@ def load_checkpoint(
 def _dcp_load(state: dict[str, Any], path: pathlib.Path) -> None:
     try:
         with _single_process_dcp():
-            dcp.load(state, checkpoint_id=str(path))
+            dcp_load(state, checkpoint_id=str(path))
     except BaseException as exc:  # DCP's CheckpointException is not an Exception
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
@@ -200,11 +203,11 @@ def _dcp_load(state: dict[str, Any], path: pathlib.Path) -> None:
 
 def _check_shapes(path: pathlib.Path, model: nn.Module) -> None:
     """One line naming the first parameter whose saved shape differs from the model's."""
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    meta = FileSystemReader(str(path)).read_metadata()
     saved = {
         k.removeprefix("model."): tuple(v.size)
         for k, v in meta.state_dict_metadata.items()
-        if k.startswith("model.") and hasattr(v, "size")
+        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
     }
     for name, tensor in model.state_dict().items():
         if name not in saved:

@@ -237,13 +237,12 @@ def load_config(argv: Sequence[str]) -> LoadedConfig:
     source = pathlib.Path(argv[0])
     overrides, cli_problems = parse_cli(argv[1:])
     raw = read_toml(source)
-    problems = list(cli_problems)
     try:
         config = structure_config(apply_overrides(raw, overrides))
     except ConfigError as exc:
-        problems += exc.lines
-    if problems:
-        raise ConfigError(problems)
+        raise ConfigError(cli_problems + exc.lines) from None
+    if cli_problems:
+        raise ConfigError(cli_problems)
     if config.run.dir is None:
         config = attrs.evolve(config, run=attrs.evolve(config.run, dir=f"runs/{source.stem}"))
     return LoadedConfig(config=config, source=source, overrides=tuple(argv[1:]))

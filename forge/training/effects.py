@@ -16,7 +16,7 @@ import attrs
 from forge.checkpoint.store import apply_retention, save_checkpoint
 from forge.metrics.sinks import JsonlSink, MetricsSink, StdoutSink
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
-from forge.training.hooks import Hooks, HookList
+from forge.training.hooks import HookList, Hooks
 from forge.training.outcome import LoopOutcome
 from forge.training.phases import config_fingerprint, loop_policy
 from forge.training.state import LoopState, SaveReason, StepResult

@@ -35,7 +35,7 @@ class StepFn(Protocol[BatchT]):
 
 
 class Effects(Protocol):
-    """What the loop asks the outside world to do. Tests pass spies; training passes the real one."""
+    """What the loop asks the outside world to do; tests pass spies, training the real one."""
 
     def save(self, state: LoopState, reason: SaveReason) -> None: ...
     def wait(self) -> None: ...

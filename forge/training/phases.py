@@ -55,7 +55,9 @@ def load_and_validate_config(argv: Sequence[str]) -> RunContext:
     if problems:
         raise ConfigError(problems)
     run_dir = pathlib.Path(str(config.run.dir))
-    ckpt_dir = pathlib.Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
+    ckpt_dir = (
+        pathlib.Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
+    )
     return RunContext(
         config=config, config_source=loaded.source, run_dir=run_dir, checkpoint_dir=ckpt_dir
     )
@@ -221,7 +223,6 @@ def config_fingerprint(config: JobConfig) -> str:
     """A short hash of the model section: a resume under a different architecture is caught."""
     text = json.dumps(CONVERTER.unstructure(config.model), sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
 
 
 def teardown(dist: DistContext) -> None:

@@ -73,9 +73,7 @@ def make_text_step(
 
 
 @torch.no_grad()
-def evaluate_loss(
-    model: nn.Module, batches: list[Batch], precision: Precision
-) -> float:
+def evaluate_loss(model: nn.Module, batches: list[Batch], precision: Precision) -> float:
     """Mean loss over ``batches`` (each the same size), in eval mode."""
     autocast = autocast_for(precision)
     was_training = model.training

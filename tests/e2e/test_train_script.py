@@ -61,7 +61,9 @@ def test_clean_finish_off_schedule_saves_the_last_step(tiny_config):
     assert steps_on_disk(tiny_config) == ["step_5", "step_10", "step_12"]
     assert latest(tiny_config) == "step_12"
     assert (run_dir(tiny_config) / "config.toml").is_file()
-    records = [json.loads(x) for x in (run_dir(tiny_config) / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(x) for x in (run_dir(tiny_config) / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in records] == list(range(1, 13))
     assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "step_time"} <= set(records[0])
 
@@ -96,7 +98,9 @@ def test_sigterm_saves_an_emergency_checkpoint_and_exits_75(tiny_config):
 def test_resume_after_shutdown_is_bit_identical(tiny_config, tmp_path):
     reference = tmp_path / "ref" / "tiny.toml"
     reference.parent.mkdir()
-    reference.write_text(tiny_config.read_text().replace(str(run_dir(tiny_config)), str(run_dir(reference))))
+    reference.write_text(
+        tiny_config.read_text().replace(str(run_dir(tiny_config)), str(run_dir(reference)))
+    )
     assert TRAIN.main([str(reference)]) == 0
     assert TRAIN.main([str(tiny_config)], hooks=[SignalAt(5)]) == 75
     assert TRAIN.main([str(tiny_config)]) == 0
@@ -109,12 +113,16 @@ def test_resume_across_processes_is_bit_identical(tiny_config, tmp_path):
     """2N steps in one process vs N steps, exit, N more in a new process."""
     reference = tmp_path / "ref" / "tiny.toml"
     reference.parent.mkdir()
-    reference.write_text(tiny_config.read_text().replace(str(run_dir(tiny_config)), str(run_dir(reference))))
+    reference.write_text(
+        tiny_config.read_text().replace(str(run_dir(tiny_config)), str(run_dir(reference)))
+    )
     same_lr = "--scheduler.decay_steps=10"  # the schedule must not depend on where we stop
     cmd = [sys.executable, str(REPO / "scripts" / "train.py")]
 
     def run(config, *extra):
-        out = subprocess.run([*cmd, str(config), same_lr, *extra], capture_output=True, text=True, check=False)
+        out = subprocess.run(
+            [*cmd, str(config), same_lr, *extra], capture_output=True, text=True, check=False
+        )
         assert out.returncode == 0, out.stderr
         return out
 
@@ -150,12 +158,28 @@ def nothing_written(config: pathlib.Path) -> bool:
 
 # (case, extra args, text in the one error line)
 BAD_INPUT = [
-    ("unknown key", ["--train.max_step=5"], "train.max_step: unknown key; did you mean 'train.max_steps'?"),
-    ("wrong type", ["--train.batch_size=four"], "train.batch_size: expected an integer, got 'four'"),
+    (
+        "unknown key",
+        ["--train.max_step=5"],
+        "train.max_step: unknown key; did you mean 'train.max_steps'?",
+    ),
+    (
+        "wrong type",
+        ["--train.batch_size=four"],
+        "train.batch_size: expected an integer, got 'four'",
+    ),
     ("out of range", ["--optimizer.lr=-1"], "optimizer.lr: must be > 0, got -1.0"),
     ("stray argument", ["oops"], "'oops': unexpected argument"),
-    ("missing corpus", ["--data.path=/nonexistent/corpus"], "data.path: /nonexistent/corpus/manifest.json: no dataset manifest; run 'python scripts/prepare_data.py"),
-    ("vocab too small", ["--model.vocab_size=100"], "model.vocab_size: 100 is smaller than the dataset's vocab size 259"),
+    (
+        "missing corpus",
+        ["--data.path=/nonexistent/corpus"],
+        "data.path: /nonexistent/corpus/manifest.json: no dataset manifest; run 'python scripts/prepare_data.py",
+    ),
+    (
+        "vocab too small",
+        ["--model.vocab_size=100"],
+        "model.vocab_size: 100 is smaller than the dataset's vocab size 259",
+    ),
 ]
 
 
@@ -170,7 +194,10 @@ def test_bad_input_is_one_line_exit_2_and_nothing_on_disk(tiny_config, capsys, e
 def test_missing_config_file_from_the_command_line(tmp_path):
     out = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "train.py"), str(tmp_path / "nope.toml")],
-        capture_output=True, text=True, check=False, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
     )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
@@ -189,9 +216,16 @@ def test_checkpoint_from_another_architecture_is_refused(tiny_config, capsys):
 def test_generate_prints_text_from_the_trained_run(tiny_config):
     assert TRAIN.main([str(tiny_config)]) == 0
     out = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "generate.py"), str(run_dir(tiny_config)),
-         "--max-new-tokens", "40"],
-        capture_output=True, text=True, check=False,
+        [
+            sys.executable,
+            str(REPO / "scripts" / "generate.py"),
+            str(run_dir(tiny_config)),
+            "--max-new-tokens",
+            "40",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("def ") and len(out.stdout) > 10

@@ -85,7 +85,11 @@ def test_retention_keeps_latest_and_milestones(tmp_path):
     deleted = apply_retention(tmp_path, 2, SaveSchedule(10, window_start=0, window_stop=4))
     assert deleted == [10]
     assert sorted(p.name for p in tmp_path.glob("step_*")) == [
-        "step_1", "step_2", "step_20", "step_30", "step_4"
+        "step_1",
+        "step_2",
+        "step_20",
+        "step_30",
+        "step_4",
     ]
 
 
@@ -160,7 +164,11 @@ def test_resume_resolver(tmp_path, complete, incomplete, latest, use_load, sourc
         load = fake_ckpt(tmp_path / "init", 9)
     plan = resolve_resume(root, load)
     assert plan.source is source
-    assert plan.path == (None if chosen is None else (load if source is ResumeSource.LOAD_PATH else root / f"step_{chosen}"))
+    assert plan.path == (
+        None
+        if chosen is None
+        else (load if source is ResumeSource.LOAD_PATH else root / f"step_{chosen}")
+    )
     assert [p.name for p in plan.skipped] == [f"step_{s}" for s in skipped]
 
 
@@ -171,7 +179,7 @@ def test_only_incomplete_checkpoints_is_a_clear_error(tmp_path):
 
 
 def test_load_path_without_a_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(CheckpointError, match="checkpoint.load_path"):
+    with pytest.raises(CheckpointError, match=r"checkpoint\.load_path"):
         resolve_resume(tmp_path / "ckpt", tmp_path / "nothing")
 
 

@@ -56,10 +56,12 @@ def test_rope_is_a_rotation_that_depends_on_relative_position():
     cos, sin = rope_tables(8, 16, 10000.0)
     q = torch.randn(1, 1, 1, 8)
     k = torch.randn(1, 1, 1, 8)
+
     def dot(i, j):
         qi = apply_rope(q.expand(1, 1, 16, 8), cos, sin)[0, 0, i]
         kj = apply_rope(k.expand(1, 1, 16, 8), cos, sin)[0, 0, j]
         return float(qi @ kj)
+
     assert dot(3, 1) == pytest.approx(dot(7, 5), abs=1e-5)
     rotated = apply_rope(q.expand(1, 1, 16, 8), cos, sin)
     torch.testing.assert_close(rotated.norm(dim=-1), q.norm(dim=-1).expand(1, 1, 16))

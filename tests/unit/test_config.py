@@ -21,7 +21,9 @@ from forge.config.loader import apply_overrides, parse_cli, parse_override_value
 @pytest.fixture
 def toml_file(tmp_path: pathlib.Path) -> pathlib.Path:
     path = tmp_path / "tiny.toml"
-    path.write_text("[train]\nmax_steps = 50\n[optimizer]\nlr = 1e-3\n[scheduler]\nwarmup_steps = 5\n")
+    path.write_text(
+        "[train]\nmax_steps = 50\n[optimizer]\nlr = 1e-3\n[scheduler]\nwarmup_steps = 5\n"
+    )
     return path
 
 
@@ -76,23 +78,75 @@ def test_enum_values_structure_to_members():
 
 # (case, raw config, expected line)
 BAD = [
-    ("unknown key", {"train": {"max_step": 5}}, "train.max_step: unknown key; did you mean 'train.max_steps'?"),
+    (
+        "unknown key",
+        {"train": {"max_step": 5}},
+        "train.max_step: unknown key; did you mean 'train.max_steps'?",
+    ),
     ("unknown section", {"optimiser": {}}, "optimiser: unknown key; did you mean 'optimizer'?"),
-    ("string for int", {"train": {"batch_size": "8"}}, "train.batch_size: expected an integer, got '8'"),
-    ("fraction for int", {"train": {"max_steps": 1.5}}, "train.max_steps: expected an integer, got 1.5"),
+    (
+        "string for int",
+        {"train": {"batch_size": "8"}},
+        "train.batch_size: expected an integer, got '8'",
+    ),
+    (
+        "fraction for int",
+        {"train": {"max_steps": 1.5}},
+        "train.max_steps: expected an integer, got 1.5",
+    ),
     ("bool for int", {"model": {"dim": True}}, "model.dim: expected an integer, got a boolean"),
-    ("string for bool", {"model": {"tie_embeddings": "yes"}}, "model.tie_embeddings: expected true or false, got 'yes'"),
+    (
+        "string for bool",
+        {"model": {"tie_embeddings": "yes"}},
+        "model.tie_embeddings: expected true or false, got 'yes'",
+    ),
     ("number for string", {"data": {"path": 3}}, "data.path: expected a string, got 3"),
-    ("bad enum", {"train": {"mixed_precision": "fp16"}}, "train.mixed_precision: expected one of 'bf16', 'fp32', got 'fp16'"),
-    ("bad list item", {"optimizer": {"betas": [0.9, "x"]}}, "optimizer.betas[1]: expected a number, got 'x'"),
+    (
+        "bad enum",
+        {"train": {"mixed_precision": "fp16"}},
+        "train.mixed_precision: expected one of 'bf16', 'fp32', got 'fp16'",
+    ),
+    (
+        "bad list item",
+        {"optimizer": {"betas": [0.9, "x"]}},
+        "optimizer.betas[1]: expected a number, got 'x'",
+    ),
     ("out of range", {"train": {"batch_size": 0}}, "train.batch_size: must be > 0, got 0"),
-    ("beta out of range", {"optimizer": {"betas": [0.9, 1.0]}}, "optimizer.betas: each beta must be in [0, 1), got [0.9, 1.0]"),
-    ("heads do not divide dim", {"model": {"dim": 100, "n_heads": 3}}, "model.dim: must be divisible by model.n_heads=3"),
-    ("kv heads do not divide heads", {"model": {"n_heads": 4, "n_kv_heads": 3}}, "model.n_kv_heads: must divide model.n_heads=4"),
-    ("seq longer than the model's", {"train": {"seq_len": 512}, "model": {"max_seq_len": 256}}, "train.seq_len: must be <= model.max_seq_len=256, got 512"),
-    ("window stop before start", {"checkpoint": {"dyn_ckpt_window": {"start": 5, "stop": 2}}}, "checkpoint.dyn_ckpt_window.stop: must be >= start=5, got 2"),
-    ("warmup covers the run", {"train": {"max_steps": 10}, "scheduler": {"warmup_steps": 10}}, "scheduler.warmup_steps: must be < train.max_steps=10 (the run would end inside warmup)"),
-    ("scalar for a table", {"checkpoint": 5}, "checkpoint: is a table; set its keys as checkpoint.<key>=..."),
+    (
+        "beta out of range",
+        {"optimizer": {"betas": [0.9, 1.0]}},
+        "optimizer.betas: each beta must be in [0, 1), got [0.9, 1.0]",
+    ),
+    (
+        "heads do not divide dim",
+        {"model": {"dim": 100, "n_heads": 3}},
+        "model.dim: must be divisible by model.n_heads=3",
+    ),
+    (
+        "kv heads do not divide heads",
+        {"model": {"n_heads": 4, "n_kv_heads": 3}},
+        "model.n_kv_heads: must divide model.n_heads=4",
+    ),
+    (
+        "seq longer than the model's",
+        {"train": {"seq_len": 512}, "model": {"max_seq_len": 256}},
+        "train.seq_len: must be <= model.max_seq_len=256, got 512",
+    ),
+    (
+        "window stop before start",
+        {"checkpoint": {"dyn_ckpt_window": {"start": 5, "stop": 2}}},
+        "checkpoint.dyn_ckpt_window.stop: must be >= start=5, got 2",
+    ),
+    (
+        "warmup covers the run",
+        {"train": {"max_steps": 10}, "scheduler": {"warmup_steps": 10}},
+        "scheduler.warmup_steps: must be < train.max_steps=10 (the run would end inside warmup)",
+    ),
+    (
+        "scalar for a table",
+        {"checkpoint": 5},
+        "checkpoint: is a table; set its keys as checkpoint.<key>=...",
+    ),
 ]
 
 
@@ -124,7 +178,9 @@ def test_all_range_problems_are_reported_at_once():
 def test_stray_positional_argument(toml_file):
     with pytest.raises(ConfigError) as info:
         load_config([str(toml_file), "extra"])
-    assert info.value.lines == ["'extra': unexpected argument; overrides look like --section.key=value"]
+    assert info.value.lines == [
+        "'extra': unexpected argument; overrides look like --section.key=value"
+    ]
 
 
 def test_cli_and_config_problems_together(toml_file):
@@ -157,7 +213,7 @@ def test_resolved_config_round_trips_through_toml():
         {
             "run": {"dir": "runs/x"},
             "optimizer": {"betas": [0.8, 0.9]},
-            "checkpoint": {"dyn_ckpt_window": {"start": 0, "stop": 8}, "load_path": "a b\"c"},
+            "checkpoint": {"dyn_ckpt_window": {"start": 0, "stop": 8}, "load_path": 'a b"c'},
             "train": {"mixed_precision": "fp32", "grad_clip_norm": 0.5},
         }
     )

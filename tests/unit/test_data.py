@@ -55,7 +55,7 @@ def test_no_temporary_folder_is_left_behind(dataset):
 
 
 def test_missing_manifest_names_the_fix(tmp_path):
-    with pytest.raises(DataError, match="prepare_data.py --out"):
+    with pytest.raises(DataError, match=r"prepare_data\.py --out"):
         read_manifest(tmp_path / "nowhere")
 
 

@@ -56,7 +56,9 @@ def signals_at(shutdown: set[int] = frozenset(), health: set[int] = frozenset())
 
     def poll() -> Signals:
         count["n"] += 1
-        return Signals(shutdown_requested=count["n"] in shutdown, health_failed=count["n"] in health)
+        return Signals(
+            shutdown_requested=count["n"] in shutdown, health_failed=count["n"] in health
+        )
 
     return poll
 
@@ -70,8 +72,9 @@ def policy(max_steps=10, interval=4, nonfinite_limit=3, **kw) -> LoopPolicy:
     )
 
 
-def run(losses, pol, *, start=LoopState(), poll=None, batches=None):
+def run(losses, pol, *, start=None, poll=None, batches=None):
     spy = Spy()
+    start = start or LoopState()
     outcome, state = run_training_loop(
         start,
         iter(range(len(losses)) if batches is None else batches),
@@ -88,26 +91,116 @@ S, E, F = SaveReason.SCHEDULED, SaveReason.EMERGENCY, SaveReason.FINAL
 
 # (case, losses, policy, start, poll, batches, outcome, final step, saves)
 ROWS = [
-    ("clean finish off-schedule", [1.0] * 10, policy(10, 4), LoopState(), None, None,
-     LoopOutcome.COMPLETED, 10, [(4, S), (8, S), (10, F)]),
-    ("clean finish on-schedule", [1.0] * 8, policy(8, 4), LoopState(), None, None,
-     LoopOutcome.COMPLETED, 8, [(4, S), (8, S)]),
-    ("NaN on the last step", [1.0] * 9 + [NAN], policy(10, 4), LoopState(), None, None,
-     LoopOutcome.COMPLETED, 10, [(4, S), (8, S)]),
-    ("NaN abort on the last step", [1.0] * 9 + [NAN], policy(10, 4, nonfinite_limit=1),
-     LoopState(), None, None, LoopOutcome.NAN_ABORT, 10, [(4, S), (8, S)]),
-    ("health failure on the last step", [1.0] * 10, policy(10, 4), LoopState(),
-     signals_at(health={10}), None, LoopOutcome.HEALTH_FAILURE, 10, [(4, S), (8, S)]),
-    ("shutdown on the last step", [1.0] * 10, policy(10, 4), LoopState(),
-     signals_at(shutdown={10}), None, LoopOutcome.SHUTDOWN, 10, [(4, S), (8, S), (10, E)]),
-    ("shutdown mid-run", [1.0] * 10, policy(10, 4), LoopState(), signals_at(shutdown={6}), None,
-     LoopOutcome.SHUTDOWN, 6, [(4, S), (6, E)]),
-    ("resumed at max_steps", [], policy(10, 4), LoopState(step=10, last_saved_step=10), None,
-     None, LoopOutcome.ALREADY_COMPLETE, 10, []),
-    ("data exhausted early", [1.0] * 7, policy(10, 4), LoopState(), None, range(7),
-     LoopOutcome.DATA_EXHAUSTED, 7, [(4, S), (7, F)]),
-    ("milestone at step 0 on a fresh run", [1.0] * 3, policy(3, 100, window_start=0, window_stop=2),
-     LoopState(), None, None, LoopOutcome.COMPLETED, 3, [(0, S), (1, S), (2, S), (3, F)]),
+    (
+        "clean finish off-schedule",
+        [1.0] * 10,
+        policy(10, 4),
+        LoopState(),
+        None,
+        None,
+        LoopOutcome.COMPLETED,
+        10,
+        [(4, S), (8, S), (10, F)],
+    ),
+    (
+        "clean finish on-schedule",
+        [1.0] * 8,
+        policy(8, 4),
+        LoopState(),
+        None,
+        None,
+        LoopOutcome.COMPLETED,
+        8,
+        [(4, S), (8, S)],
+    ),
+    (
+        "NaN on the last step",
+        [1.0] * 9 + [NAN],
+        policy(10, 4),
+        LoopState(),
+        None,
+        None,
+        LoopOutcome.COMPLETED,
+        10,
+        [(4, S), (8, S)],
+    ),
+    (
+        "NaN abort on the last step",
+        [1.0] * 9 + [NAN],
+        policy(10, 4, nonfinite_limit=1),
+        LoopState(),
+        None,
+        None,
+        LoopOutcome.NAN_ABORT,
+        10,
+        [(4, S), (8, S)],
+    ),
+    (
+        "health failure on the last step",
+        [1.0] * 10,
+        policy(10, 4),
+        LoopState(),
+        signals_at(health={10}),
+        None,
+        LoopOutcome.HEALTH_FAILURE,
+        10,
+        [(4, S), (8, S)],
+    ),
+    (
+        "shutdown on the last step",
+        [1.0] * 10,
+        policy(10, 4),
+        LoopState(),
+        signals_at(shutdown={10}),
+        None,
+        LoopOutcome.SHUTDOWN,
+        10,
+        [(4, S), (8, S), (10, E)],
+    ),
+    (
+        "shutdown mid-run",
+        [1.0] * 10,
+        policy(10, 4),
+        LoopState(),
+        signals_at(shutdown={6}),
+        None,
+        LoopOutcome.SHUTDOWN,
+        6,
+        [(4, S), (6, E)],
+    ),
+    (
+        "resumed at max_steps",
+        [],
+        policy(10, 4),
+        LoopState(step=10, last_saved_step=10),
+        None,
+        None,
+        LoopOutcome.ALREADY_COMPLETE,
+        10,
+        [],
+    ),
+    (
+        "data exhausted early",
+        [1.0] * 7,
+        policy(10, 4),
+        LoopState(),
+        None,
+        range(7),
+        LoopOutcome.DATA_EXHAUSTED,
+        7,
+        [(4, S), (7, F)],
+    ),
+    (
+        "milestone at step 0 on a fresh run",
+        [1.0] * 3,
+        policy(3, 100, window_start=0, window_stop=2),
+        LoopState(),
+        None,
+        None,
+        LoopOutcome.COMPLETED,
+        3,
+        [(0, S), (1, S), (2, S), (3, F)],
+    ),
 ]
 
 

@@ -1,5 +1,7 @@
 """LR schedules as pure functions of the step."""
 
+import itertools
+
 import pytest
 
 from forge.config.sections import ScheduleName, SchedulerConfig
@@ -50,7 +52,7 @@ def test_schedule_values(name, step, expected):
 def test_decay_is_monotone_after_warmup(name):
     s = sched(name)
     values = [lr_multiplier(s, k) for k in range(10, 120)]
-    assert all(a >= b for a, b in zip(values, values[1:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(values))
     assert min(values) == pytest.approx(0.1)
 
 
