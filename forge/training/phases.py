@@ -23,7 +23,7 @@ from forge.checkpoint.policy import SaveSchedule
 from forge.checkpoint.resume import ResumeSource, resolve_resume
 from forge.checkpoint.store import load_checkpoint
 from forge.config.loader import CONVERTER, ConfigError, load_config, unstructure_config
-from forge.config.sections import JobConfig
+from forge.config.sections import JobConfig, Precision
 from forge.config.toml_writer import dumps_toml
 from forge.data.dataset import TokenWindows
 from forge.data.loader import Batch, TextLoader, step_batches
@@ -84,7 +84,36 @@ def setup_distributed(run: RunContext) -> DistContext:
     seed_everything(run.config.train.seed)
     if run.config.train.num_threads > 0:
         torch.set_num_threads(run.config.train.num_threads)
-    return DistContext()
+    dist = DistContext()
+    warning = precision_warning(run.config.train.mixed_precision, dist.device.type, cpu_flags())
+    if warning:
+        print(f"[forge] warning: {warning}", file=sys.stderr)
+    return dist
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags Linux reports (empty elsewhere)."""
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def precision_warning(precision: Precision, device: str, flags: frozenset[str]) -> str | None:
+    """A warning when bf16 compute would be emulated: on a CPU without AVX-512 BF16 or AMX,
+    a bf16 step ran 24x slower than fp32 (benchmarks/precision.py)."""
+    if precision is not Precision.BF16 or device != "cpu" or not flags:
+        return None
+    if flags & {"avx512_bf16", "amx_bf16"}:
+        return None
+    return (
+        "train.mixed_precision='bf16' on a CPU without AVX-512 BF16 / AMX is emulated and much "
+        "slower than fp32; set --train.mixed_precision=fp32"
+    )
 
 
 def seed_everything(seed: int) -> None:

@@ -224,3 +224,21 @@ def test_resolved_config_round_trips_through_toml():
 def test_shipped_configs_are_valid():
     for path in sorted(pathlib.Path("configs").rglob("*.toml")):
         load_config([str(path)])
+
+
+# (precision, device, flags, warns)
+PRECISION_WARNINGS = [
+    (Precision.BF16, "cpu", frozenset({"avx2"}), True),
+    (Precision.BF16, "cpu", frozenset({"avx2", "avx512_bf16"}), False),
+    (Precision.BF16, "cpu", frozenset({"amx_bf16"}), False),
+    (Precision.BF16, "cpu", frozenset(), False),  # unknown CPU: no guess
+    (Precision.BF16, "cuda", frozenset({"avx2"}), False),
+    (Precision.FP32, "cpu", frozenset({"avx2"}), False),
+]
+
+
+@pytest.mark.parametrize("precision,device,flags,warns", PRECISION_WARNINGS)
+def test_bf16_on_a_cpu_without_bf16_support_warns(precision, device, flags, warns):
+    from forge.training.phases import precision_warning
+
+    assert (precision_warning(precision, device, flags) is not None) is warns
