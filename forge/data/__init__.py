@@ -1,0 +1,1 @@
+"""Tokenizer, shard format, datasets, sampler and the stateful loader."""
