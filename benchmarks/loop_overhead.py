@@ -85,7 +85,7 @@ def with_forge(config, steps: int, workdir: pathlib.Path) -> float:
     _, state = run_training_loop(
         LoopState(),
         step_batches(data.train_loader, config.train.grad_accum_steps),
-        make_step_fn(run, mctx),
+        make_step_fn(run, dist, mctx),
         policy,
         effects,
     )

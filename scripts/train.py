@@ -6,6 +6,7 @@ each phase is a named function in ``forge.training.phases``.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
@@ -51,7 +52,7 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
     outcome, state = run_training_loop(
         ckpt.initial_state,
         train_batches(run, data),
-        make_step_fn(run, model),
+        make_step_fn(run, dist, model),
         policy,
         effects,
         flag.poll,
@@ -65,4 +66,9 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter finalization: gloo threads kept alive by a device mesh can abort it
+    # ("terminate called without an active exception"). Everything was flushed and closed.
+    os._exit(code)

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -119,6 +120,11 @@ def _point_latest(root: pathlib.Path, step: int) -> None:
     os.replace(tmp, root / LATEST)
 
 
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def save_checkpoint(
     root: pathlib.Path,
     step: int,
@@ -128,21 +134,30 @@ def save_checkpoint(
     *,
     rank: int = 0,
 ) -> pathlib.Path:
-    """Write ``step_<step>`` atomically and move ``latest`` to it; returns its path."""
-    root.mkdir(parents=True, exist_ok=True)
+    """Write ``step_<step>`` atomically and move ``latest`` to it; returns its path.
+
+    Every rank calls this: all write their DCP shards and RNG file into ``step_<N>.tmp``;
+    once all are done, rank 0 writes the train state, renames and moves ``latest``.
+    """
     final = step_dir(root, step)
     tmp = root / f"step_{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with _single_process_dcp():
         dcp_save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
     torch.save(capture_rng(), tmp / f"rng_rank{rank}.pt")
-    _write_json(tmp / TRAIN_STATE, train_state)
-    if final.exists():  # re-saving a step (e.g. after a resume): keep the new one
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _point_latest(root, step)
+    _barrier()
+    if rank == 0:
+        _write_json(tmp / TRAIN_STATE, train_state)
+        if final.exists():  # re-saving a step (e.g. after a resume): keep the new one
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _point_latest(root, step)
+    _barrier()
     return final
 
 

@@ -34,6 +34,18 @@ class ScheduleName(enum.Enum):
     NONE = "none"
 
 
+class PipelineSchedule(enum.Enum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+
+
+class ActivationCheckpointing(enum.Enum):
+    NONE = "none"
+    FULL = "full"  # every block recomputes its activations in backward
+    SELECTIVE = "selective"  # every second block
+
+
 class NonFinitePolicy(enum.Enum):
     """What the loop does with a step whose loss or grad norm is not finite."""
 
@@ -124,6 +136,8 @@ class TrainConfig:
     data_seed: int | None = None  # None: same as seed
     mixed_precision: Precision = Precision.BF16
     num_threads: int = 0  # 0: torch's default
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.NONE
+    compile: bool = False  # torch.compile each block
 
     @property
     def effective_data_seed(self) -> int:
@@ -276,6 +290,29 @@ class ResilienceConfig:
 
 
 @attrs.frozen
+class DistributedConfig:
+    """How the world is split. Dims of size 1 are dropped from the mesh; ``dp_shard = -1``
+    takes whatever the other dims leave of the world size."""
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    backend: str = "cpu:gloo,cuda:nccl"
+    timeout_s: float = 600.0  # process-group init and every collective
+
+    def problems(self) -> list[Problem]:
+        p: list[Problem] = []
+        for key in ("dp_replicate", "tp", "pp"):
+            _positive(p, f"distributed.{key}", getattr(self, key))
+        if self.dp_shard != -1 and self.dp_shard < 1:
+            p.append(("distributed.dp_shard", f"must be -1 (the rest) or >= 1, got {self.dp_shard}"))
+        _positive(p, "distributed.timeout_s", self.timeout_s)
+        return p
+
+
+@attrs.frozen
 class JobConfig:
     """The whole run configuration: one attribute per TOML table."""
 
@@ -289,6 +326,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = attrs.Factory(CheckpointConfig)
     metrics: MetricsConfig = attrs.Factory(MetricsConfig)
     resilience: ResilienceConfig = attrs.Factory(ResilienceConfig)
+    distributed: DistributedConfig = attrs.Factory(DistributedConfig)
 
     @property
     def nonfinite_limit(self) -> int:

@@ -56,9 +56,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos[:t], sin[:t]  # t is the full length even when the caller's is sharded
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
@@ -93,13 +95,22 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only language model returning logits ``(B, T, vocab)``."""
+    """Decoder-only language model returning logits ``(B, T, vocab)``.
+
+    A pipeline stage is the same class with some parts set to None: without
+    ``tok_embeddings`` it takes hidden states, without ``output`` it returns them. ``layers``
+    is keyed by the global layer index, so a stage's parameter names match the full model's.
+    """
+
+    tok_embeddings: nn.Embedding | None
+    norm: RMSNorm | None
+    output: nn.Linear | None
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -125,12 +136,13 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        t = tokens.shape[1]
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        """Token ids ``(B, T)`` (or hidden states on a later pipeline stage) to logits."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
 
 def num_parameters(model: nn.Module) -> int:

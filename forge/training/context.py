@@ -8,12 +8,15 @@ from collections.abc import Iterator
 import attrs
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from forge.checkpoint.resume import ResumePlan
 from forge.config.sections import JobConfig
 from forge.data.loader import Batch, TextLoader
 from forge.data.shards import Manifest
 from forge.optim.schedules import Schedule
+from forge.parallel.mesh import coordinates
+from forge.parallel.world import MeshDims, WorldInfo
 from forge.training.state import LoopState
 
 
@@ -33,24 +36,49 @@ class RunContext:
 
 @attrs.frozen
 class DistContext:
-    """This process's place in the world (one process until parallelism lands)."""
+    """This process's place in the world and the mesh (None for a single process)."""
 
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
+    world: WorldInfo = attrs.Factory(WorldInfo)
+    dims: MeshDims = attrs.Factory(MeshDims)
+    mesh: DeviceMesh | None = None
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
 
     @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size
+
+    @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.world.rank == 0
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return coordinates(self.world.rank, self.dims)
+
+    @property
+    def dp_rank(self) -> int:
+        """Index of this rank's data slice: ranks that differ only in pp or tp share it."""
+        c = self.coords
+        return c["dp_replicate"] * self.dims.dp_shard + c["dp_shard"]
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
 
 
 @attrs.frozen
 class ModelContext:
+    """The (parallelized) model or this rank's pipeline stages, and its optimizer."""
+
     model: nn.Module
     optimizer: torch.optim.Optimizer
     schedule: Schedule
     num_params: int
+    fsdp: bool = False  # FSDP2 applies the compute dtype itself (no autocast)
 
 
 @attrs.frozen

@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
+import torch
+import torch.distributed as torch_dist
 
 from forge.checkpoint.store import apply_retention, save_checkpoint
 from forge.metrics.sinks import JsonlSink, MetricsSink, StdoutSink
@@ -83,7 +85,7 @@ class TrainingEffects:
             "tokens_seen": state.tokens_seen,
             "reason": reason.value,
             "loop_state": attrs.asdict(state),
-            "loader": {str(self.dist.rank): self.data.train_loader.state_dict()},
+            "loader": self.data.train_loader.state_dict(),  # the same position on every rank
             "schedule": {
                 "name": self.model.schedule.name.value,
                 "warmup_steps": self.model.schedule.warmup_steps,
@@ -104,7 +106,7 @@ class TrainingEffects:
             self.train_state(saved, reason),
             rank=self.dist.rank,
         )
-        if self._schedule is not None:
+        if self._schedule is not None and self.dist.is_main:
             apply_retention(
                 self.run.checkpoint_dir, self.run.config.checkpoint.keep_last_n, self._schedule
             )
@@ -115,6 +117,9 @@ class TrainingEffects:
         """Saves are synchronous for now: nothing is ever in flight."""
 
     def log(self, state: LoopState, result: StepResult) -> None:
+        """Every rank calls this (a logging step is decided the same everywhere): the loss is
+        averaged over data-parallel ranks here, so that no other step pays for the reduction."""
+        result = attrs.evolve(result, loss=mean_over_ranks(result.loss, self.dist.world_size))
         elapsed = self.clock() - self._mark_time
         steps = max(1, state.step - self._mark_step)
         step_time = elapsed / steps
@@ -130,6 +135,7 @@ class TrainingEffects:
         steps = self.run.config.eval.steps
         batches = [b for _, b in zip(range(steps), loader, strict=False)]
         loss = evaluate_loss(self.model.model, batches, self.run.config.train.mixed_precision)
+        loss = mean_over_ranks(loss, self.dist.world_size)
         self._emit({"step": state.step, "eval/loss": loss, "eval/perplexity": math.exp(loss)})
         self._restart_clock(state)
 
@@ -145,6 +151,19 @@ class TrainingEffects:
     def _emit(self, record: dict[str, Any]) -> None:
         for sink in self.sinks:
             sink.write(record)
+
+
+def mean_over_ranks(value: float, world_size: int) -> float:
+    """The mean of ``value`` over every rank (a no-op for one process).
+
+    Ranks that share a data slice (TP peers) hold the same value, so the mean over the world
+    equals the mean over data-parallel ranks.
+    """
+    if world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    torch_dist.all_reduce(t)
+    return float(t) / world_size
 
 
 def default_sinks(run: RunContext, dist: DistContext) -> list[MetricsSink]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pathlib
 import random
 import sys
@@ -32,6 +33,9 @@ from forge.metrics.sinks import trim_records_after
 from forge.model.transformer import Transformer, num_parameters
 from forge.optim.param_groups import build_optimizer
 from forge.optim.schedules import resolve_schedule
+from forge.parallel.mesh import device_for, end_process_group, init_process_group, submesh
+from forge.parallel.parallelize import parallelize
+from forge.parallel.world import parallel_problems, resolve_dims, world_info
 from forge.training.context import (
     CheckpointContext,
     DataContext,
@@ -51,7 +55,9 @@ def load_and_validate_config(argv: Sequence[str]) -> RunContext:
     """
     loaded = load_config(argv)
     config = loaded.config
-    problems = data_problems(config)
+    world = world_info(os.environ)
+    problems = [f"{k}: {m}" for k, m in parallel_problems(config, world.world_size)]
+    problems += data_problems(config)
     if problems:
         raise ConfigError(problems)
     run_dir = pathlib.Path(str(config.run.dir))
@@ -80,11 +86,19 @@ def data_problems(config: JobConfig) -> list[str]:
 
 
 def setup_distributed(run: RunContext) -> DistContext:
-    """World info and seeding. One process for now: rank 0 of a world of 1."""
-    seed_everything(run.config.train.seed)
-    if run.config.train.num_threads > 0:
-        torch.set_num_threads(run.config.train.num_threads)
-    dist = DistContext()
+    """World info (torchrun, SLURM or one process), process group, device mesh and seeding.
+
+    Every rank seeds the same model-init stream (so unsharded init is identical everywhere)
+    and then a per-rank stream for anything sampled during training.
+    """
+    cfg = run.config
+    world = world_info(os.environ)
+    dims = resolve_dims(cfg.distributed, world.world_size)
+    mesh = init_process_group(world, cfg.distributed, dims)
+    seed_everything(cfg.train.seed)
+    if cfg.train.num_threads > 0:
+        torch.set_num_threads(cfg.train.num_threads)
+    dist = DistContext(world=world, dims=dims, mesh=mesh, device=device_for(world))
     warning = precision_warning(run.config.train.mixed_precision, dist.device.type, cpu_flags())
     if warning:
         print(f"[forge] warning: {warning}", file=sys.stderr)
@@ -124,14 +138,30 @@ def seed_everything(seed: int) -> None:
 
 
 def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
-    """The model in fp32 on the device, AdamW with param groups, and the resolved LR schedule."""
+    """The fp32 model, parallelized (TP → AC → FSDP2 → compile), AdamW with param groups over
+    the parallelized parameters, and the resolved LR schedule.
+
+    Every rank builds the same full model from the same seed before sharding, so a sharded run
+    starts from exactly the weights of a one-process run.
+    """
     cfg = run.config
     model = Transformer(cfg.model).to(dist.device)
+    num_params = num_parameters(model)
+    dp_mesh = submesh(dist.mesh, "dp_replicate", "dp_shard")
+    parallelize(
+        model,
+        tp_mesh=submesh(dist.mesh, "tp"),
+        dp_mesh=dp_mesh,
+        precision=cfg.train.mixed_precision,
+        activation_checkpointing=cfg.train.activation_checkpointing,
+        compile_blocks=cfg.train.compile,
+    )
     return ModelContext(
         model=model,
         optimizer=build_optimizer(model, cfg.optimizer),
         schedule=resolve_schedule(cfg.scheduler, cfg.train.max_steps),
-        num_params=num_parameters(model),
+        num_params=num_params,
+        fsdp=dp_mesh is not None,
     )
 
 
@@ -144,7 +174,7 @@ def setup_data(run: RunContext, dist: DistContext) -> DataContext:
         open_split(folder, manifest, cfg.data.train_split, cfg.data.verify_checksum),
         cfg.train.seq_len,
     )
-    needed = cfg.train.batch_size * dist.world_size
+    needed = cfg.train.batch_size * dist.dp_size
     if len(train) < needed:
         raise DataError(
             f"{folder}: split '{cfg.data.train_split}' has {len(train)} windows of "
@@ -155,8 +185,8 @@ def setup_data(run: RunContext, dist: DistContext) -> DataContext:
         train,
         cfg.train.batch_size,
         cfg.train.effective_data_seed,
-        rank=dist.rank,
-        world_size=dist.world_size,
+        rank=dist.dp_rank,
+        world_size=dist.dp_size,
         max_epochs=cfg.train.max_epochs,
     )
     eval_loader = None
@@ -166,14 +196,14 @@ def setup_data(run: RunContext, dist: DistContext) -> DataContext:
             cfg.train.seq_len,
         )
         eval_loader = TextLoader(
-            held_out, cfg.train.batch_size, seed=0, rank=dist.rank, world_size=dist.world_size
+            held_out, cfg.train.batch_size, seed=0, rank=dist.dp_rank, world_size=dist.dp_size
         )
     tokens = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum_steps
     return DataContext(
         manifest=manifest,
         train_loader=loader,
         eval_loader=eval_loader,
-        tokens_per_step=tokens * dist.world_size,
+        tokens_per_step=tokens * dist.dp_size,
     )
 
 
@@ -190,7 +220,7 @@ def setup_checkpointing(
     if plan.source is ResumeSource.CHECKPOINT_DIR and plan.path is not None:
         train_state = load_checkpoint(plan.path, model.model, model.optimizer, rank=dist.rank)
         state = CONVERTER.structure(train_state["loop_state"], LoopState)
-        data.train_loader.load_state_dict(train_state["loader"][str(dist.rank)])
+        data.train_loader.load_state_dict(train_state["loader"])
         print(f"[forge] resumed from {plan.path} at step {state.step}", file=sys.stderr)
     elif plan.source is ResumeSource.LOAD_PATH and plan.path is not None:
         load_checkpoint(plan.path, model.model, None, rank=dist.rank, restore_rng_state=False)
@@ -209,7 +239,7 @@ def prepare_run_dir(run: RunContext, dist: DistContext, ckpt: CheckpointContext)
 
 
 def make_step_fn(
-    run: RunContext, model: ModelContext
+    run: RunContext, dist: DistContext, model: ModelContext
 ) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
     """The step function the config selects (the text LM step for now)."""
     cfg = run.config
@@ -220,6 +250,8 @@ def make_step_fn(
         cfg.optimizer.lr,
         cfg.train.mixed_precision,
         cfg.train.grad_clip_norm,
+        fsdp_mixed_precision=model.fsdp,
+        dp_size=dist.dp_size,
     )
 
 
@@ -255,11 +287,12 @@ def config_fingerprint(config: JobConfig) -> str:
 
 
 def teardown(dist: DistContext) -> None:
-    """End the process group if one was started (none is, in a single process) and flush output."""
-    import torch.distributed as torch_dist
+    """Barrier, destroy the process group (if one was started), flush output.
 
-    if dist.world_size > 1 and torch_dist.is_initialized():
-        torch_dist.barrier()
-        torch_dist.destroy_process_group()
+    With more than one rank the caller should then end the process with ``os._exit``: gloo
+    worker threads kept alive by the mesh can abort interpreter finalization.
+    """
+    if dist.world_size > 1:
+        end_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

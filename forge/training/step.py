@@ -9,10 +9,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from forge.config.sections import Precision
 from forge.data.loader import Batch
 from forge.optim.schedules import Schedule, lr_at
+from forge.parallel.grad_norm import clip_coefficient, global_grad_norm, scale_grads_
 from forge.training.state import LoopState, StepResult
 
 
@@ -30,6 +32,33 @@ def lm_loss(model: nn.Module, batch: Batch, autocast: Callable) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), batch.labels.flatten())
 
 
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """FSDP2: reduce-scatter gradients only on the last micro-batch of a step."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+
+
+def finish_step(
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    loss: torch.Tensor,
+    grad_norm: torch.Tensor,
+    max_norm: float,
+) -> tuple[float, float]:
+    """Clip by the global norm and step, only if loss and norm are finite; returns both.
+
+    Reads loss and norm in one host sync. A non-finite step zeroes the gradients and never
+    touches the optimizer state.
+    """
+    loss_value, norm_value = torch.stack([loss.float().cpu(), grad_norm.float().cpu()]).tolist()
+    if math.isfinite(loss_value) and math.isfinite(norm_value):
+        if math.isfinite(max_norm):
+            scale_grads_(params, clip_coefficient(norm_value, max_norm))
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_value, norm_value
+
+
 def make_text_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -37,13 +66,18 @@ def make_text_step(
     peak_lr: float,
     precision: Precision,
     grad_clip_norm: float | None,
+    *,
+    fsdp_mixed_precision: bool = False,
+    dp_size: int = 1,
 ) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
     """The language-model step: accumulate gradients, clip, and update only if all is finite.
 
     One host sync per step (loss and grad norm together); the finiteness check comes before
-    ``optimizer.step()`` so a non-finite step never touches the optimizer state.
+    ``optimizer.step()`` so a non-finite step never touches the optimizer state. The grad norm
+    is global over every shard, so all ranks agree on whether the step is finite. The loss is
+    this rank's; it is averaged over data-parallel ranks only when logged.
     """
-    autocast = autocast_for(precision)
+    autocast = contextlib.nullcontext if fsdp_mixed_precision else autocast_for(precision)
     params = [p for p in model.parameters() if p.requires_grad]
     max_norm = math.inf if grad_clip_norm is None else grad_clip_norm
 
@@ -53,19 +87,19 @@ def make_text_step(
             group["lr"] = lr
         model.train()
         total = torch.zeros(())
-        for batch in batches:
+        for i, batch in enumerate(batches):
+            set_gradient_sync(model, i == len(batches) - 1)
             loss = lm_loss(model, batch, autocast)
             (loss / len(batches)).backward()
-            total += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        loss_value, norm_value = torch.stack([total / len(batches), grad_norm]).tolist()
-        if math.isfinite(loss_value) and math.isfinite(norm_value):
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            total += loss.detach().cpu()
+        grad_norm = global_grad_norm(params)
+        loss_value, norm_value = finish_step(
+            optimizer, params, total / len(batches), grad_norm, max_norm
+        )
         return StepResult(
             loss=loss_value,
             grad_norm=norm_value,
-            tokens=sum(b.num_tokens for b in batches),
+            tokens=sum(b.num_tokens for b in batches) * dp_size,
             lr=lr,
         )
 

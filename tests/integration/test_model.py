@@ -37,7 +37,7 @@ def test_gqa_matches_repeated_kv_heads():
     gqa = model()
     full = model(n_kv_heads=4)
     with torch.no_grad():
-        for g, f in zip(gqa.layers, full.layers, strict=True):
+        for g, f in zip(gqa.layers.values(), full.layers.values(), strict=True):
             hd = 8
             wk = g.attention.wk.weight.view(2, hd, 32).repeat_interleave(2, 0).reshape(32, 32)
             wv = g.attention.wv.weight.view(2, hd, 32).repeat_interleave(2, 0).reshape(32, 32)
@@ -75,8 +75,8 @@ def test_tied_embeddings_share_one_tensor():
 
 def test_residual_projections_get_scaled_init():
     m = Transformer(ModelConfig(dim=256, n_layers=8, n_heads=4))
-    wq = m.layers[0].attention.wq.weight.std().item()
-    wo = m.layers[0].attention.wo.weight.std().item()
+    wq = m.layers["0"].attention.wq.weight.std().item()
+    wo = m.layers["0"].attention.wo.weight.std().item()
     assert wq == pytest.approx(0.02, rel=0.05)
     assert wo == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
 

@@ -1,0 +1,83 @@
+"""Process group and device mesh: the effectful half of ``setup_distributed``."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from forge.config.sections import DistributedConfig
+from forge.parallel.world import MESH_ORDER, MeshDims, WorldInfo
+
+
+def coordinates(rank: int, dims: MeshDims) -> dict[str, int]:
+    """This rank's index along each dim of the row-major mesh ``(pp, dp_replicate, dp_shard, tp)``."""
+    coords: dict[str, int] = {}
+    rest = rank
+    for name in reversed(MESH_ORDER):
+        size = getattr(dims, name)
+        coords[name] = rest % size
+        rest //= size
+    return coords
+
+
+def usable_backend(spec: str, cuda: bool) -> str:
+    """``cpu:gloo,cuda:nccl`` minus the device entries this machine lacks (a CPU-only torch has
+    no NCCL): ``gloo`` on a CPU machine."""
+    entries = [e.strip() for e in spec.split(",") if e.strip()]
+    if all(":" not in e for e in entries):
+        return spec
+    kept = [e for e in entries if cuda or not e.startswith("cuda:")]
+    if len(kept) == 1:
+        return kept[0].split(":", 1)[1]
+    return ",".join(kept)
+
+
+def device_for(world: WorldInfo) -> torch.device:
+    """The local GPU when there is one, else the CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(world.local_rank)
+        return torch.device("cuda", world.local_rank)
+    return torch.device("cpu")
+
+
+def init_process_group(world: WorldInfo, cfg: DistributedConfig, dims: MeshDims) -> DeviceMesh | None:
+    """Start the default process group and build the named mesh; None for a single process."""
+    if world.world_size == 1:
+        return None
+    os.environ.setdefault("MASTER_ADDR", world.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(world.master_port))
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=usable_backend(cfg.backend, torch.cuda.is_available()),
+            rank=world.rank,
+            world_size=world.world_size,
+            timeout=datetime.timedelta(seconds=cfg.timeout_s),
+        )
+    named = dims.named()
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(
+        device_type,
+        tuple(size for _, size in named),
+        mesh_dim_names=tuple(name for name, _ in named),
+    )
+
+
+def submesh(mesh: DeviceMesh | None, *names: str) -> DeviceMesh | None:
+    """The sub-mesh over ``names`` that exist in ``mesh`` (size-1 dims were dropped)."""
+    if mesh is None or mesh.mesh_dim_names is None:
+        return None
+    present = tuple(n for n in names if n in mesh.mesh_dim_names)
+    if not present:
+        return None
+    return mesh[present if len(present) > 1 else present[0]]
+
+
+def end_process_group() -> None:
+    """Barrier, then destroy the default group (if any)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,111 @@
+"""Apply parallelisms to a built model in one fixed order: TP → activation checkpointing →
+FSDP2 → compile.
+
+Why this order: TP rewrites the Linear layers into DTensor shards, so it must see the plain
+modules; activation checkpointing wraps whole blocks, TP-sharded or not; FSDP2 then shards
+whatever parameters exist (plain or TP DTensors, giving 2-D FSDP×TP); compile comes last so
+it traces the final modules, hooks included.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from forge.config.sections import ActivationCheckpointing, Precision
+from forge.model.transformer import Transformer
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style TP with sequence parallelism: attention heads and FFN columns are split;
+    norms and the residual stream are sharded along the sequence."""
+    top: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    if top:
+        parallelize_module(model, tp_mesh, top)  # type: ignore[arg-type]
+    for block in model.layers.values():
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None),
+                    desired_input_layouts=(Replicate(), None, None),
+                ),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            },
+        )
+
+
+def apply_activation_checkpointing(model: Transformer, mode: ActivationCheckpointing) -> None:
+    """Wrap blocks so that their activations are recomputed in backward."""
+    if mode is ActivationCheckpointing.NONE:
+        return
+    for i, (name, block) in enumerate(list(model.layers.items())):
+        if mode is ActivationCheckpointing.FULL or i % 2 == 0:
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, precision: Precision) -> None:
+    """FSDP2 per block, then the root; fp32 master weights and gradient reduction, with the
+    compute dtype from ``train.mixed_precision``."""
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if precision is Precision.BF16 else None,
+        reduce_dtype=torch.float32,
+    )
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+
+
+def apply_compile(model: Transformer) -> None:
+    """Compile each block (one graph reused by every block of the same shape)."""
+    for block in model.layers.values():
+        block.compile()
+
+
+def parallelize(
+    model: Transformer,
+    *,
+    tp_mesh: DeviceMesh | None,
+    dp_mesh: DeviceMesh | None,
+    precision: Precision,
+    activation_checkpointing: ActivationCheckpointing,
+    compile_blocks: bool,
+) -> nn.Module:
+    """The fixed order: TP, activation checkpointing, FSDP2, compile. Returns the model."""
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh)
+    apply_activation_checkpointing(model, activation_checkpointing)
+    if dp_mesh is not None:
+        apply_fsdp(model, dp_mesh, precision)
+    if compile_blocks:
+        apply_compile(model)
+    return model

@@ -1,0 +1,132 @@
+"""Who this process is: world info from torchrun or SLURM variables, and the mesh layout.
+
+Everything here is pure (it reads a mapping, not ``os.environ``), so every rule has a table test.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import attrs
+
+from forge.config.sections import DistributedConfig, JobConfig, PipelineSchedule, Problem
+
+
+@attrs.frozen
+class WorldInfo:
+    """This process's place in the job, and where rank 0 listens."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    launcher: str = "none"  # "torchrun", "slurm" or "none"
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``gpu[003-005,7],cpu1`` -> ``gpu003``."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"SLURM_JOB_NODELIST={nodelist!r}: cannot parse a host name")
+    prefix, ranges = m.group(1), m.group(2)
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def slurm_port(job_id: str) -> int:
+    """A port in [20000, 40000) derived from the job id, the same on every node of the job."""
+    return 20000 + int(job_id) % 20000
+
+
+def world_info(env: Mapping[str, str]) -> WorldInfo:
+    """torchrun's variables win; else SLURM's (one task per rank under srun); else one process."""
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return WorldInfo(
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            world_size=int(env["WORLD_SIZE"]),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", "29500")),
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return WorldInfo(
+            rank=int(env["SLURM_PROCID"]),
+            local_rank=int(env.get("SLURM_LOCALID", "0")),
+            world_size=int(env["SLURM_NTASKS"]),
+            master_addr=env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", "localhost")),
+            master_port=int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID", "0"))),
+            launcher="slurm",
+        )
+    return WorldInfo()
+
+
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@attrs.frozen
+class MeshDims:
+    """Resolved sizes of each mesh dim (their product is the world size)."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def named(self) -> tuple[tuple[str, int], ...]:
+        """(name, size) of the dims larger than 1, outermost first: the mesh to build."""
+        return tuple((n, getattr(self, n)) for n in MESH_ORDER if getattr(self, n) > 1)
+
+
+def resolve_dims(cfg: DistributedConfig, world_size: int) -> MeshDims:
+    """Fill in ``dp_shard = -1`` as the rest of the world (at least 1)."""
+    fixed = cfg.dp_replicate * cfg.tp * cfg.pp
+    shard = cfg.dp_shard if cfg.dp_shard != -1 else max(1, world_size // fixed)
+    return MeshDims(pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=shard, tp=cfg.tp)
+
+
+def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
+    """Every combination the world size, model and schedule cannot support, one line each."""
+    d = config.distributed
+    dims = resolve_dims(d, world_size)
+    p: list[Problem] = []
+    product = dims.pp * dims.dp_replicate * dims.dp_shard * dims.tp
+    if product != world_size:
+        p.append(
+            (
+                "distributed",
+                f"pp*dp_replicate*dp_shard*tp = {dims.pp}*{dims.dp_replicate}*{dims.dp_shard}*"
+                f"{dims.tp} = {product}, but the world size is {world_size}; make them equal",
+            )
+        )
+    m = config.model
+    if dims.tp > 1:
+        if m.n_heads % dims.tp:
+            p.append(("distributed.tp", f"must divide model.n_heads={m.n_heads}"))
+        if m.kv_heads % dims.tp:
+            p.append(("distributed.tp", f"must divide model.n_kv_heads={m.kv_heads}"))
+        if config.train.seq_len % dims.tp:
+            p.append(("distributed.tp", f"must divide train.seq_len={config.train.seq_len} (sequence parallelism)"))
+    if dims.pp > 1:
+        stages = dims.pp * (2 if d.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B else 1)
+        if m.n_layers < stages:
+            p.append(("distributed.pp", f"needs model.n_layers >= {stages} stages, got {m.n_layers}"))
+        if config.train.grad_accum_steps < stages:
+            p.append(
+                (
+                    "train.grad_accum_steps",
+                    f"must be >= {stages} (the pipeline's micro-batches per step) with "
+                    f"distributed.pp={dims.pp} and pp_schedule='{d.pp_schedule.value}'",
+                )
+            )
+        if m.tie_embeddings:
+            p.append(("model.tie_embeddings", "cannot be used with distributed.pp > 1 (embedding and head live on different stages)"))
+    return p
