@@ -116,7 +116,17 @@ def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
         if config.train.seq_len % dims.tp:
             p.append(("distributed.tp", f"must divide train.seq_len={config.train.seq_len} (sequence parallelism)"))
     if dims.pp > 1:
-        stages = dims.pp * (2 if d.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B else 1)
+        stages = dims.pp
+        if d.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B:
+            p.append(
+                (
+                    "distributed.pp_schedule",
+                    "'interleaved_1f1b' is not supported yet (several stages per rank); "
+                    "use 'gpipe' or '1f1b'",
+                )
+            )
+        if config.eval.interval > 0:
+            p.append(("eval.interval", "evaluation under distributed.pp > 1 is not supported yet; set eval.interval=0"))
         if m.n_layers < stages:
             p.append(("distributed.pp", f"needs model.n_layers >= {stages} stages, got {m.n_layers}"))
         if config.train.grad_accum_steps < stages:

@@ -8,7 +8,9 @@ from collections.abc import Iterator
 import attrs
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from forge.checkpoint.resume import ResumePlan
 from forge.config.sections import JobConfig
@@ -71,6 +73,24 @@ class DistContext:
 
 
 @attrs.frozen
+class PipelineContext:
+    """This rank's pipeline stage and the schedule that drives it."""
+
+    schedule: _PipelineSchedule
+    group: ProcessGroup
+    stage_index: int
+    n_stages: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.n_stages - 1
+
+
+@attrs.frozen
 class ModelContext:
     """The (parallelized) model or this rank's pipeline stages, and its optimizer."""
 
@@ -79,6 +99,7 @@ class ModelContext:
     schedule: Schedule
     num_params: int
     fsdp: bool = False  # FSDP2 applies the compute dtype itself (no autocast)
+    pipeline: PipelineContext | None = None  # set when distributed.pp > 1
 
 
 @attrs.frozen

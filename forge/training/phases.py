@@ -35,17 +35,19 @@ from forge.optim.param_groups import build_optimizer
 from forge.optim.schedules import resolve_schedule
 from forge.parallel.mesh import device_for, end_process_group, init_process_group, submesh
 from forge.parallel.parallelize import parallelize
+from forge.parallel.pipeline import build_schedule, stage_module
 from forge.parallel.world import parallel_problems, resolve_dims, world_info
 from forge.training.context import (
     CheckpointContext,
     DataContext,
     DistContext,
     ModelContext,
+    PipelineContext,
     RunContext,
     StepBatches,
 )
 from forge.training.state import LoopPolicy, LoopState, StepResult
-from forge.training.step import make_text_step
+from forge.training.step import make_pipeline_step, make_text_step
 
 
 def load_and_validate_config(argv: Sequence[str]) -> RunContext:
@@ -147,6 +149,11 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
     cfg = run.config
     model = Transformer(cfg.model).to(dist.device)
     num_params = num_parameters(model)
+    pipeline = None
+    pp_mesh = submesh(dist.mesh, "pp")
+    if pp_mesh is not None:
+        stage_index, n_stages = pp_mesh.get_local_rank(), pp_mesh.size()
+        model = stage_module(model, stage_index, n_stages)
     dp_mesh = submesh(dist.mesh, "dp_replicate", "dp_shard")
     parallelize(
         model,
@@ -156,12 +163,25 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
         activation_checkpointing=cfg.train.activation_checkpointing,
         compile_blocks=cfg.train.compile,
     )
+    if pp_mesh is not None:
+        group = pp_mesh.get_group()
+        schedule = build_schedule(
+            model,
+            pp_mesh.get_local_rank(),
+            pp_mesh.size(),
+            dist.device,
+            group,
+            cfg.distributed.pp_schedule,
+            cfg.train.grad_accum_steps,
+        )
+        pipeline = PipelineContext(schedule, group, pp_mesh.get_local_rank(), pp_mesh.size())
     return ModelContext(
         model=model,
         optimizer=build_optimizer(model, cfg.optimizer),
         schedule=resolve_schedule(cfg.scheduler, cfg.train.max_steps),
         num_params=num_params,
         fsdp=dp_mesh is not None,
+        pipeline=pipeline,
     )
 
 
@@ -241,8 +261,19 @@ def prepare_run_dir(run: RunContext, dist: DistContext, ckpt: CheckpointContext)
 def make_step_fn(
     run: RunContext, dist: DistContext, model: ModelContext
 ) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
-    """The step function the config selects (the text LM step for now)."""
+    """The step function the config selects: the pipeline step under ``distributed.pp > 1``,
+    else the text LM step."""
     cfg = run.config
+    if model.pipeline is not None:
+        return make_pipeline_step(
+            model.model,
+            model.optimizer,
+            model.pipeline,
+            model.schedule,
+            cfg.optimizer.lr,
+            cfg.train.grad_clip_norm,
+            dp_size=dist.dp_size,
+        )
     return make_text_step(
         model.model,
         model.optimizer,

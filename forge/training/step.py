@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import torch.distributed as torch_dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -15,6 +16,7 @@ from forge.config.sections import Precision
 from forge.data.loader import Batch
 from forge.optim.schedules import Schedule, lr_at
 from forge.parallel.grad_norm import clip_coefficient, global_grad_norm, scale_grads_
+from forge.training.context import PipelineContext
 from forge.training.state import LoopState, StepResult
 
 
@@ -104,6 +106,53 @@ def make_text_step(
         )
 
     return text_step
+
+
+def make_pipeline_step(
+    stage: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    pipeline: PipelineContext,
+    schedule: Schedule,
+    peak_lr: float,
+    grad_clip_norm: float | None,
+    *,
+    dp_size: int = 1,
+) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
+    """One optimizer step through the pipeline: the step's micro-batches are concatenated and
+    the schedule splits them again, one per pipeline micro-batch.
+
+    The loss (known on the last stage) reaches every rank by a sum over the pipeline group;
+    the grad norm is global across stages, so every rank takes the same finite/skip branch.
+    """
+    params = [p for p in stage.parameters() if p.requires_grad]
+    max_norm = math.inf if grad_clip_norm is None else grad_clip_norm
+
+    def pipeline_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
+        lr = lr_at(schedule, peak_lr, state.step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        stage.train()
+        inputs = torch.cat([b.inputs for b in batches])
+        labels = torch.cat([b.labels for b in batches])
+        losses: list[torch.Tensor] = []
+        if pipeline.is_first:
+            pipeline.schedule.step(inputs)
+        elif pipeline.is_last:
+            pipeline.schedule.step(target=labels, losses=losses)
+        else:
+            pipeline.schedule.step()
+        loss = torch.stack(losses).mean().detach().float() if losses else torch.zeros(())
+        torch_dist.all_reduce(loss, group=pipeline.group)
+        grad_norm = global_grad_norm(params, pipeline.group)
+        loss_value, norm_value = finish_step(optimizer, params, loss, grad_norm, max_norm)
+        return StepResult(
+            loss=loss_value,
+            grad_norm=norm_value,
+            tokens=sum(b.num_tokens for b in batches) * dp_size,
+            lr=lr,
+        )
+
+    return pipeline_step
 
 
 @torch.no_grad()
