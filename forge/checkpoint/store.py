@@ -25,7 +25,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -33,6 +37,9 @@ from forge.checkpoint.policy import SaveSchedule, retention_plan, step_of
 from forge.errors import UserInputError
 
 TRAIN_STATE = "train_state.json"
+# Optimizer state and param-group settings keyed by parameter name, not by group index: each
+# pipeline stage then contributes distinct keys, and a checkpoint re-splits at any layout.
+STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 LATEST = "latest"
 
 
@@ -146,7 +153,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     with _single_process_dcp():
         dcp_save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
     torch.save(capture_rng(), tmp / f"rng_rank{rank}.pt")
@@ -194,11 +201,15 @@ def load_checkpoint(
         _dcp_load(state, path)
         model.load_state_dict(state["model"])
     else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
         state = {"model": model_sd, "optimizer": optim_sd}
         _dcp_load(state, path)
         set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=STATE_DICT_OPTIONS,
         )
     rng_file = path / f"rng_rank{rank}.pt"
     if restore_rng_state and rng_file.is_file():
