@@ -45,7 +45,8 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         flag.uninstall()
         return CONFIG_ERROR_EXIT
     prepare_run_dir(run, dist, ckpt)
-    print(f"[forge] {model.num_params:,} parameters; run dir {run.run_dir}", file=sys.stderr)
+    if dist.is_main:
+        print(f"[forge] {model.num_params:,} parameters; run dir {run.run_dir}", file=sys.stderr)
     policy = loop_policy(run.config)
     effects = TrainingEffects(run, dist, model, data, hooks=hooks)
     effects.begin(ckpt.initial_state)
@@ -59,7 +60,8 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
     )
     decision, state = conclude(outcome, state, policy, effects)
     effects.end(outcome, state)
-    print(f"[forge] {outcome.name} at step {state.step}; final save: {decision.reason.value}")
+    if dist.is_main:
+        print(f"[forge] {outcome.name} at step {state.step}; final save: {decision.reason.value}")
     flag.uninstall()
     teardown(dist)
     return exit_code(outcome)

@@ -125,8 +125,14 @@ def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
                     "use 'gpipe' or '1f1b'",
                 )
             )
-        if config.eval.interval > 0:
-            p.append(("eval.interval", "evaluation under distributed.pp > 1 is not supported yet; set eval.interval=0"))
+        if config.eval.interval > 0 and config.eval.steps < config.train.grad_accum_steps:
+            p.append(
+                (
+                    "eval.steps",
+                    f"must be >= train.grad_accum_steps={config.train.grad_accum_steps} "
+                    "under distributed.pp > 1 (eval batches go through the pipeline in groups)",
+                )
+            )
         if m.n_layers < stages:
             p.append(("distributed.pp", f"needs model.n_layers >= {stages} stages, got {m.n_layers}"))
         if config.train.grad_accum_steps < stages:

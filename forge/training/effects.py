@@ -22,7 +22,7 @@ from forge.training.hooks import HookList, Hooks
 from forge.training.outcome import LoopOutcome
 from forge.training.phases import config_fingerprint, loop_policy
 from forge.training.state import LoopState, SaveReason, StepResult
-from forge.training.step import evaluate_loss
+from forge.training.step import evaluate_loss, evaluate_pipeline_loss
 
 TRAIN_STATE_VERSION = 1
 
@@ -134,7 +134,11 @@ class TrainingEffects:
         loader.load_state_dict({"epoch": 0, "batch": 0})
         steps = self.run.config.eval.steps
         batches = [b for _, b in zip(range(steps), loader, strict=False)]
-        loss = evaluate_loss(self.model.model, batches, self.run.config.train.mixed_precision)
+        if self.model.pipeline is not None:
+            n_micro = self.run.config.train.grad_accum_steps
+            loss = evaluate_pipeline_loss(self.model.model, self.model.pipeline, batches, n_micro)
+        else:
+            loss = evaluate_loss(self.model.model, batches, self.run.config.train.mixed_precision)
         loss = mean_over_ranks(loss, self.dist.world_size)
         self._emit({"step": state.step, "eval/loss": loss, "eval/perplexity": math.exp(loss)})
         self._restart_clock(state)

@@ -102,7 +102,7 @@ def setup_distributed(run: RunContext) -> DistContext:
         torch.set_num_threads(cfg.train.num_threads)
     dist = DistContext(world=world, dims=dims, mesh=mesh, device=device_for(world))
     warning = precision_warning(run.config.train.mixed_precision, dist.device.type, cpu_flags())
-    if warning:
+    if warning and dist.is_main:
         print(f"[forge] warning: {warning}", file=sys.stderr)
     return dist
 
@@ -234,17 +234,19 @@ def setup_checkpointing(
     cfg = run.config.checkpoint
     load_path = pathlib.Path(cfg.load_path) if cfg.load_path else None
     plan = resolve_resume(run.checkpoint_dir, load_path)
-    for path in plan.skipped:
+    for path in plan.skipped if dist.is_main else ():
         print(f"[forge] skipping incomplete checkpoint {path}", file=sys.stderr)
     state = LoopState()
     if plan.source is ResumeSource.CHECKPOINT_DIR and plan.path is not None:
         train_state = load_checkpoint(plan.path, model.model, model.optimizer, rank=dist.rank)
         state = CONVERTER.structure(train_state["loop_state"], LoopState)
         data.train_loader.load_state_dict(train_state["loader"])
-        print(f"[forge] resumed from {plan.path} at step {state.step}", file=sys.stderr)
+        if dist.is_main:
+            print(f"[forge] resumed from {plan.path} at step {state.step}", file=sys.stderr)
     elif plan.source is ResumeSource.LOAD_PATH and plan.path is not None:
         load_checkpoint(plan.path, model.model, None, rank=dist.rank, restore_rng_state=False)
-        print(f"[forge] initial weights from {plan.path}", file=sys.stderr)
+        if dist.is_main:
+            print(f"[forge] initial weights from {plan.path}", file=sys.stderr)
     return CheckpointContext(plan=plan, initial_state=state)
 
 

@@ -166,3 +166,33 @@ def evaluate_loss(model: nn.Module, batches: list[Batch], precision: Precision) 
         total += lm_loss(model, batch, autocast)
     model.train(was_training)
     return float(total / max(1, len(batches)))
+
+
+@torch.no_grad()
+def evaluate_pipeline_loss(
+    stage: nn.Module, pipeline: PipelineContext, batches: list[Batch], n_microbatches: int
+) -> float:
+    """Mean loss over ``batches`` run forward-only through the pipeline, on every stage.
+
+    Batches are concatenated in groups of ``n_microbatches`` (the schedule's split); a partial
+    group at the end is left out.
+    """
+    was_training = stage.training
+    stage.eval()
+    losses: list[torch.Tensor] = []
+    for start in range(0, len(batches) - n_microbatches + 1, n_microbatches):
+        group = batches[start : start + n_microbatches]
+        inputs = torch.cat([b.inputs for b in group])
+        labels = torch.cat([b.labels for b in group])
+        if pipeline.is_first:
+            pipeline.schedule.eval(inputs)
+        elif pipeline.is_last:
+            group_losses: list[torch.Tensor] = []  # the schedule clears the list it is given
+            pipeline.schedule.eval(target=labels, losses=group_losses)
+            losses += group_losses
+        else:
+            pipeline.schedule.eval()
+    stage.train(was_training)
+    loss = torch.stack(losses).mean().float() if losses else torch.zeros(())
+    torch_dist.all_reduce(loss, group=pipeline.group)
+    return float(loss)

@@ -26,6 +26,8 @@ COMMON = [
     "--train.grad_clip_norm=0.5",
     "--distributed.timeout_s=60",
     "--data.verify_checksum=false",
+    "--eval.interval=5",
+    "--eval.steps=4",
 ]
 
 
@@ -50,9 +52,9 @@ def train(config: pathlib.Path, run_dir: pathlib.Path, *args: str, ranks: int = 
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
 
 
-def records(run_dir: pathlib.Path) -> list[dict]:
+def records(run_dir: pathlib.Path, key: str = "loss") -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "loss" in r]
+    return [r for r in map(json.loads, lines) if key in r]
 
 
 def weights(config: pathlib.Path, run_dir: pathlib.Path, step: int) -> dict[str, torch.Tensor]:
@@ -77,6 +79,9 @@ def assert_matches(reference, config, run_dir, steps=range(1, 6)):
     for step in steps:
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5), step
         assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-5), step
+    ref_eval, got_eval = records(ref_dir, "eval/loss"), records(run_dir, "eval/loss")
+    assert [r["step"] for r in got_eval] == [r["step"] for r in ref_eval] == [5]
+    assert got_eval[0]["eval/loss"] == pytest.approx(ref_eval[0]["eval/loss"], rel=1e-5)
     last = max(steps)
     ref_w, got_w = weights(ref_config, ref_dir, last), weights(config, run_dir, last)
     for name, tensor in ref_w.items():
