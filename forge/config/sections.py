@@ -307,7 +307,9 @@ class DistributedConfig:
         for key in ("dp_replicate", "tp", "pp"):
             _positive(p, f"distributed.{key}", getattr(self, key))
         if self.dp_shard != -1 and self.dp_shard < 1:
-            p.append(("distributed.dp_shard", f"must be -1 (the rest) or >= 1, got {self.dp_shard}"))
+            p.append(
+                ("distributed.dp_shard", f"must be -1 (the rest) or >= 1, got {self.dp_shard}")
+            )
         _positive(p, "distributed.timeout_s", self.timeout_s)
         return p
 

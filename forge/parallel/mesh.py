@@ -14,7 +14,7 @@ from forge.parallel.world import MESH_ORDER, MeshDims, WorldInfo
 
 
 def coordinates(rank: int, dims: MeshDims) -> dict[str, int]:
-    """This rank's index along each dim of the row-major mesh ``(pp, dp_replicate, dp_shard, tp)``."""
+    """This rank's index along each dim of the row-major mesh (pp, dp_replicate, dp_shard, tp)."""
     coords: dict[str, int] = {}
     rest = rank
     for name in reversed(MESH_ORDER):
@@ -44,7 +44,9 @@ def device_for(world: WorldInfo) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(world: WorldInfo, cfg: DistributedConfig, dims: MeshDims) -> DeviceMesh | None:
+def init_process_group(
+    world: WorldInfo, cfg: DistributedConfig, dims: MeshDims
+) -> DeviceMesh | None:
     """Start the default process group and build the named mesh; None for a single process."""
     if world.world_size == 1:
         return None
@@ -70,10 +72,10 @@ def submesh(mesh: DeviceMesh | None, *names: str) -> DeviceMesh | None:
     """The sub-mesh over ``names`` that exist in ``mesh`` (size-1 dims were dropped)."""
     if mesh is None or mesh.mesh_dim_names is None:
         return None
-    present = tuple(n for n in names if n in mesh.mesh_dim_names)
+    present = [n for n in names if n in mesh.mesh_dim_names]
     if not present:
         return None
-    return mesh[present if len(present) > 1 else present[0]]
+    return mesh[present[0]] if len(present) == 1 else mesh[tuple(present)]
 
 
 def end_process_group() -> None:

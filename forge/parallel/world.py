@@ -58,7 +58,8 @@ def world_info(env: Mapping[str, str]) -> WorldInfo:
             rank=int(env["SLURM_PROCID"]),
             local_rank=int(env.get("SLURM_LOCALID", "0")),
             world_size=int(env["SLURM_NTASKS"]),
-            master_addr=env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", "localhost")),
+            master_addr=env.get("MASTER_ADDR")
+            or first_host(env.get("SLURM_JOB_NODELIST", "localhost")),
             master_port=int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID", "0"))),
             launcher="slurm",
         )
@@ -114,7 +115,12 @@ def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
         if m.kv_heads % dims.tp:
             p.append(("distributed.tp", f"must divide model.n_kv_heads={m.kv_heads}"))
         if config.train.seq_len % dims.tp:
-            p.append(("distributed.tp", f"must divide train.seq_len={config.train.seq_len} (sequence parallelism)"))
+            p.append(
+                (
+                    "distributed.tp",
+                    f"must divide train.seq_len={config.train.seq_len} (sequence parallelism)",
+                )
+            )
     if dims.pp > 1:
         stages = dims.pp
         if d.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B:
@@ -134,7 +140,9 @@ def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
                 )
             )
         if m.n_layers < stages:
-            p.append(("distributed.pp", f"needs model.n_layers >= {stages} stages, got {m.n_layers}"))
+            p.append(
+                ("distributed.pp", f"needs model.n_layers >= {stages} stages, got {m.n_layers}")
+            )
         if config.train.grad_accum_steps < stages:
             p.append(
                 (
@@ -144,5 +152,11 @@ def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
                 )
             )
         if m.tie_embeddings:
-            p.append(("model.tie_embeddings", "cannot be used with distributed.pp > 1 (embedding and head live on different stages)"))
+            p.append(
+                (
+                    "model.tie_embeddings",
+                    "cannot be used with distributed.pp > 1 "
+                    "(embedding and head live on different stages)",
+                )
+            )
     return p

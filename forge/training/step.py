@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 import torch.distributed as torch_dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -42,7 +42,7 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 def finish_step(
     optimizer: torch.optim.Optimizer,
-    params: list[torch.Tensor],
+    params: Sequence[torch.Tensor],
     loss: torch.Tensor,
     grad_norm: torch.Tensor,
     max_norm: float,

@@ -42,12 +42,22 @@ def train(config: pathlib.Path, run_dir: pathlib.Path, *args: str, ranks: int = 
     if ranks == 1:
         cmd = [sys.executable, script]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={ranks}", script]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={ranks}",
+            script,
+        ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
         [*cmd, str(config), f"--run.dir={run_dir}", *COMMON, *args],
-        capture_output=True, text=True, timeout=240, env=env, check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
 
@@ -91,9 +101,35 @@ def assert_matches(reference, config, run_dir, steps=range(1, 6)):
 # (case, args): each is 2 ranks with a global batch of 8 per step
 CASES = [
     ("fsdp2", ["--distributed.dp_shard=2", "--train.batch_size=2", "--train.grad_accum_steps=2"]),
-    ("tp", ["--distributed.tp=2", "--distributed.dp_shard=1", "--train.batch_size=4", "--train.grad_accum_steps=2"]),
-    ("pp-gpipe", ["--distributed.pp=2", "--distributed.dp_shard=1", "--distributed.pp_schedule=gpipe", "--train.batch_size=4", "--train.grad_accum_steps=2"]),
-    ("pp-1f1b", ["--distributed.pp=2", "--distributed.dp_shard=1", "--distributed.pp_schedule=1f1b", "--train.batch_size=4", "--train.grad_accum_steps=2"]),
+    (
+        "tp",
+        [
+            "--distributed.tp=2",
+            "--distributed.dp_shard=1",
+            "--train.batch_size=4",
+            "--train.grad_accum_steps=2",
+        ],
+    ),
+    (
+        "pp-gpipe",
+        [
+            "--distributed.pp=2",
+            "--distributed.dp_shard=1",
+            "--distributed.pp_schedule=gpipe",
+            "--train.batch_size=4",
+            "--train.grad_accum_steps=2",
+        ],
+    ),
+    (
+        "pp-1f1b",
+        [
+            "--distributed.pp=2",
+            "--distributed.dp_shard=1",
+            "--distributed.pp_schedule=1f1b",
+            "--train.batch_size=4",
+            "--train.grad_accum_steps=2",
+        ],
+    ),
 ]
 
 
@@ -108,14 +144,50 @@ def test_two_ranks_match_one_rank(reference, tmp_path, small_corpus, args):
 
 # (case, first run's args and ranks, resumed run's args and ranks)
 RESHARD = [
-    ("fsdp2 -> tp", (["--distributed.dp_shard=2", "--train.batch_size=2", "--train.grad_accum_steps=2"], 2),
-     (["--distributed.tp=2", "--distributed.dp_shard=1", "--train.batch_size=4", "--train.grad_accum_steps=2"], 2)),
-    ("fsdp2 -> 1 rank", (["--distributed.dp_shard=2", "--train.batch_size=2", "--train.grad_accum_steps=2"], 2),
-     (["--train.batch_size=4", "--train.grad_accum_steps=2"], 1)),
-    ("pp -> pp", (["--distributed.pp=2", "--distributed.dp_shard=1", "--train.batch_size=4", "--train.grad_accum_steps=2"], 2),
-     (["--distributed.pp=2", "--distributed.dp_shard=1", "--train.batch_size=4", "--train.grad_accum_steps=2"], 2)),
-    ("1 rank -> fsdp2", (["--train.batch_size=4", "--train.grad_accum_steps=2"], 1),
-     (["--distributed.dp_shard=2", "--train.batch_size=2", "--train.grad_accum_steps=2"], 2)),
+    (
+        "fsdp2 -> tp",
+        (["--distributed.dp_shard=2", "--train.batch_size=2", "--train.grad_accum_steps=2"], 2),
+        (
+            [
+                "--distributed.tp=2",
+                "--distributed.dp_shard=1",
+                "--train.batch_size=4",
+                "--train.grad_accum_steps=2",
+            ],
+            2,
+        ),
+    ),
+    (
+        "fsdp2 -> 1 rank",
+        (["--distributed.dp_shard=2", "--train.batch_size=2", "--train.grad_accum_steps=2"], 2),
+        (["--train.batch_size=4", "--train.grad_accum_steps=2"], 1),
+    ),
+    (
+        "pp -> pp",
+        (
+            [
+                "--distributed.pp=2",
+                "--distributed.dp_shard=1",
+                "--train.batch_size=4",
+                "--train.grad_accum_steps=2",
+            ],
+            2,
+        ),
+        (
+            [
+                "--distributed.pp=2",
+                "--distributed.dp_shard=1",
+                "--train.batch_size=4",
+                "--train.grad_accum_steps=2",
+            ],
+            2,
+        ),
+    ),
+    (
+        "1 rank -> fsdp2",
+        (["--train.batch_size=4", "--train.grad_accum_steps=2"], 1),
+        (["--distributed.dp_shard=2", "--train.batch_size=2", "--train.grad_accum_steps=2"], 2),
+    ),
 ]
 
 

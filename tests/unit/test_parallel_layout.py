@@ -1,0 +1,258 @@
+"""World info, mesh layout and parallel validation: pure functions, tables."""
+
+import pytest
+
+from forge.config import structure_config
+from forge.config.sections import DistributedConfig
+from forge.parallel.mesh import coordinates, usable_backend
+from forge.parallel.pipeline import split_layers
+from forge.parallel.world import (
+    MeshDims,
+    WorldInfo,
+    first_host,
+    parallel_problems,
+    resolve_dims,
+    slurm_port,
+    world_info,
+)
+
+# (case, environment, expected)
+WORLDS = [
+    ("no launcher", {}, WorldInfo()),
+    (
+        "torchrun",
+        {
+            "RANK": "3",
+            "LOCAL_RANK": "1",
+            "WORLD_SIZE": "4",
+            "MASTER_ADDR": "n1",
+            "MASTER_PORT": "1234",
+        },
+        WorldInfo(3, 1, 4, "n1", 1234, "torchrun"),
+    ),
+    (
+        "slurm",
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_LOCALID": "1",
+            "SLURM_NTASKS": "8",
+            "SLURM_JOB_NODELIST": "gpu[003-004]",
+            "SLURM_JOB_ID": "123456",
+        },
+        WorldInfo(5, 1, 8, "gpu003", 20000 + 123456 % 20000, "slurm"),
+    ),
+    (
+        "slurm with explicit master",
+        {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "MASTER_ADDR": "head", "MASTER_PORT": "777"},
+        WorldInfo(0, 0, 2, "head", 777, "slurm"),
+    ),
+    (
+        "torchrun inside slurm wins",
+        {"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"},
+        WorldInfo(1, 0, 2, "127.0.0.1", 29500, "torchrun"),
+    ),
+]
+
+
+@pytest.mark.parametrize("env,expected", [w[1:] for w in WORLDS], ids=[w[0] for w in WORLDS])
+def test_world_info(env, expected):
+    assert world_info(env) == expected
+
+
+@pytest.mark.parametrize(
+    "nodelist,host",
+    [
+        ("node1", "node1"),
+        ("gpu[003-005,7]", "gpu003"),
+        ("gpu[12,14]", "gpu12"),
+        ("a1,b2", "a1"),
+        ("x[1]", "x1"),
+    ],
+)
+def test_first_host(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+def test_slurm_port_is_stable_and_in_range():
+    assert slurm_port("42") == slurm_port("42") == 20042
+    assert all(20000 <= slurm_port(str(j)) < 40000 for j in (0, 19999, 20000, 987654321))
+
+
+# (case, config, world size, dims, mesh)
+DIMS = [
+    ("one process", DistributedConfig(), 1, MeshDims(), ()),
+    ("dp_shard = rest", DistributedConfig(), 4, MeshDims(dp_shard=4), (("dp_shard", 4),)),
+    (
+        "tp takes a share",
+        DistributedConfig(tp=2),
+        4,
+        MeshDims(dp_shard=2, tp=2),
+        (("dp_shard", 2), ("tp", 2)),
+    ),
+    (
+        "hsdp",
+        DistributedConfig(dp_replicate=2, dp_shard=2),
+        4,
+        MeshDims(dp_replicate=2, dp_shard=2),
+        (("dp_replicate", 2), ("dp_shard", 2)),
+    ),
+    (
+        "pp outermost",
+        DistributedConfig(pp=2, tp=2),
+        8,
+        MeshDims(pp=2, dp_shard=2, tp=2),
+        (("pp", 2), ("dp_shard", 2), ("tp", 2)),
+    ),
+]
+
+
+@pytest.mark.parametrize("cfg,world,dims,named", [d[1:] for d in DIMS], ids=[d[0] for d in DIMS])
+def test_resolve_dims_and_named_mesh(cfg, world, dims, named):
+    assert resolve_dims(cfg, world) == dims
+    assert dims.named() == named
+
+
+@pytest.mark.parametrize(
+    "rank,dims,coords",
+    [
+        (0, MeshDims(dp_shard=2), {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 0}),
+        (1, MeshDims(dp_shard=2), {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "tp": 0}),
+        (1, MeshDims(tp=2), {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 1}),
+        (5, MeshDims(pp=2, dp_shard=2, tp=2), {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "tp": 1}),
+        (
+            3,
+            MeshDims(dp_replicate=2, dp_shard=2),
+            {"pp": 0, "dp_replicate": 1, "dp_shard": 1, "tp": 0},
+        ),
+    ],
+)
+def test_coordinates_are_row_major(rank, dims, coords):
+    assert coordinates(rank, dims) == coords
+
+
+@pytest.mark.parametrize(
+    "spec,cuda,backend",
+    [
+        ("cpu:gloo,cuda:nccl", False, "gloo"),
+        ("cpu:gloo,cuda:nccl", True, "cpu:gloo,cuda:nccl"),
+        ("gloo", False, "gloo"),
+    ],
+)
+def test_usable_backend(spec, cuda, backend):
+    assert usable_backend(spec, cuda) == backend
+
+
+@pytest.mark.parametrize(
+    "layers,stages,split",
+    [
+        (4, 2, [[0, 1], [2, 3]]),
+        (5, 2, [[0, 1, 2], [3, 4]]),
+        (4, 4, [[0], [1], [2], [3]]),
+        (3, 1, [[0, 1, 2]]),
+    ],
+)
+def test_split_layers(layers, stages, split):
+    assert split_layers(layers, stages) == split
+
+
+BASE = {
+    "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2},
+    "train": {"seq_len": 32, "grad_accum_steps": 2},
+}
+
+
+def cfg(**sections):
+    raw = {k: dict(v) for k, v in BASE.items()}
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return structure_config(raw)
+
+
+# (case, config, world size, expected lines)
+RULES = [
+    ("fits", cfg(distributed={"dp_shard": 2}), 2, []),
+    (
+        "product differs from the world",
+        cfg(distributed={"dp_shard": 2, "tp": 2}),
+        2,
+        [
+            "distributed: pp*dp_replicate*dp_shard*tp = 1*1*2*2 = 4, but the world size is 2; make them equal"
+        ],
+    ),
+    (
+        "tp must divide heads",
+        cfg(
+            distributed={"tp": 3},
+            model={"dim": 96, "n_heads": 6, "n_kv_heads": 2},
+            train={"seq_len": 32},
+        ),
+        3,
+        [
+            "distributed.tp: must divide model.n_kv_heads=2",
+            "distributed.tp: must divide train.seq_len=32 (sequence parallelism)",
+        ],
+    ),
+    (
+        "tp must divide query heads",
+        cfg(distributed={"tp": 4}, model={"dim": 96, "n_heads": 6, "n_kv_heads": 6}),
+        4,
+        [
+            "distributed.tp: must divide model.n_heads=6",
+            "distributed.tp: must divide model.n_kv_heads=6",
+        ],
+    ),
+    (
+        "pp needs layers",
+        cfg(distributed={"pp": 4}, model={"n_layers": 2}, train={"grad_accum_steps": 4}),
+        4,
+        ["distributed.pp: needs model.n_layers >= 4 stages, got 2"],
+    ),
+    (
+        "pp needs micro-batches",
+        cfg(distributed={"pp": 2}, train={"grad_accum_steps": 1}),
+        2,
+        [
+            "train.grad_accum_steps: must be >= 2 (the pipeline's micro-batches per step) with distributed.pp=2 and pp_schedule='1f1b'"
+        ],
+    ),
+    (
+        "interleaved is rejected",
+        cfg(distributed={"pp": 2, "pp_schedule": "interleaved_1f1b"}),
+        2,
+        [
+            "distributed.pp_schedule: 'interleaved_1f1b' is not supported yet (several stages per rank); use 'gpipe' or '1f1b'"
+        ],
+    ),
+    (
+        "tied embeddings with pp",
+        cfg(distributed={"pp": 2}, model={"tie_embeddings": True}),
+        2,
+        [
+            "model.tie_embeddings: cannot be used with distributed.pp > 1 (embedding and head live on different stages)"
+        ],
+    ),
+    (
+        "pp eval needs whole groups",
+        cfg(distributed={"pp": 2}, eval={"interval": 5, "steps": 1}),
+        2,
+        [
+            "eval.steps: must be >= train.grad_accum_steps=2 under distributed.pp > 1 (eval batches go through the pipeline in groups)"
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("config,world,lines", [r[1:] for r in RULES], ids=[r[0] for r in RULES])
+def test_parallel_validation(config, world, lines):
+    assert [f"{k}: {m}" for k, m in parallel_problems(config, world)] == lines
+
+
+def test_distributed_section_ranges():
+    from forge.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        structure_config({"distributed": {"dp_shard": 0, "tp": 0}})
+    assert info.value.lines == [
+        "distributed.tp: must be > 0, got 0",
+        "distributed.dp_shard: must be -1 (the rest) or >= 1, got 0",
+    ]
