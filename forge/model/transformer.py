@@ -7,11 +7,13 @@ ffn}_norm``, ``norm``, ``output``.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from forge.config.sections import ModelConfig
 
@@ -120,20 +122,45 @@ class Transformer(nn.Module):
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights()
+        if not self.rope_cos.is_meta:  # built on "meta": materialize, then init_weights(seed)
+            self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Normal(0, init_std); residual output projections scaled by 1/sqrt(2 * n_layers)."""
-        std = self.cfg.init_std
-        residual_std = std / math.sqrt(2 * self.cfg.n_layers)
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise every parameter in place with ``initial_value`` (see there).
+
+        With ``seed`` None the seed is drawn from torch's global generator, so
+        ``torch.manual_seed`` before construction still decides the weights. Works on sharded
+        (DTensor) parameters too: each rank builds the full value and keeps its own shard.
+        """
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(p)
-            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-                nn.init.normal_(p, 0.0, residual_std)
+            full = initial_value(name, tuple(p.shape), self.cfg, seed)
+            if isinstance(p, DTensor):
+                local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+                p.to_local().copy_(local.to_local())
             else:
-                nn.init.normal_(p, 0.0, std)
+                p.copy_(full)
+
+    def materialize(self, device: torch.device | str) -> None:
+        """Allocate a model built on the meta device: storage, tied weights, RoPE tables.
+
+        Parameters are left uninitialised; call ``init_weights`` next.
+        """
+        self.to_empty(device=device)
+        if self.cfg.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight  # to_empty unties them
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute the RoPE tables (needed after ``to_empty`` from the meta device)."""
+        cos, sin = rope_tables(
+            self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta
+        )
+        self.rope_cos = cos.to(self.rope_cos.device)
+        self.rope_sin = sin.to(self.rope_sin.device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids ``(B, T)`` (or hidden states on a later pipeline stage) to logits."""
@@ -143,6 +170,24 @@ class Transformer(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
+
+
+def initial_value(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """The full initial value of parameter ``name``: a pure function of (name, shape, seed).
+
+    Norm weights are ones; residual output projections (``wo``, ``w2``) are normal with
+    std ``init_std / sqrt(2 n_layers)``; everything else normal with ``init_std``. Because each
+    parameter has its own generator, the weights do not depend on construction order, device,
+    sharding or pipeline split, which is what makes a 2-rank run start where a 1-rank run does.
+    """
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    std = cfg.init_std
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        std = std / math.sqrt(2 * cfg.n_layers)
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
 def num_parameters(model: nn.Module) -> int:

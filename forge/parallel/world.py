@@ -109,6 +109,14 @@ def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
             )
         )
     m = config.model
+    if m.tie_embeddings and world_size > 1:
+        p.append(
+            (
+                "model.tie_embeddings",
+                "is supported in a single process only (a shared embedding/head across shards "
+                "or stages is not implemented); set it to false",
+            )
+        )
     if dims.tp > 1:
         if m.n_heads % dims.tp:
             p.append(("distributed.tp", f"must divide model.n_heads={m.n_heads}"))
@@ -149,14 +157,6 @@ def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
                     "train.grad_accum_steps",
                     f"must be >= {stages} (the pipeline's micro-batches per step) with "
                     f"distributed.pp={dims.pp} and pp_schedule='{d.pp_schedule.value}'",
-                )
-            )
-        if m.tie_embeddings:
-            p.append(
-                (
-                    "model.tie_embeddings",
-                    "cannot be used with distributed.pp > 1 "
-                    "(embedding and head live on different stages)",
                 )
             )
     return p

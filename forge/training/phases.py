@@ -143,11 +143,13 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
     """The fp32 model, parallelized (TP → AC → FSDP2 → compile), AdamW with param groups over
     the parallelized parameters, and the resolved LR schedule.
 
-    Every rank builds the same full model from the same seed before sharding, so a sharded run
-    starts from exactly the weights of a one-process run.
+    The model is built on the meta device, parallelized, then materialized: each rank allocates
+    only its shards and initializes them from per-parameter generators, so a sharded run starts
+    from exactly the weights of a one-process run, and a model larger than one device fits.
     """
     cfg = run.config
-    model = Transformer(cfg.model).to(dist.device)
+    with torch.device("meta"):  # no memory until sharded: each rank materializes its part
+        model = Transformer(cfg.model)
     num_params = num_parameters(model)
     pipeline = None
     pp_mesh = submesh(dist.mesh, "pp")
@@ -163,6 +165,8 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
         activation_checkpointing=cfg.train.activation_checkpointing,
         compile_blocks=cfg.train.compile,
     )
+    model.materialize(dist.device)
+    model.init_weights(seed=cfg.train.seed)
     if pp_mesh is not None:
         group = pp_mesh.get_group()
         schedule = build_schedule(

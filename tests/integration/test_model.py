@@ -99,3 +99,53 @@ def test_sampling_is_reproducible_with_a_generator():
     a = sample(m, [1, 2, 3], 8, generator=torch.Generator().manual_seed(1))
     b = sample(m, [1, 2, 3], 8, generator=torch.Generator().manual_seed(1))
     assert a == b and len(a) == 11 and a[:3] == [1, 2, 3]
+
+
+def materialized(cfg: ModelConfig, seed: int) -> Transformer:
+    with torch.device("meta"):
+        m = Transformer(cfg)
+    m.materialize("cpu")
+    m.init_weights(seed=seed)
+    return m
+
+
+def test_meta_build_then_materialize_equals_a_direct_build():
+    direct = Transformer(CFG)
+    direct.init_weights(seed=7)
+    meta = materialized(CFG, 7)
+    for name, p in direct.state_dict().items():
+        assert torch.equal(p, meta.state_dict()[name]), name
+    x = torch.randint(0, 259, (1, 16))
+    assert torch.equal(direct(x), meta(x))
+
+
+def test_materialize_keeps_tied_embeddings_tied():
+    m = materialized(attrs.evolve(CFG, tie_embeddings=True), 1)
+    assert m.output.weight is m.tok_embeddings.weight
+
+
+def test_initial_values_depend_on_name_and_seed_only():
+    from forge.model.transformer import initial_value
+
+    a = initial_value("layers.0.attention.wq.weight", (4, 4), CFG, 1)
+    assert torch.equal(a, initial_value("layers.0.attention.wq.weight", (4, 4), CFG, 1))
+    assert not torch.equal(a, initial_value("layers.1.attention.wq.weight", (4, 4), CFG, 1))
+    assert not torch.equal(a, initial_value("layers.0.attention.wq.weight", (4, 4), CFG, 2))
+    assert torch.equal(initial_value("norm.weight", (4,), CFG, 1), torch.ones(4))
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_gives_the_same_gradients(mode):
+    from forge.config.sections import ActivationCheckpointing
+    from forge.parallel.parallelize import apply_activation_checkpointing
+
+    plain, wrapped = model(), model()
+    apply_activation_checkpointing(wrapped, ActivationCheckpointing(mode))
+    x = torch.randint(0, 259, (2, 16))
+    plain(x).sum().backward()
+    wrapped(x).sum().backward()
+    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in wrapped.named_parameters()}
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+    kinds = [type(b).__name__ for b in wrapped.layers.values()]
+    assert kinds == (["CheckpointWrapper"] * 2 if mode == "full" else ["CheckpointWrapper", "TransformerBlock"])

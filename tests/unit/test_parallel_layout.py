@@ -224,13 +224,14 @@ RULES = [
         ],
     ),
     (
-        "tied embeddings with pp",
-        cfg(distributed={"pp": 2}, model={"tie_embeddings": True}),
+        "tied embeddings with several ranks",
+        cfg(distributed={"dp_shard": 2}, model={"tie_embeddings": True}),
         2,
         [
-            "model.tie_embeddings: cannot be used with distributed.pp > 1 (embedding and head live on different stages)"
+            "model.tie_embeddings: is supported in a single process only (a shared embedding/head across shards or stages is not implemented); set it to false"
         ],
     ),
+    ("tied embeddings alone", cfg(model={"tie_embeddings": True}), 1, []),
     (
         "pp eval needs whole groups",
         cfg(distributed={"pp": 2}, eval={"interval": 5, "steps": 1}),
