@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from forge.checkpoint.policy import SaveSchedule, retention_plan, step_of
 from forge.errors import UserInputError
+from forge.model.transformer import canonical_name
 
 TRAIN_STATE = "train_state.json"
 # Optimizer state and param-group settings keyed by parameter name, not by group index: each
@@ -235,7 +236,8 @@ def _check_shapes(path: pathlib.Path, model: nn.Module) -> None:
         for k, v in meta.state_dict_metadata.items()
         if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
     }
-    for name, tensor in model.state_dict().items():
+    for raw_name, tensor in model.state_dict().items():
+        name = canonical_name(raw_name)
         if name not in saved:
             raise CheckpointError(f"{path}: has no parameter '{name}'; the model config differs")
         if saved[name] != tuple(tensor.shape):

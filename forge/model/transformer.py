@@ -136,7 +136,7 @@ class Transformer(nn.Module):
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         for name, p in self.named_parameters():
-            full = initial_value(name, tuple(p.shape), self.cfg, seed)
+            full = initial_value(canonical_name(name), tuple(p.shape), self.cfg, seed)
             if isinstance(p, DTensor):
                 local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
                 p.to_local().copy_(local.to_local())
@@ -170,6 +170,17 @@ class Transformer(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
+
+
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter name without the parts wrappers add (activation checkpointing, compile):
+    the name checkpoints and initialisation use."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
 
 
 def initial_value(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> torch.Tensor:

@@ -229,3 +229,22 @@ def test_generate_prints_text_from_the_trained_run(tiny_config):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("def ") and len(out.stdout) > 10
+
+
+def test_activation_checkpointing_changes_nothing_but_memory(tiny_config, tmp_path):
+    """Same losses with and without AC, and a checkpoint written with AC resumes without it."""
+    reference = tmp_path / "ref" / "tiny.toml"
+    reference.parent.mkdir()
+    reference.write_text(
+        tiny_config.read_text().replace(str(run_dir(tiny_config)), str(run_dir(reference)))
+    )
+    assert TRAIN.main([str(reference), "--train.max_steps=6"]) == 0
+    assert (
+        TRAIN.main(
+            [str(tiny_config), "--train.max_steps=6", "--train.activation_checkpointing=full"]
+        )
+        == 0
+    )
+    assert losses(tiny_config) == losses(reference)
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=8"]) == 0
+    assert [s for s, _ in losses(tiny_config)] == list(range(1, 9))
