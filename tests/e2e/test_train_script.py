@@ -248,3 +248,16 @@ def test_activation_checkpointing_changes_nothing_but_memory(tiny_config, tmp_pa
     assert losses(tiny_config) == losses(reference)
     assert TRAIN.main([str(tiny_config), "--train.max_steps=8"]) == 0
     assert [s for s, _ in losses(tiny_config)] == list(range(1, 9))
+
+
+def test_compiled_blocks_train_like_eager(tiny_config, tmp_path):
+    """train.compile=true (inductor on CPU: a ~30 s cold compile) matches eager closely."""
+    reference = tmp_path / "ref" / "tiny.toml"
+    reference.parent.mkdir()
+    reference.write_text(
+        tiny_config.read_text().replace(str(run_dir(tiny_config)), str(run_dir(reference)))
+    )
+    assert TRAIN.main([str(reference), "--train.max_steps=3"]) == 0
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=3", "--train.compile=true"]) == 0
+    for (s1, l1), (s2, l2) in zip(losses(reference), losses(tiny_config), strict=True):
+        assert s1 == s2 and l2 == pytest.approx(l1, rel=1e-4)
