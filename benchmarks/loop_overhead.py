@@ -55,17 +55,19 @@ def hand_written(config, steps: int) -> float:
     clip = config.train.grad_clip_norm or math.inf
     start = time.perf_counter()
     tokens = 0
+    accum = config.train.grad_accum_steps
     for step in range(steps):
-        batch = next(batches)
         for group in opt.param_groups:
             group["lr"] = lr_at(schedule, config.optimizer.lr, step)
-        logits = model(batch.inputs)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch.labels.flatten())
-        loss.backward()
+        for _ in range(accum):
+            batch = next(batches)
+            logits = model(batch.inputs)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch.labels.flatten())
+            (loss / accum).backward()
+            tokens += batch.num_tokens
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        tokens += batch.num_tokens
         if (step + 1) % config.metrics.log_interval == 0:
             print(f"baseline step {step + 1} | loss {loss.item():.4f}")
     return tokens / (time.perf_counter() - start)
@@ -104,15 +106,20 @@ def main() -> None:
     base, ours = [], []
     with tempfile.TemporaryDirectory() as tmp:
         hand_written(config, 3)  # warm-up: allocator, thread pool, page cache
-        for r in range(args.rounds):
-            base.append(hand_written(config, args.steps))
-            ours.append(with_forge(config, args.steps, pathlib.Path(tmp) / f"r{r}"))
+        for r in range(args.rounds):  # ABBA order: neither loop always runs first
+            if r % 2 == 0:
+                base.append(hand_written(config, args.steps))
+                ours.append(with_forge(config, args.steps, pathlib.Path(tmp) / f"r{r}"))
+            else:
+                ours.append(with_forge(config, args.steps, pathlib.Path(tmp) / f"r{r}"))
+                base.append(hand_written(config, args.steps))
     b, f = statistics.median(base), statistics.median(ours)
     print()
+    t = config.train
     print(
-        f"model: {config.model.dim}d x {config.model.n_layers} layers, "
-        f"batch {config.train.batch_size} x {config.train.seq_len}, "
-        f"{config.train.mixed_precision.value}, {torch.get_num_threads()} threads"
+        f"model: {config.model.dim}d x {config.model.n_layers} layers, batch {t.batch_size} x "
+        f"{t.seq_len} x {t.grad_accum_steps} micro-batches, {t.mixed_precision.value}, "
+        f"{torch.get_num_threads()} threads"
     )
     print(f"hand-written loop: {b:,.0f} tokens/s (rounds: {', '.join(f'{x:,.0f}' for x in base)})")
     print(f"forge loop:        {f:,.0f} tokens/s (rounds: {', '.join(f'{x:,.0f}' for x in ours)})")

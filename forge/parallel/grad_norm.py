@@ -27,9 +27,12 @@ def global_grad_norm(
         if p.grad is not None:
             groups.setdefault(_mesh_key(p.grad), []).append(p.grad)
     squares = torch.zeros((), dtype=torch.float32)
-    for grads in groups.values():
-        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
-        group_norm = torch.linalg.vector_norm(norms)
+    for mesh, grads in groups.items():
+        if mesh is None:  # plain tensors: one fused kernel for all norms
+            norms = torch.stack(torch._foreach_norm(grads))
+        else:
+            norms = torch.stack([torch.linalg.vector_norm(g) for g in grads])
+        group_norm = torch.linalg.vector_norm(norms.float())
         if isinstance(group_norm, DTensor):
             group_norm = group_norm.full_tensor()
         squares = squares + group_norm.to(squares.device) ** 2

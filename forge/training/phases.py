@@ -90,14 +90,16 @@ def data_problems(config: JobConfig) -> list[str]:
 def setup_distributed(run: RunContext) -> DistContext:
     """World info (torchrun, SLURM or one process), process group, device mesh and seeding.
 
-    Every rank seeds the same model-init stream (so unsharded init is identical everywhere)
-    and then a per-rank stream for anything sampled during training.
+    Each rank seeds its own RNG streams (``train.seed + rank``); model weights do not depend on
+    them (``initial_value`` uses a generator per parameter), so every layout starts alike.
     """
     cfg = run.config
     world = world_info(os.environ)
     dims = resolve_dims(cfg.distributed, world.world_size)
     mesh = init_process_group(world, cfg.distributed, dims)
-    seed_everything(cfg.train.seed)
+    # Weights come from per-parameter generators (see initial_value), not from these streams;
+    # these serve anything sampled during training, and differ per rank.
+    seed_everything(cfg.train.seed + world.rank)
     if cfg.train.num_threads > 0:
         torch.set_num_threads(cfg.train.num_threads)
     dist = DistContext(world=world, dims=dims, mesh=mesh, device=device_for(world))
