@@ -11,11 +11,13 @@ import sys
 from collections.abc import Sequence
 
 from forge.errors import UserInputError
+from forge.resilience.control import ControlChannel, StepMonitor
+from forge.resilience.faults import FaultHooks, faults_from_env
 from forge.resilience.signals import ShutdownFlag
 from forge.training.effects import TrainingEffects
 from forge.training.hooks import Hooks
 from forge.training.loop import conclude, run_training_loop
-from forge.training.outcome import CONFIG_ERROR_EXIT, exit_code
+from forge.training.outcome import CONFIG_ERROR_EXIT, LoopOutcome, exit_code
 from forge.training.phases import (
     build_model_and_optim,
     load_and_validate_config,
@@ -44,11 +46,19 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
             print(f"error: {line}", file=sys.stderr)
         flag.uninstall()
         return CONFIG_ERROR_EXIT
+    flag.timeout_s = run.config.resilience.shutdown_timeout_s
     prepare_run_dir(run, dist, ckpt)
     if dist.is_main:
         print(f"[forge] {model.num_params:,} parameters; run dir {run.run_dir}", file=sys.stderr)
     policy = loop_policy(run.config)
+    hooks = [*hooks, FaultHooks(faults_from_env(os.environ), dist.rank)]
     effects = TrainingEffects(run, dist, model, data, hooks=hooks)
+    res = run.config.resilience
+    monitor = StepMonitor(
+        ControlChannel(dist.world_size, res.health_timeout_s),
+        flag.requested,
+        res.health_check_interval,
+    )
     effects.begin(ckpt.initial_state)
     outcome, state = run_training_loop(
         ckpt.initial_state,
@@ -56,14 +66,14 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         make_step_fn(run, dist, model),
         policy,
         effects,
-        flag.poll,
+        monitor,
     )
     decision, state = conclude(outcome, state, policy, effects)
     effects.end(outcome, state)
     if dist.is_main:
         print(f"[forge] {outcome.name} at step {state.step}; final save: {decision.reason.value}")
     flag.uninstall()
-    teardown(dist)
+    teardown(dist, healthy=outcome is not LoopOutcome.HEALTH_FAILURE)
     return exit_code(outcome)
 
 

@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import threading
 from types import FrameType
-
-from forge.training.state import Signals
 
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class ShutdownFlag:
-    """Installs handlers for SIGTERM, SIGUSR1 and SIGINT; ``poll()`` reports them as ``Signals``.
+    """Installs handlers for SIGTERM, SIGUSR1 and SIGINT; the loop reads ``requested()``.
 
-    A second SIGINT restores the default handler's behaviour (KeyboardInterrupt) at once.
+    A second SIGINT raises KeyboardInterrupt at once. With ``timeout_s`` set, the process exits
+    with ``exit_code`` that many seconds after the first signal if it is still running (a stuck
+    emergency save must not outlive the scheduler's grace period).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float | None = None, exit_code: int = 75) -> None:
         self.received: int | None = None
+        self.timeout_s = timeout_s
+        self.exit_code = exit_code
+        self._timer: threading.Timer | None = None
         self._previous: dict[int, object] = {}
 
     def install(self) -> ShutdownFlag:
@@ -29,11 +35,25 @@ class ShutdownFlag:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
         self._previous.clear()
+        if self._timer is not None:
+            self._timer.cancel()
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         if signum == signal.SIGINT and self.received == signal.SIGINT:
             raise KeyboardInterrupt
         self.received = signum
+        if self.timeout_s is not None and self._timer is None:
+            self._timer = threading.Timer(self.timeout_s, self._force_exit)
+            self._timer.daemon = True
+            self._timer.start()
 
-    def poll(self) -> Signals:
-        return Signals(shutdown_requested=self.received is not None)
+    def _force_exit(self) -> None:
+        print(
+            f"[forge] shutdown did not finish within {self.timeout_s} s; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(self.exit_code)
+
+    def requested(self) -> bool:
+        return self.received is not None

@@ -15,6 +15,7 @@ import attrs
 import torch
 import torch.distributed as torch_dist
 
+from forge.checkpoint.slots import Slots
 from forge.checkpoint.store import apply_retention, save_checkpoint
 from forge.metrics.sinks import JsonlSink, MetricsSink, StdoutSink
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
@@ -25,6 +26,7 @@ from forge.training.state import LoopState, SaveReason, StepResult
 from forge.training.step import evaluate_loss, evaluate_pipeline_loss
 
 TRAIN_STATE_VERSION = 1
+ROLLBACK_SLOT = "rollback"
 
 
 def step_record(
@@ -68,6 +70,7 @@ class TrainingEffects:
         self._mark_time = clock()
         self._mark_step = 0
         self._schedule = loop_policy(run.config).schedule
+        self.slots = Slots(model.model, model.optimizer)
 
     def _restart_clock(self, state: LoopState) -> None:
         self._mark_time, self._mark_step = self.clock(), state.step
@@ -145,6 +148,16 @@ class TrainingEffects:
 
     def step_end(self, state: LoopState, result: StepResult) -> None:
         self.hooks.on_step_end(state, result)
+
+    def snapshot(self, state: LoopState) -> None:
+        """Refresh the in-memory rollback slot (model + optimizer, CPU clones)."""
+        self.slots.push(ROLLBACK_SLOT)
+
+    def restore(self, state: LoopState) -> None:
+        """Load the rollback slot taken at ``state`` back into the model and optimizer."""
+        self.slots.load(ROLLBACK_SLOT)
+        if self.dist.is_main:
+            print(f"[forge] non-finite step: rolled back to step {state.step}", file=sys.stderr)
 
     def end(self, outcome: LoopOutcome, state: LoopState) -> None:
         """Call ``on_train_end`` and close the sinks."""

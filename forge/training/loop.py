@@ -12,6 +12,7 @@ from typing import Protocol, TypeVar
 
 import attrs
 
+from forge.config.sections import NonFinitePolicy
 from forge.training.finalize import CheckpointView, FinalSave, finalize
 from forge.training.outcome import LoopOutcome
 from forge.training.state import (
@@ -21,6 +22,7 @@ from forge.training.state import (
     Signals,
     StepResult,
     plan_step,
+    rolled_back,
     saves_initial_milestone,
     starting_outcome,
 )
@@ -42,6 +44,8 @@ class Effects(Protocol):
     def log(self, state: LoopState, result: StepResult) -> None: ...
     def evaluate(self, state: LoopState) -> None: ...
     def step_end(self, state: LoopState, result: StepResult) -> None: ...
+    def snapshot(self, state: LoopState) -> None: ...
+    def restore(self, state: LoopState) -> None: ...
 
 
 def run_training_loop(
@@ -50,23 +54,36 @@ def run_training_loop(
     step_fn: StepFn[BatchT],
     policy: LoopPolicy,
     effects: Effects,
-    poll: Callable[[], Signals] = Signals,
+    poll: Callable[[StepResult], Signals] = lambda _: Signals(),
 ) -> tuple[LoopOutcome, LoopState]:
-    """Reduce steps into a final ``LoopState`` and say how the loop ended."""
+    """Reduce steps into a final ``LoopState`` and say how the loop ended.
+
+    ``poll(result)`` returns the control word for the step just run: this rank's conditions
+    reduced over every rank, so that every branch below is taken by all ranks or none.
+    """
     already = starting_outcome(state, policy)
     if already is not None:
         return already, state
     if saves_initial_milestone(state, policy):
         effects.save(state, SaveReason.SCHEDULED)
         state = attrs.evolve(state, last_saved_step=state.step)
+    snapshot = state
+    if policy.nonfinite_policy is NonFinitePolicy.ROLLBACK:
+        effects.snapshot(state)
     while True:
         try:
             batch = next(batches)
         except StopIteration:
             return LoopOutcome.DATA_EXHAUSTED, state
         result = step_fn(batch, state)
-        plan = plan_step(state, result, poll(), policy)
+        plan = plan_step(state, result, poll(result), policy)
         state = plan.state
+        if plan.rollback:
+            effects.restore(snapshot)
+            state = rolled_back(state, snapshot)
+        if plan.snapshot:
+            effects.snapshot(state)
+            snapshot = state
         if plan.log:
             effects.log(state, result)
         if plan.evaluate:

@@ -37,6 +37,7 @@ from forge.parallel.mesh import device_for, end_process_group, init_process_grou
 from forge.parallel.parallelize import parallelize
 from forge.parallel.pipeline import build_schedule, stage_module
 from forge.parallel.world import parallel_problems, resolve_dims, world_info
+from forge.resilience.faults import NanInjector, faults_from_env
 from forge.training.context import (
     CheckpointContext,
     DataContext,
@@ -291,6 +292,7 @@ def make_step_fn(
         cfg.train.grad_clip_norm,
         fsdp_mixed_precision=model.fsdp,
         dp_size=dist.dp_size,
+        loss_scale=NanInjector(faults_from_env(os.environ), dist.rank),
     )
 
 
@@ -316,6 +318,8 @@ def loop_policy(config: JobConfig) -> LoopPolicy:
         eval_interval=config.eval.interval,
         schedule=schedule,
         nonfinite_limit=config.nonfinite_limit,
+        nonfinite_policy=config.resilience.on_nonfinite,
+        snapshot_interval=config.resilience.snapshot_interval,
     )
 
 
@@ -325,13 +329,14 @@ def config_fingerprint(config: JobConfig) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def teardown(dist: DistContext) -> None:
-    """Barrier, destroy the process group (if one was started), flush output.
+def teardown(dist: DistContext, healthy: bool = True) -> None:
+    """Barrier, destroy the process group (if one was started), flush output. After a health
+    failure the barrier is skipped: a peer may be gone.
 
     With more than one rank the caller should then end the process with ``os._exit``: gloo
     worker threads kept alive by the mesh can abort interpreter finalization.
     """
-    if dist.world_size > 1:
+    if dist.world_size > 1 and healthy:
         end_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -6,6 +6,11 @@ One step of the reducer: ``plan_step(state, result, signals, policy) -> StepPlan
 Bookkeeping rule for a non-finite (skipped) step: the update is dropped, but the step counter,
 the LR schedule position, the data position and the token count all advance as for a normal
 step, and the shutdown poll and checkpoint gate still run.
+
+Rollback (``resilience.on_nonfinite = "rollback"``): the model and optimizer return to the last
+in-memory snapshot (step ``s``); the step counter (and so the LR) returns to ``s``; the data
+position does not, so the batches of steps ``s+1..k`` that led to the failure are skipped, and
+the range is recorded in ``LoopState.skipped_ranges``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import math
 import attrs
 
 from forge.checkpoint.policy import SaveSchedule
+from forge.config.sections import NonFinitePolicy
 from forge.training.outcome import LoopOutcome
 
 
@@ -28,6 +34,7 @@ class LoopState:
     nonfinite_streak: int = 0
     last_saved_step: int | None = None
     last_step_finite: bool = True
+    skipped_ranges: tuple[tuple[int, int], ...] = ()  # (first, last) steps rolled back over
 
 
 @attrs.frozen
@@ -46,10 +53,11 @@ class StepResult:
 
 @attrs.frozen
 class Signals:
-    """External conditions polled once per step."""
+    """Conditions polled once per step, already reduced over every rank (the control word)."""
 
     shutdown_requested: bool = False
     health_failed: bool = False
+    nonfinite: bool = False  # some rank's loss or grad norm was not finite
 
 
 @attrs.frozen
@@ -61,6 +69,26 @@ class LoopPolicy:
     eval_interval: int = 0
     schedule: SaveSchedule | None = None
     nonfinite_limit: int = 3
+    nonfinite_policy: NonFinitePolicy = NonFinitePolicy.SKIP
+    snapshot_interval: int = 0  # rollback snapshots every this many steps (0: only at start)
+
+
+class NonFiniteAction(enum.Enum):
+    CONTINUE = "continue"  # the step was finite
+    SKIP = "skip"  # drop the update, go on
+    ROLLBACK = "rollback"  # restore the last snapshot, skip the failing window
+    ABORT = "abort"  # end the run: NAN_ABORT
+
+
+def nonfinite_action(streak: int, policy: LoopPolicy) -> NonFiniteAction:
+    """The NaN state machine: what a run does after ``streak`` consecutive non-finite steps."""
+    if streak == 0:
+        return NonFiniteAction.CONTINUE
+    if streak >= policy.nonfinite_limit or policy.nonfinite_policy is NonFinitePolicy.ABORT:
+        return NonFiniteAction.ABORT
+    if policy.nonfinite_policy is NonFinitePolicy.ROLLBACK:
+        return NonFiniteAction.ROLLBACK
+    return NonFiniteAction.SKIP
 
 
 class SaveReason(enum.Enum):
@@ -78,37 +106,48 @@ class StepPlan:
     evaluate: bool = False
     save: SaveReason | None = None
     stop: LoopOutcome | None = None
+    rollback: bool = False  # restore the last snapshot (then ``rolled_back`` gives the state)
+    snapshot: bool = False  # refresh the rollback snapshot at this state
 
 
-def advance(state: LoopState, result: StepResult) -> LoopState:
-    """Bookkeeping after a step, skipped or not (see the module docstring)."""
+def advance(state: LoopState, result: StepResult, finite: bool = True) -> LoopState:
+    """Bookkeeping after a step, skipped or not (see the module docstring). ``finite`` is the
+    world-reduced verdict: false if any rank's step was not finite."""
+    ok = finite and result.finite
     return attrs.evolve(
         state,
         step=state.step + 1,
         tokens_seen=state.tokens_seen + result.tokens,
-        nonfinite_streak=0 if result.finite else state.nonfinite_streak + 1,
-        last_step_finite=result.finite,
+        nonfinite_streak=0 if ok else state.nonfinite_streak + 1,
+        last_step_finite=ok,
     )
 
 
-def stop_outcome(state: LoopState, signals: Signals, policy: LoopPolicy) -> LoopOutcome | None:
+def stop_outcome(
+    state: LoopState, signals: Signals, policy: LoopPolicy, action: NonFiniteAction
+) -> LoopOutcome | None:
     """Why the loop stops after reaching ``state``, most severe first; None to go on."""
     if signals.health_failed:
         return LoopOutcome.HEALTH_FAILURE
-    if state.nonfinite_streak >= policy.nonfinite_limit:
+    if action is NonFiniteAction.ABORT:
         return LoopOutcome.NAN_ABORT
     if signals.shutdown_requested:
         return LoopOutcome.SHUTDOWN
+    if action is NonFiniteAction.ROLLBACK:
+        return None  # the step counter is about to go back
     if state.step >= policy.max_steps:
         return LoopOutcome.COMPLETED
     return None
 
 
 def save_reason(
-    state: LoopState, stop: LoopOutcome | None, policy: LoopPolicy
+    state: LoopState, stop: LoopOutcome | None, policy: LoopPolicy, rollback: bool = False
 ) -> SaveReason | None:
-    """Scheduled or emergency save after reaching ``state``; never on a failure stop."""
+    """Scheduled or emergency save after reaching ``state``; never on a failure stop, nor on a
+    step about to be rolled back."""
     if policy.schedule is None or stop in (LoopOutcome.HEALTH_FAILURE, LoopOutcome.NAN_ABORT):
+        return None
+    if rollback:
         return None
     if stop is LoopOutcome.SHUTDOWN:
         return SaveReason.EMERGENCY
@@ -120,22 +159,44 @@ def save_reason(
 def plan_step(
     state: LoopState, result: StepResult, signals: Signals, policy: LoopPolicy
 ) -> StepPlan:
-    """Pure: the next state and which effects (log, eval, save, stop) follow this step."""
-    nxt = advance(state, result)
-    stop = stop_outcome(nxt, signals, policy)
-    reason = save_reason(nxt, stop, policy)
+    """Pure: the next state and which effects (log, eval, save, snapshot, rollback, stop)
+    follow this step. ``signals`` is the world-reduced control word."""
+    nxt = advance(state, result, finite=not signals.nonfinite)
+    action = nonfinite_action(nxt.nonfinite_streak, policy)
+    stop = stop_outcome(nxt, signals, policy, action)
+    rollback = action is NonFiniteAction.ROLLBACK and stop is None
+    reason = save_reason(nxt, stop, policy, rollback)
     if reason is not None:
         nxt = attrs.evolve(nxt, last_saved_step=nxt.step)
-    healthy_stop = stop in (None, LoopOutcome.COMPLETED, LoopOutcome.SHUTDOWN)
+    interval = policy.snapshot_interval
     return StepPlan(
         state=nxt,
         log=nxt.step % policy.log_interval == 0 or stop is not None or nxt.step == 1,
         evaluate=policy.eval_interval > 0
         and nxt.step % policy.eval_interval == 0
-        and healthy_stop
-        and stop is not LoopOutcome.SHUTDOWN,
+        and stop in (None, LoopOutcome.COMPLETED)
+        and not rollback,
         save=reason,
         stop=stop,
+        rollback=rollback,
+        snapshot=policy.nonfinite_policy is NonFinitePolicy.ROLLBACK
+        and interval > 0
+        and nxt.step % interval == 0
+        and nxt.last_step_finite
+        and stop is None,
+    )
+
+
+def rolled_back(current: LoopState, snapshot: LoopState) -> LoopState:
+    """The state after restoring ``snapshot``: its step (and so its LR), but the data already
+    consumed stays consumed, and the skipped window is recorded."""
+    return attrs.evolve(
+        snapshot,
+        tokens_seen=current.tokens_seen,
+        nonfinite_streak=current.nonfinite_streak,
+        last_saved_step=current.last_saved_step,
+        last_step_finite=False,
+        skipped_ranges=(*current.skipped_ranges, (snapshot.step + 1, current.step)),
     )
 
 

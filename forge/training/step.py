@@ -71,13 +71,15 @@ def make_text_step(
     *,
     fsdp_mixed_precision: bool = False,
     dp_size: int = 1,
+    loss_scale: Callable[[int], float] | None = None,
 ) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
     """The language-model step: accumulate gradients, clip, and update only if all is finite.
 
     One host sync per step (loss and grad norm together); the finiteness check comes before
     ``optimizer.step()`` so a non-finite step never touches the optimizer state. The grad norm
     is global over every shard, so all ranks agree on whether the step is finite. The loss is
-    this rank's; it is averaged over data-parallel ranks only when logged.
+    this rank's; it is averaged over data-parallel ranks only when logged. ``loss_scale``
+    (tests only) multiplies the loss of a given step, e.g. by NaN.
     """
     autocast = contextlib.nullcontext if fsdp_mixed_precision else autocast_for(precision)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -89,9 +91,12 @@ def make_text_step(
             group["lr"] = lr
         model.train()
         total = torch.zeros(())
+        scale = loss_scale(state.step + 1) if loss_scale is not None else 1.0
         for i, batch in enumerate(batches):
             set_gradient_sync(model, i == len(batches) - 1)
             loss = lm_loss(model, batch, autocast)
+            if scale != 1.0:  # fault injection (tests only)
+                loss = loss * scale
             (loss / len(batches)).backward()
             total += loss.detach().cpu()
         grad_norm = global_grad_norm(params)

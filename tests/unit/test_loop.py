@@ -36,6 +36,12 @@ class Spy:
     def step_end(self, state: LoopState, result: StepResult) -> None:
         self.calls.append(("step_end", state.step))
 
+    def snapshot(self, state: LoopState) -> None:
+        self.calls.append(("snapshot", state.step))
+
+    def restore(self, state: LoopState) -> None:
+        self.calls.append(("restore", state.step))
+
     def saves(self) -> list[tuple[int, SaveReason]]:
         return [(c[1], c[2]) for c in self.calls if c[0] == "save"]
 
@@ -54,7 +60,7 @@ def signals_at(shutdown: set[int] = frozenset(), health: set[int] = frozenset())
     """A poll that reports a shutdown / health failure while step ``k`` (1-based) ends."""
     count = {"n": 0}
 
-    def poll() -> Signals:
+    def poll(_result: StepResult) -> Signals:
         count["n"] += 1
         return Signals(
             shutdown_requested=count["n"] in shutdown, health_failed=count["n"] in health
@@ -81,7 +87,7 @@ def run(losses, pol, *, start=None, poll=None, batches=None):
         scripted(losses),
         pol,
         spy,
-        poll or Signals,
+        poll or (lambda _: Signals()),
     )
     decision, state = conclude(outcome, state, pol, spy)
     return outcome, state, decision, spy

@@ -1,0 +1,96 @@
+"""The per-step control word: one small all-reduce so that every rank takes the same branch.
+
+Each rank contributes its own flags (non-finite step, shutdown requested, health failure); the
+MAX over ranks is what every decision reads. The exchange runs on its own gloo group with a
+short timeout, which makes it the liveness check too: a stalled or dead peer turns into
+``health_failed`` instead of a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from forge.training.state import Signals, StepResult
+
+FIELDS = ("nonfinite", "shutdown_requested", "health_failed")
+
+
+def encode(local: Signals) -> list[float]:
+    """The flags as numbers, in ``FIELDS`` order."""
+    return [float(getattr(local, f)) for f in FIELDS]
+
+
+def decode(values: list[float]) -> Signals:
+    """The reduced word back as ``Signals``."""
+    return Signals(**{f: v > 0 for f, v in zip(FIELDS, values, strict=True)})
+
+
+class ControlChannel:
+    """Reduces ``Signals`` over every rank (identity in a single process)."""
+
+    def __init__(self, world_size: int, timeout_s: float) -> None:
+        self.group = None
+        if world_size > 1:
+            self.group = dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+            )
+        self.failed = False
+
+    def exchange(self, local: Signals) -> Signals:
+        """The MAX of every rank's flags; a timeout or a broken peer reads as a health failure."""
+        if self.group is None:
+            return local
+        if self.failed:
+            return Signals(health_failed=True)
+        word = torch.tensor(encode(local))
+        try:
+            dist.all_reduce(word, op=dist.ReduceOp.MAX, group=self.group)
+        except RuntimeError:
+            self.failed = True
+            return Signals(health_failed=True)
+        return decode(word.tolist())
+
+    def steps_agree(self, step: int) -> bool:
+        """Liveness and agreement: every rank is at ``step``. False on timeout or mismatch."""
+        if self.group is None:
+            return True
+        if self.failed:
+            return False
+        pair = torch.tensor([float(step), -float(step)])
+        try:
+            dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=self.group)
+        except RuntimeError:
+            self.failed = True
+            return False
+        return pair[0].item() == step and -pair[1].item() == step
+
+
+class StepMonitor:
+    """The loop's ``poll``: this rank's flags for the step just run, reduced over every rank,
+    plus a liveness and agreement check every ``health_check_interval`` steps."""
+
+    def __init__(
+        self, channel: ControlChannel, shutdown: Callable[[], bool], health_check_interval: int
+    ) -> None:
+        self.channel = channel
+        self.shutdown = shutdown
+        self.interval = health_check_interval
+        self.steps = 0  # steps run by this process; equal on every healthy rank
+
+    def __call__(self, result: StepResult) -> Signals:
+        self.steps += 1
+        word = self.channel.exchange(
+            Signals(shutdown_requested=self.shutdown(), nonfinite=not result.finite)
+        )
+        if self.interval and self.steps % self.interval == 0 and not word.health_failed:
+            if not self.channel.steps_agree(self.steps):
+                word = Signals(
+                    shutdown_requested=word.shutdown_requested,
+                    nonfinite=word.nonfinite,
+                    health_failed=True,
+                )
+        return word

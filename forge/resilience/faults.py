@@ -1,0 +1,106 @@
+"""Fault injection, for tests only: a non-finite loss, a signal, or a stall at step k on rank r.
+
+Set ``FORGE_FAULTS`` (test-only; never in production) to a comma-separated list of
+``kind:step=K[:rank=R][:key=value...]``:
+
+- ``nan:step=3:rank=1`` — the loss of step 3 on rank 1 is multiplied by NaN before backward;
+- ``signal:step=5:rank=0:sig=TERM`` — rank 0 sends itself SIGTERM after step 5;
+- ``stall:step=4:rank=1:seconds=30`` — rank 1 sleeps 30 s after step 4.
+
+``step`` counts completed steps (1 is the first). Without ``rank`` the fault hits every rank.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal
+import time
+from collections.abc import Mapping
+
+import attrs
+
+from forge.training.hooks import Hooks
+from forge.training.state import LoopState, StepResult
+
+ENV = "FORGE_FAULTS"
+
+
+class FaultKind(enum.Enum):
+    NAN = "nan"
+    SIGNAL = "signal"
+    STALL = "stall"
+
+
+@attrs.frozen
+class Fault:
+    kind: FaultKind
+    step: int
+    rank: int | None = None
+    sig: str = "TERM"
+    seconds: float = 30.0
+
+    def hits(self, step: int, rank: int) -> bool:
+        return self.step == step and (self.rank is None or self.rank == rank)
+
+
+def parse_faults(text: str) -> tuple[Fault, ...]:
+    """Parse ``FORGE_FAULTS``; a malformed entry is a ``ValueError`` naming it."""
+    faults = []
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        kind, *pairs = entry.split(":")
+        try:
+            fields = dict(p.split("=", 1) for p in pairs)
+            faults.append(
+                Fault(
+                    kind=FaultKind(kind),
+                    step=int(fields.pop("step")),
+                    rank=int(fields.pop("rank")) if "rank" in fields else None,
+                    sig=fields.pop("sig", "TERM"),
+                    seconds=float(fields.pop("seconds", "30")),
+                )
+            )
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"{ENV}: cannot parse {entry!r} ({exc})") from None
+        if fields:
+            raise ValueError(f"{ENV}: unknown keys {sorted(fields)} in {entry!r}")
+    return tuple(faults)
+
+
+def faults_from_env(env: Mapping[str, str]) -> tuple[Fault, ...]:
+    return parse_faults(env.get(ENV, ""))
+
+
+class NanInjector:
+    """Loss multipliers for the step function: NaN once for each ``nan`` fault that hits this
+    rank, 1.0 otherwise. One-shot, so a rolled-back step number does not fail again."""
+
+    def __init__(self, faults: tuple[Fault, ...], rank: int) -> None:
+        self.pending = [f for f in faults if f.kind is FaultKind.NAN]
+        self.rank = rank
+
+    def __call__(self, step: int) -> float:
+        """The multiplier for the step that will complete as ``step`` (1-based)."""
+        for f in self.pending:
+            if f.hits(step, self.rank):
+                self.pending.remove(f)
+                return float("nan")
+        return 1.0
+
+
+class FaultHooks(Hooks):
+    """Delivers ``signal`` and ``stall`` faults at the end of their step."""
+
+    def __init__(self, faults: tuple[Fault, ...], rank: int) -> None:
+        self.faults = [f for f in faults if f.kind is not FaultKind.NAN]
+        self.rank = rank
+
+    def on_step_end(self, state: LoopState, result: StepResult) -> None:
+        for f in list(self.faults):
+            if not f.hits(state.step, self.rank):
+                continue
+            self.faults.remove(f)  # one-shot
+            if f.kind is FaultKind.SIGNAL:
+                os.kill(os.getpid(), getattr(signal, f"SIG{f.sig}"))
+            elif f.kind is FaultKind.STALL:
+                time.sleep(f.seconds)
