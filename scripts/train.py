@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from forge.errors import UserInputError
 from forge.resilience.control import ControlChannel, StepMonitor
 from forge.resilience.faults import FaultHooks, faults_from_env
+from forge.resilience.health import guard_collectives
 from forge.resilience.signals import ShutdownFlag
 from forge.training.effects import TrainingEffects
 from forge.training.hooks import Hooks
@@ -63,7 +64,7 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
     outcome, state = run_training_loop(
         ckpt.initial_state,
         train_batches(run, data),
-        make_step_fn(run, dist, model),
+        guard_collectives(make_step_fn(run, dist, model)),
         policy,
         effects,
         monitor,

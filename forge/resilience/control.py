@@ -84,7 +84,11 @@ class StepMonitor:
     def __call__(self, result: StepResult) -> Signals:
         self.steps += 1
         word = self.channel.exchange(
-            Signals(shutdown_requested=self.shutdown(), nonfinite=not result.finite)
+            Signals(
+                shutdown_requested=self.shutdown(),
+                nonfinite=not result.finite,
+                health_failed=result.collective_failed,
+            )
         )
         if self.interval and self.steps % self.interval == 0 and not word.health_failed:
             if not self.channel.steps_agree(self.steps):

@@ -78,14 +78,14 @@ def run_training_loop(
         result = step_fn(batch, state)
         plan = plan_step(state, result, poll(result), policy)
         state = plan.state
+        if plan.log:  # the step that ran, even if it is about to be rolled back
+            effects.log(state, result)
         if plan.rollback:
             effects.restore(snapshot)
             state = rolled_back(state, snapshot)
         if plan.snapshot:
             effects.snapshot(state)
             snapshot = state
-        if plan.log:
-            effects.log(state, result)
         if plan.evaluate:
             effects.evaluate(state)
         if plan.save is not None:

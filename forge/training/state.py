@@ -45,6 +45,7 @@ class StepResult:
     grad_norm: float
     tokens: int
     lr: float
+    collective_failed: bool = False  # a peer stalled or died during the step
 
     @property
     def finite(self) -> bool:

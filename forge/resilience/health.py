@@ -1,0 +1,50 @@
+"""Turning a failed or timed-out collective inside a step into a health failure, not a crash.
+
+A stalled or dead peer makes the next collective time out (``distributed.timeout_s``) or fail
+with a closed connection. gloo raises a plain ``RuntimeError`` for both, so the check looks at
+the message as well as at ``torch.distributed.DistError``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch.distributed as dist
+
+from forge.training.state import LoopState, StepResult
+
+_MARKERS = ("Timed out", "Connection closed by peer", "Connection reset", "gloo", "NCCL")
+
+BatchT = TypeVar("BatchT")
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """True for errors a broken process group raises (timeouts, peers gone)."""
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _MARKERS)
+
+
+def failed_step() -> StepResult:
+    """What a step whose collectives failed reports: nothing trained, and unhealthy."""
+    return StepResult(loss=math.nan, grad_norm=math.nan, tokens=0, lr=0.0, collective_failed=True)
+
+
+def guard_collectives(
+    step_fn: Callable[[BatchT, LoopState], StepResult],
+) -> Callable[[BatchT, LoopState], StepResult]:
+    """``step_fn``, with a collective failure reported as ``failed_step()``."""
+
+    def guarded(batch: BatchT, state: LoopState) -> StepResult:
+        try:
+            return step_fn(batch, state)
+        except RuntimeError as exc:
+            if not is_collective_failure(exc):
+                raise
+            print(f"[forge] collective failed in step {state.step + 1}: {exc}", file=sys.stderr)
+            return failed_step()
+
+    return guarded

@@ -1,0 +1,84 @@
+"""Non-finite steps end to end in one process: skip and rollback, with the files on disk."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from forge.config import load_config
+from forge.optim import lr_at, resolve_schedule
+from tests.e2e.test_train_script import TRAIN, latest, run_dir
+
+
+def records(config):
+    lines = (run_dir(config) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def train_state(config, step):
+    return json.loads((run_dir(config) / "checkpoints" / f"step_{step}" / "train_state.json").read_text())
+
+
+def test_skipped_step_keeps_the_documented_bookkeeping(tiny_config, monkeypatch):
+    """NaN at step 5 (a checkpoint step): the update is dropped; step, LR, tokens and data
+    position advance; the checkpoint gate still saves step 5."""
+    monkeypatch.setenv("FORGE_FAULTS", "nan:step=5")
+    assert TRAIN.main([str(tiny_config)]) == 0
+    recs = records(tiny_config)
+    assert [r["step"] for r in recs] == list(range(1, 13))
+    assert math.isnan(recs[4]["loss"])
+    assert all(math.isfinite(r["loss"]) for i, r in enumerate(recs) if i != 4)
+    cfg = load_config([str(tiny_config)]).config
+    schedule = resolve_schedule(cfg.scheduler, cfg.train.max_steps)
+    assert [r["lr"] for r in recs] == [lr_at(schedule, cfg.optimizer.lr, k) for k in range(12)]
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    assert [r["tokens_seen"] for r in recs] == [tokens * k for k in range(1, 13)]
+    saved = train_state(tiny_config, 5)
+    assert saved["loop_state"]["last_step_finite"] is False
+    assert saved["loader"] == {"epoch": 0, "batch": 5}
+    assert train_state(tiny_config, 12)["loader"] == {"epoch": 0, "batch": 12}
+
+
+def test_rollback_restores_the_slot_skips_the_window_and_finishes(tiny_config, monkeypatch):
+    """NaN at step 8 with snapshots every 3 steps: back to step 6, batches 7-8 skipped."""
+    monkeypatch.setenv("FORGE_FAULTS", "nan:step=8")
+    args = [str(tiny_config), "--resilience.on_nonfinite=rollback", "--resilience.snapshot_interval=3"]
+    assert TRAIN.main(args) == 0
+    steps = [r["step"] for r in records(tiny_config)]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8, 7, 8, 9, 10, 11, 12]
+    losses = {i: r["loss"] for i, r in enumerate(records(tiny_config))}
+    assert math.isnan(losses[7]) and all(math.isfinite(v) for k, v in losses.items() if k != 7)
+    final = train_state(tiny_config, 12)
+    assert latest(tiny_config) == "step_12"
+    assert final["loop_state"]["skipped_ranges"] == [[7, 8]]
+    # the data position counts every batch consumed, the skipped window included
+    assert final["loader"] == {"epoch": 0, "batch": 14}
+    # the first step after the rollback runs at step 7's LR, on new data
+    recs = records(tiny_config)
+    assert recs[8]["lr"] == recs[6]["lr"] and recs[8]["loss"] != recs[6]["loss"]
+
+
+def test_consecutive_nonfinite_steps_abort_without_a_final_save(tiny_config, monkeypatch):
+    monkeypatch.setenv("FORGE_FAULTS", "nan:step=7,nan:step=8")
+    args = [str(tiny_config), "--resilience.max_consecutive_nonfinite=2"]
+    assert TRAIN.main(args) == 3
+    assert latest(tiny_config) == "step_5"
+
+
+@pytest.mark.parametrize("policy", ["skip", "rollback"])
+def test_resume_after_a_recovered_nan_is_exact(tiny_config, tmp_path, monkeypatch, policy):
+    """A run that recovered from a NaN, stopped and resumed, equals the same run uninterrupted."""
+    from tests.e2e.test_train_script import SignalAt, losses
+
+    reference = tmp_path / "ref" / "tiny.toml"
+    reference.parent.mkdir()
+    reference.write_text(tiny_config.read_text().replace(str(run_dir(tiny_config)), str(run_dir(reference))))
+    monkeypatch.setenv("FORGE_FAULTS", "nan:step=4")
+    args = [f"--resilience.on_nonfinite={policy}", "--resilience.snapshot_interval=2"]
+    assert TRAIN.main([str(reference), *args]) == 0
+    assert TRAIN.main([str(tiny_config), *args], hooks=[SignalAt(6)]) == 75
+    monkeypatch.delenv("FORGE_FAULTS")
+    assert TRAIN.main([str(tiny_config), *args]) == 0
+    assert str(losses(tiny_config)) == str(losses(reference))  # str: NaN == NaN

@@ -1,0 +1,185 @@
+"""The NaN state machine, the control word and fault parsing: pure tables, no process group."""
+
+import math
+
+import pytest
+
+from forge.checkpoint.policy import SaveSchedule
+from forge.config.sections import NonFinitePolicy
+from forge.resilience.control import ControlChannel, StepMonitor, decode, encode
+from forge.resilience.faults import Fault, FaultKind, NanInjector, parse_faults
+from forge.training.outcome import LoopOutcome
+from forge.training.state import (
+    LoopPolicy,
+    LoopState,
+    NonFiniteAction,
+    Signals,
+    StepResult,
+    nonfinite_action,
+    plan_step,
+    rolled_back,
+)
+
+SKIP, ROLLBACK, ABORT = NonFinitePolicy.SKIP, NonFinitePolicy.ROLLBACK, NonFinitePolicy.ABORT
+A = NonFiniteAction
+
+
+# (policy, limit, streak, action)
+MACHINE = [
+    (SKIP, 3, 0, A.CONTINUE),
+    (SKIP, 3, 1, A.SKIP),
+    (SKIP, 3, 2, A.SKIP),
+    (SKIP, 3, 3, A.ABORT),
+    (ROLLBACK, 3, 0, A.CONTINUE),
+    (ROLLBACK, 3, 1, A.ROLLBACK),
+    (ROLLBACK, 3, 2, A.ROLLBACK),
+    (ROLLBACK, 3, 3, A.ABORT),
+    (ABORT, 3, 0, A.CONTINUE),
+    (ABORT, 3, 1, A.ABORT),
+    (SKIP, 1, 1, A.ABORT),
+]
+
+
+@pytest.mark.parametrize("policy,limit,streak,action", MACHINE)
+def test_nonfinite_state_machine(policy, limit, streak, action):
+    pol = LoopPolicy(max_steps=100, nonfinite_limit=limit, nonfinite_policy=policy)
+    assert nonfinite_action(streak, pol) is action
+
+
+OK = StepResult(loss=1.0, grad_norm=1.0, tokens=8, lr=0.1)
+BAD = StepResult(loss=math.nan, grad_norm=1.0, tokens=8, lr=0.1)
+ROLL = LoopPolicy(
+    max_steps=10, schedule=SaveSchedule(4), nonfinite_policy=ROLLBACK, snapshot_interval=3
+)
+
+# (case, step before, streak, local result, control word, rollback, snapshot, save, stop)
+PLANS = [
+    ("finite step", 1, 0, OK, Signals(), False, False, None, None),
+    ("snapshot interval", 2, 0, OK, Signals(), False, True, None, None),
+    ("local NaN rolls back", 4, 0, BAD, Signals(nonfinite=True), True, False, None, None),
+    ("peer's NaN rolls back here too", 4, 0, OK, Signals(nonfinite=True), True, False, None, None),
+    ("no save on a rolled-back step", 3, 0, OK, Signals(nonfinite=True), True, False, None, None),
+    ("no snapshot of a non-finite state", 5, 1, OK, Signals(nonfinite=True), True, False, None, None),
+    ("rollback at max_steps does not complete", 9, 0, OK, Signals(nonfinite=True), True, False, None, None),
+    ("limit reached aborts", 4, 2, OK, Signals(nonfinite=True), False, False, None, LoopOutcome.NAN_ABORT),
+    ("shutdown beats rollback", 4, 0, OK, Signals(nonfinite=True, shutdown_requested=True), False, False, "emergency", LoopOutcome.SHUTDOWN),
+    ("no snapshot when stopping", 8, 0, OK, Signals(shutdown_requested=True), False, False, "emergency", LoopOutcome.SHUTDOWN),
+]
+
+
+@pytest.mark.parametrize(
+    "step,streak,result,signals,rollback,snapshot,save,stop",
+    [p[1:] for p in PLANS],
+    ids=[p[0] for p in PLANS],
+)
+def test_plan_step_with_rollback(step, streak, result, signals, rollback, snapshot, save, stop):
+    plan = plan_step(LoopState(step=step, nonfinite_streak=streak), result, signals, ROLL)
+    assert plan.rollback is rollback
+    assert plan.snapshot is snapshot
+    assert (plan.save.value if plan.save else None) == save
+    assert plan.stop is stop
+
+
+def test_rolled_back_state_keeps_data_and_records_the_window():
+    current = LoopState(step=8, tokens_seen=64, nonfinite_streak=1, last_saved_step=8)
+    snap = LoopState(step=6, tokens_seen=48, last_saved_step=4)
+    after = rolled_back(current, snap)
+    assert after.step == 6
+    assert after.tokens_seen == 64  # the failing window's data stays consumed
+    assert after.nonfinite_streak == 1
+    assert after.last_saved_step == 8
+    assert after.skipped_ranges == ((7, 8),)
+    again = rolled_back(LoopState(step=9, tokens_seen=80, skipped_ranges=after.skipped_ranges), snap)
+    assert again.skipped_ranges == ((7, 8), (7, 9))
+
+
+@pytest.mark.parametrize(
+    "signals",
+    [Signals(), Signals(nonfinite=True), Signals(shutdown_requested=True, health_failed=True)],
+)
+def test_control_word_round_trips(signals):
+    assert decode(encode(signals)) == signals
+
+
+def test_control_word_max_is_the_union_of_flags():
+    a, b = encode(Signals(nonfinite=True)), encode(Signals(shutdown_requested=True))
+    assert decode([max(x, y) for x, y in zip(a, b, strict=True)]) == Signals(
+        nonfinite=True, shutdown_requested=True
+    )
+
+
+def test_single_process_monitor_reports_local_flags():
+    requested = {"v": False}
+    monitor = StepMonitor(ControlChannel(1, 5.0), lambda: requested["v"], health_check_interval=2)
+    assert monitor(OK) == Signals()
+    assert monitor(BAD) == Signals(nonfinite=True)
+    requested["v"] = True
+    assert monitor(OK) == Signals(shutdown_requested=True)
+
+
+# (text, faults)
+FAULTS = [
+    ("", ()),
+    ("nan:step=3:rank=1", (Fault(FaultKind.NAN, 3, 1),)),
+    ("signal:step=5:sig=USR1", (Fault(FaultKind.SIGNAL, 5, None, "USR1"),)),
+    ("stall:step=4:rank=0:seconds=2.5, nan:step=1", (Fault(FaultKind.STALL, 4, 0, seconds=2.5), Fault(FaultKind.NAN, 1))),
+]
+
+
+@pytest.mark.parametrize("text,faults", FAULTS)
+def test_parse_faults(text, faults):
+    assert parse_faults(text) == faults
+
+
+@pytest.mark.parametrize("text", ["boom:step=1", "nan", "nan:rank=1", "nan:step=x", "nan:step=1:when=now"])
+def test_malformed_faults_are_rejected(text):
+    with pytest.raises(ValueError, match="FORGE_FAULTS"):
+        parse_faults(text)
+
+
+def test_nan_injection_is_one_shot_and_rank_specific():
+    inject = NanInjector(parse_faults("nan:step=2:rank=1"), rank=1)
+    assert inject(1) == 1.0
+    assert math.isnan(inject(2))
+    assert inject(2) == 1.0  # a rolled-back step 2 runs clean
+    assert NanInjector(parse_faults("nan:step=2:rank=1"), rank=0)(2) == 1.0
+
+
+@pytest.mark.parametrize(
+    "exc,failure",
+    [
+        (RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms"), True),
+        (RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:5843"), True),
+        (RuntimeError("NCCL communicator was aborted"), True),
+        (RuntimeError("mat1 and mat2 shapes cannot be multiplied"), False),
+        (ValueError("Timed out"), False),
+    ],
+)
+def test_collective_failures_are_told_apart_from_bugs(exc, failure):
+    from forge.resilience.health import is_collective_failure
+
+    assert is_collective_failure(exc) is failure
+
+
+def test_guarded_step_reports_a_failed_collective_and_reraises_bugs():
+    from forge.resilience.health import guard_collectives
+
+    def broken(batch, state):
+        raise RuntimeError("Connection closed by peer")
+
+    def buggy(batch, state):
+        raise RuntimeError("shape mismatch")
+
+    assert guard_collectives(broken)(None, LoopState()).collective_failed
+    with pytest.raises(RuntimeError, match="shape"):
+        guard_collectives(buggy)(None, LoopState())
+
+
+def test_a_failed_step_becomes_health_failure():
+    from forge.resilience.health import failed_step
+
+    monitor = StepMonitor(ControlChannel(1, 5.0), lambda: False, health_check_interval=0)
+    word = monitor(failed_step())
+    assert word.health_failed
+    plan = plan_step(LoopState(step=3), failed_step(), word, LoopPolicy(max_steps=10))
+    assert plan.stop is LoopOutcome.HEALTH_FAILURE and plan.save is None
