@@ -172,7 +172,9 @@ def plan_step(
     interval = policy.snapshot_interval
     return StepPlan(
         state=nxt,
-        log=nxt.step % policy.log_interval == 0 or stop is not None or nxt.step == 1,
+        # after a health failure no effect may run a collective: a peer may be gone
+        log=(nxt.step % policy.log_interval == 0 or stop is not None or nxt.step == 1)
+        and stop is not LoopOutcome.HEALTH_FAILURE,
         evaluate=policy.eval_interval > 0
         and nxt.step % policy.eval_interval == 0
         and stop in (None, LoopOutcome.COMPLETED)

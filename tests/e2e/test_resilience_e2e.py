@@ -18,7 +18,9 @@ def records(config):
 
 
 def train_state(config, step):
-    return json.loads((run_dir(config) / "checkpoints" / f"step_{step}" / "train_state.json").read_text())
+    return json.loads(
+        (run_dir(config) / "checkpoints" / f"step_{step}" / "train_state.json").read_text()
+    )
 
 
 def test_skipped_step_keeps_the_documented_bookkeeping(tiny_config, monkeypatch):
@@ -44,7 +46,11 @@ def test_skipped_step_keeps_the_documented_bookkeeping(tiny_config, monkeypatch)
 def test_rollback_restores_the_slot_skips_the_window_and_finishes(tiny_config, monkeypatch):
     """NaN at step 8 with snapshots every 3 steps: back to step 6, batches 7-8 skipped."""
     monkeypatch.setenv("FORGE_FAULTS", "nan:step=8")
-    args = [str(tiny_config), "--resilience.on_nonfinite=rollback", "--resilience.snapshot_interval=3"]
+    args = [
+        str(tiny_config),
+        "--resilience.on_nonfinite=rollback",
+        "--resilience.snapshot_interval=3",
+    ]
     assert TRAIN.main(args) == 0
     steps = [r["step"] for r in records(tiny_config)]
     assert steps == [1, 2, 3, 4, 5, 6, 7, 8, 7, 8, 9, 10, 11, 12]
@@ -74,7 +80,9 @@ def test_resume_after_a_recovered_nan_is_exact(tiny_config, tmp_path, monkeypatc
 
     reference = tmp_path / "ref" / "tiny.toml"
     reference.parent.mkdir()
-    reference.write_text(tiny_config.read_text().replace(str(run_dir(tiny_config)), str(run_dir(reference))))
+    reference.write_text(
+        tiny_config.read_text().replace(str(run_dir(tiny_config)), str(run_dir(reference)))
+    )
     monkeypatch.setenv("FORGE_FAULTS", "nan:step=4")
     args = [f"--resilience.on_nonfinite={policy}", "--resilience.snapshot_interval=2"]
     assert TRAIN.main([str(reference), *args]) == 0

@@ -26,8 +26,10 @@ def state(model, opt):
 
 def same(a, b):
     (ma, oa), (mb, ob) = a, b
-    return all(torch.equal(ma[k], mb[k]) for k in ma) and oa.keys() == ob.keys() and all(
-        torch.equal(oa[k][n], ob[k][n]) for k in oa for n in oa[k]
+    return (
+        all(torch.equal(ma[k], mb[k]) for k in ma)
+        and oa.keys() == ob.keys()
+        and all(torch.equal(oa[k][n], ob[k][n]) for k in oa for n in oa[k])
     )
 
 

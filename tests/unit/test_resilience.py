@@ -59,11 +59,61 @@ PLANS = [
     ("local NaN rolls back", 4, 0, BAD, Signals(nonfinite=True), True, False, None, None),
     ("peer's NaN rolls back here too", 4, 0, OK, Signals(nonfinite=True), True, False, None, None),
     ("no save on a rolled-back step", 3, 0, OK, Signals(nonfinite=True), True, False, None, None),
-    ("no snapshot of a non-finite state", 5, 1, OK, Signals(nonfinite=True), True, False, None, None),
-    ("rollback at max_steps does not complete", 9, 0, OK, Signals(nonfinite=True), True, False, None, None),
-    ("limit reached aborts", 4, 2, OK, Signals(nonfinite=True), False, False, None, LoopOutcome.NAN_ABORT),
-    ("shutdown beats rollback", 4, 0, OK, Signals(nonfinite=True, shutdown_requested=True), False, False, "emergency", LoopOutcome.SHUTDOWN),
-    ("no snapshot when stopping", 8, 0, OK, Signals(shutdown_requested=True), False, False, "emergency", LoopOutcome.SHUTDOWN),
+    (
+        "no snapshot of a non-finite state",
+        5,
+        1,
+        OK,
+        Signals(nonfinite=True),
+        True,
+        False,
+        None,
+        None,
+    ),
+    (
+        "rollback at max_steps does not complete",
+        9,
+        0,
+        OK,
+        Signals(nonfinite=True),
+        True,
+        False,
+        None,
+        None,
+    ),
+    (
+        "limit reached aborts",
+        4,
+        2,
+        OK,
+        Signals(nonfinite=True),
+        False,
+        False,
+        None,
+        LoopOutcome.NAN_ABORT,
+    ),
+    (
+        "shutdown beats rollback",
+        4,
+        0,
+        OK,
+        Signals(nonfinite=True, shutdown_requested=True),
+        False,
+        False,
+        "emergency",
+        LoopOutcome.SHUTDOWN,
+    ),
+    (
+        "no snapshot when stopping",
+        8,
+        0,
+        OK,
+        Signals(shutdown_requested=True),
+        False,
+        False,
+        "emergency",
+        LoopOutcome.SHUTDOWN,
+    ),
 ]
 
 
@@ -89,7 +139,9 @@ def test_rolled_back_state_keeps_data_and_records_the_window():
     assert after.nonfinite_streak == 1
     assert after.last_saved_step == 8
     assert after.skipped_ranges == ((7, 8),)
-    again = rolled_back(LoopState(step=9, tokens_seen=80, skipped_ranges=after.skipped_ranges), snap)
+    again = rolled_back(
+        LoopState(step=9, tokens_seen=80, skipped_ranges=after.skipped_ranges), snap
+    )
     assert again.skipped_ranges == ((7, 8), (7, 9))
 
 
@@ -122,7 +174,10 @@ FAULTS = [
     ("", ()),
     ("nan:step=3:rank=1", (Fault(FaultKind.NAN, 3, 1),)),
     ("signal:step=5:sig=USR1", (Fault(FaultKind.SIGNAL, 5, None, "USR1"),)),
-    ("stall:step=4:rank=0:seconds=2.5, nan:step=1", (Fault(FaultKind.STALL, 4, 0, seconds=2.5), Fault(FaultKind.NAN, 1))),
+    (
+        "stall:step=4:rank=0:seconds=2.5, nan:step=1",
+        (Fault(FaultKind.STALL, 4, 0, seconds=2.5), Fault(FaultKind.NAN, 1)),
+    ),
 ]
 
 
@@ -131,7 +186,9 @@ def test_parse_faults(text, faults):
     assert parse_faults(text) == faults
 
 
-@pytest.mark.parametrize("text", ["boom:step=1", "nan", "nan:rank=1", "nan:step=x", "nan:step=1:when=now"])
+@pytest.mark.parametrize(
+    "text", ["boom:step=1", "nan", "nan:rank=1", "nan:step=x", "nan:step=1:when=now"]
+)
 def test_malformed_faults_are_rejected(text):
     with pytest.raises(ValueError, match="FORGE_FAULTS"):
         parse_faults(text)

@@ -1,0 +1,89 @@
+"""Resilience at 2 ranks (torchrun, gloo, CPU): every rank takes the same branch."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from tests.conftest import REPO
+from tests.distributed.test_equivalence import records, weights, write_config
+
+FSDP = ["--distributed.dp_shard=2", "--train.batch_size=2", "--train.grad_accum_steps=2"]
+COMMON = [
+    "--train.max_steps=6",
+    "--scheduler.decay_steps=8",
+    "--data.verify_checksum=false",
+    "--distributed.timeout_s=60",
+    "--resilience.health_timeout_s=30",
+]
+
+
+def torchrun(config, run_dir, *args, faults="", timeout=240):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "scripts" / "train.py"), str(config), f"--run.dir={run_dir}", *COMMON, *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FORGE_FAULTS": faults}
+    start = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    return out, time.monotonic() - start
+
+
+def ok(out):
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+
+
+def test_sigterm_on_one_rank_stops_both_at_the_same_step_and_resume_is_exact(
+    tmp_path, small_corpus
+):
+    config = write_config(tmp_path, small_corpus)
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ok(torchrun(config, ref, *FSDP)[0])
+    out, _ = torchrun(config, run, *FSDP, faults="signal:step=3:rank=1")
+    assert out.returncode != 0  # both workers exit 75 (SHUTDOWN); torchrun reports a failure
+    assert "exitcode  : 75" in out.stderr
+    # delivered after step 3's control word: both ranks see it at the end of step 4
+    step4 = run / "checkpoints" / "step_4"
+    assert json.loads((step4 / "train_state.json").read_text())["reason"] == "emergency"
+    assert (step4 / "rng_rank0.pt").is_file() and (step4 / "rng_rank1.pt").is_file()
+    assert os.readlink(run / "checkpoints" / "latest") == "step_4"
+    assert [r["step"] for r in records(run)] == [1, 2, 3, 4]
+    ok(torchrun(config, run, *FSDP)[0])
+    assert [(r["step"], r["loss"]) for r in records(run)] == [
+        (r["step"], r["loss"]) for r in records(ref)
+    ]
+    ref_w, got_w = weights(config, ref, 6), weights(config, run, 6)
+    assert all(torch.equal(ref_w[k], got_w[k]) for k in ref_w)
+
+
+def test_nan_on_one_rank_rolls_back_both_ranks_together(tmp_path, small_corpus):
+    config = write_config(tmp_path, small_corpus)
+    args = [*FSDP, "--resilience.on_nonfinite=rollback", "--resilience.snapshot_interval=2"]
+    one, both = tmp_path / "one", tmp_path / "both"
+    ok(torchrun(config, one, *args, faults="nan:step=3:rank=1")[0])
+    ok(torchrun(config, both, *args, faults="nan:step=3")[0])
+    steps = [r["step"] for r in records(one)]
+    assert steps == [1, 2, 3, 3, 4, 5, 6]  # step 3 failed, rolled back to 2, ran again
+    assert steps == [r["step"] for r in records(both)]
+    assert math.isnan(records(one)[2]["loss"])
+    state = json.loads((one / "checkpoints" / "step_6" / "train_state.json").read_text())
+    assert state["loop_state"]["skipped_ranges"] == [[3, 3]]
+    w_one, w_both = weights(config, one, 6), weights(config, both, 6)
+    assert all(torch.equal(w_one[k], w_both[k]) for k in w_one)
+
+
+def test_stalled_rank_ends_in_health_failure_without_hanging(tmp_path, small_corpus):
+    config = write_config(tmp_path, small_corpus)
+    args = [*FSDP, "--distributed.timeout_s=4", "--resilience.health_timeout_s=4"]
+    out, elapsed = torchrun(
+        config, tmp_path / "run", *args, faults="stall:step=2:rank=1:seconds=20", timeout=120
+    )
+    assert out.returncode != 0
+    assert "exitcode  : 4" in out.stderr  # HEALTH_FAILURE's exit code
+    assert "HEALTH_FAILURE at step 3" in out.stdout  # step 3 timed out
+    assert elapsed < 60, elapsed
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == []
