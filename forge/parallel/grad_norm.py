@@ -29,7 +29,7 @@ def global_grad_norm(
     squares = torch.zeros((), dtype=torch.float32)
     for mesh, grads in groups.items():
         if mesh is None:  # plain tensors: one fused kernel for all norms
-            norms = torch.stack(torch._foreach_norm(grads))
+            norms = torch.stack(torch._foreach_norm(grads))  # pyright: ignore[reportPrivateImportUsage]
         else:
             norms = torch.stack([torch.linalg.vector_norm(g) for g in grads])
         group_norm = torch.linalg.vector_norm(norms.float())

@@ -90,11 +90,11 @@ class StepMonitor:
                 health_failed=result.collective_failed,
             )
         )
-        if self.interval and self.steps % self.interval == 0 and not word.health_failed:
-            if not self.channel.steps_agree(self.steps):
-                word = Signals(
-                    shutdown_requested=word.shutdown_requested,
-                    nonfinite=word.nonfinite,
-                    health_failed=True,
-                )
+        due = self.interval > 0 and self.steps % self.interval == 0
+        if due and not word.health_failed and not self.channel.steps_agree(self.steps):
+            word = Signals(
+                shutdown_requested=word.shutdown_requested,
+                nonfinite=word.nonfinite,
+                health_failed=True,
+            )
         return word
