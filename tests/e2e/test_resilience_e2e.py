@@ -90,3 +90,44 @@ def test_resume_after_a_recovered_nan_is_exact(tiny_config, tmp_path, monkeypatc
     monkeypatch.delenv("FORGE_FAULTS")
     assert TRAIN.main([str(tiny_config), *args]) == 0
     assert str(losses(tiny_config)) == str(losses(reference))  # str: NaN == NaN
+
+
+def test_shutdown_poll_still_runs_on_a_skipped_step(tiny_config, monkeypatch):
+    """SIGTERM after step 4, NaN at step 5: the skipped step 5 still stops the run and saves."""
+    monkeypatch.setenv("FORGE_FAULTS", "signal:step=4,nan:step=5")
+    assert TRAIN.main([str(tiny_config), "--checkpoint.interval=100"]) == 75
+    assert latest(tiny_config) == "step_5"
+    assert train_state(tiny_config, 5)["reason"] == "emergency"
+
+
+def test_a_signal_during_start_up_is_not_lost(tiny_config):
+    import os
+    import signal
+
+    from forge.training.hooks import Hooks
+
+    class SignalAtStart(Hooks):
+        def on_train_begin(self, state):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    assert TRAIN.main([str(tiny_config)], hooks=[SignalAtStart()]) == 75
+    assert latest(tiny_config) == "step_1"
+
+
+def test_shutdown_timeout_forces_exit():
+    """A process that does not finish within shutdown_timeout_s of the signal exits 75."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, time\n"
+        "from forge.resilience.signals import ShutdownFlag\n"
+        "ShutdownFlag(timeout_s=0.5).install()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(30)\n"  # a stuck save
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=20, check=False
+    )
+    assert out.returncode == 75
+    assert "did not finish within 0.5 s" in out.stderr
