@@ -40,6 +40,13 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
+    """Set every param group's learning rate; returns it."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
 def finish_step(
     optimizer: torch.optim.Optimizer,
     params: Sequence[torch.Tensor],
@@ -86,9 +93,7 @@ def make_text_step(
     max_norm = math.inf if grad_clip_norm is None else grad_clip_norm
 
     def text_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
-        lr = lr_at(schedule, peak_lr, state.step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_lr(optimizer, lr_at(schedule, peak_lr, state.step))
         model.train()
         total = torch.zeros(())
         scale = loss_scale(state.step + 1) if loss_scale is not None else 1.0
@@ -133,9 +138,7 @@ def make_pipeline_step(
     max_norm = math.inf if grad_clip_norm is None else grad_clip_norm
 
     def pipeline_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
-        lr = lr_at(schedule, peak_lr, state.step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_lr(optimizer, lr_at(schedule, peak_lr, state.step))
         stage.train()
         inputs = torch.cat([b.inputs for b in batches])
         labels = torch.cat([b.labels for b in batches])

@@ -9,7 +9,7 @@ import pytest
 
 from forge.config import load_config
 from forge.optim import lr_at, resolve_schedule
-from tests.e2e.test_train_script import TRAIN, latest, run_dir
+from tests.e2e.test_train_script import TRAIN, latest, reference_config, run_dir
 
 
 def records(config):
@@ -78,11 +78,7 @@ def test_resume_after_a_recovered_nan_is_exact(tiny_config, tmp_path, monkeypatc
     """A run that recovered from a NaN, stopped and resumed, equals the same run uninterrupted."""
     from tests.e2e.test_train_script import SignalAt, losses
 
-    reference = tmp_path / "ref" / "tiny.toml"
-    reference.parent.mkdir()
-    reference.write_text(
-        tiny_config.read_text().replace(str(run_dir(tiny_config)), str(run_dir(reference)))
-    )
+    reference = reference_config(tiny_config, tmp_path)
     monkeypatch.setenv("FORGE_FAULTS", "nan:step=4")
     args = [f"--resilience.on_nonfinite={policy}", "--resilience.snapshot_interval=2"]
     assert TRAIN.main([str(reference), *args]) == 0

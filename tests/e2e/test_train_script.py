@@ -36,6 +36,14 @@ def run_dir(config: pathlib.Path) -> pathlib.Path:
     return config.parent / "run"
 
 
+def reference_config(config: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
+    """The same config, running in its own directory: the uninterrupted run to compare with."""
+    reference = tmp_path / "ref" / "tiny.toml"
+    reference.parent.mkdir()
+    reference.write_text(config.read_text().replace(str(run_dir(config)), str(run_dir(reference))))
+    return reference
+
+
 def steps_on_disk(config: pathlib.Path) -> list[str]:
     ckpt = run_dir(config) / "checkpoints"
     return sorted((p.name for p in ckpt.glob("step_*")), key=lambda n: int(n.split("_")[1]))
@@ -96,11 +104,7 @@ def test_sigterm_saves_an_emergency_checkpoint_and_exits_75(tiny_config):
 
 
 def test_resume_after_shutdown_is_bit_identical(tiny_config, tmp_path):
-    reference = tmp_path / "ref" / "tiny.toml"
-    reference.parent.mkdir()
-    reference.write_text(
-        tiny_config.read_text().replace(str(run_dir(tiny_config)), str(run_dir(reference)))
-    )
+    reference = reference_config(tiny_config, tmp_path)
     assert TRAIN.main([str(reference)]) == 0
     assert TRAIN.main([str(tiny_config)], hooks=[SignalAt(5)]) == 75
     assert TRAIN.main([str(tiny_config)]) == 0
@@ -111,11 +115,7 @@ def test_resume_after_shutdown_is_bit_identical(tiny_config, tmp_path):
 
 def test_resume_across_processes_is_bit_identical(tiny_config, tmp_path):
     """2N steps in one process vs N steps, exit, N more in a new process."""
-    reference = tmp_path / "ref" / "tiny.toml"
-    reference.parent.mkdir()
-    reference.write_text(
-        tiny_config.read_text().replace(str(run_dir(tiny_config)), str(run_dir(reference)))
-    )
+    reference = reference_config(tiny_config, tmp_path)
     same_lr = "--scheduler.decay_steps=10"  # the schedule must not depend on where we stop
     cmd = [sys.executable, str(REPO / "scripts" / "train.py")]
 
@@ -233,11 +233,7 @@ def test_generate_prints_text_from_the_trained_run(tiny_config):
 
 def test_activation_checkpointing_changes_nothing_but_memory(tiny_config, tmp_path):
     """Same losses with and without AC, and a checkpoint written with AC resumes without it."""
-    reference = tmp_path / "ref" / "tiny.toml"
-    reference.parent.mkdir()
-    reference.write_text(
-        tiny_config.read_text().replace(str(run_dir(tiny_config)), str(run_dir(reference)))
-    )
+    reference = reference_config(tiny_config, tmp_path)
     assert TRAIN.main([str(reference), "--train.max_steps=6"]) == 0
     assert (
         TRAIN.main(
@@ -252,11 +248,7 @@ def test_activation_checkpointing_changes_nothing_but_memory(tiny_config, tmp_pa
 
 def test_compiled_blocks_train_like_eager(tiny_config, tmp_path):
     """train.compile=true (inductor on CPU: a ~30 s cold compile) matches eager closely."""
-    reference = tmp_path / "ref" / "tiny.toml"
-    reference.parent.mkdir()
-    reference.write_text(
-        tiny_config.read_text().replace(str(run_dir(tiny_config)), str(run_dir(reference)))
-    )
+    reference = reference_config(tiny_config, tmp_path)
     assert TRAIN.main([str(reference), "--train.max_steps=3"]) == 0
     assert TRAIN.main([str(tiny_config), "--train.max_steps=3", "--train.compile=true"]) == 0
     for (s1, l1), (s2, l2) in zip(losses(reference), losses(tiny_config), strict=True):
