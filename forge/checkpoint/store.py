@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -34,6 +33,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from forge.checkpoint.policy import SaveSchedule, retention_plan, step_of
+from forge.checkpoint.safety import load_tensors_safely, read_metadata_safely
 from forge.errors import UserInputError
 from forge.model.transformer import canonical_name
 
@@ -214,7 +214,7 @@ def load_checkpoint(
         )
     rng_file = path / f"rng_rank{rank}.pt"
     if restore_rng_state and rng_file.is_file():
-        restore_rng(torch.load(rng_file, weights_only=True))
+        restore_rng(load_tensors_safely(rng_file))
     return read_train_state(path)
 
 
@@ -230,7 +230,7 @@ def _dcp_load(state: dict[str, Any], path: pathlib.Path) -> None:
 
 def _check_shapes(path: pathlib.Path, model: nn.Module) -> None:
     """One line naming the first parameter whose saved shape differs from the model's."""
-    meta = FileSystemReader(str(path)).read_metadata()
+    meta = read_metadata_safely(path)
     saved = {
         k.removeprefix("model."): tuple(v.size)
         for k, v in meta.state_dict_metadata.items()

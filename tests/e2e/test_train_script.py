@@ -253,3 +253,19 @@ def test_compiled_blocks_train_like_eager(tiny_config, tmp_path):
     assert TRAIN.main([str(tiny_config), "--train.max_steps=3", "--train.compile=true"]) == 0
     for (s1, l1), (s2, l2) in zip(losses(reference), losses(tiny_config), strict=True):
         assert s1 == s2 and l2 == pytest.approx(l1, rel=1e-4)
+
+
+def test_resuming_from_a_poisoned_checkpoint_is_a_clear_error(tiny_config, capsys):
+    import pickle
+
+    from tests.integration.test_checkpoint_security import Payload
+
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=5"]) == 0
+    capsys.readouterr()
+    marker = tiny_config.parent / "pwned"
+    meta = run_dir(tiny_config) / "checkpoints" / "step_5" / ".metadata"
+    meta.write_bytes(pickle.dumps(Payload(marker)))
+    assert TRAIN.main([str(tiny_config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "refusing to load it" in err[0]
+    assert not marker.exists()

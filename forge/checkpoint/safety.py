@@ -1,0 +1,89 @@
+"""Loading a checkpoint never executes code from it.
+
+DCP's ``.metadata`` is a pickle, and ``torch.distributed.checkpoint`` reads it with plain
+``pickle.load``. Before DCP touches a checkpoint, forge reads that file with an unpickler that
+only admits DCP's own metadata classes and torch dtypes, and checks that every data file it
+names stays inside the checkpoint directory. The train state is JSON; RNG files load with
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+
+from forge.errors import UserInputError
+
+_ALLOWED = {
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "Metadata"),
+    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    ("collections", "OrderedDict"),
+}
+
+
+class UnsafeCheckpointError(UserInputError):
+    """A checkpoint file that could run code, or that points outside its directory."""
+
+
+def _allowed(module: str, name: str) -> bool:
+    if (module, name) in _ALLOWED:
+        return True
+    return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if not _allowed(module, name):
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def read_metadata_safely(checkpoint: pathlib.Path) -> Metadata:
+    """DCP's metadata of ``checkpoint``, refusing anything but metadata classes and any data
+    file outside the directory."""
+    path = checkpoint / ".metadata"
+    try:
+        with path.open("rb") as f:
+            meta = _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"{path}: references {exc}, which a checkpoint never needs; refusing to load it "
+            "(it could run code)"
+        ) from None
+    except (OSError, EOFError, ValueError) as exc:
+        raise UnsafeCheckpointError(f"{path}: unreadable DCP metadata ({exc})") from None
+    if not isinstance(meta, Metadata):
+        raise UnsafeCheckpointError(f"{path}: not DCP metadata; refusing to load it")
+    for info in (meta.storage_data or {}).values():
+        relative = pathlib.PurePosixPath(str(getattr(info, "relative_path", "")))
+        if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+            raise UnsafeCheckpointError(
+                f"{path}: names data file '{relative}' outside the checkpoint directory; "
+                "refusing to load it"
+            )
+    return meta
+
+
+def load_tensors_safely(path: pathlib.Path) -> Any:
+    """``torch.load`` that admits tensors and plain values only (no pickled code)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"{path}: holds more than tensors and plain values; refusing to load it ({exc})"
+        ) from None
