@@ -2,7 +2,9 @@
 
 Precedence: (1) the newest complete checkpoint in ``checkpoint.dir`` (auto-resume: model,
 optimizer, train state); (2) else ``checkpoint.load_path`` as initial weights (model only);
-(3) else a fresh start. Incomplete checkpoints are reported and skipped, never returned.
+(3) else a fresh start. Incomplete checkpoints are reported and skipped, never returned; a
+complete-looking one that fails to load (truncated or corrupt shards) gives way to the next
+older complete one (``fallbacks``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class ResumePlan:
     source: ResumeSource
     path: pathlib.Path | None = None
     skipped: tuple[pathlib.Path, ...] = ()  # incomplete checkpoints newer than ``path``
+    fallbacks: tuple[pathlib.Path, ...] = ()  # older complete checkpoints, newest first
 
 
 def resolve_resume(checkpoint_dir: pathlib.Path, load_path: pathlib.Path | None) -> ResumePlan:
@@ -48,7 +51,12 @@ def resolve_resume(checkpoint_dir: pathlib.Path, load_path: pathlib.Path | None)
             for s in candidates
             if s > found_step and not is_complete(step_dir(checkpoint_dir, s))
         )
-        return ResumePlan(ResumeSource.CHECKPOINT_DIR, found, skipped)
+        fallbacks = tuple(
+            step_dir(checkpoint_dir, s)
+            for s in reversed(candidates)
+            if s < found_step and is_complete(step_dir(checkpoint_dir, s))
+        )
+        return ResumePlan(ResumeSource.CHECKPOINT_DIR, found, skipped, fallbacks)
     skipped = tuple(step_dir(checkpoint_dir, s) for s in candidates)
     if load_path is not None:
         target = newest_complete(load_path) if not is_complete(load_path) else load_path

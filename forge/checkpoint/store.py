@@ -48,6 +48,10 @@ class CheckpointError(UserInputError):
     """A checkpoint cannot be used: missing, incomplete or not matching the model."""
 
 
+class ShapeMismatchError(CheckpointError):
+    """The checkpoint was written for another model configuration."""
+
+
 @contextmanager
 def _single_process_dcp() -> Iterator[None]:
     """DCP warns that it assumes one process when no process group exists; here that is intended."""
@@ -225,7 +229,8 @@ def _dcp_load(state: dict[str, Any], path: pathlib.Path) -> None:
     except BaseException as exc:  # DCP's CheckpointException is not an Exception
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
-        raise CheckpointError(f"{path}: DCP load failed ({type(exc).__name__}: {exc})") from None
+        detail = " ".join(str(exc).split())[:300]  # one line, however DCP formats it
+        raise CheckpointError(f"{path}: DCP load failed ({type(exc).__name__}: {detail})") from None
 
 
 def _check_shapes(path: pathlib.Path, model: nn.Module) -> None:
@@ -239,9 +244,9 @@ def _check_shapes(path: pathlib.Path, model: nn.Module) -> None:
     for raw_name, tensor in model.state_dict().items():
         name = canonical_name(raw_name)
         if name not in saved:
-            raise CheckpointError(f"{path}: has no parameter '{name}'; the model config differs")
+            raise ShapeMismatchError(f"{path}: has no parameter '{name}'; the model config differs")
         if saved[name] != tuple(tensor.shape):
-            raise CheckpointError(
+            raise ShapeMismatchError(
                 f"{path}: '{name}' has shape {list(saved[name])} in the checkpoint but "
                 f"{list(tensor.shape)} in the model; match the [model] config to the checkpoint"
             )

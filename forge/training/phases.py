@@ -22,7 +22,8 @@ import torch
 
 from forge.checkpoint.policy import SaveSchedule
 from forge.checkpoint.resume import ResumeSource, resolve_resume
-from forge.checkpoint.store import load_checkpoint
+from forge.checkpoint.safety import UnsafeCheckpointError
+from forge.checkpoint.store import CheckpointError, ShapeMismatchError, load_checkpoint
 from forge.config.loader import CONVERTER, ConfigError, load_config, unstructure_config
 from forge.config.sections import JobConfig, Precision
 from forge.config.toml_writer import dumps_toml
@@ -245,16 +246,39 @@ def setup_checkpointing(
         print(f"[forge] skipping incomplete checkpoint {path}", file=sys.stderr)
     state = LoopState()
     if plan.source is ResumeSource.CHECKPOINT_DIR and plan.path is not None:
-        train_state = load_checkpoint(plan.path, model.model, model.optimizer, rank=dist.rank)
+        path, train_state = load_first_loadable(
+            (plan.path, *plan.fallbacks), model, dist.rank, dist.is_main
+        )
         state = CONVERTER.structure(train_state["loop_state"], LoopState)
         data.train_loader.load_state_dict(train_state["loader"])
         if dist.is_main:
-            print(f"[forge] resumed from {plan.path} at step {state.step}", file=sys.stderr)
+            print(f"[forge] resumed from {path} at step {state.step}", file=sys.stderr)
     elif plan.source is ResumeSource.LOAD_PATH and plan.path is not None:
         load_checkpoint(plan.path, model.model, None, rank=dist.rank, restore_rng_state=False)
         if dist.is_main:
             print(f"[forge] initial weights from {plan.path}", file=sys.stderr)
     return CheckpointContext(plan=plan, initial_state=state)
+
+
+def load_first_loadable(
+    paths: Sequence[pathlib.Path], model: ModelContext, rank: int, report: bool
+) -> tuple[pathlib.Path, dict]:
+    """Load the first of ``paths`` that loads; a corrupt one (truncated shards, unreadable
+    state) is reported and skipped. A shape mismatch or an unsafe file is never skipped."""
+    errors = []
+    for path in paths:
+        try:
+            return path, load_checkpoint(path, model.model, model.optimizer, rank=rank)
+        except (UnsafeCheckpointError, ShapeMismatchError):
+            raise
+        except CheckpointError as exc:
+            errors.append(str(exc))
+            if report:
+                print(f"[forge] skipping unloadable checkpoint: {exc}", file=sys.stderr)
+    raise CheckpointError(
+        f"{paths[0].parent}: no checkpoint there loads ({'; '.join(errors)}); "
+        "delete the broken ones or point checkpoint.dir elsewhere"
+    )
 
 
 def prepare_run_dir(run: RunContext, dist: DistContext, ckpt: CheckpointContext) -> None:

@@ -269,3 +269,25 @@ def test_resuming_from_a_poisoned_checkpoint_is_a_clear_error(tiny_config, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "refusing to load it" in err[0]
     assert not marker.exists()
+
+
+def test_a_corrupt_newest_checkpoint_is_reported_and_skipped(tiny_config, capsys):
+    assert TRAIN.main([str(tiny_config)]) == 0
+    shard = run_dir(tiny_config) / "checkpoints" / "step_12" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])  # truncated, though .metadata is present
+    capsys.readouterr()
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=14"]) == 0
+    err = capsys.readouterr().err
+    assert "skipping unloadable checkpoint" in err and "step_12" in err
+    assert "resumed from" in err and "step_10 at step 10" in err
+    assert [s for s, _ in losses(tiny_config)] == list(range(1, 15))
+
+
+def test_no_loadable_checkpoint_is_a_clear_error(tiny_config, capsys):
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=5"]) == 0
+    shard = run_dir(tiny_config) / "checkpoints" / "step_5" / "__0_0.distcp"
+    shard.write_bytes(b"")
+    capsys.readouterr()
+    assert TRAIN.main([str(tiny_config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error:") and "no checkpoint there loads" in err[-1]
