@@ -173,6 +173,24 @@ def save_checkpoint(
     return final
 
 
+def save_model_only(
+    root: pathlib.Path, step: int, model: nn.Module, train_state: dict[str, Any]
+) -> pathlib.Path:
+    """A model-only checkpoint ``root/step_<step>`` (one process), usable as ``load_path``."""
+    root.mkdir(parents=True, exist_ok=True)
+    final, tmp = step_dir(root, step), root / f"step_{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    with _single_process_dcp():
+        dcp_save({"model": model.state_dict()}, checkpoint_id=str(tmp))
+    _write_json(tmp / TRAIN_STATE, train_state)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _point_latest(root, step)
+    return final
+
+
 def apply_retention(root: pathlib.Path, keep_last_n: int, schedule: SaveSchedule) -> list[int]:
     """Delete what ``retention_plan`` names; returns the deleted steps."""
     doomed = retention_plan(list_steps(root), keep_last_n, latest_step(root), schedule)

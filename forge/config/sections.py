@@ -34,6 +34,12 @@ class ScheduleName(enum.Enum):
     NONE = "none"
 
 
+class ExportDtype(enum.Enum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
 class PipelineSchedule(enum.Enum):
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
@@ -254,6 +260,8 @@ class CheckpointConfig:
     dyn_ckpt_window: DynamicWindow | None = None
     keep_last_n: int = 3
     load_path: str | None = None
+    export_final: bool = False  # the final save also writes <run.dir>/export (safetensors)
+    export_dtype: ExportDtype = ExportDtype.BFLOAT16
 
     def problems(self) -> list[Problem]:
         p: list[Problem] = []

@@ -129,6 +129,14 @@ def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
                     f"must divide train.seq_len={config.train.seq_len} (sequence parallelism)",
                 )
             )
+    if dims.pp > 1 and config.checkpoint.export_final:
+        p.append(
+            (
+                "checkpoint.export_final",
+                "is not supported with distributed.pp > 1; export afterwards with "
+                "scripts/convert_checkpoint.py",
+            )
+        )
     if dims.pp > 1:
         stages = dims.pp
         if d.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B:

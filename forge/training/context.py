@@ -35,6 +35,10 @@ class RunContext:
     def metrics_path(self) -> pathlib.Path:
         return self.run_dir / "metrics.jsonl"
 
+    @property
+    def export_dir(self) -> pathlib.Path:
+        return self.run_dir / "export"
+
 
 @attrs.frozen
 class DistContext:

@@ -14,7 +14,9 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as torch_dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from forge.checkpoint.export import export_model
 from forge.checkpoint.slots import Slots
 from forge.checkpoint.store import apply_retention, save_checkpoint
 from forge.metrics.sinks import JsonlSink, MetricsSink, StdoutSink
@@ -113,8 +115,20 @@ class TrainingEffects:
             apply_retention(
                 self.run.checkpoint_dir, self.run.config.checkpoint.keep_last_n, self._schedule
             )
+        if reason is SaveReason.FINAL and self.run.config.checkpoint.export_final:
+            self.export()
         self.hooks.on_checkpoint_save(state.step, path)
         self._restart_clock(state)
+
+    def export(self) -> None:
+        """Write ``<run.dir>/export``: the full model in Llama safetensors layout (rank 0)."""
+        full = get_model_state_dict(
+            self.model.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.dist.is_main:
+            ck = self.run.config.checkpoint
+            tensors = {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
+            export_model(tensors, self.run.config.model, self.run.export_dir, ck.export_dtype.value)
 
     def wait(self) -> None:
         """Saves are synchronous for now: nothing is ever in flight."""

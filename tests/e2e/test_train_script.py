@@ -291,3 +291,21 @@ def test_no_loadable_checkpoint_is_a_clear_error(tiny_config, capsys):
     assert TRAIN.main([str(tiny_config)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error:") and "no checkpoint there loads" in err[-1]
+
+
+def test_final_save_can_also_write_an_export(tiny_config):
+    from forge.checkpoint.export import import_model
+
+    assert (
+        TRAIN.main(
+            [
+                str(tiny_config),
+                "--checkpoint.export_final=true",
+                "--checkpoint.export_dtype=float32",
+            ]
+        )
+        == 0
+    )
+    _, state = import_model(run_dir(tiny_config) / "export")
+    saved = final_weights(tiny_config, 12)
+    assert all(torch.equal(state[k], saved[k]) for k in saved)

@@ -1,0 +1,145 @@
+"""Model-only export in Hugging Face Llama layout: ``model.safetensors`` plus ``config.json``.
+
+forge's decoder is a Llama (RoPE in the half-split layout of HF's ``rotate_half``, GQA,
+SwiGLU, RMSNorm), so the export is a rename and a dtype cast; it loads into
+``LlamaForCausalLM`` and back into forge. Needs the optional ``safetensors`` package
+(``pip install 'forge[safetensors]'``).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import shutil
+
+import torch
+
+from forge.config.sections import ModelConfig
+from forge.errors import UserInputError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+class ExportError(UserInputError):
+    """An export cannot be written or read."""
+
+
+def hf_name(name: str) -> str:
+    """forge parameter name → HF Llama name."""
+    if name in _TOP:
+        return _TOP[name]
+    m = _LAYER_KEY.match(name)
+    if m and m.group(2) in _LAYER:
+        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    raise ExportError(f"parameter '{name}' has no Llama equivalent")
+
+
+def forge_name(name: str) -> str:
+    """HF Llama name → forge parameter name."""
+    for ours, theirs in _TOP.items():
+        if name == theirs:
+            return ours
+    m = _HF_LAYER_KEY.match(name)
+    if m:
+        for ours, theirs in _LAYER.items():
+            if m.group(2) == theirs:
+                return f"layers.{m.group(1)}.{ours}"
+    raise ExportError(f"tensor '{name}' is not part of a Llama model forge can read")
+
+
+def llama_config(cfg: ModelConfig, dtype: str) -> dict:
+    """The ``config.json`` of ``LlamaForCausalLM`` for ``cfg``."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.hidden_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": dtype,
+        "initializer_range": cfg.init_std,
+    }
+
+
+def model_config_from_llama(config: dict) -> ModelConfig:
+    """The forge ``ModelConfig`` of a Llama ``config.json``."""
+    return ModelConfig(
+        dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=config["num_attention_heads"],
+        n_kv_heads=config.get("num_key_value_heads"),
+        vocab_size=config["vocab_size"],
+        ffn_hidden_dim=config["intermediate_size"],
+        norm_eps=config.get("rms_norm_eps", 1e-5),
+        rope_theta=config.get("rope_theta", 10000.0),
+        max_seq_len=config.get("max_position_embeddings", 2048),
+        tie_embeddings=config.get("tie_word_embeddings", False),
+        init_std=config.get("initializer_range", 0.02),
+    )
+
+
+def export_model(
+    state: dict[str, torch.Tensor], cfg: ModelConfig, out: pathlib.Path, dtype: str
+) -> pathlib.Path:
+    """Write ``out/model.safetensors`` and ``out/config.json`` (via a temporary folder)."""
+    from safetensors.torch import save_file
+
+    if dtype not in DTYPES:
+        raise ExportError(f"dtype '{dtype}': choose one of {sorted(DTYPES)}")
+    tensors = {}
+    for name, tensor in state.items():
+        if cfg.tie_embeddings and name == "output.weight":
+            continue  # tied: the embedding is the head
+        tensors[hf_name(name)] = tensor.detach().to(DTYPES[dtype]).contiguous().cpu()
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(llama_config(cfg, dtype), indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def import_model(folder: pathlib.Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read an export (or any Llama safetensors folder of this shape) as forge's config and
+    fp32 state dict. safetensors holds tensors only: nothing in it can run code."""
+    from safetensors.torch import load_file
+
+    config_path, weights = folder / "config.json", folder / "model.safetensors"
+    if not config_path.is_file() or not weights.is_file():
+        raise ExportError(f"{folder}: needs config.json and model.safetensors")
+    cfg = model_config_from_llama(json.loads(config_path.read_text()))
+    state = {forge_name(k): v.float() for k, v in load_file(str(weights)).items()}
+    if cfg.tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    return cfg, state
