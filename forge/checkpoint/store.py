@@ -21,7 +21,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -53,7 +52,7 @@ class ShapeMismatchError(CheckpointError):
 
 
 @contextmanager
-def _single_process_dcp() -> Iterator[None]:
+def single_process_dcp() -> Iterator[None]:
     """DCP warns that it assumes one process when no process group exists; here that is intended."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -132,44 +131,17 @@ def _point_latest(root: pathlib.Path, step: int) -> None:
     os.replace(tmp, root / LATEST)
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def save_checkpoint(
-    root: pathlib.Path,
-    step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    train_state: dict[str, Any],
-    *,
-    rank: int = 0,
+def commit_checkpoint(
+    root: pathlib.Path, tmp: pathlib.Path, step: int, train_state: dict[str, Any]
 ) -> pathlib.Path:
-    """Write ``step_<step>`` atomically and move ``latest`` to it; returns its path.
-
-    Every rank calls this: all write their DCP shards and RNG file into ``step_<N>.tmp``;
-    once all are done, rank 0 writes the train state, renames and moves ``latest``.
-    """
+    """Rank 0, once every rank's shards are in ``tmp``: write the train state, rename ``tmp``
+    to ``step_<step>`` and move ``latest`` to it."""
     final = step_dir(root, step)
-    tmp = root / f"step_{step}.tmp"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
-    with _single_process_dcp():
-        dcp_save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp))
-    torch.save(capture_rng(), tmp / f"rng_rank{rank}.pt")
-    _barrier()
-    if rank == 0:
-        _write_json(tmp / TRAIN_STATE, train_state)
-        if final.exists():  # re-saving a step (e.g. after a resume): keep the new one
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _point_latest(root, step)
-    _barrier()
+    _write_json(tmp / TRAIN_STATE, train_state)
+    if final.exists():  # re-saving a step (e.g. after a resume): keep the new one
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _point_latest(root, step)
     return final
 
 
@@ -181,7 +153,7 @@ def save_model_only(
     final, tmp = step_dir(root, step), root / f"step_{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    with _single_process_dcp():
+    with single_process_dcp():
         dcp_save({"model": model.state_dict()}, checkpoint_id=str(tmp))
     _write_json(tmp / TRAIN_STATE, train_state)
     if final.exists():
@@ -242,7 +214,7 @@ def load_checkpoint(
 
 def _dcp_load(state: dict[str, Any], path: pathlib.Path) -> None:
     try:
-        with _single_process_dcp():
+        with single_process_dcp():
             dcp_load(state, checkpoint_id=str(path))
     except BaseException as exc:  # DCP's CheckpointException is not an Exception
         if isinstance(exc, KeyboardInterrupt | SystemExit):

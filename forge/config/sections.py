@@ -34,6 +34,11 @@ class ScheduleName(enum.Enum):
     NONE = "none"
 
 
+class AsyncMode(enum.Enum):
+    DISABLED = "disabled"  # the loop waits for every save
+    ASYNC = "async"  # stage (copy) the state, write it in a background thread
+
+
 class ExportDtype(enum.Enum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
@@ -257,6 +262,7 @@ class CheckpointConfig:
     enabled: bool = True
     dir: str | None = None
     interval: int = 1000
+    async_mode: AsyncMode = AsyncMode.DISABLED
     dyn_ckpt_window: DynamicWindow | None = None
     keep_last_n: int = 3
     load_path: str | None = None

@@ -6,6 +6,7 @@ Decisions are not made here (``plan_step`` and ``finalize`` made them); this onl
 from __future__ import annotations
 
 import math
+import pathlib
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -16,9 +17,10 @@ import torch
 import torch.distributed as torch_dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from forge.checkpoint.checkpointer import Checkpointer
 from forge.checkpoint.export import export_model
 from forge.checkpoint.slots import Slots
-from forge.checkpoint.store import apply_retention, save_checkpoint
+from forge.checkpoint.store import apply_retention
 from forge.metrics.sinks import JsonlSink, MetricsSink, StdoutSink
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
 from forge.training.hooks import HookList, Hooks
@@ -73,6 +75,13 @@ class TrainingEffects:
         self._mark_step = 0
         self._schedule = loop_policy(run.config).schedule
         self.slots = Slots(model.model, model.optimizer)
+        self.checkpointer = Checkpointer(
+            run.checkpoint_dir,
+            run.config.checkpoint.async_mode,
+            dist.rank,
+            dist.world_size,
+            on_commit=self._committed,
+        )
 
     def _restart_clock(self, state: LoopState) -> None:
         self._mark_time, self._mark_step = self.clock(), state.step
@@ -102,23 +111,21 @@ class TrainingEffects:
         }
 
     def save(self, state: LoopState, reason: SaveReason) -> None:
+        """Start a save (it commits in ``wait``, at once in synchronous mode)."""
         saved = attrs.evolve(state, last_saved_step=state.step)
-        path = save_checkpoint(
-            self.run.checkpoint_dir,
-            state.step,
-            self.model.model,
-            self.model.optimizer,
-            self.train_state(saved, reason),
-            rank=self.dist.rank,
+        self.checkpointer.save(
+            state.step, self.model.model, self.model.optimizer, self.train_state(saved, reason)
         )
-        if self._schedule is not None and self.dist.is_main:
-            apply_retention(
-                self.run.checkpoint_dir, self.run.config.checkpoint.keep_last_n, self._schedule
-            )
         if reason is SaveReason.FINAL and self.run.config.checkpoint.export_final:
             self.export()
-        self.hooks.on_checkpoint_save(state.step, path)
         self._restart_clock(state)
+
+    def _committed(self, step: int, path: pathlib.Path) -> None:
+        """Rank 0, after a commit: retention, then ``on_checkpoint_save``."""
+        if self._schedule is not None:
+            keep = self.run.config.checkpoint.keep_last_n
+            apply_retention(self.run.checkpoint_dir, keep, self._schedule)
+        self.hooks.on_checkpoint_save(step, path)
 
     def export(self) -> None:
         """Write ``<run.dir>/export``: the full model in Llama safetensors layout (rank 0)."""
@@ -131,7 +138,8 @@ class TrainingEffects:
             export_model(tensors, self.run.config.model, self.run.export_dir, ck.export_dtype.value)
 
     def wait(self) -> None:
-        """Saves are synchronous for now: nothing is ever in flight."""
+        """Finish and commit the save in flight, if any."""
+        self.checkpointer.wait()
 
     def log(self, state: LoopState, result: StepResult) -> None:
         """Every rank calls this (a logging step is decided the same everywhere): the loss is

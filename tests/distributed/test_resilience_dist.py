@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from tests.conftest import REPO
@@ -37,13 +38,15 @@ def ok(out):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
 
 
+@pytest.mark.parametrize("mode", ["disabled", "async"])
 def test_sigterm_on_one_rank_stops_both_at_the_same_step_and_resume_is_exact(
-    tmp_path, small_corpus
+    tmp_path, small_corpus, mode
 ):
     config = write_config(tmp_path, small_corpus)
     ref, run = tmp_path / "ref", tmp_path / "run"
     ok(torchrun(config, ref, *FSDP)[0])
-    out, _ = torchrun(config, run, *FSDP, faults="signal:step=3:rank=1")
+    saves = f"--checkpoint.async_mode={mode}"
+    out, _ = torchrun(config, run, *FSDP, saves, faults="signal:step=3:rank=1")
     assert out.returncode != 0  # both workers exit 75 (SHUTDOWN); torchrun reports a failure
     assert "exitcode  : 75" in out.stderr
     # delivered after step 3's control word: both ranks see it at the end of step 4
@@ -52,7 +55,7 @@ def test_sigterm_on_one_rank_stops_both_at_the_same_step_and_resume_is_exact(
     assert (step4 / "rng_rank0.pt").is_file() and (step4 / "rng_rank1.pt").is_file()
     assert os.readlink(run / "checkpoints" / "latest") == "step_4"
     assert [r["step"] for r in records(run)] == [1, 2, 3, 4]
-    ok(torchrun(config, run, *FSDP)[0])
+    ok(torchrun(config, run, *FSDP, saves)[0])
     assert [(r["step"], r["loss"]) for r in records(run)] == [
         (r["step"], r["loss"]) for r in records(ref)
     ]

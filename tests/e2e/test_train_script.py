@@ -309,3 +309,18 @@ def test_final_save_can_also_write_an_export(tiny_config):
     _, state = import_model(run_dir(tiny_config) / "export")
     saved = final_weights(tiny_config, 12)
     assert all(torch.equal(state[k], saved[k]) for k in saved)
+
+
+def test_async_checkpoints_resume_exactly(tiny_config, tmp_path):
+    """With async saves: the same losses as a sync run, and an exact resume after SIGTERM."""
+    reference = reference_config(tiny_config, tmp_path)
+    assert TRAIN.main([str(reference)]) == 0
+    assert (
+        TRAIN.main([str(tiny_config), "--checkpoint.async_mode=async"], hooks=[SignalAt(6)]) == 75
+    )
+    assert latest(tiny_config) == "step_7"
+    assert TRAIN.main([str(tiny_config), "--checkpoint.async_mode=async"]) == 0
+    assert losses(tiny_config) == losses(reference)
+    assert steps_on_disk(tiny_config) == ["step_7", "step_10", "step_12"]
+    for name, tensor in final_weights(reference, 12).items():
+        assert torch.equal(tensor, final_weights(tiny_config, 12)[name]), name

@@ -8,8 +8,9 @@ import pickle
 import pytest
 import torch
 
+from forge.checkpoint.checkpointer import save_checkpoint
 from forge.checkpoint.safety import UnsafeCheckpointError, read_metadata_safely
-from forge.checkpoint.store import load_checkpoint, save_checkpoint
+from forge.checkpoint.store import load_checkpoint
 from forge.config import ModelConfig, OptimizerConfig
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer

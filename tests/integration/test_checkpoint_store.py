@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from forge.checkpoint.checkpointer import save_checkpoint
 from forge.checkpoint.policy import SaveSchedule
 from forge.checkpoint.resume import ResumeSource, resolve_resume
 from forge.checkpoint.store import (
@@ -18,7 +19,6 @@ from forge.checkpoint.store import (
     is_complete,
     latest_step,
     load_checkpoint,
-    save_checkpoint,
     step_dir,
 )
 from forge.config import ModelConfig, OptimizerConfig
