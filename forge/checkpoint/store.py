@@ -163,6 +163,20 @@ def save_model_only(
     return final
 
 
+def remove_stale_temporaries(root: pathlib.Path) -> list[str]:
+    """Delete ``step_<N>.tmp`` folders and ``latest.tmp`` left by a crash (call at start-up,
+    when no save can be in flight); returns their names."""
+    if not root.is_dir():
+        return []
+    stale = [p for p in root.iterdir() if p.name.endswith(".tmp")]
+    for p in stale:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return [p.name for p in stale]
+
+
 def apply_retention(root: pathlib.Path, keep_last_n: int, schedule: SaveSchedule) -> list[int]:
     """Delete what ``retention_plan`` names; returns the deleted steps."""
     doomed = retention_plan(list_steps(root), keep_last_n, latest_step(root), schedule)

@@ -59,7 +59,12 @@ def trim_records_after(path: pathlib.Path, step: int) -> int:
     for line in path.read_text().splitlines():
         if not line.strip():
             continue
-        if json.loads(line).get("step", 0) > step:
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line torn by a crash mid-write
+            dropped += 1
+            continue
+        if record.get("step", 0) > step:
             dropped += 1
         else:
             kept.append(line)

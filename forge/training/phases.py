@@ -23,7 +23,12 @@ import torch
 from forge.checkpoint.policy import SaveSchedule
 from forge.checkpoint.resume import ResumeSource, resolve_resume
 from forge.checkpoint.safety import UnsafeCheckpointError
-from forge.checkpoint.store import CheckpointError, ShapeMismatchError, load_checkpoint
+from forge.checkpoint.store import (
+    CheckpointError,
+    ShapeMismatchError,
+    load_checkpoint,
+    remove_stale_temporaries,
+)
 from forge.config.loader import CONVERTER, ConfigError, load_config, unstructure_config
 from forge.config.sections import JobConfig, Precision
 from forge.config.toml_writer import dumps_toml
@@ -289,6 +294,7 @@ def prepare_run_dir(run: RunContext, dist: DistContext, ckpt: CheckpointContext)
     run.run_dir.mkdir(parents=True, exist_ok=True)
     (run.run_dir / "config.toml").write_text(dumps_toml(unstructure_config(run.config)))
     trim_records_after(run.metrics_path, ckpt.initial_state.step)
+    remove_stale_temporaries(run.checkpoint_dir)
 
 
 def make_step_fn(

@@ -1,0 +1,70 @@
+"""SIGKILL at many moments, async saves included: a loadable checkpoint always remains,
+``latest`` never dangles, and the resumed run continues exactly as the uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from forge.checkpoint.resume import ResumeSource, resolve_resume
+from forge.checkpoint.store import is_complete
+from tests.conftest import REPO
+from tests.e2e.test_train_script import run_dir
+
+ARGS = [
+    "--train.max_steps=40",
+    "--checkpoint.interval=1",  # a save every step: kills land inside saves
+    "--checkpoint.keep_last_n=2",
+    "--checkpoint.async_mode=async",
+    "--data.verify_checksum=false",
+    "--metrics.log_interval=1",
+]
+KILL_AFTER_S = [0.0, 0.05, 0.1, 0.2, 0.35, 0.5, 0.8, 1.2]
+
+
+def command(config):
+    return [sys.executable, str(REPO / "scripts" / "train.py"), str(config), *ARGS]
+
+
+def losses(config):
+    lines = (run_dir(config) / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, small_corpus):
+    from tests.conftest import TINY
+
+    tmp = tmp_path_factory.mktemp("crash_ref")
+    config = tmp / "tiny.toml"
+    config.write_text(TINY.format(data=small_corpus) + f'\n[run]\ndir = "{run_dir(config)}"\n')
+    subprocess.run(command(config), check=True, capture_output=True)
+    return config
+
+
+@pytest.mark.parametrize("delay", KILL_AFTER_S)
+def test_kill_at_any_moment_leaves_a_resumable_run(reference, tiny_config, tmp_path, delay):
+    proc = subprocess.Popen(
+        command(tiny_config), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    assert proc.stdout is not None
+    proc.stdout.readline()  # the first logged step: training has started
+    time.sleep(delay)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    ckpt = run_dir(tiny_config) / "checkpoints"
+    latest = ckpt / "latest"
+    if latest.is_symlink():
+        assert is_complete(ckpt / os.readlink(latest)), "latest points at an incomplete checkpoint"
+    plan = resolve_resume(ckpt, None)
+    assert plan.source in (ResumeSource.CHECKPOINT_DIR, ResumeSource.FRESH)
+    out = subprocess.run(command(tiny_config), capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert losses(tiny_config) == losses(reference)
+    assert not list(ckpt.glob("*.tmp"))
