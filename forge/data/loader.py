@@ -37,7 +37,8 @@ class TextLoader:
     """Yields micro-batches of shuffled windows; each data-parallel rank takes its own slice.
 
     Its whole state is a ``LoaderPosition``: ``load_state_dict`` seeks there in O(1).
-    With ``max_epochs`` set, iteration stops when that many epochs are consumed.
+    With ``max_epochs`` set, iteration stops when that many epochs are consumed. Batches are
+    placed on ``device`` (the training device).
     """
 
     def __init__(
@@ -49,8 +50,10 @@ class TextLoader:
         rank: int = 0,
         world_size: int = 1,
         max_epochs: int | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.windows = windows
+        self.device = torch.device(device)
         self.batch_size = batch_size
         self.seed = seed
         self.rank = rank
@@ -74,7 +77,7 @@ class TextLoader:
         perm = epoch_permutation(self.seed, pos.epoch, len(self.windows))
         first = (pos.batch * self.world_size + self.rank) * self.batch_size
         rows = np.stack([self.windows[int(i)] for i in perm[first : first + self.batch_size]])
-        tokens = torch.from_numpy(rows.astype(np.int64))
+        tokens = torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
         self.position = LoaderPosition(epoch=pos.epoch, batch=pos.batch + 1)
         return Batch(inputs=tokens[:, :-1], labels=tokens[:, 1:])
 

@@ -221,6 +221,7 @@ def setup_data(run: RunContext, dist: DistContext) -> DataContext:
         rank=dist.dp_rank,
         world_size=dist.dp_size,
         max_epochs=cfg.train.max_epochs,
+        device=dist.device,
     )
     eval_loader = None
     if cfg.eval.interval > 0:
@@ -229,7 +230,12 @@ def setup_data(run: RunContext, dist: DistContext) -> DataContext:
             cfg.train.seq_len,
         )
         eval_loader = TextLoader(
-            held_out, cfg.train.batch_size, seed=0, rank=dist.dp_rank, world_size=dist.dp_size
+            held_out,
+            cfg.train.batch_size,
+            seed=0,
+            rank=dist.dp_rank,
+            world_size=dist.dp_size,
+            device=dist.device,
         )
     tokens = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum_steps
     return DataContext(

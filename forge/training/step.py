@@ -20,11 +20,19 @@ from forge.training.context import PipelineContext
 from forge.training.state import LoopState, StepResult
 
 
-def autocast_for(precision: Precision) -> Callable[[], contextlib.AbstractContextManager]:
+def autocast_for(
+    precision: Precision, device_type: str = "cpu"
+) -> Callable[[], contextlib.AbstractContextManager]:
     """A context-manager factory for the compute dtype (parameters stay fp32)."""
     if precision is Precision.BF16:
-        return lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+        return lambda: torch.autocast(device_type, dtype=torch.bfloat16)
     return contextlib.nullcontext
+
+
+def device_type_of(model: nn.Module) -> str:
+    """``cpu`` or ``cuda``: where the model's (local) parameters live."""
+    param = next(model.parameters(), None)
+    return param.device.type if param is not None else "cpu"
 
 
 def lm_loss(model: nn.Module, batch: Batch, autocast: Callable) -> torch.Tensor:
@@ -88,7 +96,11 @@ def make_text_step(
     this rank's; it is averaged over data-parallel ranks only when logged. ``loss_scale``
     (tests only) multiplies the loss of a given step, e.g. by NaN.
     """
-    autocast = contextlib.nullcontext if fsdp_mixed_precision else autocast_for(precision)
+    autocast = (
+        contextlib.nullcontext
+        if fsdp_mixed_precision
+        else autocast_for(precision, device_type_of(model))
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     max_norm = math.inf if grad_clip_norm is None else grad_clip_norm
 
@@ -166,7 +178,7 @@ def make_pipeline_step(
 @torch.no_grad()
 def evaluate_loss(model: nn.Module, batches: list[Batch], precision: Precision) -> float:
     """Mean loss over ``batches`` (each the same size), in eval mode."""
-    autocast = autocast_for(precision)
+    autocast = autocast_for(precision, device_type_of(model))
     was_training = model.training
     model.eval()
     total = torch.zeros(())
