@@ -19,7 +19,7 @@ class Hooks:
         """After every step and its effects."""
 
     def on_checkpoint_save(self, step: int, path: pathlib.Path) -> None:
-        """After a checkpoint is committed (``latest`` points at it)."""
+        """On rank 0, after a checkpoint is committed (``latest`` points at it)."""
 
     def on_train_end(self, outcome: LoopOutcome, state: LoopState) -> None:
         """After the final save and the wait."""
