@@ -61,8 +61,11 @@ def finish_step(
     loss: torch.Tensor,
     grad_norm: torch.Tensor,
     max_norm: float,
-) -> tuple[float, float]:
-    """Clip by the global norm and step, only if loss and norm are finite; returns both.
+    *,
+    tokens: int,
+    lr: float,
+) -> StepResult:
+    """Clip by the global norm and step, only if loss and norm are finite; report the step.
 
     Reads loss and norm in one host sync. A non-finite step zeroes the gradients and never
     touches the optimizer state.
@@ -73,7 +76,7 @@ def finish_step(
             scale_grads_(params, clip_coefficient(norm_value, max_norm))
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_value, norm_value
+    return StepResult(loss=loss_value, grad_norm=norm_value, tokens=tokens, lr=lr)
 
 
 def make_text_step(
@@ -117,15 +120,9 @@ def make_text_step(
             (loss / len(batches)).backward()
             total += loss.detach().cpu()
         grad_norm = global_grad_norm(params)
-        loss_value, norm_value = finish_step(
-            optimizer, params, total / len(batches), grad_norm, max_norm
-        )
-        return StepResult(
-            loss=loss_value,
-            grad_norm=norm_value,
-            tokens=sum(b.num_tokens for b in batches) * dp_size,
-            lr=lr,
-        )
+        tokens = sum(b.num_tokens for b in batches) * dp_size
+        mean_loss = total / len(batches)
+        return finish_step(optimizer, params, mean_loss, grad_norm, max_norm, tokens=tokens, lr=lr)
 
     return text_step
 
@@ -164,13 +161,8 @@ def make_pipeline_step(
         loss = torch.stack(losses).mean().detach().float() if losses else torch.zeros(())
         torch_dist.all_reduce(loss, group=pipeline.group)
         grad_norm = global_grad_norm(params, pipeline.group)
-        loss_value, norm_value = finish_step(optimizer, params, loss, grad_norm, max_norm)
-        return StepResult(
-            loss=loss_value,
-            grad_norm=norm_value,
-            tokens=sum(b.num_tokens for b in batches) * dp_size,
-            lr=lr,
-        )
+        tokens = sum(b.num_tokens for b in batches) * dp_size
+        return finish_step(optimizer, params, loss, grad_norm, max_norm, tokens=tokens, lr=lr)
 
     return pipeline_step
 
