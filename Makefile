@@ -24,8 +24,8 @@ train: $(VENV)/.installed $(DATA)/manifest.json
 	$(PY) scripts/train.py $(CONFIG) $(ARGS)
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check forge scripts tests benchmarks
-	$(VENV)/bin/ruff format --check forge scripts tests benchmarks
+	$(VENV)/bin/ruff check forge scripts tests benchmarks examples
+	$(VENV)/bin/ruff format --check forge scripts tests benchmarks examples
 	$(VENV)/bin/pyright forge
 
 test: $(VENV)/.installed lint
