@@ -266,6 +266,7 @@ class CheckpointConfig:
     dyn_ckpt_window: DynamicWindow | None = None
     keep_last_n: int = 3
     load_path: str | None = None
+    load_optimizer: bool = False  # with load_path: also take its optimizer state
     export_final: bool = False  # the final save also writes <run.dir>/export (safetensors)
     export_dtype: ExportDtype = ExportDtype.BFLOAT16
 

@@ -265,7 +265,8 @@ def setup_checkpointing(
         if dist.is_main:
             print(f"[forge] resumed from {path} at step {state.step}", file=sys.stderr)
     elif plan.source is ResumeSource.LOAD_PATH and plan.path is not None:
-        load_checkpoint(plan.path, model.model, None, rank=dist.rank, restore_rng_state=False)
+        optimizer = model.optimizer if cfg.load_optimizer else None
+        load_checkpoint(plan.path, model.model, optimizer, rank=dist.rank, restore_rng_state=False)
         if dist.is_main:
             print(f"[forge] initial weights from {plan.path}", file=sys.stderr)
     return CheckpointContext(plan=plan, initial_state=state)

@@ -324,3 +324,32 @@ def test_async_checkpoints_resume_exactly(tiny_config, tmp_path):
     assert steps_on_disk(tiny_config) == ["step_7", "step_10", "step_12"]
     for name, tensor in final_weights(reference, 12).items():
         assert torch.equal(tensor, final_weights(tiny_config, 12)[name]), name
+
+
+@pytest.mark.parametrize("with_optimizer", [False, True])
+def test_load_path_gives_initial_weights_and_optionally_the_optimizer(
+    tiny_config, tmp_path, with_optimizer
+):
+    from forge.training.phases import (
+        build_model_and_optim,
+        load_and_validate_config,
+        setup_checkpointing,
+        setup_data,
+        setup_distributed,
+    )
+
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=5"]) == 0
+    source = run_dir(tiny_config) / "checkpoints" / "step_5"
+    run = load_and_validate_config(
+        [str(tiny_config), f"--run.dir={tmp_path / 'new'}", f"--checkpoint.load_path={source}",
+         f"--checkpoint.load_optimizer={str(with_optimizer).lower()}"]
+    )  # fmt: skip
+    dist = setup_distributed(run)
+    model = build_model_and_optim(run, dist)
+    ckpt = setup_checkpointing(run, dist, model, setup_data(run, dist))
+    assert ckpt.plan.source.name == "LOAD_PATH" and ckpt.initial_state.step == 0
+    assert torch.equal(
+        model.model.state_dict()["output.weight"], final_weights(tiny_config, 5)["output.weight"]
+    )
+    has_moments = bool(model.optimizer.state_dict()["state"])
+    assert has_moments is with_optimizer
