@@ -79,7 +79,7 @@ def with_forge(config, steps: int, workdir: pathlib.Path) -> float:
     run = RunContext(config, pathlib.Path("bench"), workdir, workdir / "checkpoints")
     dist = DistContext()
     mctx = ModelContext(model, opt, resolve_schedule(config.scheduler, config.train.max_steps), 0)
-    data = DataContext(read_manifest(pathlib.Path(config.data.path)), loader(config), None, 0)
+    data = DataContext(read_manifest(pathlib.Path(config.data.path)), loader(config), None)
     policy = attrs.evolve(loop_policy(config), max_steps=steps, schedule=None, eval_interval=0)
     effects = TrainingEffects(run, dist, mctx, data)
     start = time.perf_counter()

@@ -111,7 +111,6 @@ class DataContext:
     manifest: Manifest
     train_loader: TextLoader
     eval_loader: TextLoader | None
-    tokens_per_step: int
 
 
 @attrs.frozen

@@ -237,13 +237,7 @@ def setup_data(run: RunContext, dist: DistContext) -> DataContext:
             world_size=dist.dp_size,
             device=dist.device,
         )
-    tokens = cfg.train.batch_size * cfg.train.seq_len * cfg.train.grad_accum_steps
-    return DataContext(
-        manifest=manifest,
-        train_loader=loader,
-        eval_loader=eval_loader,
-        tokens_per_step=tokens * dist.dp_size,
-    )
+    return DataContext(manifest=manifest, train_loader=loader, eval_loader=eval_loader)
 
 
 def setup_checkpointing(
