@@ -1,7 +1,8 @@
 """Saving with at most one save in flight: write to ``step_<N>.tmp``, commit when durable.
 
-A save stages the state, writes DCP shards (in the background with ``async_mode = "async"``)
-and the RNG file into ``step_<N>.tmp``. The commit (train state, rename to ``step_<N>``,
+A save stages the state, writes DCP shards (in a background thread with ``async_mode =
+"async"``, in torch's checkpoint process with ``"async_process"``) and the RNG file into
+``step_<N>.tmp``. The commit (train state, rename to ``step_<N>``,
 ``latest`` moved by atomic rename, retention) happens only in ``wait()``, once every rank's
 shards are written: before the next save, before the final save returns, and before exit.
 DCP's collectives run on a dedicated gloo group so they never interleave with training ones.
@@ -19,11 +20,13 @@ import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint import _async_process_executor
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict
-from torch.distributed.checkpoint.state_dict_saver import async_save
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.utils._pytree import tree_map
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import KeyPath, keystr, tree_map_with_path
 
 from forge.checkpoint.store import (
     STATE_DICT_OPTIONS,
@@ -43,28 +46,70 @@ class PendingSave:
     future: Future | None  # None: already written (synchronous save)
 
 
-def _stage(value: Any) -> Any:
-    """A private copy of a tensor (the training loop will mutate the live one)."""
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+class ReusingStager(AsyncStager):
+    """Staging for ``async_save``: a private CPU copy of every tensor, made before it returns.
 
-
-class CloneStager(AsyncStager):
-    """Staging for ``async_save``: one private copy of every tensor, made before it returns.
-
-    Replaces DCP's default stager, which in a single process did not isolate the state from
-    the next training step, and which costs a second full copy when we copy anyway.
+    The copies go into buffers kept from the previous save (safe: at most one save is in
+    flight, and the next one starts only after it is committed), so only the first save pays
+    for allocating them. With ``shared=True`` the buffers live in shared memory, so handing
+    them to torch's checkpoint process sends handles, not the bytes. Replaces DCP's default
+    stager, which in a single process did not isolate the state from the next training step.
     """
 
     _synchronize_after_execute = False
 
+    def __init__(self, shared: bool) -> None:
+        self.shared = shared
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _copy(self, key: str, source: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu")
+            if self.shared:
+                buffer.share_memory_()
+            self._buffers[key] = buffer
+        return buffer.copy_(source.detach())
+
+    def _stage(self, path: KeyPath, value: Any) -> Any:
+        if isinstance(value, DTensor):
+            local = self._copy(keystr(path), value.to_local())
+            return DTensor.from_local(
+                local,
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+        if isinstance(value, torch.Tensor):
+            return self._copy(keystr(path), value)
+        return value
+
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return tree_map(_stage, state_dict)
+        return tree_map_with_path(self._stage, state_dict)
 
     def synchronize_staging(self) -> None:
         """Staging is synchronous: nothing to wait for."""
 
     def close(self) -> None:
-        """No resources to release."""
+        """Release the buffers."""
+        self._buffers.clear()
+
+
+def stop_checkpoint_process() -> None:
+    """Stop torch's checkpoint daemon process, if one was started.
+
+    torch keeps it in a module global and stops it only in ``__del__``, which never runs when
+    the script ends with ``os._exit``; the daemon would then die on a broken pipe, noisily.
+    """
+    process = _async_process_executor._CHECKPOINT_PROCESS
+    _async_process_executor._CHECKPOINT_PROCESS = None
+    if process is not None and process._save_process.is_alive():
+        process._send(_async_process_executor._CheckpointSaveProcessControlOpts.TERMINATE)
+        process._save_process.join(timeout=30)
+        if process._save_process.is_alive():
+            process._save_process.terminate()
 
 
 class Checkpointer:
@@ -89,6 +134,13 @@ class Checkpointer:
             assert isinstance(group, dist.ProcessGroup)
             self.group = group
         self.pending: PendingSave | None = None
+        self.stager = ReusingStager(shared=mode is AsyncMode.ASYNC_PROCESS)
+        self._owns_default_group = False
+        if mode is AsyncMode.ASYNC_PROCESS and not dist.is_initialized():
+            # torch's checkpoint process is set up over the default group, even for one rank
+            any_free_port = "tcp://127.0.0.1:0"
+            dist.init_process_group("gloo", init_method=any_free_port, rank=0, world_size=1)
+            self._owns_default_group = True
 
     def _barrier(self) -> None:
         if self.group is not None:
@@ -121,7 +173,8 @@ class Checkpointer:
                     state,
                     checkpoint_id=str(tmp),
                     process_group=self.group,
-                    async_stager=CloneStager(),
+                    async_checkpointer_type=self._executor_type,
+                    async_stager=self.stager,
                 )
                 future = result if isinstance(result, Future) else result.upload_completion
         self.pending = PendingSave(step, tmp, train_state, future)
@@ -142,6 +195,22 @@ class Checkpointer:
             self.on_commit(pending.step, final)
         self._barrier()
         return final
+
+    @property
+    def _executor_type(self) -> AsyncCheckpointerType:
+        if self.mode is AsyncMode.ASYNC_PROCESS:
+            return AsyncCheckpointerType.PROCESS
+        return AsyncCheckpointerType.THREAD
+
+    def close(self) -> None:
+        """Commit the save in flight, stop the checkpoint process and release staging buffers."""
+        self.wait()
+        if self.mode is AsyncMode.ASYNC_PROCESS:
+            stop_checkpoint_process()
+        self.stager.close()
+        if self._owns_default_group:
+            dist.destroy_process_group()
+            self._owns_default_group = False
 
     @property
     def in_flight(self) -> int | None:

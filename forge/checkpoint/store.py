@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -202,9 +203,7 @@ def load_checkpoint(
     restore_rng_state: bool = True,
 ) -> dict[str, Any]:
     """Load model (and optimizer) state in place; returns the train state. Never unpickles code."""
-    if not is_complete(path):
-        raise CheckpointError(f"{path}: not a complete checkpoint (no .metadata or {TRAIN_STATE})")
-    _check_shapes(path, model)
+    check_loadable(path, model)
     if optimizer is None:
         state: dict[str, Any] = {"model": model.state_dict()}
         _dcp_load(state, path)
@@ -226,10 +225,26 @@ def load_checkpoint(
     return read_train_state(path)
 
 
-def _dcp_load(state: dict[str, Any], path: pathlib.Path) -> None:
+def check_loadable(path: pathlib.Path, model: nn.Module) -> None:
+    """Raise ``CheckpointError`` unless ``path`` is complete and written for ``model``'s shapes."""
+    if not is_complete(path):
+        raise CheckpointError(f"{path}: not a complete checkpoint (no .metadata or {TRAIN_STATE})")
+    _check_shapes(path, model)
+
+
+def read_tensors(
+    state: dict[str, Any], path: pathlib.Path, process_group: dist.ProcessGroup | None = None
+) -> None:
+    """Fill ``state`` (a ``{"model": ..., "optimizer": ...}`` template) from checkpoint ``path``."""
+    _dcp_load(state, path, process_group)
+
+
+def _dcp_load(
+    state: dict[str, Any], path: pathlib.Path, process_group: dist.ProcessGroup | None = None
+) -> None:
     try:
         with single_process_dcp():
-            dcp_load(state, checkpoint_id=str(path))
+            dcp_load(state, checkpoint_id=str(path), process_group=process_group)
     except BaseException as exc:  # DCP's CheckpointException is not an Exception
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise

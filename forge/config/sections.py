@@ -37,6 +37,7 @@ class ScheduleName(enum.Enum):
 class AsyncMode(enum.Enum):
     DISABLED = "disabled"  # the loop waits for every save
     ASYNC = "async"  # stage (copy) the state, write it in a background thread
+    ASYNC_PROCESS = "async_process"  # stage into shared memory, write in a checkpoint process
 
 
 class ExportDtype(enum.Enum):

@@ -182,8 +182,9 @@ class TrainingEffects:
             print(f"[forge] non-finite step: rolled back to step {state.step}", file=sys.stderr)
 
     def end(self, outcome: LoopOutcome, state: LoopState) -> None:
-        """Call ``on_train_end`` and close the sinks."""
+        """Call ``on_train_end``, close the checkpointer and the sinks."""
         self.hooks.on_train_end(outcome, state)
+        self.checkpointer.close()
         for sink in self.sinks:
             sink.close()
 

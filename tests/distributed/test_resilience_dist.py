@@ -38,7 +38,7 @@ def ok(out):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
 
 
-@pytest.mark.parametrize("mode", ["disabled", "async"])
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_process"])
 def test_sigterm_on_one_rank_stops_both_at_the_same_step_and_resume_is_exact(
     tmp_path, small_corpus, mode
 ):

@@ -311,15 +311,15 @@ def test_final_save_can_also_write_an_export(tiny_config):
     assert all(torch.equal(state[k], saved[k]) for k in saved)
 
 
-def test_async_checkpoints_resume_exactly(tiny_config, tmp_path):
+@pytest.mark.parametrize("mode", ["async", "async_process"])
+def test_async_checkpoints_resume_exactly(tiny_config, tmp_path, mode):
     """With async saves: the same losses as a sync run, and an exact resume after SIGTERM."""
     reference = reference_config(tiny_config, tmp_path)
     assert TRAIN.main([str(reference)]) == 0
-    assert (
-        TRAIN.main([str(tiny_config), "--checkpoint.async_mode=async"], hooks=[SignalAt(6)]) == 75
-    )
+    saves = f"--checkpoint.async_mode={mode}"
+    assert TRAIN.main([str(tiny_config), saves], hooks=[SignalAt(6)]) == 75
     assert latest(tiny_config) == "step_7"
-    assert TRAIN.main([str(tiny_config), "--checkpoint.async_mode=async"]) == 0
+    assert TRAIN.main([str(tiny_config), saves]) == 0
     assert losses(tiny_config) == losses(reference)
     assert steps_on_disk(tiny_config) == ["step_7", "step_10", "step_12"]
     for name, tensor in final_weights(reference, 12).items():

@@ -1,8 +1,12 @@
 """Slots: exact snapshots that never alias the live model or optimizer."""
 
+import attrs
+import pytest
 import torch
 
+from forge.checkpoint.checkpointer import save_checkpoint
 from forge.checkpoint.slots import Slots
+from forge.checkpoint.store import CheckpointError, step_dir
 from forge.config import ModelConfig, OptimizerConfig
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer
@@ -84,3 +88,46 @@ def test_pop_forgets():
     assert "x" in slots
     slots.pop("x")
     assert "x" not in slots
+
+
+def test_prefetch_reads_a_checkpoint_while_training_continues(tmp_path):
+    """The prefetched slot restores the saved step exactly, and training goes on as it did."""
+    model, opt = setup()
+    step(model, opt, 1)
+    save_checkpoint(tmp_path, 1, model, opt, {"step": 1})
+    saved = state(model, opt)
+    step(model, opt, 2)
+    expected_next = state(model, opt)
+    slots = Slots(model, opt)
+    pending = slots.prefetch("disk", step_dir(tmp_path, 1))
+    step(model, opt, 7)  # the loop keeps going while the reader works
+    step(model, opt, 8)
+    assert "disk" in slots
+    slots.load("disk")
+    assert pending.done()
+    assert same(saved, state(model, opt))
+    step(model, opt, 2)
+    assert same(expected_next, state(model, opt))
+    slots.load("disk")  # a slot can be loaded again: the step did not write into it
+    assert same(saved, state(model, opt))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda path: (path / ".metadata").unlink(), "not a complete checkpoint"),
+        (None, "has shape"),
+    ],
+)
+def test_prefetch_refuses_an_unloadable_checkpoint_at_once(tmp_path, damage, message):
+    model, opt = setup()
+    step(model, opt, 1)
+    path = save_checkpoint(tmp_path, 1, model, opt, {"step": 1})
+    if damage is not None:
+        damage(path)
+    else:  # a model of another width
+        torch.manual_seed(0)
+        model = Transformer(attrs.evolve(CFG, dim=64))
+        opt = build_optimizer(model, OptimizerConfig())
+    with pytest.raises(CheckpointError, match=message):
+        Slots(model, opt).prefetch("disk", path)
