@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from forge.config import load_config
 from forge.data.dataset import TokenWindows
-from forge.data.loader import TextLoader, step_batches
+from forge.data.loader import TextLoader, single_source, step_batches
 from forge.data.shards import open_split, read_manifest
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer, lr_at, resolve_schedule
@@ -44,7 +44,8 @@ def loader(config) -> TextLoader:
     folder = pathlib.Path(config.data.path)
     manifest = read_manifest(folder)
     windows = TokenWindows(open_split(folder, manifest, "train", False), config.train.seq_len)
-    return TextLoader(windows, config.train.batch_size, config.train.effective_data_seed)
+    sampling = single_source(len(windows), config.train.batch_size, config.train.effective_data_seed)
+    return TextLoader([windows], sampling)
 
 
 def hand_written(config, steps: int) -> float:

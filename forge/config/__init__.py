@@ -10,6 +10,8 @@ from forge.config.loader import (
 from forge.config.sections import (
     CheckpointConfig,
     DataConfig,
+    DataPhase,
+    DataSource,
     DynamicWindow,
     EvalConfig,
     JobConfig,
@@ -30,6 +32,8 @@ __all__ = [
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
+    "DataPhase",
+    "DataSource",
     "DynamicWindow",
     "EvalConfig",
     "JobConfig",

@@ -25,6 +25,14 @@ def cross_section_problems(config: JobConfig) -> list[Problem]:
                 "(the run would end inside warmup)",
             )
         )
+    if config.data.pack_documents and config.distributed.pp > 1:
+        p.append(
+            (
+                "data.pack_documents",
+                "is not supported with distributed.pp > 1 (pipeline stages take only token "
+                "ids); set one of them off",
+            )
+        )
     window = config.checkpoint.dyn_ckpt_window
     if window is not None and window.start > config.train.max_steps:
         p.append(

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
+
+from forge.data.shards import DataError, Manifest, open_split
 
 
 class TokenWindows:
@@ -27,3 +31,24 @@ class TokenWindows:
         shard = int(np.searchsorted(self._starts, index, side="right")) - 1
         offset = (index - int(self._starts[shard])) * self.seq_len
         return np.asarray(self.shards[shard][offset : offset + self.seq_len + 1])
+
+
+def open_windows(
+    folder: pathlib.Path, manifest: Manifest, split: str, seq_len: int, verify: bool
+) -> TokenWindows:
+    """Windows over every shard of ``split``. A shard shorter than one window (it would be
+    skipped silently) or, when verifying, holding ids beyond the vocab is a ``DataError``."""
+    shards = open_split(folder, manifest, split, verify)
+    for info, shard in zip(manifest.splits[split].shards, shards, strict=True):
+        if verify and len(shard) and int(shard.max()) >= manifest.vocab_size:
+            raise DataError(
+                f"{folder / info.file}: holds token id {int(shard.max())}, beyond the "
+                f"manifest's vocab_size {manifest.vocab_size}; re-prepare the data"
+            )
+        if len(shard) < seq_len + 1:
+            raise DataError(
+                f"{folder / info.file}: holds {len(shard)} tokens, fewer than one sequence "
+                f"(train.seq_len + 1 = {seq_len + 1}); re-prepare with larger shards or lower "
+                "train.seq_len"
+            )
+    return TokenWindows(shards, seq_len)

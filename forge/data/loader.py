@@ -1,93 +1,230 @@
-"""A stateful batch loader that resumes by seeking, never by replaying."""
+"""The training loader: mixtures, phases, packing, worker processes, exact O(1) resume.
+
+A *plan* (which windows one rank reads for one micro-batch) is a pure function of the loader
+state ``(micro_batch, cursors)``; see ``forge.data.mixture``. Plans are made in the training
+process and read (memmap, stack, pack) in worker processes when ``num_workers > 0``. Each
+batch carries the loader state after it, so prefetching workers never make the saved state
+run ahead of what training consumed, and a resume is a seek, never a replay.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, Dataset
 
 from forge.data.dataset import TokenWindows
+from forge.data.mixture import (
+    Phase,
+    active_phase,
+    draw_sources,
+    row_cursors,
+    step_of_micro_batch,
+)
+from forge.data.packing import pack
 from forge.data.sampler import epoch_permutation
+from forge.data.shards import DataError
 
 
 @attrs.frozen
 class Batch:
-    """One micro-batch: ``labels`` is ``inputs`` shifted left by one token."""
+    """One micro-batch: ``labels`` is ``inputs`` shifted left by one token.
+
+    Packed batches also carry per-token ``positions`` and ``document_ids`` (and labels that
+    would cross a document boundary are masked). ``sources`` is each row's source index;
+    ``lr_scale`` the active data phase's LR multiplier.
+    """
 
     inputs: torch.Tensor
     labels: torch.Tensor
+    positions: torch.Tensor | None = None
+    document_ids: torch.Tensor | None = None
+    sources: torch.Tensor | None = None
+    lr_scale: float = 1.0
 
     @property
     def num_tokens(self) -> int:
         return self.labels.numel()
 
+    def to(self, device: torch.device) -> Batch:
+        """The same batch with every tensor on ``device``."""
+        if device.type == "cpu":
+            return self
+        move = {
+            f.name: v.to(device, non_blocking=True)
+            for f in attrs.fields(Batch)
+            if isinstance(v := getattr(self, f.name), torch.Tensor)
+        }
+        return attrs.evolve(self, **move)
+
 
 @attrs.frozen
-class LoaderPosition:
-    """Where the next batch comes from: its epoch and batch index within the epoch."""
+class LoaderState:
+    """Where the next micro-batch comes from: its index and each source's cursor."""
 
-    epoch: int = 0
-    batch: int = 0
+    micro_batch: int = 0
+    cursors: tuple[int, ...] = (0,)
+
+
+@attrs.frozen
+class Plan:
+    """What one rank reads for one micro-batch, and the loader state after it."""
+
+    rows: tuple[tuple[int, int], ...]  # (source, window index)
+    lr_scale: float
+    after: LoaderState
+
+
+@attrs.frozen
+class Sampling:
+    """The fixed parameters of the plan sequence, shared by every rank."""
+
+    sizes: tuple[int, ...]  # windows per source
+    phases: tuple[Phase, ...]
+    seed: int
+    batch_size: int
+    rank: int = 0
+    world_size: int = 1
+    grad_accum_steps: int = 1
+    max_epochs: int | None = None
+
+
+def single_source(size: int, batch_size: int, seed: int, **kwargs: Any) -> Sampling:
+    """Sampling of one source of ``size`` windows (no mixture, no phases); ``kwargs`` as
+    ``Sampling``'s."""
+    return Sampling((size,), (Phase(1, (1.0,), 1.0),), seed, batch_size, **kwargs)
+
+
+def plan_at(state: LoaderState, s: Sampling) -> Plan | None:
+    """The plan of micro-batch ``state.micro_batch``; None once ``max_epochs`` is used up."""
+    phase = active_phase(s.phases, step_of_micro_batch(state.micro_batch, s.grad_accum_steps))
+    sources = draw_sources(
+        s.seed, state.micro_batch, phase.probabilities, s.batch_size * s.world_size
+    )
+    positions, after = row_cursors(sources, state.cursors)
+    epochs = positions // np.asarray(s.sizes)[sources]
+    if s.max_epochs is not None and int(epochs.max()) >= s.max_epochs:
+        return None
+    mine = slice(s.rank * s.batch_size, (s.rank + 1) * s.batch_size)
+    rows = tuple(
+        (src, int(epoch_permutation(s.seed, int(ep), s.sizes[src], src)[pos % s.sizes[src]]))
+        for src, pos, ep in zip(
+            sources[mine].tolist(), positions[mine].tolist(), epochs[mine].tolist(), strict=True
+        )
+    )
+    return Plan(rows, phase.lr_scale, LoaderState(state.micro_batch + 1, after))
+
+
+def plans_from(state: LoaderState, sampling: Sampling) -> Iterator[Plan]:
+    """Plans from ``state`` on, until the data is used up."""
+    while (plan := plan_at(state, sampling)) is not None:
+        yield plan
+        state = plan.after
+
+
+class WindowReader(Dataset):
+    """Reads a plan's windows into a CPU ``Batch`` (in a worker process, if any)."""
+
+    def __init__(self, sources: Sequence[TokenWindows], bos_id: int | None) -> None:
+        self.sources = list(sources)
+        self.bos_id = bos_id  # None: no packing
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.sources)
+
+    def __getitem__(self, plan: Plan) -> tuple[Batch, LoaderState]:  # type: ignore[override]
+        rows = np.stack([self.sources[src][window] for src, window in plan.rows])
+        tokens = torch.from_numpy(rows.astype(np.int64))
+        sources = torch.tensor([src for src, _ in plan.rows], dtype=torch.int64)
+        if self.bos_id is None:
+            batch = Batch(tokens[:, :-1], tokens[:, 1:], sources=sources, lr_scale=plan.lr_scale)
+        else:
+            p = pack(tokens, self.bos_id)
+            batch = Batch(
+                p.inputs, p.labels, p.positions, p.document_ids, sources, plan.lr_scale
+            )
+        return batch, plan.after
+
+
+def _as_is(item: Any) -> Any:
+    return item
 
 
 class TextLoader:
-    """Yields micro-batches of shuffled windows; each data-parallel rank takes its own slice.
+    """Yields micro-batches; each data-parallel rank reads its own rows of every micro-batch.
 
-    Its whole state is a ``LoaderPosition``: ``load_state_dict`` seeks there in O(1).
-    With ``max_epochs`` set, iteration stops when that many epochs are consumed. Batches are
-    placed on ``device`` (the training device).
+    Its whole state is a ``LoaderState``: ``load_state_dict`` seeks there in O(1). With
+    ``max_epochs`` set, iteration stops before any source starts epoch ``max_epochs``. Batches
+    are placed on ``device`` (the training device).
     """
 
     def __init__(
         self,
-        windows: TokenWindows,
-        batch_size: int,
-        seed: int,
+        sources: Sequence[TokenWindows],
+        sampling: Sampling,
         *,
-        rank: int = 0,
-        world_size: int = 1,
-        max_epochs: int | None = None,
+        bos_id: int | None = None,
+        num_workers: int = 0,
         device: torch.device | str = "cpu",
     ) -> None:
-        self.windows = windows
+        if len(sources) != len(sampling.sizes):
+            raise ValueError("one TokenWindows per source")
+        self.reader = WindowReader(sources, bos_id)
+        self.sampling = sampling
+        self.num_workers = num_workers
         self.device = torch.device(device)
-        self.batch_size = batch_size
-        self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
-        self.max_epochs = max_epochs
-        self.batches_per_epoch = len(windows) // (batch_size * world_size)
-        self.position = LoaderPosition()
+        self.state = LoaderState(cursors=(0,) * len(sources))
+        self._stream: Iterator[tuple[Batch, LoaderState]] | None = None
 
     def __iter__(self) -> Iterator[Batch]:
         return self
 
+    def _open(self) -> Iterator[tuple[Batch, LoaderState]]:
+        plans: Iterable[Plan] = plans_from(self.state, self.sampling)
+        if self.num_workers == 0:
+            return map(self.reader.__getitem__, plans)
+        return iter(
+            DataLoader(
+                self.reader,
+                sampler=plans,  # type: ignore[arg-type]
+                batch_size=None,
+                num_workers=self.num_workers,
+                collate_fn=_as_is,
+            )
+        )
+
     def __next__(self) -> Batch:
-        pos = self.position
-        if pos.batch >= self.batches_per_epoch:
-            pos = LoaderPosition(epoch=pos.epoch + 1, batch=0)
-        if self.batches_per_epoch == 0 or (
-            self.max_epochs is not None and pos.epoch >= self.max_epochs
-        ):
-            self.position = pos
-            raise StopIteration
-        perm = epoch_permutation(self.seed, pos.epoch, len(self.windows))
-        first = (pos.batch * self.world_size + self.rank) * self.batch_size
-        rows = np.stack([self.windows[int(i)] for i in perm[first : first + self.batch_size]])
-        tokens = torch.from_numpy(rows.astype(np.int64)).to(self.device, non_blocking=True)
-        self.position = LoaderPosition(epoch=pos.epoch, batch=pos.batch + 1)
-        return Batch(inputs=tokens[:, :-1], labels=tokens[:, 1:])
+        if self._stream is None:
+            self._stream = self._open()
+        batch, self.state = next(self._stream)
+        return batch.to(self.device)
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-able position of the next batch."""
-        return {"epoch": self.position.epoch, "batch": self.position.batch}
+        """JSON-able position of the next micro-batch."""
+        return {"micro_batch": self.state.micro_batch, "cursors": list(self.state.cursors)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Seek to a position saved by ``state_dict``."""
-        self.position = LoaderPosition(epoch=int(state["epoch"]), batch=int(state["batch"]))
+        """Seek to a position saved by ``state_dict`` (worker processes restart from there)."""
+        if "micro_batch" not in state or "cursors" not in state:
+            raise DataError(
+                f"loader state {state} is not one this forge writes; start the run afresh"
+            )
+        cursors = tuple(int(c) for c in state["cursors"])
+        if len(cursors) != len(self.sampling.sizes):
+            raise DataError(
+                f"the checkpoint's loader has {len(cursors)} data sources, the config "
+                f"{len(self.sampling.sizes)}; resume with the [data] sources it was saved with"
+            )
+        self.state = LoaderState(int(state["micro_batch"]), cursors)
+        self._stream = None
+
+    def rewind(self) -> None:
+        """Back to the first micro-batch (the held-out loader, before each evaluation)."""
+        self.load_state_dict({"micro_batch": 0, "cursors": [0] * len(self.sampling.sizes)})
 
 
 def step_batches(loader: Iterator[Batch], micro_batches: int) -> Iterator[tuple[Batch, ...]]:

@@ -7,10 +7,14 @@ import functools
 import numpy as np
 
 
-@functools.lru_cache(maxsize=4)
-def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
-    """The order of ``n`` windows in ``epoch``; the same (seed, epoch, n) always gives the same."""
-    perm = np.random.default_rng([seed, epoch]).permutation(n)
+@functools.lru_cache(maxsize=16)
+def epoch_permutation(seed: int, epoch: int, n: int, stream: int = 0) -> np.ndarray:
+    """The order of ``n`` windows in ``epoch``; the same arguments always give the same.
+
+    ``stream`` separates the orders of several sources that share one seed.
+    """
+    key = [seed, epoch] if stream == 0 else [seed, epoch, stream]
+    perm = np.random.default_rng(key).permutation(n)
     perm.flags.writeable = False
     return perm
 

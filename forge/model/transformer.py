@@ -33,6 +33,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
+def document_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean ``(B, 1, T, T)`` from ``(B, T)`` ids: causal and within one document."""
+    t = document_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=document_ids.device).tril()
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    return (same & causal)[:, None]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -56,17 +64,26 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         b, t, _ = x.shape
-        cos, sin = cos[:t], sin[:t]  # t is the full length even when the caller's is sharded
+        if cos.dim() == 2:  # one table for every row: t is the full length even under SP
+            cos, sin = cos[:t], sin[:t]
         # -1 heads: under tensor parallelism each rank holds n_heads / tp of them
         q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        gqa = self.n_kv_heads != self.n_heads
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:  # packed documents: causal within each document only
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -91,8 +108,14 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -162,11 +185,25 @@ class Transformer(nn.Module):
         self.rope_cos = cos.to(self.rope_cos.device)
         self.rope_sin = sin.to(self.rope_sin.device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids ``(B, T)`` (or hidden states on a later pipeline stage) to logits."""
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token ids ``(B, T)`` (or hidden states on a later pipeline stage) to logits.
+
+        Packed rows pass per-token ``positions`` (RoPE restarts per document) and
+        ``document_ids`` (attention stays within a document).
+        """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        cos, sin, mask = self.rope_cos, self.rope_sin, None
+        if positions is not None:  # (B, 1, T, D/2): one table per row, broadcast over heads
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        if document_ids is not None:
+            mask = document_attention_mask(document_ids)
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin, mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

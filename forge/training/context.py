@@ -108,7 +108,8 @@ class ModelContext:
 
 @attrs.frozen
 class DataContext:
-    manifest: Manifest
+    manifest: Manifest  # the first source's
+    source_names: tuple[str, ...]
     train_loader: TextLoader
     eval_loader: TextLoader | None
 

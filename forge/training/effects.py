@@ -156,16 +156,21 @@ class TrainingEffects:
         loader = self.data.eval_loader
         if loader is None:
             return
-        loader.load_state_dict({"epoch": 0, "batch": 0})
+        loader.rewind()
         steps = self.run.config.eval.steps
         batches = [b for _, b in zip(range(steps), loader, strict=False)]
         if self.model.pipeline is not None:
             n_micro = self.run.config.train.grad_accum_steps
             loss = evaluate_pipeline_loss(self.model.model, self.model.pipeline, batches, n_micro)
+            loss = mean_over_ranks(loss, self.dist.world_size)
         else:
-            loss = evaluate_loss(self.model.model, batches, self.run.config.train.mixed_precision)
-        loss = mean_over_ranks(loss, self.dist.world_size)
+            total, count = evaluate_loss(
+                self.model.model, batches, self.run.config.train.mixed_precision
+            )
+            total, count = sum_over_ranks([total, float(count)], self.dist.world_size)
+            loss = total / max(count, 1.0)  # TP peers add the same pair: the ratio stands
         self._emit({"step": state.step, "eval/loss": loss, "eval/perplexity": math.exp(loss)})
+        self.hooks.on_eval_end(state, loss)
         self._restart_clock(state)
 
     def step_end(self, state: LoopState, result: StepResult) -> None:
@@ -204,6 +209,15 @@ def mean_over_ranks(value: float, world_size: int) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     torch_dist.all_reduce(t)
     return float(t) / world_size
+
+
+def sum_over_ranks(values: list[float], world_size: int) -> list[float]:
+    """Element-wise sums of ``values`` over every rank (as is, for one process)."""
+    if world_size == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    torch_dist.all_reduce(t)
+    return t.tolist()
 
 
 def default_sinks(run: RunContext, dist: DistContext) -> list[MetricsSink]:

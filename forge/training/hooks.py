@@ -21,6 +21,9 @@ class Hooks:
     def on_checkpoint_save(self, step: int, path: pathlib.Path) -> None:
         """On rank 0, after a checkpoint is committed (``latest`` points at it)."""
 
+    def on_eval_end(self, state: LoopState, loss: float) -> None:
+        """On every rank, after an evaluation; ``loss`` is the mean over data-parallel ranks."""
+
     def on_train_end(self, outcome: LoopOutcome, state: LoopState) -> None:
         """After the final save and the wait."""
 
@@ -42,6 +45,10 @@ class HookList(Hooks):
     def on_checkpoint_save(self, step: int, path: pathlib.Path) -> None:
         for h in self.hooks:
             h.on_checkpoint_save(step, path)
+
+    def on_eval_end(self, state: LoopState, loss: float) -> None:
+        for h in self.hooks:
+            h.on_eval_end(state, loss)
 
     def on_train_end(self, outcome: LoopOutcome, state: LoopState) -> None:
         for h in self.hooks:

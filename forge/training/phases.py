@@ -32,9 +32,10 @@ from forge.checkpoint.store import (
 from forge.config.loader import CONVERTER, ConfigError, load_config, unstructure_config
 from forge.config.sections import JobConfig, Precision
 from forge.config.toml_writer import dumps_toml
-from forge.data.dataset import TokenWindows
-from forge.data.loader import Batch, TextLoader, step_batches
-from forge.data.shards import DataError, open_split, read_manifest
+from forge.data.dataset import open_windows
+from forge.data.loader import Batch, Sampling, TextLoader, step_batches
+from forge.data.mixture import resolve_phases
+from forge.data.shards import DataError, Manifest, read_manifest
 from forge.metrics.sinks import trim_records_after
 from forge.model.transformer import Transformer, num_parameters
 from forge.optim.param_groups import build_optimizer
@@ -79,19 +80,36 @@ def load_and_validate_config(argv: Sequence[str]) -> RunContext:
 
 
 def data_problems(config: JobConfig) -> list[str]:
-    """The dataset exists and fits the model: its manifest is readable, its ids fit the vocab."""
-    folder = pathlib.Path(config.data.path)
-    try:
-        manifest = read_manifest(folder)
-    except DataError as exc:
-        return [f"data.path: {line}" for line in exc.lines]
-    if manifest.vocab_size > config.model.vocab_size:
-        return [
-            f"model.vocab_size: {config.model.vocab_size} is smaller than the dataset's "
-            f"vocab size {manifest.vocab_size} ({folder}); set model.vocab_size >= "
-            f"{manifest.vocab_size}"
-        ]
-    return []
+    """Every data source exists and fits the model: manifests readable, ids within the vocab."""
+    problems: list[str] = []
+    key_of = {s.name: f"data.sources.{s.name}.path" for s in config.data.sources}
+    first: Manifest | None = None
+    for source in config.data.source_list:
+        key = key_of.get(source.name, "data.path")
+        folder = pathlib.Path(source.path)
+        try:
+            manifest = read_manifest(folder)
+        except DataError as exc:
+            problems += [f"{key}: {line}" for line in exc.lines]
+            continue
+        first = first or manifest
+        if manifest.tokenizer != first.tokenizer:
+            problems.append(
+                f"{key}: {folder} was tokenized with {manifest.tokenizer}, the first source with "
+                f"{first.tokenizer}; every source must use one tokenizer"
+            )
+        if manifest.vocab_size > config.model.vocab_size:
+            problems.append(
+                f"model.vocab_size: {config.model.vocab_size} is smaller than the dataset's "
+                f"vocab size {manifest.vocab_size} ({folder}); token ids would fall outside "
+                f"the embedding; set model.vocab_size >= {manifest.vocab_size}"
+            )
+        if config.data.pack_documents and "bos_id" not in manifest.tokenizer:
+            problems.append(
+                f"data.pack_documents: {folder}'s manifest names no bos_id to split documents "
+                "at; re-prepare it with scripts/prepare_data.py"
+            )
+    return problems
 
 
 def setup_distributed(run: RunContext) -> DistContext:
@@ -199,45 +217,63 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
 
 
 def setup_data(run: RunContext, dist: DistContext) -> DataContext:
-    """Memory-mapped train (and eval) windows and the stateful loaders over them."""
+    """Memory-mapped train (and eval) windows of every source and the stateful loaders."""
     cfg = run.config
-    folder = pathlib.Path(cfg.data.path)
-    manifest = read_manifest(folder)
-    train = TokenWindows(
-        open_split(folder, manifest, cfg.data.train_split, cfg.data.verify_checksum),
-        cfg.train.seq_len,
-    )
+    sources = cfg.data.source_list
+    folders = [pathlib.Path(s.path) for s in sources]
+    manifests = [read_manifest(folder) for folder in folders]
+    seq_len, verify = cfg.train.seq_len, cfg.data.verify_checksum
+    train = [
+        open_windows(folder, manifest, cfg.data.train_split, seq_len, verify)
+        for folder, manifest in zip(folders, manifests, strict=True)
+    ]
     needed = cfg.train.batch_size * dist.dp_size
-    if len(train) < needed:
-        raise DataError(
-            f"{folder}: split '{cfg.data.train_split}' has {len(train)} windows of "
-            f"{cfg.train.seq_len + 1} tokens, fewer than one batch ({needed}); "
-            "use more data or a smaller train.seq_len / train.batch_size"
-        )
+    for folder, windows in zip(folders, train, strict=True):
+        if len(windows) < needed:
+            raise DataError(
+                f"{folder}: split '{cfg.data.train_split}' has {len(windows)} windows of "
+                f"{seq_len + 1} tokens, fewer than one batch ({needed}); "
+                "use more data or a smaller train.seq_len / train.batch_size"
+            )
+    bos_id = int(manifests[0].tokenizer["bos_id"]) if cfg.data.pack_documents else None
     loader = TextLoader(
         train,
-        cfg.train.batch_size,
-        cfg.train.effective_data_seed,
-        rank=dist.dp_rank,
-        world_size=dist.dp_size,
-        max_epochs=cfg.train.max_epochs,
+        Sampling(
+            sizes=tuple(len(w) for w in train),
+            phases=resolve_phases(sources, cfg.data.phases, cfg.data.temperature),
+            seed=cfg.train.effective_data_seed,
+            batch_size=cfg.train.batch_size,
+            rank=dist.dp_rank,
+            world_size=dist.dp_size,
+            grad_accum_steps=cfg.train.grad_accum_steps,
+            max_epochs=cfg.train.max_epochs,
+        ),
+        bos_id=bos_id,
+        num_workers=cfg.data.num_workers,
         device=dist.device,
     )
     eval_loader = None
     if cfg.eval.interval > 0:
-        held_out = TokenWindows(
-            open_split(folder, manifest, cfg.data.eval_split, cfg.data.verify_checksum),
-            cfg.train.seq_len,
-        )
+        held_out = open_windows(folders[0], manifests[0], cfg.data.eval_split, seq_len, verify)
         eval_loader = TextLoader(
-            held_out,
-            cfg.train.batch_size,
-            seed=0,
-            rank=dist.dp_rank,
-            world_size=dist.dp_size,
+            [held_out],
+            Sampling(
+                sizes=(len(held_out),),
+                phases=resolve_phases(sources[:1], (), 1.0),
+                seed=0,
+                batch_size=cfg.train.batch_size,
+                rank=dist.dp_rank,
+                world_size=dist.dp_size,
+            ),
+            bos_id=bos_id,
             device=dist.device,
         )
-    return DataContext(manifest=manifest, train_loader=loader, eval_loader=eval_loader)
+    return DataContext(
+        manifest=manifests[0],
+        source_names=tuple(s.name for s in sources),
+        train_loader=loader,
+        eval_loader=eval_loader,
+    )
 
 
 def setup_checkpointing(

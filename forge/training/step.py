@@ -14,6 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from forge.config.sections import Precision
 from forge.data.loader import Batch
+from forge.data.packing import IGNORE_INDEX
 from forge.optim.schedules import Schedule, lr_at
 from forge.parallel.grad_norm import clip_coefficient, global_grad_norm, scale_grads_
 from forge.training.context import PipelineContext
@@ -36,9 +37,14 @@ def device_type_of(model: nn.Module) -> str:
 
 
 def lm_loss(model: nn.Module, batch: Batch, autocast: Callable) -> torch.Tensor:
-    """Mean next-token cross-entropy of one micro-batch, computed in fp32."""
+    """Mean next-token cross-entropy of one micro-batch over its unmasked labels, in fp32."""
     with autocast():
-        logits = model(batch.inputs)
+        if batch.document_ids is None:
+            logits = model(batch.inputs)
+        else:
+            logits = model(
+                batch.inputs, positions=batch.positions, document_ids=batch.document_ids
+            )
     return F.cross_entropy(logits.float().flatten(0, 1), batch.labels.flatten())
 
 
@@ -108,7 +114,7 @@ def make_text_step(
     max_norm = math.inf if grad_clip_norm is None else grad_clip_norm
 
     def text_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
-        lr = set_lr(optimizer, lr_at(schedule, peak_lr, state.step))
+        lr = set_lr(optimizer, lr_at(schedule, peak_lr, state.step) * batches[0].lr_scale)
         model.train()
         total = torch.zeros(())
         scale = loss_scale(state.step + 1) if loss_scale is not None else 1.0
@@ -147,7 +153,7 @@ def make_pipeline_step(
     max_norm = math.inf if grad_clip_norm is None else grad_clip_norm
 
     def pipeline_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
-        lr = set_lr(optimizer, lr_at(schedule, peak_lr, state.step))
+        lr = set_lr(optimizer, lr_at(schedule, peak_lr, state.step) * batches[0].lr_scale)
         stage.train()
         inputs = torch.cat([b.inputs for b in batches])
         labels = torch.cat([b.labels for b in batches])
@@ -168,16 +174,21 @@ def make_pipeline_step(
 
 
 @torch.no_grad()
-def evaluate_loss(model: nn.Module, batches: list[Batch], precision: Precision) -> float:
-    """Mean loss over ``batches`` (each the same size), in eval mode."""
+def evaluate_loss(
+    model: nn.Module, batches: list[Batch], precision: Precision
+) -> tuple[float, int]:
+    """Summed loss over the unmasked labels of ``batches`` and their number, in eval mode
+    (sums, so that ranks combine them into the mean over the union of their batches)."""
     autocast = autocast_for(precision, device_type_of(model))
     was_training = model.training
     model.eval()
-    total = torch.zeros(())
+    total, count = torch.zeros((), dtype=torch.float64), 0
     for batch in batches:
-        total += lm_loss(model, batch, autocast)
+        n = int((batch.labels != IGNORE_INDEX).sum())
+        total += lm_loss(model, batch, autocast).double() * n
+        count += n
     model.train(was_training)
-    return float(total / max(1, len(batches)))
+    return float(total), count
 
 
 @torch.no_grad()

@@ -39,8 +39,14 @@ def test_skipped_step_keeps_the_documented_bookkeeping(tiny_config, monkeypatch)
     assert [r["tokens_seen"] for r in recs] == [tokens * k for k in range(1, 13)]
     saved = train_state(tiny_config, 5)
     assert saved["loop_state"]["last_step_finite"] is False
-    assert saved["loader"] == {"epoch": 0, "batch": 5}
-    assert train_state(tiny_config, 12)["loader"] == {"epoch": 0, "batch": 12}
+    assert saved["loader"] == loader_after(cfg, steps=5)
+    assert train_state(tiny_config, 12)["loader"] == loader_after(cfg, steps=12)
+
+
+def loader_after(cfg, steps):
+    """The saved loader state after ``steps`` optimizer steps' worth of batches (one source)."""
+    micro = steps * cfg.train.grad_accum_steps
+    return {"micro_batch": micro, "cursors": [micro * cfg.train.batch_size]}
 
 
 def test_rollback_restores_the_slot_skips_the_window_and_finishes(tiny_config, monkeypatch):
@@ -60,7 +66,7 @@ def test_rollback_restores_the_slot_skips_the_window_and_finishes(tiny_config, m
     assert latest(tiny_config) == "step_12"
     assert final["loop_state"]["skipped_ranges"] == [[7, 8]]
     # the data position counts every batch consumed, the skipped window included
-    assert final["loader"] == {"epoch": 0, "batch": 14}
+    assert final["loader"] == loader_after(load_config([str(tiny_config)]).config, steps=14)
     # the first step after the rollback runs at step 7's LR, on new data
     recs = records(tiny_config)
     assert recs[8]["lr"] == recs[6]["lr"] and recs[8]["loss"] != recs[6]["loss"]

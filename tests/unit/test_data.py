@@ -10,7 +10,6 @@ import torch
 
 from forge.data.corpus import Document, split_of
 from forge.data.dataset import TokenWindows
-from forge.data.loader import TextLoader, step_batches
 from forge.data.sampler import epoch_permutation, sample_at
 from forge.data.shards import DataError, open_split, read_manifest
 from forge.data.tokenizer import ByteTokenizer
@@ -107,47 +106,3 @@ def test_permutation_is_a_pure_function_of_seed_and_epoch():
     assert not np.array_equal(a, epoch_permutation(1, 1, 50))
     assert not np.array_equal(a, epoch_permutation(2, 0, 50))
     assert sample_at(1, 0, 7, 50) == int(a[7])
-
-
-def loader_over(n_windows=40, batch=4, **kw) -> TextLoader:
-    tokens = np.arange(n_windows * 8 + 1) % 250
-    return TextLoader(TokenWindows([tokens], seq_len=8), batch, seed=5, **kw)
-
-
-def test_labels_are_inputs_shifted_by_one():
-    b = next(loader_over())
-    assert torch.equal(b.inputs[:, 1:], b.labels[:, :-1])
-    assert b.inputs.dtype == torch.int64 and b.num_tokens == 32
-
-
-@pytest.mark.parametrize("consumed", [0, 3, 9, 10, 17])
-def test_resume_by_seek_gives_the_same_next_batches(consumed):
-    """Also across the epoch boundary (10 batches per epoch)."""
-    ref = loader_over()
-    batches = [next(ref) for _ in range(consumed + 5)]
-    first = loader_over()
-    for _ in range(consumed):
-        next(first)
-    resumed = loader_over()
-    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
-    for expected in batches[consumed:]:
-        got = next(resumed)
-        assert torch.equal(got.inputs, expected.inputs)
-
-
-def test_max_epochs_ends_iteration():
-    loader = loader_over(max_epochs=2)
-    assert len(list(loader)) == 2 * 10
-    assert loader.state_dict() == {"epoch": 2, "batch": 0}
-
-
-def test_ranks_take_disjoint_slices():
-    a, b = loader_over(rank=0, world_size=2), loader_over(rank=1, world_size=2)
-    rows_a = {tuple(r.tolist()) for _ in range(5) for r in next(a).inputs}
-    rows_b = {tuple(r.tolist()) for _ in range(5) for r in next(b).inputs}
-    assert len(rows_a) == len(rows_b) == 20 and not rows_a & rows_b
-
-
-def test_step_batches_group_micro_batches_and_drop_a_partial_group():
-    groups = list(step_batches(loader_over(max_epochs=1), 3))
-    assert len(groups) == 3 and all(len(g) == 3 for g in groups)  # 10 batches -> 3 groups
