@@ -44,7 +44,8 @@ def loader(config) -> TextLoader:
     folder = pathlib.Path(config.data.path)
     manifest = read_manifest(folder)
     windows = TokenWindows(open_split(folder, manifest, "train", False), config.train.seq_len)
-    sampling = single_source(len(windows), config.train.batch_size, config.train.effective_data_seed)
+    seed = config.train.effective_data_seed
+    sampling = single_source(len(windows), config.train.batch_size, seed)
     return TextLoader([windows], sampling)
 
 

@@ -42,9 +42,7 @@ def lm_loss(model: nn.Module, batch: Batch, autocast: Callable) -> torch.Tensor:
         if batch.document_ids is None:
             logits = model(batch.inputs)
         else:
-            logits = model(
-                batch.inputs, positions=batch.positions, document_ids=batch.document_ids
-            )
+            logits = model(batch.inputs, positions=batch.positions, document_ids=batch.document_ids)
     return F.cross_entropy(logits.float().flatten(0, 1), batch.labels.flatten())
 
 

@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from forge.data.corpus import Document, split_of
 from forge.data.dataset import TokenWindows

@@ -37,9 +37,7 @@ def mixture(phases=(), workers=0, rank=0, world_size=1, grad_accum=1, sizes=(30,
         grad_accum_steps=grad_accum,
     )
     # source a's tokens are < 1000, source b's >= 1000
-    return TextLoader(
-        [windows(sizes[0]), windows(sizes[1], 1000)], sampling, num_workers=workers
-    )
+    return TextLoader([windows(sizes[0]), windows(sizes[1], 1000)], sampling, num_workers=workers)
 
 
 def test_labels_are_inputs_shifted_by_one():
