@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
     outcome, state = run_training_loop(
         ckpt.initial_state,
         train_batches(run, data),
-        guard_collectives(make_step_fn(run, dist, model)),
+        guard_collectives(make_step_fn(run, dist, model, data)),
         policy,
         effects,
         monitor,

@@ -18,17 +18,28 @@ def make_dataset(out: pathlib.Path, docs: dict[str, list[Document]]) -> pathlib.
     return out
 
 
-@pytest.fixture(scope="session")
-def small_corpus(tmp_path_factory) -> pathlib.Path:
-    """The stdlib's ``json`` and ``email`` packages, tokenized like the default corpus."""
+def stdlib_packages(out: pathlib.Path, packages: tuple[str, ...]) -> pathlib.Path:
+    """Some stdlib packages, tokenized like the default corpus (15% validation)."""
     root = stdlib_root()
-    files = [f for f in stdlib_files(root) if f.relative_to(root).parts[0] in ("json", "email")]
+    files = [f for f in stdlib_files(root) if f.relative_to(root).parts[0] in packages]
     names = {f: f.relative_to(root).as_posix() for f in files}
     splits = {
         s: list(iter_documents(root, [f for f in files if split_of(names[f], 15) == s]))
         for s in ("train", "validation")
     }
-    return make_dataset(tmp_path_factory.mktemp("data") / "small", splits)
+    return make_dataset(out, splits)
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory) -> pathlib.Path:
+    """The stdlib's ``json`` and ``email`` packages."""
+    return stdlib_packages(tmp_path_factory.mktemp("data") / "small", ("json", "email"))
+
+
+@pytest.fixture(scope="session")
+def second_corpus(tmp_path_factory) -> pathlib.Path:
+    """The stdlib's ``unittest`` package: a second source for mixtures."""
+    return stdlib_packages(tmp_path_factory.mktemp("data") / "second", ("unittest",))
 
 
 TINY = """\

@@ -262,8 +262,8 @@ class DataConfig:
             key = f"data.sources[{i}]"
             if not source.name:
                 p.append((f"{key}.name", "must not be empty"))
-            elif names.count(source.name) > 1:
-                p.append((f"{key}.name", f"'{source.name}' is used by more than one source"))
+            elif source.name in names[:i]:
+                p.append((f"{key}.name", f"'{source.name}' is already the name of a source"))
             if not source.path:
                 p.append((f"{key}.path", "must name a folder made by scripts/prepare_data.py"))
             _non_negative(p, f"{key}.weight", source.weight)

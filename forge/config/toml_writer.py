@@ -1,7 +1,8 @@
 """Write a resolved config back as TOML (tomli only reads).
 
-A tiny emitter for the value kinds a ``JobConfig`` holds: strings, numbers, booleans, flat lists
-and nested tables. Kept here rather than adding tomli-w as a core dependency.
+A tiny emitter for the value kinds a ``JobConfig`` holds: strings, numbers, booleans, lists
+(of scalars or inline tables) and nested tables. Kept here rather than adding tomli-w as a
+core dependency.
 """
 
 from __future__ import annotations
@@ -10,6 +11,11 @@ import json
 import math
 from collections.abc import Mapping
 from typing import Any
+
+
+def _key(key: str) -> str:
+    bare = key.replace("_", "").replace("-", "").isalnum() and key.isascii()
+    return key if bare else json.dumps(key)
 
 
 def _scalar(value: Any) -> str:
@@ -27,6 +33,8 @@ def _scalar(value: Any) -> str:
         return json.dumps(value)  # JSON string escapes are valid TOML basic strings
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_scalar(v) for v in value) + "]"
+    if isinstance(value, Mapping):  # inside a list: an inline table
+        return "{" + ", ".join(f"{_key(k)} = {_scalar(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")
 
 

@@ -45,9 +45,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
             tp_mesh,
             {
                 "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None),
-                    desired_input_layouts=(Replicate(), None, None),
+                "attention": PrepareModuleInput(  # (x, cos, sin, mask): only x is sharded
+                    input_layouts=(Shard(1), None, None, None),
+                    desired_input_layouts=(Replicate(), None, None, None),
                 ),
                 "attention.wq": ColwiseParallel(),
                 "attention.wk": ColwiseParallel(),

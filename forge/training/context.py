@@ -16,6 +16,7 @@ from forge.checkpoint.resume import ResumePlan
 from forge.config.sections import JobConfig
 from forge.data.loader import Batch, TextLoader
 from forge.data.shards import Manifest
+from forge.metrics.sources import SourceStats
 from forge.optim.schedules import Schedule
 from forge.parallel.mesh import coordinates
 from forge.parallel.world import MeshDims, WorldInfo
@@ -112,6 +113,7 @@ class DataContext:
     source_names: tuple[str, ...]
     train_loader: TextLoader
     eval_loader: TextLoader | None
+    source_stats: SourceStats | None = None  # a mixture's per-source loss and tokens
 
 
 @attrs.frozen

@@ -22,6 +22,7 @@ from forge.checkpoint.export import export_model
 from forge.checkpoint.slots import Slots
 from forge.checkpoint.store import apply_retention
 from forge.metrics.sinks import JsonlSink, MetricsSink, StdoutSink
+from forge.metrics.sources import source_record
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
 from forge.training.hooks import HookList, Hooks
 from forge.training.outcome import LoopOutcome
@@ -149,7 +150,14 @@ class TrainingEffects:
         steps = max(1, state.step - self._mark_step)
         step_time = elapsed / steps
         tps = result.tokens / step_time if step_time > 0 else math.inf
-        self._emit(step_record(state, result, step_time, tps))
+        record = step_record(state, result, step_time, tps)
+        if self.data.source_stats is not None:
+            sums = self.data.source_stats.drain().cpu()
+            if self.dist.world_size > 1:
+                torch_dist.all_reduce(sums)
+                sums[1] *= self.dist.dp_size / self.dist.world_size  # TP peers count twice
+            record |= source_record(self.data.source_names, sums.tolist())
+        self._emit(record)
         self._restart_clock(state)
 
     def evaluate(self, state: LoopState) -> None:

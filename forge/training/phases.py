@@ -37,6 +37,7 @@ from forge.data.loader import Batch, Sampling, TextLoader, step_batches
 from forge.data.mixture import resolve_phases
 from forge.data.shards import DataError, Manifest, read_manifest
 from forge.metrics.sinks import trim_records_after
+from forge.metrics.sources import SourceStats
 from forge.model.transformer import Transformer, num_parameters
 from forge.optim.param_groups import build_optimizer
 from forge.optim.schedules import resolve_schedule
@@ -268,11 +269,16 @@ def setup_data(run: RunContext, dist: DistContext) -> DataContext:
             bos_id=bos_id,
             device=dist.device,
         )
+    names = tuple(s.name for s in sources)
     return DataContext(
         manifest=manifests[0],
-        source_names=tuple(s.name for s in sources),
+        source_names=names,
         train_loader=loader,
         eval_loader=eval_loader,
+        # per-source metrics need the per-row loss: the text step has it, pipeline stages not
+        source_stats=SourceStats(names, dist.device)
+        if len(names) > 1 and cfg.distributed.pp == 1
+        else None,
     )
 
 
@@ -335,7 +341,7 @@ def prepare_run_dir(run: RunContext, dist: DistContext, ckpt: CheckpointContext)
 
 
 def make_step_fn(
-    run: RunContext, dist: DistContext, model: ModelContext
+    run: RunContext, dist: DistContext, model: ModelContext, data: DataContext | None = None
 ) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
     """The step function the config selects: the pipeline step under ``distributed.pp > 1``,
     else the text LM step."""
@@ -360,6 +366,7 @@ def make_step_fn(
         fsdp_mixed_precision=model.fsdp,
         dp_size=dist.dp_size,
         loss_scale=NanInjector(faults_from_env(os.environ), dist.rank),
+        stats=data.source_stats if data is not None else None,
     )
 
 

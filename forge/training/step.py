@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from forge.config.sections import Precision
 from forge.data.loader import Batch
 from forge.data.packing import IGNORE_INDEX
+from forge.metrics.sources import SourceStats
 from forge.optim.schedules import Schedule, lr_at
 from forge.parallel.grad_norm import clip_coefficient, global_grad_norm, scale_grads_
 from forge.training.context import PipelineContext
@@ -36,14 +37,25 @@ def device_type_of(model: nn.Module) -> str:
     return param.device.type if param is not None else "cpu"
 
 
-def lm_loss(model: nn.Module, batch: Batch, autocast: Callable) -> torch.Tensor:
-    """Mean next-token cross-entropy of one micro-batch over its unmasked labels, in fp32."""
+def lm_loss(
+    model: nn.Module, batch: Batch, autocast: Callable, stats: SourceStats | None = None
+) -> torch.Tensor:
+    """Mean next-token cross-entropy of one micro-batch over its unmasked labels, in fp32.
+
+    With ``stats``, also adds each row's loss sum and label count to its source's totals.
+    """
     with autocast():
         if batch.document_ids is None:
             logits = model(batch.inputs)
         else:
             logits = model(batch.inputs, positions=batch.positions, document_ids=batch.document_ids)
-    return F.cross_entropy(logits.float().flatten(0, 1), batch.labels.flatten())
+    if stats is None or batch.sources is None:
+        return F.cross_entropy(logits.float().flatten(0, 1), batch.labels.flatten())
+    # (B, T), 0 where ignored
+    per_token = F.cross_entropy(logits.float().transpose(1, 2), batch.labels, reduction="none")
+    counted = (batch.labels != IGNORE_INDEX).sum(dim=1)
+    stats.add(batch.sources, per_token.sum(dim=1), counted)
+    return per_token.sum() / counted.sum()
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
@@ -94,6 +106,7 @@ def make_text_step(
     fsdp_mixed_precision: bool = False,
     dp_size: int = 1,
     loss_scale: Callable[[int], float] | None = None,
+    stats: SourceStats | None = None,
 ) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
     """The language-model step: accumulate gradients, clip, and update only if all is finite.
 
@@ -101,7 +114,8 @@ def make_text_step(
     ``optimizer.step()`` so a non-finite step never touches the optimizer state. The grad norm
     is global over every shard, so all ranks agree on whether the step is finite. The loss is
     this rank's; it is averaged over data-parallel ranks only when logged. ``loss_scale``
-    (tests only) multiplies the loss of a given step, e.g. by NaN.
+    (tests only) multiplies the loss of a given step, e.g. by NaN. ``stats`` collects
+    per-source losses of a mixture.
     """
     autocast = (
         contextlib.nullcontext
@@ -118,7 +132,7 @@ def make_text_step(
         scale = loss_scale(state.step + 1) if loss_scale is not None else 1.0
         for i, batch in enumerate(batches):
             set_gradient_sync(model, i == len(batches) - 1)
-            loss = lm_loss(model, batch, autocast)
+            loss = lm_loss(model, batch, autocast, stats)
             if scale != 1.0:  # fault injection (tests only)
                 loss = loss * scale
             (loss / len(batches)).backward()

@@ -16,8 +16,12 @@ import pytest
 import torch
 
 from forge.checkpoint.store import load_checkpoint
-from forge.config import load_config
+from forge.config import Precision, load_config
+from forge.data.dataset import open_windows
+from forge.data.loader import TextLoader, single_source
+from forge.data.shards import read_manifest
 from forge.model.transformer import Transformer
+from forge.training.step import evaluate_loss
 from tests.conftest import REPO, TINY
 
 COMMON = [
@@ -199,3 +203,24 @@ def test_checkpoint_resumes_under_another_layout(reference, tmp_path, small_corp
     train(config, run_dir, *second[0], ranks=second[1])
     assert [r["step"] for r in records(run_dir)] == [1, 2, 3, 4, 5]
     assert_matches(reference, config, run_dir)
+
+
+def test_eval_at_two_ranks_is_the_loss_over_the_union_of_both_ranks_batches(tmp_path, small_corpus):
+    """Each data-parallel rank evaluates its own batches; the logged loss is over all of them."""
+    config = write_config(tmp_path, small_corpus)
+    fsdp = ["--distributed.dp_shard=2", "--train.batch_size=2", "--train.grad_accum_steps=2"]
+    train(config, tmp_path / "run", *fsdp, "--train.max_steps=3", "--eval.interval=3", ranks=2)
+    cfg = load_config([str(config), *COMMON, *fsdp]).config
+    manifest = read_manifest(small_corpus)
+    held_out = open_windows(small_corpus, manifest, "validation", cfg.train.seq_len, False)
+    model = Transformer(cfg.model)
+    load_checkpoint(tmp_path / "run" / "checkpoints" / "step_3", model, None)
+    rows = []
+    for rank in (0, 1):
+        sampling = single_source(len(held_out), 2, seed=0, rank=rank, world_size=2)
+        loader = TextLoader([held_out], sampling)
+        rows += [next(loader) for _ in range(cfg.eval.steps)]
+    assert not torch.equal(rows[0].inputs, rows[cfg.eval.steps].inputs)  # disjoint rows
+    total, count = evaluate_loss(model, rows, Precision.FP32)
+    logged = records(tmp_path / "run", "eval/loss")[0]["eval/loss"]
+    assert logged == pytest.approx(total / count, rel=1e-6)

@@ -242,3 +242,68 @@ def test_bf16_on_a_cpu_without_bf16_support_warns(precision, device, flags, warn
     from forge.training.phases import precision_warning
 
     assert (precision_warning(precision, device, flags) is not None) is warns
+
+
+def src(name, weight=1.0, path="d"):
+    return {"name": name, "path": path, "weight": weight}
+
+
+# (case, [data] table, the key of the one problem reported)
+DATA_PROBLEMS = [
+    ("duplicate source name", {"sources": [src("a"), src("a")]}, "data.sources[1].name"),
+    ("negative weight", {"sources": [src("a", -1.0), src("b", 5.0)]}, "data.sources[0].weight"),
+    ("all weights zero", {"sources": [src("a", 0.0), src("b", 0.0)]}, "data.sources"),
+    ("empty source path", {"sources": [src("a", path="")]}, "data.sources[0].path"),
+    ("zero temperature", {"temperature": 0.0}, "data.temperature"),
+    ("negative workers", {"num_workers": -1}, "data.num_workers"),
+    (
+        "phase weight for an unknown source",
+        {"sources": [src("a"), src("b")], "phases": [{"start_step": 5, "weights": {"c": 1.0}}]},
+        "data.phases[0].weights.c",
+    ),
+    (
+        "phases out of order",
+        {"phases": [{"start_step": 9}, {"start_step": 4}]},
+        "data.phases[1].start_step",
+    ),
+    ("phase at step 0", {"phases": [{"start_step": 0}]}, "data.phases[0].start_step"),
+    ("zero lr_scale", {"phases": [{"start_step": 3, "lr_scale": 0.0}]}, "data.phases[0].lr_scale"),
+    (
+        "a phase that zeroes every source",
+        {"sources": [src("a"), src("b")],
+         "phases": [{"start_step": 2, "weights": {"a": 0.0, "b": 0.0}}]},
+        "data.phases[0].weights",
+    ),
+    (
+        "packing with pipeline parallelism",
+        {"pack_documents": True, "_distributed": {"pp": 2, "dp_shard": 1}},
+        "data.pack_documents",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "data,key", [c[1:] for c in DATA_PROBLEMS], ids=[c[0] for c in DATA_PROBLEMS]
+)
+def test_data_config_problems_name_their_key(data, key):
+    data = dict(data)
+    raw = {"data": data}
+    if "_distributed" in data:
+        raw["distributed"] = data.pop("_distributed")
+    with pytest.raises(ConfigError) as info:
+        structure_config(raw)
+    assert [line.split(":")[0] for line in info.value.lines] == [key]
+
+
+def test_a_mixture_with_phases_round_trips_through_toml():
+    raw = {
+        "data": {
+            "sources": [src("code", 2.0), src("web", 1.0)],
+            "temperature": 2.0,
+            "phases": [{"start_step": 100, "weights": {"web": 3.0}, "lr_scale": 0.5}],
+        }
+    }
+    cfg = structure_config(raw)
+    assert cfg.data.phases[0].weights == {"web": 3.0}
+    again = structure_config(tomli.loads(dumps_toml(unstructure_config(cfg))))
+    assert again == cfg

@@ -1,0 +1,41 @@
+"""Per-source loss and token counts of a data mixture, kept on the training device.
+
+The step adds each micro-batch's per-row sums without a host sync; the sums are read (and
+reduced over ranks) only on logging steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class SourceStats:
+    """Loss sums and label-token counts per source since the last ``drain``."""
+
+    def __init__(self, names: Sequence[str], device: torch.device | str = "cpu") -> None:
+        self.names = tuple(names)
+        self.loss = torch.zeros(len(names), dtype=torch.float64, device=device)
+        self.tokens = torch.zeros(len(names), dtype=torch.float64, device=device)
+
+    def add(self, sources: torch.Tensor, row_loss: torch.Tensor, row_tokens: torch.Tensor) -> None:
+        """Accumulate one micro-batch: each row's summed loss and its number of label tokens."""
+        self.loss.index_add_(0, sources, row_loss.detach().double())
+        self.tokens.index_add_(0, sources, row_tokens.double())
+
+    def drain(self) -> torch.Tensor:
+        """``(2, n_sources)``: loss sums and token counts so far; resets both."""
+        out = torch.stack([self.loss, self.tokens])
+        self.loss = torch.zeros_like(self.loss)
+        self.tokens = torch.zeros_like(self.tokens)
+        return out
+
+
+def source_record(names: Sequence[str], sums: Sequence[Sequence[float]]) -> dict[str, float]:
+    """``data/<name>/loss`` (mean over its tokens) and ``data/<name>/tokens`` per source."""
+    record: dict[str, float] = {}
+    for name, loss, tokens in zip(names, sums[0], sums[1], strict=True):
+        record[f"data/{name}/tokens"] = tokens
+        record[f"data/{name}/loss"] = loss / tokens if tokens > 0 else float("nan")
+    return record
