@@ -15,11 +15,21 @@ import torch
 
 from forge.checkpoint.resume import ResumeSource, resolve_resume
 from forge.checkpoint.store import load_checkpoint
+from forge.config import JobConfig
 from forge.config.loader import load_config
-from forge.data.tokenizer import ByteTokenizer
+from forge.data.shards import MANIFEST, read_manifest
+from forge.data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_from_manifest
 from forge.errors import UserInputError
 from forge.model.generate import sample
 from forge.model.transformer import Transformer
+
+
+def run_tokenizer(config: JobConfig) -> Tokenizer:
+    """The tokenizer the run's (first) data source was prepared with; bytes if it is gone."""
+    folder = pathlib.Path(config.data.source_list[0].path)
+    if not (folder / MANIFEST).is_file():
+        return ByteTokenizer()
+    return tokenizer_from_manifest(read_manifest(folder).tokenizer)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,11 +56,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UserInputError(f"{ckpt_dir}: no checkpoint to sample from; train the run first")
         model = Transformer(config.model)
         load_checkpoint(plan.path, model, None, restore_rng_state=False)
+        tok = run_tokenizer(config)
     except UserInputError as exc:
         for line in exc.lines:
             print(f"error: {line}", file=sys.stderr)
         return 2
-    tok = ByteTokenizer()
     ids = sample(
         model,
         tok.encode(args.prompt, bos=True),

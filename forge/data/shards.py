@@ -12,14 +12,14 @@ import os
 import pathlib
 import shutil
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, BinaryIO
 
 import attrs
 import numpy as np
 
 from forge.data.corpus import Document
-from forge.errors import UserInputError
 from forge.data.tokenizer import ByteTokenizer
+from forge.errors import UserInputError
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -67,6 +67,55 @@ def sha256_of(path: pathlib.Path) -> str:
     return h.hexdigest()
 
 
+class ShardWriter:
+    """Appends token arrays to ``<split>_<k>.bin`` files in ``folder``, starting a new shard at
+    the first array boundary past ``shard_tokens``; hashes each shard as it is written."""
+
+    def __init__(self, folder: pathlib.Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
+        self.folder, self.split, self.dtype, self.shard_tokens = folder, split, dtype, shard_tokens
+        self.shards: list[ShardInfo] = []
+        self.documents = 0
+        self._file: BinaryIO | None = None
+        self._hash = hashlib.sha256()
+        self._tokens = 0
+
+    def append(self, tokens: np.ndarray, documents: int = 0) -> None:
+        """Write ``tokens`` (whole documents) to the current shard."""
+        if self._file is None:
+            name = f"{self.split}_{len(self.shards):05d}.bin"
+            self._file = (self.folder / name).open("wb")
+        data = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
+        self._file.write(data)
+        self._hash.update(data)
+        self._tokens += len(tokens)
+        self.documents += documents
+        if self._tokens >= self.shard_tokens:
+            self._close_shard()
+
+    def _close_shard(self) -> None:
+        if self._file is None:
+            return
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        name = pathlib.Path(self._file.name).name
+        self.shards.append(ShardInfo(name, self._tokens, self._hash.hexdigest()))
+        self._file, self._hash, self._tokens = None, hashlib.sha256(), 0
+
+    def close(self) -> SplitInfo:
+        """Finish the last shard; the split's manifest entry."""
+        self._close_shard()
+        return SplitInfo(tuple(self.shards), sum(s.num_tokens for s in self.shards), self.documents)
+
+
+def frame_bytes(data: bytes, tokenizer: ByteTokenizer, dtype: np.dtype) -> np.ndarray:
+    """BOS + bytes + EOS as token ids (the byte tokenizer's ids are the bytes)."""
+    ids = np.empty(len(data) + 2, dtype=dtype)
+    ids[0], ids[-1] = tokenizer.bos_id, tokenizer.eos_id
+    ids[1:-1] = np.frombuffer(data, dtype=np.uint8)
+    return ids
+
+
 def write_dataset(
     out: pathlib.Path,
     splits: dict[str, Iterable[Document]],
@@ -74,7 +123,8 @@ def write_dataset(
     source: str,
     shard_tokens: int = 1 << 24,
 ) -> Manifest:
-    """Tokenize documents into shards under ``out``: written in a temporary folder, then renamed.
+    """Tokenize documents into shards under ``out``, in one process: written in a temporary
+    folder, then renamed. (``forge.data.prepare`` does the same in parallel, resumably.)
 
     Each document is framed as BOS + bytes + EOS. A crash leaves no half-written dataset.
     """
@@ -84,32 +134,10 @@ def write_dataset(
     tmp.mkdir(parents=True)
     split_infos: dict[str, SplitInfo] = {}
     for split, docs in splits.items():
-        shards: list[ShardInfo] = []
-        buffer: list[np.ndarray] = []
-        buffered = 0
-        n_docs = 0
-
-        def flush(split: str = split) -> None:
-            nonlocal buffer, buffered
-            if not buffered:
-                return
-            name = f"{split}_{len(shards):05d}.bin"
-            np.concatenate(buffer).astype(dtype).tofile(tmp / name)
-            shards.append(ShardInfo(name, buffered, sha256_of(tmp / name)))
-            buffer, buffered = [], 0
-
+        writer = ShardWriter(tmp, split, dtype, shard_tokens)
         for doc in docs:
-            ids = np.frombuffer(doc.data, dtype=np.uint8).astype(dtype)
-            framed = np.concatenate(
-                [np.array([tokenizer.bos_id], dtype), ids, np.array([tokenizer.eos_id], dtype)]
-            )
-            buffer.append(framed)
-            buffered += len(framed)
-            n_docs += 1
-            if buffered >= shard_tokens:
-                flush()
-        flush()
-        split_infos[split] = SplitInfo(tuple(shards), sum(s.num_tokens for s in shards), n_docs)
+            writer.append(frame_bytes(doc.data, tokenizer, dtype), documents=1)
+        split_infos[split] = writer.close()
     manifest = Manifest(
         dtype=dtype.name,
         vocab_size=tokenizer.vocab_size,
@@ -117,11 +145,20 @@ def write_dataset(
         splits=split_infos,
         source=source,
     )
-    (tmp / MANIFEST).write_text(json.dumps(manifest_to_json(manifest), indent=2) + "\n")
+    publish(tmp, out, manifest)
+    return manifest
+
+
+def publish(
+    tmp: pathlib.Path, out: pathlib.Path, manifest: Manifest, extra: dict[str, Any] | None = None
+) -> None:
+    """Write the manifest (plus ``extra`` keys) into ``tmp``, then rename ``tmp`` to ``out``
+    (replacing it)."""
+    raw = {**manifest_to_json(manifest), **(extra or {})}
+    (tmp / MANIFEST).write_text(json.dumps(raw, indent=2) + "\n")
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
-    return manifest
 
 
 def manifest_to_json(manifest: Manifest) -> dict[str, Any]:

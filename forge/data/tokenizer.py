@@ -1,10 +1,15 @@
-"""Byte-level tokenizer: ids 0-255 are bytes, then BOS, EOS and PAD."""
+"""Tokenizers: the built-in byte level one (ids 0-255 are bytes, then BOS, EOS and PAD), or a
+Hugging Face ``tokenizer.json``."""
 
 from __future__ import annotations
 
+import hashlib
+import pathlib
 from typing import Any
 
 import attrs
+
+from forge.errors import UserInputError
 
 
 @attrs.frozen
@@ -42,3 +47,93 @@ class ByteTokenizer:
             "eos_id": self.eos_id,
             "pad_id": self.pad_id,
         }
+
+
+@attrs.frozen
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (needs the optional ``tokenizers`` package).
+
+    Documents are framed with the tokenizer's own BOS / EOS tokens, named by ``bos_token`` /
+    ``eos_token``; the encoding adds no other special tokens.
+    """
+
+    path: str
+    bos_token: str
+    eos_token: str
+    _tok: Any = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise TokenizerError(
+                f"--tokenizer {self.path}: needs the 'tokenizers' package; "
+                "pip install -e '.[hf]'"
+            ) from None
+        try:
+            tok = Tokenizer.from_file(self.path)
+        except Exception as exc:  # the Rust side raises plain Exception
+            raise TokenizerError(f"--tokenizer {self.path}: cannot be read ({exc})") from None
+        for flag, token in (("--bos-token", self.bos_token), ("--eos-token", self.eos_token)):
+            if tok.token_to_id(token) is None:
+                raise TokenizerError(
+                    f"{flag} {token!r}: not in the vocabulary of {self.path}; name the "
+                    "tokenizer's own begin/end-of-text tokens"
+                )
+        object.__setattr__(self, "_tok", tok)
+
+    @property
+    def bos_id(self) -> int:
+        return int(self._tok.token_to_id(self.bos_token))
+
+    @property
+    def eos_id(self) -> int:
+        return int(self._tok.token_to_id(self.eos_token))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def name(self) -> str:
+        return "hf"
+
+    def encode(self, text: str | bytes, *, bos: bool = False, eos: bool = False) -> list[int]:
+        """Token ids of ``text``, optionally framed by BOS / EOS."""
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        ids = list(self._tok.encode(text, add_special_tokens=False).ids)
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids`` without special tokens."""
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def describe(self) -> dict[str, Any]:
+        """What the manifest records about this tokenizer (the file by path and hash)."""
+        return {
+            "type": self.name,
+            "path": self.path,
+            "sha256": hashlib.sha256(pathlib.Path(self.path).read_bytes()).hexdigest(),
+            "vocab_size": self.vocab_size,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+        }
+
+
+class TokenizerError(UserInputError):
+    """A tokenizer cannot be loaded or lacks what framing documents needs."""
+
+
+Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def tokenizer_from_manifest(description: dict[str, Any]) -> Tokenizer:
+    """The tokenizer a dataset manifest describes."""
+    if description.get("type") == "hf":
+        return HFTokenizer(
+            str(description["path"]), str(description["bos_token"]), str(description["eos_token"])
+        )
+    return ByteTokenizer()

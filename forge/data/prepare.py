@@ -1,0 +1,292 @@
+"""Tokenize a corpus into shards plus a manifest, in parallel worker processes, resumably.
+
+The input is cut into *units* (a group of files, or a byte range of a JSONL file ending at a
+line end). Workers tokenize units into ``<out>.tmp/parts/``; a unit's small JSON record is
+written last, by rename, so a unit is either done or redone. An interrupted run started again
+with the same recipe skips the finished units. When all are done, the parts are joined in
+unit order (so the dataset does not depend on the number of workers) into shards, the
+manifest is written and ``<out>.tmp`` is renamed to ``<out>``.
+
+The *recipe* (inputs with their sizes, format, field, tokenizer, split share, shard size) is
+stored in the manifest: preparing into a folder that holds another recipe's dataset is refused.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import multiprocessing
+import os
+import pathlib
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TextIO
+
+import attrs
+import numpy as np
+
+from forge.data.corpus import split_of
+from forge.data.shards import (
+    MANIFEST,
+    DataError,
+    Manifest,
+    ShardWriter,
+    publish,
+    token_dtype,
+)
+from forge.data.tokenizer import tokenizer_from_manifest
+
+SPLITS = ("train", "validation")
+UNIT_BYTES = 4 << 20  # input bytes per unit: big enough to amortize, small enough to balance
+
+
+class InputFormat(enum.Enum):
+    FILES = "files"  # every file is one document
+    JSONL = "jsonl"  # every line is a JSON object; one field holds the document's text
+
+
+@attrs.frozen
+class Unit:
+    """One piece of work: whole files, or the bytes ``[start, end)`` of one JSONL file."""
+
+    index: int
+    files: tuple[str, ...]
+    start: int = 0
+    end: int = -1  # -1: whole files
+
+
+@attrs.frozen
+class Recipe:
+    """Everything the dataset is a function of; two runs with equal recipes make equal data."""
+
+    root: str
+    inputs: tuple[tuple[str, int], ...]  # (path relative to root, size in bytes)
+    input_format: InputFormat
+    field: str
+    tokenizer: dict[str, Any]
+    validation_percent: float
+    shard_tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        raw = attrs.asdict(self)
+        raw["input_format"] = self.input_format.value
+        raw["inputs"] = [list(x) for x in self.inputs]
+        return raw
+
+
+def find_inputs(path: pathlib.Path, pattern: str, skip: Callable[[pathlib.Path], bool]) -> list:
+    """Files to read: ``path`` itself, or the files under it matching ``pattern``, sorted."""
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise DataError(f"--input {path}: no such file or folder")
+    files = sorted(
+        (p for p in path.glob(pattern) if p.is_file() and not skip(p)),
+        key=lambda p: p.relative_to(path).as_posix(),
+    )
+    if not files:
+        raise DataError(f"--input {path}: no file matches --glob '{pattern}'")
+    return files
+
+
+def make_units(root: pathlib.Path, recipe: Recipe) -> list[Unit]:
+    """Cut the inputs into units of about ``UNIT_BYTES``, in input order."""
+    units: list[Unit] = []
+    if recipe.input_format is InputFormat.FILES:
+        group: list[str] = []
+        size = 0
+        for name, nbytes in recipe.inputs:
+            group.append(name)
+            size += nbytes
+            if size >= UNIT_BYTES:
+                units.append(Unit(len(units), tuple(group)))
+                group, size = [], 0
+        if group:
+            units.append(Unit(len(units), tuple(group)))
+        return units
+    for name, nbytes in recipe.inputs:
+        for start, end in line_ranges(root / name, nbytes, UNIT_BYTES):
+            units.append(Unit(len(units), (name,), start, end))
+    return units
+
+
+def line_ranges(path: pathlib.Path, size: int, target: int) -> Iterator[tuple[int, int]]:
+    """Byte ranges of about ``target`` bytes covering the file, each ending after a newline."""
+    start = 0
+    with path.open("rb") as f:
+        while start < size:
+            f.seek(min(start + target, size))
+            f.readline()  # run on to the end of the line
+            end = min(f.tell(), size)
+            yield start, end
+            start = end
+
+
+def read_documents(root: pathlib.Path, unit: Unit, recipe: Recipe) -> Iterator[tuple[str, bytes]]:
+    """``(name, raw bytes)`` of each document in the unit; a name is stable across runs."""
+    if recipe.input_format is InputFormat.FILES:
+        for name in unit.files:
+            yield name, (root / name).read_bytes()
+        return
+    name = unit.files[0]
+    with (root / name).open("rb") as f:
+        f.seek(unit.start)
+        offset = unit.start
+        while offset < unit.end:
+            line = f.readline()
+            where = f"{root / name}:byte {offset}"
+            offset += len(line)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where}: not a JSON line ({exc.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get(recipe.field), str):
+                raise DataError(
+                    f"{where}: no string field '{recipe.field}'; choose the text field "
+                    "with --field"
+                )
+            yield f"{name}@{offset}", record[recipe.field].encode("utf-8")
+
+
+def tokenize_unit(args: tuple[pathlib.Path, pathlib.Path, Unit, Recipe]) -> dict[str, Any]:
+    """Worker: tokenize one unit into ``parts/<index>.<split>.bin``; returns its record."""
+    root, parts, unit, recipe = args
+    tokenizer = tokenizer_from_manifest(recipe.tokenizer)
+    dtype = token_dtype(tokenizer.vocab_size)
+    arrays: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
+    for name, data in read_documents(root, unit, recipe):
+        split = split_of(name, recipe.validation_percent)
+        ids = tokenizer.encode(data, bos=True, eos=True)
+        arrays[split].append(np.asarray(ids, dtype=dtype))
+    record: dict[str, Any] = {"index": unit.index, "splits": {}}
+    for split, docs in arrays.items():
+        tokens = np.concatenate(docs) if docs else np.empty(0, dtype)
+        tmp = parts / f"{unit.index:06d}.{split}.bin.tmp"
+        tokens.tofile(tmp)
+        os.replace(tmp, parts / f"{unit.index:06d}.{split}.bin")
+        record["splits"][split] = {"tokens": len(tokens), "documents": len(docs)}
+    done = parts / f"{unit.index:06d}.json"
+    done.with_suffix(".tmp").write_text(json.dumps(record))
+    os.replace(done.with_suffix(".tmp"), done)  # last: the unit is done
+    return record
+
+
+class Progress:
+    """One self-overwriting status line: units done, tokens, throughput."""
+
+    def __init__(self, total: int, stream: TextIO = sys.stderr) -> None:
+        self.total, self.stream = total, stream
+        self.done = 0
+        self.tokens = 0
+        self.start = time.perf_counter()
+
+    def advance(self, tokens: int) -> None:
+        self.done += 1
+        self.tokens += tokens
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        bar = "#" * (20 * self.done // max(self.total, 1))
+        self.stream.write(
+            f"\r[prepare] [{bar:<20}] {self.done}/{self.total} units, {self.tokens:,} tokens, "
+            f"{rate / 1e6:.2f}M tokens/s"
+        )
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\n")
+
+
+def check_destination(out: pathlib.Path, recipe: Recipe) -> bool:
+    """True when ``out`` already holds this recipe's dataset; refuses any other content."""
+    if not out.exists():
+        return False
+    manifest = out / MANIFEST
+    if not manifest.is_file():
+        raise DataError(
+            f"--out {out}: exists and is not a prepared dataset; choose another --out"
+        )
+    existing = json.loads(manifest.read_text()).get("recipe")
+    if existing != recipe.to_json():
+        raise DataError(
+            f"--out {out}: holds a different dataset (another input, tokenizer or setting); "
+            "choose another --out or delete it"
+        )
+    return True
+
+
+def prepare(
+    out: pathlib.Path,
+    root: pathlib.Path,
+    recipe: Recipe,
+    workers: int,
+    progress: TextIO | None = sys.stderr,
+) -> tuple[Manifest | None, int]:
+    """Build the dataset; returns its manifest (None if it was already there) and the number of
+    units reused from an interrupted run."""
+    if check_destination(out, recipe):
+        return None, 0
+    tmp = out.with_name(out.name + ".tmp")
+    parts = tmp / "parts"
+    recipe_file = tmp / "recipe.json"
+    if tmp.exists() and (
+        not recipe_file.is_file() or json.loads(recipe_file.read_text()) != recipe.to_json()
+    ):
+        shutil.rmtree(tmp)  # an interrupted run of another recipe: nothing to reuse
+    parts.mkdir(parents=True, exist_ok=True)
+    recipe_file.write_text(json.dumps(recipe.to_json()))
+    units = make_units(root, recipe)
+    done = {int(p.stem) for p in parts.glob("*.json")}
+    todo = [u for u in units if u.index not in done]
+    bar = Progress(len(units), progress) if progress is not None else None
+    try:
+        for record in _run(todo, root, parts, recipe, workers):
+            if bar is not None:
+                bar.advance(sum(s["tokens"] for s in record["splits"].values()))
+    except DataError:
+        shutil.rmtree(tmp)  # bad input: fixing it changes the recipe anyway
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    manifest = assemble(tmp, parts, len(units), recipe)
+    shutil.rmtree(parts)
+    (tmp / "recipe.json").unlink()
+    publish(tmp, out, manifest, extra={"recipe": recipe.to_json()})
+    return manifest, len(done)
+
+
+def _run(
+    todo: Sequence[Unit], root: pathlib.Path, parts: pathlib.Path, recipe: Recipe, workers: int
+) -> Iterator[dict[str, Any]]:
+    jobs = [(root, parts, unit, recipe) for unit in todo]
+    if workers <= 1:
+        yield from map(tokenize_unit, jobs)
+        return
+    # spawn: workers start clean (no inherited threads or tokenizer state)
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        yield from pool.imap_unordered(tokenize_unit, jobs)
+
+
+def assemble(tmp: pathlib.Path, parts: pathlib.Path, n_units: int, recipe: Recipe) -> Manifest:
+    """Join the units' parts, in unit order, into shards; the manifest of the result."""
+    tokenizer = tokenizer_from_manifest(recipe.tokenizer)
+    dtype = token_dtype(tokenizer.vocab_size)
+    splits = {}
+    for split in SPLITS:
+        writer = ShardWriter(tmp, split, dtype, recipe.shard_tokens)
+        for index in range(n_units):
+            record = json.loads((parts / f"{index:06d}.json").read_text())
+            tokens = np.fromfile(parts / f"{index:06d}.{split}.bin", dtype=dtype)
+            if len(tokens):
+                writer.append(tokens, documents=record["splits"][split]["documents"])
+        splits[split] = writer.close()
+    return Manifest(
+        dtype=dtype.name,
+        vocab_size=tokenizer.vocab_size,
+        tokenizer=tokenizer.describe(),
+        splits=splits,
+        source=recipe.root,
+    )

@@ -1,0 +1,168 @@
+"""scripts/prepare_data.py: formats, tokenizers, parallel = serial, resume, refusing overwrites."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import forge.data.prepare as prep
+from forge.data.shards import open_split, read_manifest
+from tests.e2e.test_train_script import load_script
+
+PREPARE = load_script("prepare_data")
+
+
+def write_jsonl(path, texts, field="text"):
+    path.write_text("".join(json.dumps({field: t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    return path
+
+
+def texts(n=200):
+    return [f"document {i}: " + "lorem ipsum " * (i % 17 + 1) for i in range(n)]
+
+
+def decoded_documents(folder, split="train"):
+    """The dataset's documents as bytes (byte tokenizer: BOS ... EOS framing)."""
+    m = read_manifest(folder)
+    tokens = np.concatenate(open_split(folder, m, split, verify=True))
+    starts = np.flatnonzero(tokens == 256)
+    return [bytes(tokens[s + 1 : e - 1].astype(np.uint8)) for s, e in
+            zip(starts, [*starts[1:], len(tokens)], strict=True)]  # fmt: skip
+
+
+def test_jsonl_field_becomes_one_document_per_line(tmp_path):
+    src = write_jsonl(tmp_path / "c.jsonl", texts(), field="body")
+    out = tmp_path / "out"
+    args = ["--input", str(src), "--field", "body", "--out", str(out), "--quiet", "--workers=1"]
+    assert PREPARE.main([*args, "--validation-percent=0"]) == 0
+    assert [d.decode() for d in decoded_documents(out)] == texts()
+    assert read_manifest(out).splits["validation"].num_documents == 0
+
+
+def test_a_folder_of_files_in_parallel_equals_serial(tmp_path, monkeypatch):
+    monkeypatch.setattr(prep, "UNIT_BYTES", 2000)  # many units for a small corpus
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    for i, t in enumerate(texts(60)):
+        (src / ("sub" if i % 3 else ".") / f"f{i:03d}.txt").write_text(t)
+    serial, parallel = tmp_path / "serial", tmp_path / "parallel"
+    base = ["--input", str(src), "--glob", "**/*.txt", "--quiet", "--shard-tokens=3000"]
+    assert PREPARE.main([*base, "--out", str(serial), "--workers=1"]) == 0
+    assert PREPARE.main([*base, "--out", str(parallel), "--workers=2"]) == 0
+    m = read_manifest(serial)
+    assert len(m.splits["train"].shards) > 1
+    assert (
+        json.loads((serial / "manifest.json").read_text())["splits"]
+        == json.loads((parallel / "manifest.json").read_text())["splits"]
+    )
+    for shard in m.splits["train"].shards:
+        assert (serial / shard.file).read_bytes() == (parallel / shard.file).read_bytes()
+    assert m.splits["train"].num_documents + m.splits["validation"].num_documents == 60
+
+
+def test_an_interrupted_run_resumes_and_makes_the_same_dataset(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(prep, "UNIT_BYTES", 3000)
+    src = write_jsonl(tmp_path / "c.jsonl", texts(300))
+    args = ["--input", str(src), "--quiet", "--workers=1"]
+    assert PREPARE.main([*args, "--out", str(tmp_path / "clean")]) == 0
+
+    real, calls = prep.tokenize_unit, []
+
+    def dies_after_three(job):
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the run is killed while unit 4 is tokenized
+        calls.append(job)
+        return real(job)
+
+    monkeypatch.setattr(prep, "tokenize_unit", dies_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        PREPARE.main([*args, "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists() and (tmp_path / "out.tmp").is_dir()
+    monkeypatch.setattr(prep, "tokenize_unit", real)
+    capsys.readouterr()
+    assert PREPARE.main([*args, "--out", str(tmp_path / "out")]) == 0
+    assert "resumed: 3 units were already tokenized" in capsys.readouterr().out
+    assert not (tmp_path / "out.tmp").exists()
+    for name in ("manifest.json", "train_00000.bin", "validation_00000.bin"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "clean" / name).read_bytes()
+
+
+def test_the_same_recipe_is_a_no_op_and_another_is_refused(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "c.jsonl", texts(20))
+    out = tmp_path / "out"
+    args = ["--input", str(src), "--out", str(out), "--quiet", "--workers=1"]
+    assert PREPARE.main(args) == 0
+    before = (out / "manifest.json").read_text()
+    assert PREPARE.main(args) == 0
+    assert "already holds this dataset" in capsys.readouterr().out
+    write_jsonl(src, texts(21))  # the input changed
+    assert PREPARE.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: --out {out}: holds a different dataset (another input, tokenizer or setting); choose another --out or delete it"
+    ]
+    assert (out / "manifest.json").read_text() == before
+
+
+# (case, file content, text in the one error line)
+BAD_INPUT = [
+    ("not JSON", '{"text": "ok"}\nnot json\n', "c.jsonl:byte 15: not a JSON line"),
+    ("missing field", '{"text": "ok"}\n{"body": "x"}\n', "c.jsonl:byte 15: no string field 'text'"),
+    ("field not a string", '{"text": 3}\n', "c.jsonl:byte 0: no string field 'text'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("content,text", [b[1:] for b in BAD_INPUT], ids=[b[0] for b in BAD_INPUT])
+def test_bad_jsonl_is_one_line_exit_2_and_nothing_on_disk(tmp_path, capsys, content, text):
+    (tmp_path / "c.jsonl").write_text(content)
+    out = tmp_path / "out"
+    assert PREPARE.main(["--input", str(tmp_path / "c.jsonl"), "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and text in err[0], err
+    assert not out.exists() and not (tmp_path / "out.tmp").exists()
+
+
+def test_missing_input_is_refused(tmp_path, capsys):
+    assert PREPARE.main(["--input", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+
+
+@pytest.fixture
+def hf_tokenizer(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator(texts(), trainer)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def test_hf_tokenizer_frames_documents_with_its_own_tokens(tmp_path, hf_tokenizer):
+    from forge.data.tokenizer import tokenizer_from_manifest
+
+    src = write_jsonl(tmp_path / "c.jsonl", texts(40))
+    out = tmp_path / "out"
+    args = ["--input", str(src), "--tokenizer", str(hf_tokenizer), "--out", str(out), "--quiet"]
+    assert PREPARE.main([*args, "--validation-percent=0"]) == 0
+    m = read_manifest(out)
+    assert m.tokenizer["type"] == "hf" and m.tokenizer["bos_token"] == "<s>"
+    tok = tokenizer_from_manifest(m.tokenizer)
+    assert m.vocab_size == tok.vocab_size <= 300
+    tokens = np.concatenate(open_split(out, m, "train", verify=True)).tolist()
+    assert tokens.count(tok.bos_id) == tokens.count(tok.eos_id) == 40
+    first = tokens[1 : tokens.index(tok.eos_id)]
+    assert tok.decode(first).strip() == texts()[0].strip()  # ByteLevel adds a leading space
+
+
+def test_hf_tokenizer_without_a_known_boundary_token_is_refused(tmp_path, hf_tokenizer, capsys):
+    src = write_jsonl(tmp_path / "c.jsonl", texts(5))
+    args = ["--input", str(src), "--tokenizer", str(hf_tokenizer), "--out", str(tmp_path / "o")]
+    assert PREPARE.main([*args, "--bos-token", "<bos>"]) == 2
+    assert "--bos-token '<bos>': not in the vocabulary" in capsys.readouterr().err
