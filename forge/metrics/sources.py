@@ -33,9 +33,11 @@ class SourceStats:
 
 
 def source_record(names: Sequence[str], sums: Sequence[Sequence[float]]) -> dict[str, float]:
-    """``data/<name>/loss`` (mean over its tokens) and ``data/<name>/tokens`` per source."""
+    """``data/<name>/tokens`` per source, and ``data/<name>/loss`` (mean over its tokens) for
+    the sources that had any."""
     record: dict[str, float] = {}
     for name, loss, tokens in zip(names, sums[0], sums[1], strict=True):
         record[f"data/{name}/tokens"] = tokens
-        record[f"data/{name}/loss"] = loss / tokens if tokens > 0 else float("nan")
+        if tokens > 0:
+            record[f"data/{name}/loss"] = loss / tokens
     return record
