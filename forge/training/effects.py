@@ -145,14 +145,15 @@ class TrainingEffects:
     def log(self, state: LoopState, result: StepResult) -> None:
         """Every rank calls this (a logging step is decided the same everywhere): the loss is
         averaged over data-parallel ranks here, so that no other step pays for the reduction."""
-        result = attrs.evolve(result, loss=mean_over_ranks(result.loss, self.dist.world_size))
+        loss = mean_over_ranks(result.loss, self.dist.world_size, self.dist.device)
+        result = attrs.evolve(result, loss=loss)
         elapsed = self.clock() - self._mark_time
         steps = max(1, state.step - self._mark_step)
         step_time = elapsed / steps
         tps = result.tokens / step_time if step_time > 0 else math.inf
         record = step_record(state, result, step_time, tps)
         if self.data.source_stats is not None:
-            sums = self.data.source_stats.drain().cpu()
+            sums = self.data.source_stats.drain()  # on the training device
             if self.dist.world_size > 1:
                 torch_dist.all_reduce(sums)
                 sums[1] *= self.dist.dp_size / self.dist.world_size  # TP peers count twice
@@ -170,12 +171,14 @@ class TrainingEffects:
         if self.model.pipeline is not None:
             n_micro = self.run.config.train.grad_accum_steps
             loss = evaluate_pipeline_loss(self.model.model, self.model.pipeline, batches, n_micro)
-            loss = mean_over_ranks(loss, self.dist.world_size)
+            loss = mean_over_ranks(loss, self.dist.world_size, self.dist.device)
         else:
             total, count = evaluate_loss(
                 self.model.model, batches, self.run.config.train.mixed_precision
             )
-            total, count = sum_over_ranks([total, float(count)], self.dist.world_size)
+            total, count = sum_over_ranks(
+                [total, float(count)], self.dist.world_size, self.dist.device
+            )
             loss = total / max(count, 1.0)  # TP peers add the same pair: the ratio stands
         self._emit({"step": state.step, "eval/loss": loss, "eval/perplexity": math.exp(loss)})
         self.hooks.on_eval_end(state, loss)
@@ -206,24 +209,25 @@ class TrainingEffects:
             sink.write(record)
 
 
-def mean_over_ranks(value: float, world_size: int) -> float:
+def mean_over_ranks(value: float, world_size: int, device: torch.device | str = "cpu") -> float:
     """The mean of ``value`` over every rank (a no-op for one process).
 
     Ranks that share a data slice (TP peers) hold the same value, so the mean over the world
-    equals the mean over data-parallel ranks.
+    equals the mean over data-parallel ranks. ``device``: where the default group's backend
+    reduces (the training device: NCCL takes no CPU tensors).
     """
     if world_size == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64)
-    torch_dist.all_reduce(t)
-    return float(t) / world_size
+    return sum_over_ranks([value], world_size, device)[0] / world_size
 
 
-def sum_over_ranks(values: list[float], world_size: int) -> list[float]:
+def sum_over_ranks(
+    values: list[float], world_size: int, device: torch.device | str = "cpu"
+) -> list[float]:
     """Element-wise sums of ``values`` over every rank (as is, for one process)."""
     if world_size == 1:
         return values
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     torch_dist.all_reduce(t)
     return t.tolist()
 

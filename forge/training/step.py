@@ -176,7 +176,10 @@ def make_pipeline_step(
             pipeline.schedule.step(target=labels, losses=losses)
         else:
             pipeline.schedule.step()
-        loss = torch.stack(losses).mean().detach().float() if losses else torch.zeros(())
+        if losses:
+            loss = torch.stack(losses).mean().detach().float()
+        else:  # not the last stage: contributes 0 to the sum, on the device the group reduces on
+            loss = torch.zeros((), device=params[0].device)
         torch_dist.all_reduce(loss, group=pipeline.group)
         grad_norm = global_grad_norm(params, pipeline.group)
         tokens = sum(b.num_tokens for b in batches) * dp_size
@@ -228,6 +231,7 @@ def evaluate_pipeline_loss(
         else:
             pipeline.schedule.eval()
     stage.train(was_training)
-    loss = torch.stack(losses).mean().float() if losses else torch.zeros(())
+    device = next(stage.parameters()).device
+    loss = torch.stack(losses).mean().float() if losses else torch.zeros((), device=device)
     torch_dist.all_reduce(loss, group=pipeline.group)
     return float(loss)
