@@ -224,3 +224,14 @@ def test_eval_at_two_ranks_is_the_loss_over_the_union_of_both_ranks_batches(tmp_
     total, count = evaluate_loss(model, rows, Precision.FP32)
     logged = records(tmp_path / "run", "eval/loss")[0]["eval/loss"]
     assert logged == pytest.approx(total / count, rel=1e-6)
+
+
+def test_packed_documents_under_tensor_parallelism_match_one_rank(tmp_path, small_corpus):
+    """The per-row RoPE tables and the block-diagonal mask reach the head-sharded attention."""
+    packed = ["--data.pack_documents=true", "--train.batch_size=4", "--train.grad_accum_steps=2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    train(write_config(tmp_path, small_corpus), one, *packed)
+    tp = ["--distributed.tp=2", "--distributed.dp_shard=1"]
+    train(write_config(tmp_path, small_corpus), two, *packed, *tp, ranks=2)
+    config = write_config(tmp_path, small_corpus)
+    assert_matches((config, one), config, two)
