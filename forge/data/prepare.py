@@ -76,7 +76,9 @@ class Recipe:
         return raw
 
 
-def find_inputs(path: pathlib.Path, pattern: str, skip: Callable[[pathlib.Path], bool]) -> list:
+def find_inputs(
+    path: pathlib.Path, pattern: str, skip: Callable[[pathlib.Path], bool]
+) -> list[pathlib.Path]:
     """Files to read: ``path`` itself, or the files under it matching ``pattern``, sorted."""
     if path.is_file():
         return [path]
@@ -208,7 +210,10 @@ def check_destination(out: pathlib.Path, recipe: Recipe) -> bool:
         raise DataError(
             f"--out {out}: exists and is not a prepared dataset; choose another --out"
         )
-    existing = json.loads(manifest.read_text()).get("recipe")
+    try:
+        existing = json.loads(manifest.read_text()).get("recipe")
+    except (json.JSONDecodeError, AttributeError):
+        existing = None
     if existing != recipe.to_json():
         raise DataError(
             f"--out {out}: holds a different dataset (another input, tokenizer or setting); "
