@@ -82,7 +82,7 @@ def with_forge(config, steps: int, workdir: pathlib.Path) -> float:
     dist = DistContext()
     mctx = ModelContext(model, opt, resolve_schedule(config.scheduler, config.train.max_steps), 0)
     manifest = read_manifest(pathlib.Path(config.data.path))
-    data = DataContext(manifest, ("default",), loader(config), None)
+    data = DataContext(manifest, loader(config), None)
     policy = attrs.evolve(loop_policy(config), max_steps=steps, schedule=None, eval_interval=0)
     effects = TrainingEffects(run, dist, mctx, data)
     start = time.perf_counter()

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from forge.data.corpus import stdlib_root
 from forge.data.prepare import InputFormat, Recipe, find_inputs, prepare
-from forge.data.tokenizer import ByteTokenizer, HFTokenizer
+from forge.data.tokenizer import ByteTokenizer, HFTokenizer, first_known_token
 from forge.errors import UserInputError
 
 BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<|endoftext|>", "[CLS]")
@@ -30,26 +30,6 @@ EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "[SEP]")
 
 def installed_package(path: pathlib.Path) -> bool:
     return "site-packages" in path.parts or "dist-packages" in path.parts
-
-
-def first_known(tokenizer_file: pathlib.Path, candidates: Sequence[str], flag: str) -> str:
-    """The first of ``candidates`` the tokenizer knows (for a default --bos/--eos-token)."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise UserInputError(
-            f"--tokenizer {tokenizer_file}: needs the 'tokenizers' package; pip install -e '.[hf]'"
-        ) from None
-    try:
-        vocab = Tokenizer.from_file(str(tokenizer_file)).get_vocab(with_added_tokens=True)
-    except Exception as exc:  # the Rust side raises plain Exception
-        raise UserInputError(f"--tokenizer {tokenizer_file}: cannot be read ({exc})") from None
-    for token in candidates:
-        if token in vocab:
-            return token
-    raise UserInputError(
-        f"--tokenizer {tokenizer_file}: name its document-boundary token with {flag}"
-    )
 
 
 def build_recipe(args: argparse.Namespace) -> tuple[pathlib.Path, Recipe]:
@@ -68,8 +48,12 @@ def build_recipe(args: argparse.Namespace) -> tuple[pathlib.Path, Recipe]:
     if args.tokenizer is None:
         tokenizer = ByteTokenizer().describe()
     else:
-        bos = args.bos_token or first_known(args.tokenizer, BOS_CANDIDATES, "--bos-token")
-        eos = args.eos_token or first_known(args.tokenizer, EOS_CANDIDATES, "--eos-token")
+        bos = args.bos_token or first_known_token(
+            str(args.tokenizer), BOS_CANDIDATES, "--bos-token"
+        )
+        eos = args.eos_token or first_known_token(
+            str(args.tokenizer), EOS_CANDIDATES, "--eos-token"
+        )
         tokenizer = HFTokenizer(str(args.tokenizer.resolve()), bos, eos).describe()
     recipe = Recipe(
         root=str(root.resolve()),

@@ -133,9 +133,6 @@ class WindowReader(Dataset):
         self.sources = list(sources)
         self.bos_id = bos_id  # None: no packing
 
-    def __len__(self) -> int:
-        return sum(len(s) for s in self.sources)
-
     def __getitem__(self, plan: Plan) -> tuple[Batch, LoaderState]:  # type: ignore[override]
         rows = np.stack([self.sources[src][window] for src, window in plan.rows])
         tokens = torch.from_numpy(rows.astype(np.int64))

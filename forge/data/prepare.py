@@ -162,8 +162,7 @@ def tokenize_unit(args: tuple[pathlib.Path, pathlib.Path, Unit, Recipe]) -> dict
     arrays: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
     for name, data in read_documents(root, unit, recipe):
         split = split_of(name, recipe.validation_percent)
-        ids = tokenizer.encode(data, bos=True, eos=True)
-        arrays[split].append(np.asarray(ids, dtype=dtype))
+        arrays[split].append(tokenizer.frame(data, dtype))
     record: dict[str, Any] = {"index": unit.index, "splits": {}}
     for split, docs in arrays.items():
         tokens = np.concatenate(docs) if docs else np.empty(0, dtype)

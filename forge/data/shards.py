@@ -108,14 +108,6 @@ class ShardWriter:
         return SplitInfo(tuple(self.shards), sum(s.num_tokens for s in self.shards), self.documents)
 
 
-def frame_bytes(data: bytes, tokenizer: ByteTokenizer, dtype: np.dtype) -> np.ndarray:
-    """BOS + bytes + EOS as token ids (the byte tokenizer's ids are the bytes)."""
-    ids = np.empty(len(data) + 2, dtype=dtype)
-    ids[0], ids[-1] = tokenizer.bos_id, tokenizer.eos_id
-    ids[1:-1] = np.frombuffer(data, dtype=np.uint8)
-    return ids
-
-
 def write_dataset(
     out: pathlib.Path,
     splits: dict[str, Iterable[Document]],
@@ -136,7 +128,7 @@ def write_dataset(
     for split, docs in splits.items():
         writer = ShardWriter(tmp, split, dtype, shard_tokens)
         for doc in docs:
-            writer.append(frame_bytes(doc.data, tokenizer, dtype), documents=1)
+            writer.append(tokenizer.frame(doc.data, dtype), documents=1)
         split_infos[split] = writer.close()
     manifest = Manifest(
         dtype=dtype.name,

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
 from forge.errors import UserInputError
 
@@ -33,6 +35,13 @@ class ByteTokenizer:
         data = text.encode("utf-8") if isinstance(text, str) else text
         ids = list(data)
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def frame(self, data: bytes, dtype: np.dtype) -> np.ndarray:
+        """BOS + bytes + EOS as an id array (the ids are the bytes: no Python lists)."""
+        ids = np.empty(len(data) + 2, dtype=dtype)
+        ids[0], ids[-1] = self.bos_id, self.eos_id
+        ids[1:-1] = np.frombuffer(data, dtype=np.uint8)
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``; special ids are dropped and broken UTF-8 is replaced."""
@@ -63,17 +72,7 @@ class HFTokenizer:
     _tok: Any = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise TokenizerError(
-                f"--tokenizer {self.path}: needs the 'tokenizers' package; "
-                "pip install -e '.[hf]'"
-            ) from None
-        try:
-            tok = Tokenizer.from_file(self.path)
-        except Exception as exc:  # the Rust side raises plain Exception
-            raise TokenizerError(f"--tokenizer {self.path}: cannot be read ({exc})") from None
+        tok = read_tokenizer_json(self.path)
         for flag, token in (("--bos-token", self.bos_token), ("--eos-token", self.eos_token)):
             if tok.token_to_id(token) is None:
                 raise TokenizerError(
@@ -105,6 +104,10 @@ class HFTokenizer:
         ids = list(self._tok.encode(text, add_special_tokens=False).ids)
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
+    def frame(self, data: bytes, dtype: np.dtype) -> np.ndarray:
+        """BOS + the UTF-8 text's ids + EOS as an id array."""
+        return np.asarray(self.encode(data, bos=True, eos=True), dtype=dtype)
+
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids`` without special tokens."""
         return self._tok.decode(ids, skip_special_tokens=True)
@@ -125,6 +128,30 @@ class HFTokenizer:
 
 class TokenizerError(UserInputError):
     """A tokenizer cannot be loaded or lacks what framing documents needs."""
+
+
+def read_tokenizer_json(path: str) -> Any:
+    """A ``tokenizers.Tokenizer`` from ``path``; a missing package or bad file is a
+    ``TokenizerError``."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise TokenizerError(
+            f"--tokenizer {path}: needs the 'tokenizers' package; pip install -e '.[hf]'"
+        ) from None
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as exc:  # the Rust side raises plain Exception
+        raise TokenizerError(f"--tokenizer {path}: cannot be read ({exc})") from None
+
+
+def first_known_token(path: str, candidates: Sequence[str], flag: str) -> str:
+    """The first of ``candidates`` in the vocabulary of ``path`` (a default for ``flag``)."""
+    vocab = read_tokenizer_json(path).get_vocab(with_added_tokens=True)
+    for token in candidates:
+        if token in vocab:
+            return token
+    raise TokenizerError(f"--tokenizer {path}: name its document-boundary token with {flag}")
 
 
 Tokenizer = ByteTokenizer | HFTokenizer

@@ -110,7 +110,6 @@ class ModelContext:
 @attrs.frozen
 class DataContext:
     manifest: Manifest  # the first source's
-    source_names: tuple[str, ...]
     train_loader: TextLoader
     eval_loader: TextLoader | None
     source_stats: SourceStats | None = None  # a mixture's per-source loss and tokens

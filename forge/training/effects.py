@@ -157,7 +157,7 @@ class TrainingEffects:
             if self.dist.world_size > 1:
                 torch_dist.all_reduce(sums)
                 sums[1] *= self.dist.dp_size / self.dist.world_size  # TP peers count twice
-            record |= source_record(self.data.source_names, sums.tolist())
+            record |= source_record(self.data.source_stats.names, sums.tolist())
         self._emit(record)
         self._restart_clock(state)
 

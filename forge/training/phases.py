@@ -33,7 +33,7 @@ from forge.config.loader import CONVERTER, ConfigError, load_config, unstructure
 from forge.config.sections import JobConfig, Precision
 from forge.config.toml_writer import dumps_toml
 from forge.data.dataset import open_windows
-from forge.data.loader import Batch, Sampling, TextLoader, step_batches
+from forge.data.loader import Batch, Sampling, TextLoader, single_source, step_batches
 from forge.data.mixture import resolve_phases
 from forge.data.shards import DataError, Manifest, read_manifest
 from forge.metrics.sinks import trim_records_after
@@ -258,11 +258,10 @@ def setup_data(run: RunContext, dist: DistContext) -> DataContext:
         held_out = open_windows(folders[0], manifests[0], cfg.data.eval_split, seq_len, verify)
         eval_loader = TextLoader(
             [held_out],
-            Sampling(
-                sizes=(len(held_out),),
-                phases=resolve_phases(sources[:1], (), 1.0),
+            single_source(
+                len(held_out),
+                cfg.train.batch_size,
                 seed=0,
-                batch_size=cfg.train.batch_size,
                 rank=dist.dp_rank,
                 world_size=dist.dp_size,
             ),
@@ -272,7 +271,6 @@ def setup_data(run: RunContext, dist: DistContext) -> DataContext:
     names = tuple(s.name for s in sources)
     return DataContext(
         manifest=manifests[0],
-        source_names=names,
         train_loader=loader,
         eval_loader=eval_loader,
         # per-source metrics need the per-row loss: the text step has it, pipeline stages not

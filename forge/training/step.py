@@ -37,6 +37,16 @@ def device_type_of(model: nn.Module) -> str:
     return param.device.type if param is not None else "cpu"
 
 
+def logits_of(model: nn.Module, batch: Batch, autocast: Callable) -> torch.Tensor:
+    """The model's fp32 logits for a micro-batch (packed rows pass positions and documents)."""
+    with autocast():
+        if batch.document_ids is None:
+            logits = model(batch.inputs)
+        else:
+            logits = model(batch.inputs, positions=batch.positions, document_ids=batch.document_ids)
+    return logits.float()
+
+
 def lm_loss(
     model: nn.Module, batch: Batch, autocast: Callable, stats: SourceStats | None = None
 ) -> torch.Tensor:
@@ -44,15 +54,11 @@ def lm_loss(
 
     With ``stats``, also adds each row's loss sum and label count to its source's totals.
     """
-    with autocast():
-        if batch.document_ids is None:
-            logits = model(batch.inputs)
-        else:
-            logits = model(batch.inputs, positions=batch.positions, document_ids=batch.document_ids)
+    logits = logits_of(model, batch, autocast)
     if stats is None or batch.sources is None:
-        return F.cross_entropy(logits.float().flatten(0, 1), batch.labels.flatten())
+        return F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten())
     # (B, T), 0 where ignored
-    per_token = F.cross_entropy(logits.float().transpose(1, 2), batch.labels, reduction="none")
+    per_token = F.cross_entropy(logits.transpose(1, 2), batch.labels, reduction="none")
     counted = (batch.labels != IGNORE_INDEX).sum(dim=1)
     stats.add(batch.sources, per_token.sum(dim=1), counted)
     return per_token.sum() / counted.sum()
@@ -197,13 +203,16 @@ def evaluate_loss(
     autocast = autocast_for(precision, device_type_of(model))
     was_training = model.training
     model.eval()
-    total, count = torch.zeros((), dtype=torch.float64), 0
+    device = next(model.parameters()).device
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, labels; read once at the end
     for batch in batches:
-        n = int((batch.labels != IGNORE_INDEX).sum())
-        total += lm_loss(model, batch, autocast).double() * n
-        count += n
+        logits = logits_of(model, batch, autocast)
+        summed = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="sum")
+        counted = (batch.labels != IGNORE_INDEX).sum()
+        sums += torch.stack([summed.double(), counted.double()])
     model.train(was_training)
-    return float(total), count
+    total, count = sums.tolist()
+    return total, int(count)
 
 
 @torch.no_grad()
