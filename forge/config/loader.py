@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import math
 import pathlib
 import types
 import typing
@@ -17,7 +18,12 @@ from typing import Any
 import attrs
 import cattrs
 import tomli
-from cattrs.errors import ClassValidationError, IterableValidationError
+from cattrs.errors import (
+    AttributeValidationNote,
+    ClassValidationError,
+    IterableValidationError,
+    IterableValidationNote,
+)
 
 from forge.config.sections import JobConfig, Problem
 from forge.config.validate import cross_section_problems
@@ -42,20 +48,53 @@ def _reject_bool(value: Any, expected: str) -> None:
         raise TypeError(f"expected {expected}, got a boolean")
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what torch (and a C long) can hold
+
+
 def _structure_int(value: Any, _: type) -> int:
     _reject_bool(value, "an integer")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    raise TypeError(f"expected an integer, got {value!r}")
+    if not isinstance(value, int):  # 1e3 too: the docs promise strict types
+        raise TypeError(f"expected an integer, got {value!r}")
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{value} is out of range: must fit in 64 bits (|value| < 2**63)")
+    return value
 
 
 def _structure_float(value: Any, _: type) -> float:
     _reject_bool(value, "a number")
-    if isinstance(value, int | float):
-        return float(value)
-    raise TypeError(f"expected a number, got {value!r}")
+    if not isinstance(value, int | float):
+        raise TypeError(f"expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {value}")
+    return float(value)
+
+
+def _is_fixed_tuple(tp: Any) -> bool:
+    args = typing.get_args(tp)
+    return typing.get_origin(tp) is tuple and bool(args) and Ellipsis not in args
+
+
+def _fixed_tuple_hook(tp: Any) -> Any:
+    """``tuple[float, float]``: a list of exactly that many values, each structured in turn."""
+    args = typing.get_args(tp)
+
+    def structure(value: Any, _: type) -> tuple:
+        if not isinstance(value, list | tuple):
+            raise TypeError(f"expected a list of {len(args)} values, got {value!r}")
+        if len(value) != len(args):
+            raise ValueError(f"expected {len(args)} values, got {len(value)}")
+        items, errors = [], []
+        for index, (item, item_type) in enumerate(zip(value, args, strict=True)):
+            try:
+                items.append(CONVERTER.structure(item, item_type))
+            except (TypeError, ValueError) as exc:
+                exc.__notes__ = [IterableValidationNote(str(exc), index, item_type)]
+                errors.append(exc)
+        if errors:
+            raise IterableValidationError("invalid list items", errors, tp)
+        return tuple(items)
+
+    return structure
 
 
 def _structure_bool(value: Any, _: type) -> bool:
@@ -88,6 +127,7 @@ def make_converter() -> cattrs.Converter:
     conv.register_structure_hook_func(
         lambda t: isinstance(t, type) and issubclass(t, enum.Enum), _structure_enum
     )
+    conv.register_structure_hook_factory(_is_fixed_tuple, _fixed_tuple_hook)
     conv.register_unstructure_hook_func(
         lambda t: isinstance(t, type) and issubclass(t, enum.Enum), lambda e: e.value
     )
@@ -134,13 +174,12 @@ def _leaf_errors(exc: BaseException, path: str) -> list[Problem]:
     if isinstance(exc, ClassValidationError | IterableValidationError):
         out: list[Problem] = []
         for sub in exc.exceptions:
-            notes = getattr(sub, "__notes__", [])
-            name = getattr(notes[-1], "name", None) if notes else None
-            index = getattr(notes[-1], "index", None) if notes else None
-            if name is not None:
-                sub_path = f"{path}.{name}" if path else str(name)
-            elif index is not None:
-                sub_path = f"{path}[{index}]"
+            notes = getattr(sub, "__notes__", None) or [None]
+            note = notes[-1]  # cattrs' own notes are typed; a plain str note names nothing
+            if isinstance(note, AttributeValidationNote):
+                sub_path = f"{path}.{note.name}" if path else note.name
+            elif isinstance(note, IterableValidationNote):
+                sub_path = f"{path}[{note.index}]"
             else:
                 sub_path = path
             out += _leaf_errors(sub, sub_path)
@@ -148,27 +187,51 @@ def _leaf_errors(exc: BaseException, path: str) -> list[Problem]:
     return [(path, str(exc))]
 
 
-def structure_config(raw: Mapping[str, Any]) -> JobConfig:
-    """Build a ``JobConfig`` from a nested dict, or raise ``ConfigError`` listing every problem."""
-    problems = unknown_key_problems(raw, JobConfig)
-    if problems:
-        raise ConfigError([f"{k}: {m}" for k, m in problems])
+def known_keys_only(raw: Mapping[str, Any], cls: type) -> dict[str, Any]:
+    """``raw`` without the keys ``cls`` lacks (reported by ``unknown_key_problems``), so the
+    rest of a section can still be type-checked."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in hints:
+            continue
+        inner = _attrs_class(hints[key])
+        out[key] = known_keys_only(value, inner) if inner and isinstance(value, Mapping) else value
+    return out
+
+
+def structure_section(name: str, raw: Any, tp: Any) -> tuple[Any, list[Problem]]:
+    """One top-level section, or its type problems (then None)."""
     try:
-        config = CONVERTER.structure(dict(raw), JobConfig)
+        return CONVERTER.structure(raw, tp), []
     except (ClassValidationError, IterableValidationError) as exc:
-        raise ConfigError([f"{k}: {m}" for k, m in _leaf_errors(exc, "")]) from None
-    problems = validate_config(config)
+        return None, _leaf_errors(exc, name)
+    except (TypeError, ValueError) as exc:
+        return None, [(name, str(exc))]
+
+
+def structure_config(raw: Mapping[str, Any]) -> JobConfig:
+    """Build a ``JobConfig`` from a nested dict, or raise ``ConfigError`` listing every problem:
+    unknown keys, type errors and range errors of all sections in one pass (a section that does
+    not structure is skipped for range checks; cross-section checks need every section)."""
+    problems = unknown_key_problems(raw, JobConfig)
+    known = known_keys_only(raw, JobConfig)
+    sections: dict[str, Any] = {}
+    for name, tp in typing.get_type_hints(JobConfig).items():
+        if name not in known:
+            continue
+        if not isinstance(known[name], Mapping):
+            continue  # reported by unknown_key_problems: a scalar where a table belongs
+        section, type_problems = structure_section(name, dict(known[name]), tp)
+        problems += type_problems
+        if section is not None:
+            sections[name] = section
+            problems += section.problems()
+    if not problems:
+        problems += cross_section_problems(JobConfig(**sections))
     if problems:
         raise ConfigError([f"{k}: {m}" for k, m in problems])
-    return config
-
-
-def validate_config(config: JobConfig) -> list[Problem]:
-    """All range and cross-section problems of an otherwise well-typed config."""
-    problems: list[Problem] = []
-    for field in attrs.fields(JobConfig):
-        problems += getattr(config, field.name).problems()
-    return problems + cross_section_problems(config)
+    return JobConfig(**sections)
 
 
 def parse_override_value(text: str) -> Any:
@@ -218,12 +281,20 @@ def _deep_copy(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 def read_toml(path: pathlib.Path) -> dict[str, Any]:
     """Parse a TOML file, turning a missing file or a syntax error into a ``ConfigError``."""
+    if path.is_dir():
+        raise ConfigError([f"{path}: is a directory; pass a TOML file inside it"])
     if not path.is_file():
         raise ConfigError(
             [f"{path}: config file not found; pass a TOML file such as configs/train/debug.toml"]
         )
     try:
-        return tomli.loads(path.read_text())
+        return tomli.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            [f"{path}: not UTF-8 text (byte {exc.start}); save the config file as UTF-8"]
+        ) from None
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read the config file ({exc.strerror})"]) from None
     except tomli.TOMLDecodeError as exc:
         raise ConfigError([f"{path}: invalid TOML ({exc}); fix the file's syntax"]) from None
 

@@ -76,6 +76,12 @@ def _non_negative(problems: list[Problem], key: str, value: float) -> None:
         problems.append((key, f"must be >= 0, got {value}"))
 
 
+def _not_empty(problems: list[Problem], key: str, value: str | None) -> None:
+    """An optional path: unset is fine, an empty string names nothing."""
+    if value is not None and not value.strip():
+        problems.append((key, "must not be empty; leave it out for the default"))
+
+
 @attrs.frozen
 class RunConfig:
     """Where a run lives. ``dir`` defaults to ``runs/<config file stem>``."""
@@ -83,7 +89,9 @@ class RunConfig:
     dir: str | None = None
 
     def problems(self) -> list[Problem]:
-        return []
+        p: list[Problem] = []
+        _not_empty(p, "run.dir", self.dir)
+        return p
 
 
 @attrs.frozen
@@ -338,6 +346,8 @@ class CheckpointConfig:
 
     def problems(self) -> list[Problem]:
         p: list[Problem] = []
+        _not_empty(p, "checkpoint.dir", self.dir)
+        _not_empty(p, "checkpoint.load_path", self.load_path)
         _positive(p, "checkpoint.interval", self.interval)
         if self.dyn_ckpt_window is not None:
             p += self.dyn_ckpt_window.problems("checkpoint.dyn_ckpt_window")

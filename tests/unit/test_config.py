@@ -2,6 +2,7 @@
 
 import pathlib
 
+import attrs
 import pytest
 import tomli
 
@@ -16,6 +17,7 @@ from forge.config import (
     unstructure_config,
 )
 from forge.config.loader import apply_overrides, parse_cli, parse_override_value
+from tests.conftest import REPO
 
 
 @pytest.fixture
@@ -147,6 +149,22 @@ BAD = [
         {"checkpoint": 5},
         "checkpoint: is a table; set its keys as checkpoint.<key>=...",
     ),
+    ("nan for a float", {"optimizer": {"lr": float("nan")}}, "optimizer.lr: expected a finite number, got nan"),
+    ("inf for a float", {"optimizer": {"lr": float("inf")}}, "optimizer.lr: expected a finite number, got inf"),
+    ("nan init std", {"model": {"init_std": float("nan")}}, "model.init_std: expected a finite number, got nan"),
+    ("nan rope theta", {"model": {"rope_theta": float("nan")}}, "model.rope_theta: expected a finite number, got nan"),
+    ("-inf timeout", {"resilience": {"health_timeout_s": float("-inf")}}, "resilience.health_timeout_s: expected a finite number, got -inf"),
+    (
+        "integer beyond 64 bits",
+        {"train": {"seed": 99999999999999999999999}},
+        "train.seed: 99999999999999999999999 is out of range: must fit in 64 bits (|value| < 2**63)",
+    ),
+    ("float for an int", {"checkpoint": {"interval": 1e3}}, "checkpoint.interval: expected an integer, got 1000.0"),
+    ("empty run dir", {"run": {"dir": ""}}, "run.dir: must not be empty; leave it out for the default"),
+    ("empty checkpoint dir", {"checkpoint": {"dir": " "}}, "checkpoint.dir: must not be empty; leave it out for the default"),
+    ("too many betas", {"optimizer": {"betas": [0.9, 0.9, 0.9]}}, "optimizer.betas: expected 2 values, got 3"),
+    ("too few betas", {"optimizer": {"betas": [0.9]}}, "optimizer.betas: expected 2 values, got 1"),
+    ("a scalar for betas", {"optimizer": {"betas": 0.9}}, "optimizer.betas: expected a list of 2 values, got 0.9"),
 ]
 
 
@@ -165,6 +183,24 @@ def test_all_type_problems_are_reported_at_once():
         "model.dim",
         "train.batch_size",
         "train.seq_len",
+    ]
+
+
+def test_unknown_type_and_range_problems_of_all_sections_come_together():
+    raw = {
+        "trian": {},
+        "train": {"max_stepz": 1, "seed": "x"},
+        "model": {"dim": 0},
+        "optimizer": {"lr": float("nan")},
+    }
+    with pytest.raises(ConfigError) as info:
+        structure_config(raw)
+    assert sorted(line.split(":")[0] for line in info.value.lines) == [
+        "model.dim",
+        "optimizer.lr",
+        "train.max_stepz",
+        "train.seed",
+        "trian",
     ]
 
 
@@ -221,9 +257,35 @@ def test_resolved_config_round_trips_through_toml():
     assert structure_config(tomli.loads(text)) == cfg
 
 
-def test_shipped_configs_are_valid():
-    for path in sorted(pathlib.Path("configs").rglob("*.toml")):
+SHIPPED_CONFIGS = sorted((REPO / "configs").rglob("*.toml"))
+
+
+def test_configs_are_shipped():
+    assert SHIPPED_CONFIGS, f"no TOML file under {REPO / 'configs'}"
+
+
+@pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path):
+    loaded = load_config([str(path)])  # raises ConfigError on any problem
+    expected = structure_config(tomli.loads(path.read_text()))
+    if expected.run.dir is None:
+        expected = attrs.evolve(expected, run=attrs.evolve(expected.run, dir=f"runs/{path.stem}"))
+    assert loaded.config == expected
+
+
+def test_a_directory_as_config_file_says_so(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config([str(tmp_path)])
+    assert info.value.lines == [f"{tmp_path}: is a directory; pass a TOML file inside it"]
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes("[run]\ndir = 'caf\xe9'\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as info:
         load_config([str(path)])
+    assert len(info.value.lines) == 1
+    assert "not UTF-8" in info.value.lines[0]
 
 
 # (precision, device, flags, warns)
