@@ -15,12 +15,20 @@ from forge.resilience.control import ControlChannel, StepMonitor
 from forge.resilience.faults import FaultHooks, faults_from_env
 from forge.resilience.health import guard_collectives
 from forge.resilience.signals import ShutdownFlag
+from forge.training.context import (
+    CheckpointContext,
+    DataContext,
+    DistContext,
+    ModelContext,
+    RunContext,
+)
 from forge.training.effects import TrainingEffects
 from forge.training.hooks import Hooks
 from forge.training.loop import conclude, run_training_loop
-from forge.training.outcome import CONFIG_ERROR_EXIT, LoopOutcome, exit_code
+from forge.training.outcome import CONFIG_ERROR_EXIT, LoopOutcome, exit_code, outcome_message
 from forge.training.phases import (
     build_model_and_optim,
+    claim_run_dir,
     load_and_validate_config,
     loop_policy,
     make_step_fn,
@@ -36,17 +44,37 @@ from forge.training.phases import (
 def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
     """Run the phases in order; returns the process exit code of the loop's outcome."""
     flag = ShutdownFlag().install()  # before set-up, so an early signal is not lost
+    lock = None
     try:
         run = load_and_validate_config(sys.argv[1:] if argv is None else argv)
         dist = setup_distributed(run)
         model = build_model_and_optim(run, dist)
         data = setup_data(run, dist)
+        lock = claim_run_dir(run, dist)
         ckpt = setup_checkpointing(run, dist, model, data)
     except UserInputError as exc:
+        if lock is not None:
+            lock.release(discard=True)  # a run that never started leaves no directory
         for line in exc.lines:
             print(f"error: {line}", file=sys.stderr)
         flag.uninstall()
         return CONFIG_ERROR_EXIT
+    try:
+        return train(run, dist, model, data, ckpt, flag, hooks)
+    finally:
+        lock.release()
+
+
+def train(
+    run: RunContext,
+    dist: DistContext,
+    model: ModelContext,
+    data: DataContext,
+    ckpt: CheckpointContext,
+    flag: ShutdownFlag,
+    hooks: Sequence[Hooks],
+) -> int:
+    """The loop and what follows it, once every set-up phase succeeded."""
     flag.timeout_s = run.config.resilience.shutdown_timeout_s
     prepare_run_dir(run, dist, ckpt)
     if dist.is_main:
@@ -73,6 +101,9 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
     effects.end(outcome, state)
     if dist.is_main:
         print(f"[forge] {outcome.name} at step {state.step}; final save: {decision.reason.value}")
+        message = outcome_message(outcome, state.step, policy.max_steps, str(run.run_dir))
+        if message:
+            print(f"[forge] {message}")
     flag.uninstall()
     teardown(dist, healthy=outcome is not LoopOutcome.HEALTH_FAILURE)
     return exit_code(outcome)

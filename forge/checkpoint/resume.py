@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import enum
 import pathlib
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import attrs
 
+from forge.checkpoint.safety import UnsafeCheckpointError
 from forge.checkpoint.store import (
     CheckpointError,
+    ShapeMismatchError,
     is_complete,
     latest_step,
     list_steps,
@@ -72,3 +76,30 @@ def resolve_resume(checkpoint_dir: pathlib.Path, load_path: pathlib.Path | None)
             f"({', '.join(p.name for p in skipped)}); delete them to start fresh"
         )
     return ResumePlan(ResumeSource.FRESH)
+
+
+T = TypeVar("T")
+
+
+def first_loadable(
+    paths: Sequence[pathlib.Path],
+    load: Callable[[pathlib.Path], T],
+    report: Callable[[str], None] = lambda line: None,
+) -> tuple[pathlib.Path, T]:
+    """``load`` the first of ``paths`` (newest first) that loads; a damaged one (truncated
+    shards or RNG files, unreadable metadata, a train state of the wrong shape) is reported
+    and skipped. An unsafe file, or one written for another model, is never skipped: an older
+    checkpoint of the same run would not fare better."""
+    errors = []
+    for path in paths:
+        try:
+            return path, load(path)
+        except (UnsafeCheckpointError, ShapeMismatchError):
+            raise
+        except CheckpointError as exc:
+            errors.append(str(exc))
+            report(f"skipping unloadable checkpoint {path}: {exc}")
+    raise CheckpointError(
+        f"{paths[0].parent}: no checkpoint there loads ({'; '.join(errors)}); "
+        "delete the broken ones or point checkpoint.dir elsewhere"
+    )

@@ -40,16 +40,24 @@ class UnsafeCheckpointError(UserInputError):
     """A checkpoint file that could run code, or that points outside its directory."""
 
 
+class UnreadableCheckpointError(UserInputError):
+    """A checkpoint file that is damaged (truncated, random bytes): an older one may load."""
+
+
 def _allowed(module: str, name: str) -> bool:
     if (module, name) in _ALLOWED:
         return True
     return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
 
 
+class _ForbiddenGlobal(pickle.UnpicklingError):
+    """The pickle names a class or function outside the allowed set."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if not _allowed(module, name):
-            raise pickle.UnpicklingError(f"{module}.{name}")
+            raise _ForbiddenGlobal(f"{module}.{name}")
         return super().find_class(module, name)
 
 
@@ -60,15 +68,17 @@ def read_metadata_safely(checkpoint: pathlib.Path) -> Metadata:
     try:
         with path.open("rb") as f:
             meta = _MetadataUnpickler(f).load()
-    except pickle.UnpicklingError as exc:
+    except _ForbiddenGlobal as exc:
         raise UnsafeCheckpointError(
             f"{path}: references {exc}, which a checkpoint never needs; refusing to load it "
             "(it could run code)"
         ) from None
-    except (OSError, EOFError, ValueError) as exc:
-        raise UnsafeCheckpointError(f"{path}: unreadable DCP metadata ({exc})") from None
+    except Exception as exc:  # truncated or random bytes: unreadable, not unsafe
+        raise UnreadableCheckpointError(
+            f"{path}: unreadable DCP metadata ({type(exc).__name__}: {exc})"
+        ) from None
     if not isinstance(meta, Metadata):
-        raise UnsafeCheckpointError(f"{path}: not DCP metadata; refusing to load it")
+        raise UnreadableCheckpointError(f"{path}: not DCP metadata")
     for info in (meta.storage_data or {}).values():
         relative = pathlib.PurePosixPath(str(getattr(info, "relative_path", "")))
         if relative.is_absolute() or ".." in relative.parts or not relative.parts:
@@ -84,6 +94,15 @@ def load_tensors_safely(path: pathlib.Path) -> Any:
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as exc:
+        # torch names a forbidden class or function as "GLOBAL module.name"; anything else
+        # (an unknown opcode, random bytes) is damage, not a payload
+        forbidden = [line for line in str(exc).splitlines() if "GLOBAL" in line]
+        if not forbidden:
+            raise UnreadableCheckpointError(f"{path}: unreadable (not a tensor file)") from None
         raise UnsafeCheckpointError(
-            f"{path}: holds more than tensors and plain values; refusing to load it ({exc})"
+            f"{path}: holds more than tensors and plain values; refusing to load it "
+            f"({forbidden[0].strip()})"
         ) from None
+    except (OSError, RuntimeError, EOFError, ValueError) as exc:
+        detail = " ".join(str(exc).split())[:200]
+        raise UnreadableCheckpointError(f"{path}: unreadable ({detail})") from None

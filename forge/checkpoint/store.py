@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -33,7 +33,11 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from forge.checkpoint.policy import SaveSchedule, retention_plan, step_of
-from forge.checkpoint.safety import load_tensors_safely, read_metadata_safely
+from forge.checkpoint.safety import (
+    UnreadableCheckpointError,
+    load_tensors_safely,
+    read_metadata_safely,
+)
 from forge.errors import UserInputError
 from forge.model.transformer import canonical_name
 
@@ -187,11 +191,15 @@ def apply_retention(root: pathlib.Path, keep_last_n: int, schedule: SaveSchedule
 
 
 def read_train_state(path: pathlib.Path) -> dict[str, Any]:
-    """The JSON train state of a checkpoint directory."""
+    """The JSON train state of a checkpoint directory (a JSON object; its fields are checked
+    by whoever reads them)."""
     try:
-        return json.loads((path / TRAIN_STATE).read_text())
+        raw = json.loads((path / TRAIN_STATE).read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path / TRAIN_STATE}: unreadable train state ({exc})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path / TRAIN_STATE}: not a JSON object")
+    return raw
 
 
 def load_checkpoint(
@@ -226,10 +234,39 @@ def load_checkpoint(
 
 
 def check_loadable(path: pathlib.Path, model: nn.Module) -> None:
-    """Raise ``CheckpointError`` unless ``path`` is complete and written for ``model``'s shapes."""
+    """Raise ``CheckpointError`` unless every file of ``path`` reads and fits ``model``: complete,
+    DCP metadata safe and readable, every shard file as long as the metadata says, the train
+    state a JSON object, every rank's RNG file a tensor file, and the shapes the model's.
+    Nothing is loaded into the model before this passes."""
     if not is_complete(path):
         raise CheckpointError(f"{path}: not a complete checkpoint (no .metadata or {TRAIN_STATE})")
-    _check_shapes(path, model)
+    try:
+        meta = read_metadata_safely(path)
+        _check_shard_sizes(path, meta)
+        read_train_state(path)
+        for rng_file in sorted(path.glob("rng_rank*.pt")):
+            rng = load_tensors_safely(rng_file)
+            if not isinstance(rng, dict) or not {"torch_cpu", "python"} <= rng.keys():
+                raise CheckpointError(f"{rng_file}: not an RNG state file")
+    except UnreadableCheckpointError as exc:
+        raise CheckpointError(exc.lines) from None
+    _check_shapes(path, model, meta)
+
+
+def _check_shard_sizes(path: pathlib.Path, meta: Metadata) -> None:
+    """Every byte range the metadata names lies inside its file (a truncated shard fails here,
+    before DCP has written half of the model)."""
+    needed: dict[str, int] = {}
+    for info in (meta.storage_data or {}).values():
+        name = str(getattr(info, "relative_path", ""))
+        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+        needed[name] = max(needed.get(name, 0), end)
+    for name, end in needed.items():
+        shard = path / name
+        size = shard.stat().st_size if shard.is_file() else -1
+        if size < end:
+            what = "is missing" if size < 0 else f"holds {size} bytes, the metadata names {end}"
+            raise CheckpointError(f"{shard}: {what} (truncated or incomplete checkpoint)")
 
 
 def read_tensors(
@@ -252,9 +289,8 @@ def _dcp_load(
         raise CheckpointError(f"{path}: DCP load failed ({type(exc).__name__}: {detail})") from None
 
 
-def _check_shapes(path: pathlib.Path, model: nn.Module) -> None:
+def _check_shapes(path: pathlib.Path, model: nn.Module, meta: Metadata) -> None:
     """One line naming the first parameter whose saved shape differs from the model's."""
-    meta = read_metadata_safely(path)
     saved = {
         k.removeprefix("model."): tuple(v.size)
         for k, v in meta.state_dict_metadata.items()

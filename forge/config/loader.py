@@ -69,6 +69,14 @@ def _structure_float(value: Any, _: type) -> float:
     return float(value)
 
 
+class ListItemErrors(ValueError):
+    """The items of a fixed-length list that did not structure, by index."""
+
+    def __init__(self, errors: list[tuple[int, Exception]]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(f"[{i}] {e}" for i, e in errors))
+
+
 def _is_fixed_tuple(tp: Any) -> bool:
     args = typing.get_args(tp)
     return typing.get_origin(tp) is tuple and bool(args) and Ellipsis not in args
@@ -88,10 +96,9 @@ def _fixed_tuple_hook(tp: Any) -> Any:
             try:
                 items.append(CONVERTER.structure(item, item_type))
             except (TypeError, ValueError) as exc:
-                exc.__notes__ = [IterableValidationNote(str(exc), index, item_type)]
-                errors.append(exc)
+                errors.append((index, exc))
         if errors:
-            raise IterableValidationError("invalid list items", errors, tp)
+            raise ListItemErrors(errors)
         return tuple(items)
 
     return structure
@@ -169,7 +176,7 @@ def unknown_key_problems(raw: Mapping[str, Any], cls: type, prefix: str = "") ->
     return problems
 
 
-def _leaf_errors(exc: BaseException, path: str) -> list[Problem]:
+def leaf_errors(exc: BaseException, path: str) -> list[Problem]:
     """Flatten cattrs' nested validation errors into ``(dotted key, message)`` pairs."""
     if isinstance(exc, ClassValidationError | IterableValidationError):
         out: list[Problem] = []
@@ -182,8 +189,10 @@ def _leaf_errors(exc: BaseException, path: str) -> list[Problem]:
                 sub_path = f"{path}[{note.index}]"
             else:
                 sub_path = path
-            out += _leaf_errors(sub, sub_path)
+            out += leaf_errors(sub, sub_path)
         return out
+    if isinstance(exc, ListItemErrors):
+        return [p for index, sub in exc.errors for p in leaf_errors(sub, f"{path}[{index}]")]
     return [(path, str(exc))]
 
 
@@ -204,8 +213,8 @@ def structure_section(name: str, raw: Any, tp: Any) -> tuple[Any, list[Problem]]
     """One top-level section, or its type problems (then None)."""
     try:
         return CONVERTER.structure(raw, tp), []
-    except (ClassValidationError, IterableValidationError) as exc:
-        return None, _leaf_errors(exc, name)
+    except (ClassValidationError, IterableValidationError, ListItemErrors) as exc:
+        return None, leaf_errors(exc, name)
     except (TypeError, ValueError) as exc:
         return None, [(name, str(exc))]
 

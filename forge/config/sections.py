@@ -341,6 +341,8 @@ class CheckpointConfig:
     keep_last_n: int = 3
     load_path: str | None = None
     load_optimizer: bool = False  # with load_path: also take its optimizer state
+    # resume even if the model or data order differs from the checkpoint's (with a warning)
+    allow_config_change: bool = False
     export_final: bool = False  # the final save also writes <run.dir>/export (safetensors)
     export_dtype: ExportDtype = ExportDtype.BFLOAT16
 

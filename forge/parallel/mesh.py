@@ -83,3 +83,13 @@ def end_process_group() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def broadcast_from_main(value: object, world_size: int) -> object:
+    """Rank 0's ``value`` on every rank (as is for one process): for a decision only rank 0
+    can make, such as taking the run directory's lock."""
+    if world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -32,6 +32,17 @@ class RunContext:
     run_dir: pathlib.Path
     checkpoint_dir: pathlib.Path
 
+    @classmethod
+    def of(cls, config: JobConfig, source: pathlib.Path) -> RunContext:
+        """The context of a loaded config: ``checkpoint.dir`` defaults to
+        ``<run.dir>/checkpoints``."""
+        run_dir = pathlib.Path(str(config.run.dir))
+        ckpt = config.checkpoint.dir
+        checkpoint_dir = pathlib.Path(ckpt) if ckpt else run_dir / "checkpoints"
+        return cls(
+            config=config, config_source=source, run_dir=run_dir, checkpoint_dir=checkpoint_dir
+        )
+
     @property
     def metrics_path(self) -> pathlib.Path:
         return self.run_dir / "metrics.jsonl"

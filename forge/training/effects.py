@@ -25,12 +25,19 @@ from forge.metrics.sinks import JsonlSink, MetricsSink, StdoutSink
 from forge.metrics.sources import source_record
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
 from forge.training.hooks import HookList, Hooks
+from forge.training.identity import run_identity
 from forge.training.outcome import LoopOutcome
 from forge.training.phases import config_fingerprint, loop_policy
 from forge.training.state import LoopState, SaveReason, StepResult
 from forge.training.step import evaluate_loss, evaluate_pipeline_loss
+from forge.training.train_state import (
+    TRAIN_STATE_VERSION,
+    LoaderRecord,
+    ScheduleRecord,
+    TrainState,
+    train_state_to_json,
+)
 
-TRAIN_STATE_VERSION = 1
 ROLLBACK_SLOT = "rollback"
 
 
@@ -94,22 +101,27 @@ class TrainingEffects:
 
     def train_state(self, state: LoopState, reason: SaveReason) -> dict[str, Any]:
         """The JSON train state saved beside the tensors."""
-        return {
-            "format_version": TRAIN_STATE_VERSION,
-            "step": state.step,
-            "tokens_seen": state.tokens_seen,
-            "reason": reason.value,
-            "loop_state": attrs.asdict(state),
-            "loader": self.data.train_loader.state_dict(),  # the same position on every rank
-            "schedule": {
-                "name": self.model.schedule.name.value,
-                "warmup_steps": self.model.schedule.warmup_steps,
-                "decay_steps": self.model.schedule.decay_steps,
-                "total_steps": self.model.schedule.total_steps,
-            },
-            "model_fingerprint": config_fingerprint(self.run.config),
-            "world_size": self.dist.world_size,
-        }
+        loader = self.data.train_loader.state_dict()  # the same position on every rank
+        schedule = self.model.schedule
+        return train_state_to_json(
+            TrainState(
+                format_version=TRAIN_STATE_VERSION,
+                step=state.step,
+                tokens_seen=state.tokens_seen,
+                reason=reason,
+                loop_state=state,
+                loader=LoaderRecord(loader["micro_batch"], tuple(loader["cursors"])),
+                schedule=ScheduleRecord(
+                    schedule.name.value,
+                    schedule.warmup_steps,
+                    schedule.decay_steps,
+                    schedule.total_steps,
+                ),
+                model_fingerprint=config_fingerprint(self.run.config),
+                world_size=self.dist.world_size,
+                identity=run_identity(self.run.config, self.dist.dp_size),
+            )
+        )
 
     def save(self, state: LoopState, reason: SaveReason) -> None:
         """Start a save (it commits in ``wait``, at once in synchronous mode)."""

@@ -31,3 +31,14 @@ _EXIT_CODES = {
 def exit_code(outcome: LoopOutcome) -> int:
     """The process exit code documented for ``outcome``."""
     return _EXIT_CODES[outcome]
+
+
+def outcome_message(outcome: LoopOutcome, step: int, max_steps: int, run_dir: str) -> str | None:
+    """A plain sentence for an ending the user may not expect, else None."""
+    if outcome is LoopOutcome.ALREADY_COMPLETE:
+        return (
+            f"the run in {run_dir} is already complete at step {step} (train.max_steps="
+            f"{max_steps}); to train it further raise --train.max_steps above {step}, "
+            "or choose a new --run.dir to start a new run"
+        )
+    return None

@@ -2,9 +2,10 @@
 one by one and inspect what each built.
 
 Order: ``load_and_validate_config`` → ``setup_distributed`` → ``build_model_and_optim`` →
-``setup_data`` → ``setup_checkpointing`` → ``prepare_run_dir`` → the loop → ``conclude`` →
-``teardown``. Nothing is written to disk before ``prepare_run_dir``, so bad input of any kind
-leaves no run directory behind.
+``setup_data`` → ``claim_run_dir`` → ``setup_checkpointing`` → ``prepare_run_dir`` → the loop
+→ ``conclude`` → ``teardown``. Nothing is written to disk before ``claim_run_dir`` (which
+creates and locks the run directory, and removes it again if set-up then fails), so bad
+input of any kind leaves no run directory behind.
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ import numpy as np
 import torch
 
 from forge.checkpoint.policy import SaveSchedule
-from forge.checkpoint.resume import ResumeSource, resolve_resume
-from forge.checkpoint.safety import UnsafeCheckpointError
+from forge.checkpoint.resume import ResumeSource, first_loadable, resolve_resume
 from forge.checkpoint.store import (
-    CheckpointError,
-    ShapeMismatchError,
+    check_loadable,
     load_checkpoint,
+    read_train_state,
     remove_stale_temporaries,
 )
 from forge.config.loader import CONVERTER, ConfigError, load_config, unstructure_config
@@ -41,7 +41,13 @@ from forge.metrics.sources import SourceStats
 from forge.model.transformer import Transformer, num_parameters
 from forge.optim.param_groups import build_optimizer
 from forge.optim.schedules import resolve_schedule
-from forge.parallel.mesh import device_for, end_process_group, init_process_group, submesh
+from forge.parallel.mesh import (
+    broadcast_from_main,
+    device_for,
+    end_process_group,
+    init_process_group,
+    submesh,
+)
 from forge.parallel.parallelize import parallelize
 from forge.parallel.pipeline import build_schedule, stage_module
 from forge.parallel.world import parallel_problems, resolve_dims, world_info
@@ -55,8 +61,22 @@ from forge.training.context import (
     RunContext,
     StepBatches,
 )
-from forge.training.state import LoopPolicy, LoopState, StepResult
+from forge.training.identity import (
+    ResumeVerdict,
+    identity_differences,
+    resume_verdict,
+    run_identity,
+)
+from forge.training.run_dir import (
+    RunDirBusyError,
+    RunDirLock,
+    foreign_records_problem,
+    lock_directories,
+    path_problem,
+)
+from forge.training.state import LoopPolicy, LoopState, StepResult, starting_outcome
 from forge.training.step import make_pipeline_step, make_text_step
+from forge.training.train_state import TrainState, parse_train_state
 
 
 def load_and_validate_config(argv: Sequence[str]) -> RunContext:
@@ -69,15 +89,23 @@ def load_and_validate_config(argv: Sequence[str]) -> RunContext:
     world = world_info(os.environ)
     problems = [f"{k}: {m}" for k, m in parallel_problems(config, world.world_size)]
     problems += data_problems(config)
+    run = RunContext.of(config, loaded.source)
+    for key, folder in run_directories(run):
+        problem = path_problem(key, folder)
+        if problem is not None:
+            problems.append(problem)
     if problems:
         raise ConfigError(problems)
-    run_dir = pathlib.Path(str(config.run.dir))
-    ckpt_dir = (
-        pathlib.Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
-    )
-    return RunContext(
-        config=config, config_source=loaded.source, run_dir=run_dir, checkpoint_dir=ckpt_dir
-    )
+    return run
+
+
+def run_directories(run: RunContext) -> list[tuple[str, pathlib.Path]]:
+    """The directories a run writes, with the config key that names each: the run directory
+    and, when checkpointing is on or it holds checkpoints, the checkpoint directory."""
+    dirs = [("run.dir", run.run_dir)]
+    if run.config.checkpoint.enabled or run.checkpoint_dir.exists():
+        dirs.append(("checkpoint.dir", run.checkpoint_dir))
+    return dirs
 
 
 def data_problems(config: JobConfig) -> list[str]:
@@ -280,57 +308,112 @@ def setup_data(run: RunContext, dist: DistContext) -> DataContext:
     )
 
 
+def claim_run_dir(run: RunContext, dist: DistContext) -> RunDirLock:
+    """Create and lock the run (and checkpoint) directory for this run; a second process on
+    either gets ``RunDirBusyError`` naming the holder. Rank 0 holds the lock; every rank
+    raises the same error, so none enters training alone."""
+    lock, lines = RunDirLock(), None
+    if dist.is_main:
+        try:
+            lock = lock_directories(run_directories(run))
+        except RunDirBusyError as exc:
+            lines = exc.lines
+    lines = broadcast_from_main(lines, dist.world_size)
+    if lines:
+        raise RunDirBusyError(lines)  # type: ignore[arg-type]
+    return lock
+
+
+class RunMismatchError(ConfigError):
+    """Resuming a checkpoint written by another model or another data order."""
+
+
 def setup_checkpointing(
     run: RunContext, dist: DistContext, model: ModelContext, data: DataContext
 ) -> CheckpointContext:
-    """Resolve where the run starts and restore that state into the model, optimizer and loader."""
+    """Resolve where the run starts and restore that state into the model, optimizer and loader.
+
+    Each candidate checkpoint is checked whole (files, train state, the run identity) before
+    any tensor is loaded; a damaged one gives way to the next older one.
+    """
     cfg = run.config.checkpoint
     load_path = pathlib.Path(cfg.load_path) if cfg.load_path else None
     plan = resolve_resume(run.checkpoint_dir, load_path)
-    for path in plan.skipped if dist.is_main else ():
-        print(f"[forge] skipping incomplete checkpoint {path}", file=sys.stderr)
+    say = report_on_main(dist)
+    for path in plan.skipped:
+        say(f"skipping incomplete checkpoint {path}")
     state = LoopState()
     if plan.source is ResumeSource.CHECKPOINT_DIR and plan.path is not None:
-        path, train_state = load_first_loadable(
-            (plan.path, *plan.fallbacks), model, dist.rank, dist.is_main
-        )
-        state = CONVERTER.structure(train_state["loop_state"], LoopState)
-        data.train_loader.load_state_dict(train_state["loader"])
-        if dist.is_main:
-            print(f"[forge] resumed from {path} at step {state.step}", file=sys.stderr)
-    elif plan.source is ResumeSource.LOAD_PATH and plan.path is not None:
+        identity = run_identity(run.config, dist.dp_size)
+
+        def load(path: pathlib.Path) -> TrainState:
+            check_loadable(path, model.model)
+            train_state = parse_train_state(read_train_state(path), path)
+            check_same_run(train_state, identity, path, cfg.allow_config_change, say)
+            load_checkpoint(path, model.model, model.optimizer, rank=dist.rank)
+            return train_state
+
+        path, train_state = first_loadable((plan.path, *plan.fallbacks), load, say)
+        state = train_state.loop_state
+        data.train_loader.load_state_dict(CONVERTER.unstructure(train_state.loader))
+        say(f"resumed from {path} at step {state.step}")
+    else:
+        problem = foreign_records_problem(run.run_dir, run.checkpoint_dir, run.config)
+        if problem is not None:
+            raise RunMismatchError(problem)
+    if plan.source is ResumeSource.LOAD_PATH and plan.path is not None:
         optimizer = model.optimizer if cfg.load_optimizer else None
         load_checkpoint(plan.path, model.model, optimizer, rank=dist.rank, restore_rng_state=False)
-        if dist.is_main:
-            print(f"[forge] initial weights from {plan.path}", file=sys.stderr)
+        recorded = read_train_state(plan.path).get("identity")
+        differences = identity_differences(
+            recorded if isinstance(recorded, dict) else {}, run_identity(run.config, dist.dp_size)
+        )
+        say(f"initial weights from {plan.path}")
+        for difference in differences:
+            say(f"  differs from the run that wrote it: {difference.describe()}")
     return CheckpointContext(plan=plan, initial_state=state)
 
 
-def load_first_loadable(
-    paths: Sequence[pathlib.Path], model: ModelContext, rank: int, report: bool
-) -> tuple[pathlib.Path, dict]:
-    """Load the first of ``paths`` that loads; a corrupt one (truncated shards, unreadable
-    state) is reported and skipped. A shape mismatch or an unsafe file is never skipped."""
-    errors = []
-    for path in paths:
-        try:
-            return path, load_checkpoint(path, model.model, model.optimizer, rank=rank)
-        except (UnsafeCheckpointError, ShapeMismatchError):
-            raise
-        except CheckpointError as exc:
-            errors.append(str(exc))
-            if report:
-                print(f"[forge] skipping unloadable checkpoint: {exc}", file=sys.stderr)
-    raise CheckpointError(
-        f"{paths[0].parent}: no checkpoint there loads ({'; '.join(errors)}); "
-        "delete the broken ones or point checkpoint.dir elsewhere"
-    )
+def report_on_main(dist: DistContext) -> Callable[[str], None]:
+    """A ``[forge]`` line on stderr from rank 0; nothing elsewhere."""
+
+    def say(line: str) -> None:
+        if dist.is_main:
+            print(f"[forge] {line}", file=sys.stderr)
+
+    return say
+
+
+def check_same_run(
+    train_state: TrainState,
+    identity: dict,
+    path: pathlib.Path,
+    allow_change: bool,
+    say: Callable[[str], None],
+) -> None:
+    """Refuse (or, with ``checkpoint.allow_config_change``, warn about) a resume whose model or
+    data order differs from what the checkpoint recorded."""
+    differences = identity_differences(train_state.identity or {}, identity)
+    verdict = resume_verdict(differences, allow_change)
+    if verdict is ResumeVerdict.REFUSE:
+        raise RunMismatchError(
+            [
+                f"{path}: written by a different {d.kind.value}: {d.describe()}; resume with "
+                "the same value, or set checkpoint.allow_config_change=true to continue anyway"
+                for d in differences
+            ]
+        )
+    for d in differences if verdict is ResumeVerdict.WARN else ():
+        say(f"warning: resuming {path} with a different {d.kind.value}: {d.describe()}")
 
 
 def prepare_run_dir(run: RunContext, dist: DistContext, ckpt: CheckpointContext) -> None:
-    """Create the run directory, write the resolved ``config.toml`` and align ``metrics.jsonl``
-    with the resumed step (records past it came from a run that crashed after its checkpoint)."""
+    """Write the resolved ``config.toml`` and align ``metrics.jsonl`` with the resumed step
+    (records past it came from a run that crashed after its checkpoint). A run that is
+    already complete changes nothing on disk."""
     if not dist.is_main:
+        return
+    if starting_outcome(ckpt.initial_state, loop_policy(run.config)) is not None:
         return
     run.run_dir.mkdir(parents=True, exist_ok=True)
     (run.run_dir / "config.toml").write_text(dumps_toml(unstructure_config(run.config)))

@@ -149,22 +149,62 @@ BAD = [
         {"checkpoint": 5},
         "checkpoint: is a table; set its keys as checkpoint.<key>=...",
     ),
-    ("nan for a float", {"optimizer": {"lr": float("nan")}}, "optimizer.lr: expected a finite number, got nan"),
-    ("inf for a float", {"optimizer": {"lr": float("inf")}}, "optimizer.lr: expected a finite number, got inf"),
-    ("nan init std", {"model": {"init_std": float("nan")}}, "model.init_std: expected a finite number, got nan"),
-    ("nan rope theta", {"model": {"rope_theta": float("nan")}}, "model.rope_theta: expected a finite number, got nan"),
-    ("-inf timeout", {"resilience": {"health_timeout_s": float("-inf")}}, "resilience.health_timeout_s: expected a finite number, got -inf"),
+    (
+        "nan for a float",
+        {"optimizer": {"lr": float("nan")}},
+        "optimizer.lr: expected a finite number, got nan",
+    ),
+    (
+        "inf for a float",
+        {"optimizer": {"lr": float("inf")}},
+        "optimizer.lr: expected a finite number, got inf",
+    ),
+    (
+        "nan init std",
+        {"model": {"init_std": float("nan")}},
+        "model.init_std: expected a finite number, got nan",
+    ),
+    (
+        "nan rope theta",
+        {"model": {"rope_theta": float("nan")}},
+        "model.rope_theta: expected a finite number, got nan",
+    ),
+    (
+        "-inf timeout",
+        {"resilience": {"health_timeout_s": float("-inf")}},
+        "resilience.health_timeout_s: expected a finite number, got -inf",
+    ),
     (
         "integer beyond 64 bits",
         {"train": {"seed": 99999999999999999999999}},
         "train.seed: 99999999999999999999999 is out of range: must fit in 64 bits (|value| < 2**63)",
     ),
-    ("float for an int", {"checkpoint": {"interval": 1e3}}, "checkpoint.interval: expected an integer, got 1000.0"),
-    ("empty run dir", {"run": {"dir": ""}}, "run.dir: must not be empty; leave it out for the default"),
-    ("empty checkpoint dir", {"checkpoint": {"dir": " "}}, "checkpoint.dir: must not be empty; leave it out for the default"),
-    ("too many betas", {"optimizer": {"betas": [0.9, 0.9, 0.9]}}, "optimizer.betas: expected 2 values, got 3"),
+    (
+        "float for an int",
+        {"checkpoint": {"interval": 1e3}},
+        "checkpoint.interval: expected an integer, got 1000.0",
+    ),
+    (
+        "empty run dir",
+        {"run": {"dir": ""}},
+        "run.dir: must not be empty; leave it out for the default",
+    ),
+    (
+        "empty checkpoint dir",
+        {"checkpoint": {"dir": " "}},
+        "checkpoint.dir: must not be empty; leave it out for the default",
+    ),
+    (
+        "too many betas",
+        {"optimizer": {"betas": [0.9, 0.9, 0.9]}},
+        "optimizer.betas: expected 2 values, got 3",
+    ),
     ("too few betas", {"optimizer": {"betas": [0.9]}}, "optimizer.betas: expected 2 values, got 1"),
-    ("a scalar for betas", {"optimizer": {"betas": 0.9}}, "optimizer.betas: expected a list of 2 values, got 0.9"),
+    (
+        "a scalar for betas",
+        {"optimizer": {"betas": 0.9}},
+        "optimizer.betas: expected a list of 2 values, got 0.9",
+    ),
 ]
 
 

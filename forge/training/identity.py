@@ -1,0 +1,106 @@
+"""What makes a run the same run: the model it trains and the order it reads its data in.
+
+A checkpoint records the run's identity; resuming compares it with the config. A different
+model, or a different data order (sequence length, global batch, sources, seeds), would not
+continue the run bit-for-bit, so it is refused unless ``checkpoint.allow_config_change``. A
+different *layout* of the same global batch (2 ranks × batch 4 → 1 rank × batch 8) is the
+same run. No torch here: every decision is table-tested.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from forge.config.sections import JobConfig
+
+
+class DifferenceKind(enum.Enum):
+    MODEL = "model"  # the architecture or its initialisation
+    DATA_ORDER = "data order"  # which tokens each step sees
+
+
+@attrs.frozen
+class Difference:
+    """One key whose recorded value differs from the config's."""
+
+    key: str
+    recorded: Any
+    current: Any
+    kind: DifferenceKind
+
+    def describe(self) -> str:
+        return f"{self.key}: {self.recorded!r} in the checkpoint, {self.current!r} now"
+
+
+def _plain(value: Any) -> Any:
+    """Enums by value, tuples as lists, attrs classes as dicts: what JSON gives back."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if attrs.has(type(value)):
+        return {k: _plain(v) for k, v in attrs.asdict(value, recurse=False).items()}
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def run_identity(config: JobConfig, dp_size: int | None) -> dict[str, Any]:
+    """The keys a resumed run must share with its checkpoint, as JSON values.
+
+    ``dp_size`` None leaves out the global batch (which depends on the world size): the form
+    compared against a run directory's ``config.toml``.
+    """
+    train, data = config.train, config.data
+    identity: dict[str, Any] = {
+        f"model.{f.name}": _plain(getattr(config.model, f.name))
+        for f in attrs.fields(type(config.model))
+    }
+    identity |= {
+        "train.seq_len": train.seq_len,
+        "train.seed": train.seed,
+        "train.data_seed": train.effective_data_seed,
+        "data.sources": _plain(data.source_list),
+        "data.temperature": data.temperature,
+        "data.phases": _plain(data.phases),
+        "data.pack_documents": data.pack_documents,
+    }
+    if dp_size is not None:
+        identity["global batch (train.batch_size × data-parallel size × grad_accum_steps)"] = (
+            train.batch_size * dp_size * train.grad_accum_steps
+        )
+    return identity
+
+
+def identity_differences(
+    recorded: Mapping[str, Any], current: Mapping[str, Any]
+) -> list[Difference]:
+    """Every key of ``current`` whose recorded value differs (keys a checkpoint predates are
+    not compared: an older checkpoint cannot say)."""
+    return [
+        Difference(
+            key,
+            recorded[key],
+            value,
+            DifferenceKind.MODEL if key.startswith("model.") else DifferenceKind.DATA_ORDER,
+        )
+        for key, value in current.items()
+        if key in recorded and _plain(recorded[key]) != value
+    ]
+
+
+class ResumeVerdict(enum.Enum):
+    SAME_RUN = "same run"
+    REFUSE = "refuse"  # exit 2, naming every difference
+    WARN = "warn"  # resume, listing every difference
+
+
+def resume_verdict(differences: list[Difference], allow_config_change: bool) -> ResumeVerdict:
+    """What a resume does with these differences."""
+    if not differences:
+        return ResumeVerdict.SAME_RUN
+    return ResumeVerdict.WARN if allow_config_change else ResumeVerdict.REFUSE

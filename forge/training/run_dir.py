@@ -1,0 +1,160 @@
+"""One run per run directory: an advisory lock, paths checked before training, and a fresh
+start that never overwrites another run's records.
+
+The lock is ``fcntl.flock`` on ``.forge.lock`` in the run directory (and in the checkpoint
+directory when that lies elsewhere), held by rank 0 for the whole run. The OS releases it when
+the process ends, however it ends, so a SIGKILLed run never leaves a stale lock; the file's
+text (pid and host of the holder) only serves the error message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import pathlib
+import socket
+from collections.abc import Sequence
+
+import attrs
+
+from forge.config.loader import ConfigError, load_config
+from forge.config.sections import JobConfig
+from forge.errors import UserInputError
+from forge.training.identity import identity_differences, run_identity
+
+LOCK_FILE = ".forge.lock"
+
+
+class RunDirBusyError(UserInputError):
+    """Another process holds the run (or checkpoint) directory."""
+
+
+def path_problem(key: str, path: pathlib.Path) -> str | None:
+    """Why ``path`` cannot be a directory this run writes into, if it cannot: it is a file, it
+    lies below a file, or its nearest existing ancestor is not writable."""
+    if path.exists() and not path.is_dir():
+        return f"{key}: {path} is a file, not a directory; choose another {key}"
+    ancestor = path
+    while not ancestor.exists():
+        if ancestor.is_symlink():  # a dangling link: mkdir would fail on it
+            return f"{key}: {ancestor} is a broken symbolic link; choose another {key}"
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{key}: {path} lies below the file {ancestor}; choose another {key}"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"{key}: {ancestor} is not writable; choose another {key}"
+    return None
+
+
+def _holder(lock_file: pathlib.Path) -> str:
+    try:
+        text = lock_file.read_text().strip()
+    except OSError:
+        return "another process"
+    return text or "another process"
+
+
+@attrs.define
+class RunDirLock:
+    """Exclusive locks on the directories a run writes; ``release`` unlocks them and, with
+    ``discard``, removes the directories the lock itself created (a run that never started)."""
+
+    files: list[object] = attrs.Factory(list)  # open lock files (their descriptors hold the lock)
+    created: list[pathlib.Path] = attrs.Factory(list)
+
+    def release(self, discard: bool = False) -> None:
+        for f in self.files:
+            f.close()  # type: ignore[attr-defined]
+        self.files.clear()
+        if discard:
+            for folder in reversed(self.created):
+                (folder / LOCK_FILE).unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # only if nothing else was written there
+                    folder.rmdir()
+        self.created.clear()
+
+
+def _make_dirs(key: str, folder: pathlib.Path, lock: RunDirLock) -> None:
+    missing = []
+    probe = folder
+    while not probe.exists():
+        missing.append(probe)
+        probe = probe.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RunDirBusyError(
+            f"{key}: cannot create {folder} ({exc.strerror}); choose another {key}"
+        ) from None
+    lock.created += reversed(missing)
+
+
+def lock_directories(dirs: Sequence[tuple[str, pathlib.Path]]) -> RunDirLock:
+    """Create and lock each ``(config key, directory)``; raise ``RunDirBusyError`` naming the
+    directory and the holder if another process holds one (then nothing stays locked)."""
+    lock = RunDirLock()
+    try:
+        for key, folder in dirs:
+            _make_dirs(key, folder, lock)
+            lock_file = folder / LOCK_FILE
+            try:
+                f = lock_file.open("a+")
+            except OSError as exc:
+                raise RunDirBusyError(
+                    f"{key}: cannot write {lock_file} ({exc.strerror}); choose another {key}"
+                ) from None
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                raise RunDirBusyError(
+                    f"{key}: {folder} is in use by {_holder(lock_file)}; wait for that run to "
+                    f"end, or choose another {key}"
+                ) from None
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+            f.flush()
+            lock.files.append(f)
+    except BaseException:
+        lock.release(discard=True)
+        raise
+    return lock
+
+
+def checkpoint_dir_of(config: JobConfig, run_dir: pathlib.Path) -> pathlib.Path:
+    """``checkpoint.dir``, or ``<run.dir>/checkpoints`` when unset."""
+    return pathlib.Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
+
+
+def foreign_records_problem(
+    run_dir: pathlib.Path, checkpoint_dir: pathlib.Path, config: JobConfig
+) -> str | None:
+    """Why a fresh start (no checkpoint to resume) must not write into ``run_dir``: it holds
+    the records of another run (a different checkpoint directory or model / data order).
+    The same run restarting after a crash before its first checkpoint is allowed."""
+    config_file, metrics = run_dir / "config.toml", run_dir / "metrics.jsonl"
+    fix = f"choose a new --run.dir, or delete {run_dir} to start over"
+    if not config_file.is_file():
+        if metrics.is_file() and metrics.stat().st_size > 0:
+            return f"run.dir: {run_dir} holds metrics.jsonl of an unknown run; {fix}"
+        return None
+    try:
+        previous = load_config([str(config_file)]).config
+    except ConfigError:
+        return f"run.dir: {run_dir} holds another run's records (an unreadable config.toml); {fix}"
+    previous_ckpt = checkpoint_dir_of(previous, run_dir)
+    if previous_ckpt.resolve() != checkpoint_dir.resolve():
+        return (
+            f"run.dir: {run_dir} holds the records of a run whose checkpoints are in "
+            f"{previous_ckpt}, and {checkpoint_dir} has none to resume; {fix}"
+        )
+    differences = identity_differences(run_identity(previous, None), run_identity(config, None))
+    if differences:
+        return (
+            f"run.dir: {run_dir} holds the records of another run "
+            f"({differences[0].describe().replace('in the checkpoint', 'there')}) and no "
+            f"checkpoint to resume; {fix}"
+        )
+    return None

@@ -1,0 +1,72 @@
+"""The JSON train state saved beside the tensors, with a schema: a resume structures it
+strictly (cattrs) *before* loading any tensor, so a checkpoint whose train state has the wrong
+shape is skipped like a truncated one instead of half-loading the model."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import attrs
+from cattrs.errors import ClassValidationError, IterableValidationError
+
+from forge.checkpoint.store import TRAIN_STATE, CheckpointError
+from forge.config.loader import CONVERTER, leaf_errors
+from forge.training.state import LoopState, SaveReason
+
+TRAIN_STATE_VERSION = 1
+
+
+@attrs.frozen
+class LoaderRecord:
+    """The loader's position: the next micro-batch and each source's cursor."""
+
+    micro_batch: int
+    cursors: tuple[int, ...]
+
+
+@attrs.frozen
+class ScheduleRecord:
+    name: str
+    warmup_steps: int
+    decay_steps: int
+    total_steps: int
+
+
+@attrs.frozen
+class TrainState:
+    """Everything but tensors that a resume restores or checks."""
+
+    format_version: int
+    step: int
+    tokens_seen: int
+    reason: SaveReason
+    loop_state: LoopState
+    loader: LoaderRecord
+    schedule: ScheduleRecord
+    model_fingerprint: str
+    world_size: int
+    identity: dict[str, Any] | None = None  # forge.training.identity; older checkpoints lack it
+
+
+def train_state_to_json(state: TrainState) -> dict[str, Any]:
+    return CONVERTER.unstructure(state)
+
+
+def parse_train_state(raw: Any, path: pathlib.Path) -> TrainState:
+    """Structure ``raw`` strictly; a ``CheckpointError`` naming the first bad field otherwise."""
+    try:
+        state = CONVERTER.structure(raw, TrainState)
+    except (ClassValidationError, IterableValidationError) as exc:
+        key, message = leaf_errors(exc, "")[0]
+        raise CheckpointError(
+            f"{path / TRAIN_STATE}: train state field '{key}' is invalid ({message})"
+        ) from None
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path / TRAIN_STATE}: not a train state ({exc})") from None
+    if state.step != state.loop_state.step:
+        raise CheckpointError(
+            f"{path / TRAIN_STATE}: step {state.step} disagrees with its loop state "
+            f"({state.loop_state.step})"
+        )
+    return state
