@@ -58,13 +58,20 @@ def retention_plan(
     latest: int | None,
     schedule: SaveSchedule,
     in_flight: int | None = None,
+    incomplete: Iterable[int] = (),
 ) -> list[int]:
-    """Steps to delete: all but the newest ``keep_last_n``, never ``latest``, a milestone or the
-    in-flight save. ``keep_last_n <= 0`` keeps everything."""
+    """Steps to delete: of the complete ``steps``, all but the newest ``keep_last_n``, never
+    ``latest``, a milestone or the in-flight save; of the ``incomplete`` ones (damaged: a save
+    is complete before it is renamed), those older than the newest complete step. Only complete
+    checkpoints count towards ``keep_last_n``, so a damaged one never displaces a good one.
+    ``keep_last_n <= 0`` keeps everything."""
     if keep_last_n <= 0:
         return []
     ordered = sorted(set(steps), reverse=True)
     protected = {latest, in_flight}
-    return sorted(
+    doomed = {
         s for s in ordered[keep_last_n:] if s not in protected and not schedule.is_milestone(s)
-    )
+    }
+    if ordered:
+        doomed |= {s for s in incomplete if s < ordered[0] and s not in protected}
+    return sorted(doomed)

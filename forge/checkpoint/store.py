@@ -184,7 +184,10 @@ def remove_stale_temporaries(root: pathlib.Path) -> list[str]:
 
 def apply_retention(root: pathlib.Path, keep_last_n: int, schedule: SaveSchedule) -> list[int]:
     """Delete what ``retention_plan`` names; returns the deleted steps."""
-    doomed = retention_plan(list_steps(root), keep_last_n, latest_step(root), schedule)
+    steps = list_steps(root)
+    complete = [s for s in steps if is_complete(step_dir(root, s))]
+    incomplete = [s for s in steps if s not in complete]
+    doomed = retention_plan(complete, keep_last_n, latest_step(root), schedule, None, incomplete)
     for step in doomed:
         shutil.rmtree(step_dir(root, step), ignore_errors=True)
     return doomed

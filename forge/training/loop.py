@@ -103,6 +103,7 @@ def checkpoint_view(state: LoopState, policy: LoopPolicy) -> CheckpointView:
         last_saved_step=state.last_saved_step,
         last_step_finite=state.last_step_finite,
         enabled=policy.schedule is not None,
+        nonfinite_streak=state.nonfinite_streak,
     )
 
 

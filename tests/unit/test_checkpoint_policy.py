@@ -38,21 +38,25 @@ def test_step_of(name, expected):
     assert step_of(name) == expected
 
 
-# (case, steps, keep, latest, schedule, in_flight, deleted)
+# (case, complete steps, keep, latest, schedule, in_flight, incomplete steps, deleted)
 RETENTION = [
-    ("keeps the newest n", [10, 20, 30, 40], 2, 40, PLAIN, None, [10, 20]),
-    ("keep <= 0 keeps all", [10, 20, 30], 0, 30, PLAIN, None, []),
-    ("fewer than n", [10], 3, 10, PLAIN, None, []),
-    ("never deletes latest", [10, 20, 30], 1, 10, PLAIN, None, [20]),
-    ("never deletes a milestone", [1, 2, 4, 20, 30], 1, 30, WINDOW, None, [20]),
-    ("never deletes the in-flight save", [10, 20, 30], 1, 20, PLAIN, 10, []),
+    ("keeps the newest n", [10, 20, 30, 40], 2, 40, PLAIN, None, [], [10, 20]),
+    ("keep <= 0 keeps all", [10, 20, 30], 0, 30, PLAIN, None, [], []),
+    ("fewer than n", [10], 3, 10, PLAIN, None, [], []),
+    ("never deletes latest", [10, 20, 30], 1, 10, PLAIN, None, [], [20]),
+    ("never deletes a milestone", [1, 2, 4, 20, 30], 1, 30, WINDOW, None, [], [20]),
+    ("never deletes the in-flight save", [10, 20, 30], 1, 20, PLAIN, 10, [], []),
+    ("a newer incomplete one does not count", [4, 8], 2, 8, PLAIN, None, [20], []),
+    ("a newer incomplete one is kept for the report", [4, 8, 12], 2, 12, PLAIN, None, [20], [4]),
+    ("an older incomplete one goes", [4, 8], 2, 8, PLAIN, None, [6], [6]),
+    ("incomplete ones stay while none is complete", [], 2, None, PLAIN, None, [6], []),
 ]
 
 
 @pytest.mark.parametrize(
-    "steps,keep,latest,schedule,in_flight,deleted",
+    "steps,keep,latest,schedule,in_flight,incomplete,deleted",
     [r[1:] for r in RETENTION],
     ids=[r[0] for r in RETENTION],
 )
-def test_retention_plan(steps, keep, latest, schedule, in_flight, deleted):
-    assert retention_plan(steps, keep, latest, schedule, in_flight) == deleted
+def test_retention_plan(steps, keep, latest, schedule, in_flight, incomplete, deleted):
+    assert retention_plan(steps, keep, latest, schedule, in_flight, incomplete) == deleted

@@ -36,15 +36,48 @@ CASES = [
         R.ALREADY_SAVED,
     ),
     (
-        "NaN on the last step",
+        "NaN on the last step, update skipped: save its state",
         LoopOutcome.COMPLETED,
         10,
         10,
         8,
         False,
         True,
+        10,
+        R.SKIPPED_LAST_STEP,
+    ),
+    (
+        "NaN on the last step of a run never saved",
+        LoopOutcome.COMPLETED,
+        5,
+        5,
         None,
-        R.NONFINITE_LAST_STEP,
+        False,
+        True,
+        5,
+        R.SKIPPED_LAST_STEP,
+    ),
+    (
+        "NaN on the last step, the step before is saved",
+        LoopOutcome.COMPLETED,
+        10,
+        10,
+        9,
+        False,
+        True,
+        None,
+        R.NONFINITE_STATE_SAVED,
+    ),
+    (
+        "NaN on the last step, data exhausted",
+        LoopOutcome.DATA_EXHAUSTED,
+        7,
+        10,
+        4,
+        False,
+        True,
+        7,
+        R.SKIPPED_LAST_STEP,
     ),
     ("NaN abort on the last step", LoopOutcome.NAN_ABORT, 10, 10, 8, False, True, None, R.FAILURE),
     (
@@ -120,6 +153,35 @@ def test_finalize_table(outcome, step, max_steps, last_saved, finite, enabled, s
     assert decision.save is (save_step is not None)
     assert decision.step == save_step
     assert decision.reason is reason
+
+
+# (case, step, last_saved, streak, skips_keep_weights, save_step, reason)
+NONFINITE_TAIL = [
+    ("two skipped, the last finite step saved", 10, 8, 2, True, None, R.NONFINITE_STATE_SAVED),
+    ("three skipped, the last finite step not saved", 10, 6, 3, True, 10, R.SKIPPED_LAST_STEP),
+    ("weights may be corrupt: the seed's rule", 10, 8, 1, False, None, R.NONFINITE_LAST_STEP),
+    ("weights may be corrupt, never saved", 5, None, 1, False, None, R.NONFINITE_LAST_STEP),
+]
+
+
+@pytest.mark.parametrize(
+    "step,last_saved,streak,keeps,save_step,reason",
+    [c[1:] for c in NONFINITE_TAIL],
+    ids=[c[0] for c in NONFINITE_TAIL],
+)
+def test_a_skipped_last_step_saves_only_what_no_checkpoint_holds(
+    step, last_saved, streak, keeps, save_step, reason
+):
+    view = CheckpointView(
+        step,
+        step,
+        last_saved,
+        last_step_finite=False,
+        skips_keep_weights=keeps,
+        nonfinite_streak=streak,
+    )
+    decision = finalize(LoopOutcome.COMPLETED, view)
+    assert (decision.step, decision.reason) == (save_step, reason)
 
 
 def test_every_outcome_has_a_row():

@@ -120,7 +120,7 @@ ROWS = [
         [(4, S), (8, S)],
     ),
     (
-        "NaN on the last step",
+        "NaN on the last step: its state (step 9's weights) is saved",
         [1.0] * 9 + [NAN],
         policy(10, 4),
         LoopState(),
@@ -128,7 +128,18 @@ ROWS = [
         None,
         LoopOutcome.COMPLETED,
         10,
-        [(4, S), (8, S)],
+        [(4, S), (8, S), (10, F)],
+    ),
+    (
+        "NaN on the last step after a save of the step before",
+        [1.0] * 9 + [NAN],
+        policy(10, 3),
+        LoopState(),
+        None,
+        None,
+        LoopOutcome.COMPLETED,
+        10,
+        [(3, S), (6, S), (9, S)],
     ),
     (
         "NaN abort on the last step",
