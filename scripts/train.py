@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from forge.errors import UserInputError
+from forge.errors import CheckpointSaveError, UserInputError
 from forge.resilience.control import ControlChannel, StepMonitor
 from forge.resilience.faults import FaultHooks, faults_from_env
 from forge.resilience.health import guard_collectives
@@ -25,7 +25,13 @@ from forge.training.context import (
 from forge.training.effects import TrainingEffects
 from forge.training.hooks import Hooks
 from forge.training.loop import conclude, run_training_loop
-from forge.training.outcome import CONFIG_ERROR_EXIT, LoopOutcome, exit_code, outcome_message
+from forge.training.outcome import (
+    CONFIG_ERROR_EXIT,
+    SAVE_FAILED_EXIT,
+    LoopOutcome,
+    exit_code,
+    outcome_message,
+)
 from forge.training.phases import (
     build_model_and_optim,
     claim_run_dir,
@@ -89,15 +95,22 @@ def train(
         res.health_check_interval,
     )
     effects.begin(ckpt.initial_state)
-    outcome, state = run_training_loop(
-        ckpt.initial_state,
-        train_batches(run, data),
-        guard_collectives(make_step_fn(run, dist, model, data)),
-        policy,
-        effects,
-        monitor,
-    )
-    decision, state = conclude(outcome, state, policy, effects)
+    try:
+        outcome, state = run_training_loop(
+            ckpt.initial_state,
+            train_batches(run, data),
+            guard_collectives(make_step_fn(run, dist, model, data)),
+            policy,
+            effects,
+            monitor,
+        )
+        decision, state = conclude(outcome, state, policy, effects)
+    except CheckpointSaveError as exc:  # every rank raises it: they agreed on the failure
+        effects.abandon()
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        flag.uninstall()
+        teardown(dist)
+        return SAVE_FAILED_EXIT
     effects.end(outcome, state)
     if dist.is_main:
         print(f"[forge] {outcome.name} at step {state.step}; final save: {decision.reason.value}")

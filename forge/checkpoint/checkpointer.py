@@ -10,10 +10,13 @@ DCP's collectives run on a dedicated gloo group so they never interleave with tr
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any
 
 import attrs
@@ -21,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import _async_process_executor
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, async_save
@@ -36,6 +40,7 @@ from forge.checkpoint.store import (
     step_dir,
 )
 from forge.config.sections import AsyncMode
+from forge.errors import CheckpointSaveError, one_line
 
 
 @attrs.define
@@ -112,6 +117,38 @@ def stop_checkpoint_process() -> None:
             process._save_process.terminate()
 
 
+@contextmanager
+def stderr_to(log: pathlib.Path) -> Iterator[None]:
+    """Point file descriptor 2 at ``log`` inside the block (a process started there keeps it)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with log.open("ab") as f:
+        os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def start_checkpoint_process(group: dist.ProcessGroup | None, log: pathlib.Path) -> None:
+    """Start torch's checkpoint process now, with its output going to ``log``.
+
+    torch would start it inside the first ``async_save``, from a background thread, writing
+    its log (a full traceback for every failed write) to the trainer's stderr, where forge
+    reports such a failure in one line. Starting it here, at set-up, also keeps the spawn out
+    of the first save. Collective: every rank calls it.
+    """
+    executor = _async_process_executor
+    if executor._CHECKPOINT_PROCESS is not None:
+        return
+    init_info = executor._ProcessGroupInitInfo(group)
+    with stderr_to(log):
+        executor._CHECKPOINT_PROCESS = executor._AsyncCheckpointProcess(pg_init_info=init_info)
+
+
 class Checkpointer:
     """Saves and commits checkpoints under ``root``; ``on_commit(step, path)`` runs on rank 0
     after each commit (retention, hooks)."""
@@ -123,6 +160,7 @@ class Checkpointer:
         rank: int,
         world_size: int,
         on_commit: Callable[[int, pathlib.Path], None] = lambda step, path: None,
+        daemon_log: pathlib.Path | None = None,  # async_process: the checkpoint process's log
     ) -> None:
         self.root = root
         self.mode = mode
@@ -141,10 +179,23 @@ class Checkpointer:
             any_free_port = "tcp://127.0.0.1:0"
             dist.init_process_group("gloo", init_method=any_free_port, rank=0, world_size=1)
             self._owns_default_group = True
+        if mode is AsyncMode.ASYNC_PROCESS and daemon_log is not None:
+            start_checkpoint_process(self.group, daemon_log)
 
-    def _barrier(self) -> None:
-        if self.group is not None:
-            dist.barrier(group=self.group)
+    def _agree(self, error: str | None) -> str | None:
+        """A barrier that also agrees on failure: the first rank's error, on every rank (so
+        every rank takes the same branch after a failed write)."""
+        if self.group is None:
+            return error
+        errors: list[str | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(errors, error, group=self.group)
+        return next((e for e in errors if e is not None), None)
+
+    def _fail(self, step: int, tmp: pathlib.Path, error: str) -> CheckpointSaveError:
+        """Remove the failed save's temporary directory (rank 0); the error to raise."""
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return CheckpointSaveError(str(self.root), step, error)
 
     def save(
         self,
@@ -153,47 +204,73 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         train_state: dict[str, Any],
     ) -> None:
-        """Start a save of ``step`` (waiting for the previous one first)."""
+        """Start a save of ``step`` (waiting for the previous one first). A failed write
+        raises ``CheckpointSaveError`` on every rank, leaving the previous checkpoint intact."""
         self.wait()
         tmp = self.root / f"step_{step}.tmp"
+        error = None
         if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        self._barrier()
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+            except OSError as exc:
+                error = one_line(exc)
+        if error := self._agree(error):
+            raise self._fail(step, tmp, error)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
         state = {"model": model_sd, "optimizer": optim_sd}
-        torch.save(capture_rng(), tmp / f"rng_rank{self.rank}.pt")
+        try:
+            torch.save(capture_rng(), tmp / f"rng_rank{self.rank}.pt")
+        except (OSError, RuntimeError) as exc:  # torch reports a failed write as RuntimeError
+            error = one_line(exc)
+        if error := self._agree(error):  # before DCP's collectives: no rank enters them alone
+            raise self._fail(step, tmp, error)
         future = None
-        with single_process_dcp():
-            if self.mode is AsyncMode.DISABLED:
-                dcp_save(state, checkpoint_id=str(tmp), process_group=self.group)
-            else:
-                result = async_save(
-                    state,
-                    checkpoint_id=str(tmp),
-                    process_group=self.group,
-                    async_checkpointer_type=self._executor_type,
-                    async_stager=self.stager,
-                )
-                future = result if isinstance(result, Future) else result.upload_completion
+        try:
+            with single_process_dcp():
+                if self.mode is AsyncMode.DISABLED:
+                    dcp_save(state, checkpoint_id=str(tmp), process_group=self.group)
+                else:
+                    result = async_save(
+                        state,
+                        checkpoint_id=str(tmp),
+                        process_group=self.group,
+                        async_checkpointer_type=self._executor_type,
+                        async_stager=self.stager,
+                    )
+                    future = result if isinstance(result, Future) else result.upload_completion
+        except (Exception, CheckpointException) as exc:  # DCP reports all ranks' failures
+            raise self._fail(step, tmp, one_line(exc)) from None
         self.pending = PendingSave(step, tmp, train_state, future)
         if self.mode is AsyncMode.DISABLED:
             self.wait()
 
     def wait(self) -> pathlib.Path | None:
-        """Finish and commit the save in flight, if any; returns the committed path."""
+        """Finish and commit the save in flight, if any; returns the committed path. A failed
+        write raises ``CheckpointSaveError`` on every rank (nothing is committed)."""
         pending, self.pending = self.pending, None
         if pending is None:
             return None
+        error = None
         if pending.future is not None:
-            pending.future.result()
-        self._barrier()  # every rank's shards are written
+            try:
+                pending.future.result()
+            except (Exception, CheckpointException) as exc:
+                error = one_line(exc)
+        if error := self._agree(error):  # every rank's shards are written, or none commits
+            raise self._fail(pending.step, pending.tmp, error)
         final = step_dir(self.root, pending.step)
         if self.rank == 0:
-            commit_checkpoint(self.root, pending.tmp, pending.step, pending.train_state)
+            try:
+                commit_checkpoint(self.root, pending.tmp, pending.step, pending.train_state)
+            except OSError as exc:
+                error = one_line(exc)
+        if error := self._agree(error):
+            raise self._fail(pending.step, pending.tmp, error)
+        if self.rank == 0:
             self.on_commit(pending.step, final)
-        self._barrier()
+        self._agree(None)  # retention and hooks are done before any rank goes on
         return final
 
     @property

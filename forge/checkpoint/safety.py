@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pathlib
 import pickle
+import pickletools
 from typing import Any
 
 import torch
@@ -89,20 +90,34 @@ def read_metadata_safely(checkpoint: pathlib.Path) -> Metadata:
     return meta
 
 
+_CODE_OPCODES = {"GLOBAL", "STACK_GLOBAL", "REDUCE", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX"}
+
+
+def _calls_code(path: pathlib.Path) -> bool:
+    """Whether the file, read as a pickle, imports or calls anything (never executes it)."""
+    try:
+        with path.open("rb") as f:
+            return any(op.name in _CODE_OPCODES for op, _, _ in pickletools.genops(f))
+    except Exception:  # not a pickle past some point: judge by what came before
+        return False
+
+
 def load_tensors_safely(path: pathlib.Path) -> Any:
     """``torch.load`` that admits tensors and plain values only (no pickled code)."""
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as exc:
-        # torch names a forbidden class or function as "GLOBAL module.name"; anything else
-        # (an unknown opcode, random bytes) is damage, not a payload
-        forbidden = [line for line in str(exc).splitlines() if "GLOBAL" in line]
-        if not forbidden:
-            raise UnreadableCheckpointError(f"{path}: unreadable (not a tensor file)") from None
-        raise UnsafeCheckpointError(
-            f"{path}: holds more than tensors and plain values; refusing to load it "
-            f"({forbidden[0].strip()})"
-        ) from None
+        # torch names a forbidden class or function as "GLOBAL module.name"; a bare pickle
+        # may stop torch's reader earlier, so it is scanned for code-calling opcodes. Anything
+        # else (random bytes, an unknown opcode) is damage, not a payload.
+        forbidden = [line.strip() for line in str(exc).splitlines() if "GLOBAL" in line]
+        if forbidden or _calls_code(path):
+            detail = forbidden[0] if forbidden else "it imports and calls code"
+            raise UnsafeCheckpointError(
+                f"{path}: holds more than tensors and plain values; refusing to load it "
+                f"({detail})"
+            ) from None
+        raise UnreadableCheckpointError(f"{path}: unreadable (not a tensor file)") from None
     except (OSError, RuntimeError, EOFError, ValueError) as exc:
         detail = " ".join(str(exc).split())[:200]
         raise UnreadableCheckpointError(f"{path}: unreadable ({detail})") from None

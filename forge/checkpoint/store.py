@@ -38,7 +38,7 @@ from forge.checkpoint.safety import (
     load_tensors_safely,
     read_metadata_safely,
 )
-from forge.errors import UserInputError
+from forge.errors import UserInputError, one_line
 from forge.model.transformer import canonical_name
 
 TRAIN_STATE = "train_state.json"
@@ -288,8 +288,7 @@ def _dcp_load(
     except BaseException as exc:  # DCP's CheckpointException is not an Exception
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
-        detail = " ".join(str(exc).split())[:300]  # one line, however DCP formats it
-        raise CheckpointError(f"{path}: DCP load failed ({type(exc).__name__}: {detail})") from None
+        raise CheckpointError(f"{path}: DCP load failed ({one_line(exc)})") from None
 
 
 def _check_shapes(path: pathlib.Path, model: nn.Module, meta: Metadata) -> None:

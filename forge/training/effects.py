@@ -17,10 +17,12 @@ import torch
 import torch.distributed as torch_dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from forge.checkpoint.checkpointer import Checkpointer
+from forge.checkpoint.checkpointer import Checkpointer, stop_checkpoint_process
 from forge.checkpoint.export import export_model
 from forge.checkpoint.slots import Slots
 from forge.checkpoint.store import apply_retention
+from forge.config.sections import AsyncMode
+from forge.errors import CheckpointSaveError
 from forge.metrics.sinks import JsonlSink, MetricsSink, StdoutSink
 from forge.metrics.sources import source_record
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
@@ -28,7 +30,7 @@ from forge.training.hooks import HookList, Hooks
 from forge.training.identity import run_identity
 from forge.training.outcome import LoopOutcome
 from forge.training.phases import config_fingerprint, loop_policy
-from forge.training.state import LoopState, SaveReason, StepResult
+from forge.training.state import LoopState, SaveReason, StepResult, save_failure_is_fatal
 from forge.training.step import evaluate_loss, evaluate_pipeline_loss
 from forge.training.train_state import (
     TRAIN_STATE_VERSION,
@@ -83,12 +85,14 @@ class TrainingEffects:
         self._mark_step = 0
         self._schedule = loop_policy(run.config).schedule
         self.slots = Slots(model.model, model.optimizer)
+        self._save_reasons: dict[int, SaveReason] = {}
         self.checkpointer = Checkpointer(
             run.checkpoint_dir,
             run.config.checkpoint.async_mode,
             dist.rank,
             dist.world_size,
             on_commit=self._committed,
+            daemon_log=run.run_dir / f"checkpoint_process_rank{dist.rank}.log",
         )
 
     def _restart_clock(self, state: LoopState) -> None:
@@ -124,11 +128,19 @@ class TrainingEffects:
         )
 
     def save(self, state: LoopState, reason: SaveReason) -> None:
-        """Start a save (it commits in ``wait``, at once in synchronous mode)."""
+        """Start a save (it commits in ``wait``, at once in synchronous mode). A failed save
+        is reported and training goes on, unless ``save_failure_is_fatal`` says otherwise:
+        then ``CheckpointSaveError`` ends the run."""
+        self.wait()  # an earlier save's failure is handled before this one starts
         saved = attrs.evolve(state, last_saved_step=state.step)
-        self.checkpointer.save(
-            state.step, self.model.model, self.model.optimizer, self.train_state(saved, reason)
-        )
+        self._save_reasons[state.step] = reason
+        try:
+            self.checkpointer.save(
+                state.step, self.model.model, self.model.optimizer, self.train_state(saved, reason)
+            )
+        except CheckpointSaveError as exc:
+            self._save_failed(exc)
+            return
         if reason is SaveReason.FINAL and self.run.config.checkpoint.export_final:
             self.export()
         self._restart_clock(state)
@@ -152,7 +164,26 @@ class TrainingEffects:
 
     def wait(self) -> None:
         """Finish and commit the save in flight, if any."""
-        self.checkpointer.wait()
+        try:
+            self.checkpointer.wait()
+        except CheckpointSaveError as exc:
+            self._save_failed(exc)
+
+    def _save_failed(self, exc: CheckpointSaveError) -> None:
+        reason = self._save_reasons.pop(exc.step, SaveReason.SCHEDULED)
+        if save_failure_is_fatal(reason, exc.step, self.run.config.train.max_steps):
+            raise exc
+        if self.dist.is_main:
+            print(f"[forge] warning: {exc}; training goes on", file=sys.stderr, flush=True)
+
+    def abandon(self) -> None:
+        """After a fatal save failure: stop the checkpoint process and close the sinks,
+        without waiting for anything."""
+        if self.run.config.checkpoint.async_mode is AsyncMode.ASYNC_PROCESS:
+            stop_checkpoint_process()
+        self.checkpointer.stager.close()
+        for sink in self.sinks:
+            sink.close()
 
     def log(self, state: LoopState, result: StepResult) -> None:
         """Every rank calls this (a logging step is decided the same everywhere): the loss is

@@ -17,6 +17,8 @@ class LoopOutcome(enum.Enum):
 
 
 CONFIG_ERROR_EXIT = 2  # bad config, data or checkpoint: nothing was trained
+SAVE_FAILED_EXIT = 5  # a final or emergency save (or the last step's) could not be written
+INTERRUPTED_EXIT = 130  # a second Ctrl-C: the save in progress was abandoned
 
 _EXIT_CODES = {
     LoopOutcome.COMPLETED: 0,

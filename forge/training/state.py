@@ -98,6 +98,14 @@ class SaveReason(enum.Enum):
     FINAL = "final"
 
 
+def save_failure_is_fatal(reason: SaveReason, step: int, max_steps: int) -> bool:
+    """Whether a failed save ends the run. A periodic save that fails mid-run is reported and
+    training goes on (the next one may succeed, as in torchtitan); the final save, an
+    emergency save, or any save of the last step is the run's last chance to keep its work,
+    so its failure fails the run."""
+    return reason is not SaveReason.SCHEDULED or step >= max_steps
+
+
 @attrs.frozen
 class StepPlan:
     """The next state and the effects to run after one step."""
