@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from forge.data.corpus import stdlib_root
-from forge.data.prepare import InputFormat, Recipe, find_inputs, prepare
+from forge.data.prepare import InputFormat, Recipe, TextErrors, find_inputs, prepare
 from forge.data.tokenizer import ByteTokenizer, HFTokenizer, first_known_token
 from forge.errors import UserInputError
 
@@ -32,8 +32,23 @@ def installed_package(path: pathlib.Path) -> bool:
     return "site-packages" in path.parts or "dist-packages" in path.parts
 
 
+def option_problems(args: argparse.Namespace) -> list[str]:
+    """Out-of-range numeric options, one line each."""
+    problems = []
+    if not 0.0 <= args.validation_percent <= 100.0:  # NaN fails too
+        problems.append(f"--validation-percent: must be in [0, 100], got {args.validation_percent}")
+    if args.shard_tokens <= 0:
+        problems.append(f"--shard-tokens: must be > 0, got {args.shard_tokens}")
+    if args.workers <= 0:
+        problems.append(f"--workers: must be >= 1, got {args.workers}")
+    return problems
+
+
 def build_recipe(args: argparse.Namespace) -> tuple[pathlib.Path, Recipe]:
     """The inputs' root folder and the recipe, from the command line."""
+    problems = option_problems(args)
+    if problems:
+        raise UserInputError(problems)
     path = args.input or stdlib_root()
     skip = installed_package if args.input is None else (lambda p: False)
     if args.format is not None:
@@ -63,59 +78,102 @@ def build_recipe(args: argparse.Namespace) -> tuple[pathlib.Path, Recipe]:
         tokenizer=tokenizer,
         validation_percent=args.validation_percent,
         shard_tokens=args.shard_tokens,
+        errors=TextErrors(args.errors),
     )
     return root, recipe
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("data/stdlib"))
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=pathlib.Path, default=pathlib.Path("data/stdlib"), help="dataset folder"
+    )
     parser.add_argument(
         "--input",
         type=pathlib.Path,
         default=None,
-        help="file or folder (default: the standard library's *.py files)",
+        help="file or folder (when unset: the standard library's *.py files)",
     )
     parser.add_argument(
         "--format",
         choices=[f.value for f in InputFormat],
         default=None,
         help="files: each file is a document; jsonl: each line is "
-        "(default: jsonl for a .jsonl/.json file, else files)",
+        "(when unset: jsonl for a .jsonl/.json file, else files)",
     )
     parser.add_argument("--field", default="text", help="JSONL field holding the text")
     parser.add_argument(
-        "--glob", default=None, help="files to read under a folder (default **/*, stdlib: **/*.py)"
+        "--errors",
+        choices=[e.value for e in TextErrors],
+        default=TextErrors.STRICT.value,
+        help="a JSONL line that is not UTF-8: strict refuses it (naming file and line), "
+        "replace decodes bad bytes as U+FFFD",
+    )
+    parser.add_argument(
+        "--glob", default=None, help="files to read under a folder (when unset: **/*, stdlib: **/*.py)"
     )
     parser.add_argument(
         "--tokenizer",
         type=pathlib.Path,
         default=None,
-        help="a Hugging Face tokenizer.json (default: byte tokenizer)",
+        help="a Hugging Face tokenizer.json (when unset: the byte tokenizer)",
     )
-    parser.add_argument("--bos-token", default=None)
-    parser.add_argument("--eos-token", default=None)
-    parser.add_argument("--validation-percent", type=float, default=2.0)
-    parser.add_argument("--shard-tokens", type=int, default=1 << 24)
-    parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
+    parser.add_argument(
+        "--bos-token", default=None, help="HF tokenizer: the document-start token (when unset: guess)"
+    )
+    parser.add_argument(
+        "--eos-token", default=None, help="HF tokenizer: the document-end token (when unset: guess)"
+    )
+    parser.add_argument(
+        "--validation-percent",
+        type=float,
+        default=2.0,
+        help="share of documents held out for evaluation, 0 to 100",
+    )
+    parser.add_argument("--shard-tokens", type=int, default=1 << 24, help="tokens per shard")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        help="tokenizer processes (the dataset does not depend on it)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     args = parser.parse_args(argv)  # fmt: skip
     try:
         root, recipe = build_recipe(args)
-        manifest, reused = prepare(
+        report = prepare(
             args.out, root, recipe, args.workers, progress=None if args.quiet else sys.stderr
         )
     except UserInputError as exc:
         for line in exc.lines:
             print(f"error: {line}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            f"\ninterrupted: the finished units are kept in {args.out}.tmp; run the same "
+            "command again to resume",
+            file=sys.stderr,
+        )
+        return 130
+    manifest = report.manifest
     if manifest is None:
         print(f"{args.out} already holds this dataset; nothing to do")
         return 0
-    if reused:
-        print(f"resumed: {reused} units were already tokenized")
+    if report.reused_units:
+        print(f"resumed: {report.reused_units} units were already tokenized")
     for split, info in manifest.splits.items():
         print(f"{split}: {info.num_documents} documents, {info.num_tokens:,} tokens")
+    if report.skipped_binary:
+        print(f"skipped {report.skipped_binary} binary files (a NUL byte in the first 8 KiB)")
+    validation = manifest.splits.get("validation")
+    if validation is None or validation.num_documents == 0:
+        print(
+            "warning: the validation split is empty; train with --eval.interval=0, or prepare "
+            "again with a larger --validation-percent",
+            file=sys.stderr,
+        )
     print(f"wrote {args.out}")
     return 0
 

@@ -114,8 +114,7 @@ def load_tensors_safely(path: pathlib.Path) -> Any:
         if forbidden or _calls_code(path):
             detail = forbidden[0] if forbidden else "it imports and calls code"
             raise UnsafeCheckpointError(
-                f"{path}: holds more than tensors and plain values; refusing to load it "
-                f"({detail})"
+                f"{path}: holds more than tensors and plain values; refusing to load it ({detail})"
             ) from None
         raise UnreadableCheckpointError(f"{path}: unreadable (not a tensor file)") from None
     except (OSError, RuntimeError, EOFError, ValueError) as exc:

@@ -37,6 +37,7 @@ from forge.data.shards import (
     token_dtype,
 )
 from forge.data.tokenizer import tokenizer_from_manifest
+from forge.errors import one_line
 
 SPLITS = ("train", "validation")
 UNIT_BYTES = 4 << 20  # input bytes per unit: big enough to amortize, small enough to balance
@@ -45,6 +46,13 @@ UNIT_BYTES = 4 << 20  # input bytes per unit: big enough to amortize, small enou
 class InputFormat(enum.Enum):
     FILES = "files"  # every file is one document
     JSONL = "jsonl"  # every line is a JSON object; one field holds the document's text
+
+
+class TextErrors(enum.Enum):
+    """What a JSONL line that is not UTF-8 does."""
+
+    STRICT = "strict"  # refuse the input, naming file and line
+    REPLACE = "replace"  # decode with U+FFFD for each bad byte
 
 
 @attrs.frozen
@@ -68,11 +76,16 @@ class Recipe:
     tokenizer: dict[str, Any]
     validation_percent: float
     shard_tokens: int
+    errors: TextErrors = TextErrors.STRICT  # JSONL lines that are not UTF-8
 
     def to_json(self) -> dict[str, Any]:
         raw = attrs.asdict(self)
         raw["input_format"] = self.input_format.value
         raw["inputs"] = [list(x) for x in self.inputs]
+        if self.errors is TextErrors.STRICT:
+            del raw["errors"]  # recipes written before the option existed stay equal
+        else:
+            raw["errors"] = self.errors.value
         return raw
 
 
@@ -126,11 +139,34 @@ def line_ranges(path: pathlib.Path, size: int, target: int) -> Iterator[tuple[in
             start = end
 
 
-def read_documents(root: pathlib.Path, unit: Unit, recipe: Recipe) -> Iterator[tuple[str, bytes]]:
-    """``(name, raw bytes)`` of each document in the unit; a name is stable across runs."""
+SNIFF_BYTES = 8192  # a NUL byte in a file's first 8 KiB marks it as binary
+
+
+def is_binary(data: bytes) -> bool:
+    """Text files hold no NUL bytes; images, archives and compiled files almost always do."""
+    return b"\0" in data[:SNIFF_BYTES]
+
+
+def line_number(path: pathlib.Path, offset: int) -> int:
+    """The 1-based number of the line starting at byte ``offset`` (read only on an error)."""
+    with path.open("rb") as f:
+        return f.read(offset).count(b"\n") + 1
+
+
+def read_documents(
+    root: pathlib.Path, unit: Unit, recipe: Recipe, skipped: list[str] | None = None
+) -> Iterator[tuple[str, bytes]]:
+    """``(name, raw bytes)`` of each document in the unit; a name is stable across runs.
+    Binary files (a NUL byte near the start) are not documents: their names go to
+    ``skipped``."""
     if recipe.input_format is InputFormat.FILES:
         for name in unit.files:
-            yield name, (root / name).read_bytes()
+            data = (root / name).read_bytes()
+            if is_binary(data):
+                if skipped is not None:
+                    skipped.append(name)
+                continue
+            yield name, data
         return
     name = unit.files[0]
     with (root / name).open("rb") as f:
@@ -138,15 +174,25 @@ def read_documents(root: pathlib.Path, unit: Unit, recipe: Recipe) -> Iterator[t
         offset = unit.start
         while offset < unit.end:
             line = f.readline()
-            where = f"{root / name}:byte {offset}"
+            start = offset
             offset += len(line)
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                text = line.decode("utf-8", errors=recipe.errors.value)
+            except UnicodeDecodeError as exc:
+                where = f"{root / name}:{line_number(root / name, start)}"
+                raise DataError(
+                    f"{where}: not UTF-8 (byte {exc.start} of the line); fix the file, or pass "
+                    "--errors=replace to decode bad bytes as U+FFFD"
+                ) from None
+            try:
+                record = json.loads(text)
             except json.JSONDecodeError as exc:
+                where = f"{root / name}:{line_number(root / name, start)}"
                 raise DataError(f"{where}: not a JSON line ({exc.msg})") from None
             if not isinstance(record, dict) or not isinstance(record.get(recipe.field), str):
+                where = f"{root / name}:{line_number(root / name, start)}"
                 raise DataError(
                     f"{where}: no string field '{recipe.field}'; choose the text field "
                     "with --field"
@@ -160,10 +206,11 @@ def tokenize_unit(args: tuple[pathlib.Path, pathlib.Path, Unit, Recipe]) -> dict
     tokenizer = tokenizer_from_manifest(recipe.tokenizer)
     dtype = token_dtype(tokenizer.vocab_size)
     arrays: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
-    for name, data in read_documents(root, unit, recipe):
+    skipped: list[str] = []
+    for name, data in read_documents(root, unit, recipe, skipped):
         split = split_of(name, recipe.validation_percent)
         arrays[split].append(tokenizer.frame(data, dtype))
-    record: dict[str, Any] = {"index": unit.index, "splits": {}}
+    record: dict[str, Any] = {"index": unit.index, "splits": {}, "skipped_binary": len(skipped)}
     for split, docs in arrays.items():
         tokens = np.concatenate(docs) if docs else np.empty(0, dtype)
         tmp = parts / f"{unit.index:06d}.{split}.bin.tmp"
@@ -227,12 +274,42 @@ def prepare(
     recipe: Recipe,
     workers: int,
     progress: TextIO | None = sys.stderr,
-) -> tuple[Manifest | None, int]:
-    """Build the dataset; returns its manifest (None if it was already there) and the number of
-    units reused from an interrupted run."""
+) -> PrepareReport:
+    """Build the dataset. Bad input or a failed write removes the temporary folder and raises
+    ``DataError`` (one line); only an interruption (Ctrl-C, a kill) leaves it, to resume from."""
     if check_destination(out, recipe):
-        return None, 0
+        return PrepareReport(None)
     tmp = out.with_name(out.name + ".tmp")
+    try:
+        return _prepare(out, tmp, root, recipe, workers, progress)
+    except KeyboardInterrupt:
+        raise
+    except DataError:
+        shutil.rmtree(tmp, ignore_errors=True)  # bad input: fixing it changes the recipe anyway
+        raise
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DataError(f"--out {out}: preparing the dataset failed ({one_line(exc)})") from None
+
+
+@attrs.frozen
+class PrepareReport:
+    """What ``prepare`` did: the manifest (None: the dataset was already there), units reused
+    from an interrupted run, binary files skipped."""
+
+    manifest: Manifest | None
+    reused_units: int = 0
+    skipped_binary: int = 0
+
+
+def _prepare(
+    out: pathlib.Path,
+    tmp: pathlib.Path,
+    root: pathlib.Path,
+    recipe: Recipe,
+    workers: int,
+    progress: TextIO | None,
+) -> PrepareReport:
     parts = tmp / "parts"
     recipe_file = tmp / "recipe.json"
     if tmp.exists() and (
@@ -249,17 +326,14 @@ def prepare(
         for record in _run(todo, root, parts, recipe, workers):
             if bar is not None:
                 bar.advance(sum(s["tokens"] for s in record["splits"].values()))
-    except DataError:
-        shutil.rmtree(tmp)  # bad input: fixing it changes the recipe anyway
-        raise
     finally:
         if bar is not None:
             bar.close()
-    manifest = assemble(tmp, parts, len(units), recipe)
+    manifest, skipped = assemble(tmp, parts, len(units), recipe)
     shutil.rmtree(parts)
     (tmp / "recipe.json").unlink()
     publish(tmp, out, manifest, extra={"recipe": recipe.to_json()})
-    return manifest, len(done)
+    return PrepareReport(manifest, len(done), skipped)
 
 
 def _run(
@@ -274,23 +348,27 @@ def _run(
         yield from pool.imap_unordered(tokenize_unit, jobs)
 
 
-def assemble(tmp: pathlib.Path, parts: pathlib.Path, n_units: int, recipe: Recipe) -> Manifest:
-    """Join the units' parts, in unit order, into shards; the manifest of the result."""
+def assemble(
+    tmp: pathlib.Path, parts: pathlib.Path, n_units: int, recipe: Recipe
+) -> tuple[Manifest, int]:
+    """Join the units' parts, in unit order, into shards; the manifest of the result and the
+    number of binary files skipped."""
     tokenizer = tokenizer_from_manifest(recipe.tokenizer)
     dtype = token_dtype(tokenizer.vocab_size)
+    records = [json.loads((parts / f"{i:06d}.json").read_text()) for i in range(n_units)]
     splits = {}
     for split in SPLITS:
         writer = ShardWriter(tmp, split, dtype, recipe.shard_tokens)
-        for index in range(n_units):
-            record = json.loads((parts / f"{index:06d}.json").read_text())
+        for index, record in enumerate(records):
             tokens = np.fromfile(parts / f"{index:06d}.{split}.bin", dtype=dtype)
             if len(tokens):
                 writer.append(tokens, documents=record["splits"][split]["documents"])
         splits[split] = writer.close()
+    skipped = sum(r.get("skipped_binary", 0) for r in records)
     return Manifest(
         dtype=dtype.name,
         vocab_size=tokenizer.vocab_size,
         tokenizer=tokenizer.describe(),
         splits=splits,
         source=recipe.root,
-    )
+    ), skipped

@@ -54,6 +54,9 @@ class Manifest:
     source: str
 
 
+TOKEN_DTYPES = ("uint16", "uint32")  # what ``token_dtype`` chooses: all a shard may hold
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """Smallest unsigned dtype that holds every id."""
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
@@ -197,12 +200,31 @@ def open_split(
             f"{folder / MANIFEST}: no split '{split}' (has {sorted(manifest.splits)}); "
             "set data.train_split / data.eval_split"
         )
+    if manifest.dtype not in TOKEN_DTYPES:
+        raise DataError(
+            f"{folder / MANIFEST}: dtype '{manifest.dtype}' is not a token dtype forge writes "
+            f"({', '.join(TOKEN_DTYPES)}); re-prepare the data"
+        )
+    dtype = np.dtype(manifest.dtype)
     arrays = []
     for shard in manifest.splits[split].shards:
         path = folder / shard.file
         if not path.is_file():
             raise DataError(f"{path}: shard listed in the manifest is missing; re-prepare the data")
-        arr = np.memmap(path, dtype=np.dtype(manifest.dtype), mode="r")
+        size = path.stat().st_size
+        if size % dtype.itemsize:
+            raise DataError(
+                f"{path}: {size} bytes is not a whole number of {manifest.dtype} tokens "
+                "(truncated or not a shard); re-prepare the data"
+            )
+        if size == 0:  # np.memmap refuses an empty file
+            arrays.append(np.empty(0, dtype))
+            if shard.num_tokens:
+                raise DataError(
+                    f"{path}: holds 0 tokens, manifest says {shard.num_tokens}; re-prepare the data"
+                )
+            continue
+        arr = np.memmap(path, dtype=dtype, mode="r")
         if len(arr) != shard.num_tokens:
             raise DataError(
                 f"{path}: holds {len(arr)} tokens, manifest says {shard.num_tokens}; "

@@ -14,15 +14,21 @@ SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 class ShutdownFlag:
     """Installs handlers for SIGTERM, SIGUSR1 and SIGINT; the loop reads ``requested()``.
 
-    A second SIGINT raises KeyboardInterrupt at once. With ``timeout_s`` set, the process exits
-    with ``exit_code`` that many seconds after the first signal if it is still running (a stuck
-    emergency save must not outlive the scheduler's grace period).
+    A second SIGINT (Ctrl-C pressed twice) abandons whatever is in progress, the emergency
+    save included, and exits with ``interrupt_exit_code`` at once, without a traceback: saves
+    are written under a temporary name, so ``latest`` still names a complete checkpoint. With
+    ``timeout_s`` set, the process exits with ``exit_code`` that many seconds after the first
+    signal if it is still running (a stuck emergency save must not outlive the scheduler's
+    grace period).
     """
 
-    def __init__(self, timeout_s: float | None = None, exit_code: int = 75) -> None:
+    def __init__(
+        self, timeout_s: float | None = None, exit_code: int = 75, interrupt_exit_code: int = 130
+    ) -> None:
         self.received: int | None = None
         self.timeout_s = timeout_s
         self.exit_code = exit_code
+        self.interrupt_exit_code = interrupt_exit_code
         self._timer: threading.Timer | None = None
         self._previous: dict[int, object] = {}
 
@@ -40,12 +46,29 @@ class ShutdownFlag:
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         if signum == signal.SIGINT and self.received == signal.SIGINT:
-            raise KeyboardInterrupt
+            self._abandon()
         self.received = signum
+        if signum == signal.SIGINT:
+            print(
+                "[forge] interrupted: saving a checkpoint at the end of this step; press "
+                "Ctrl-C again to abandon it",
+                file=sys.stderr,
+                flush=True,
+            )
         if self.timeout_s is not None and self._timer is None:
             self._timer = threading.Timer(self.timeout_s, self._force_exit)
             self._timer.daemon = True
             self._timer.start()
+
+    def _abandon(self) -> None:
+        sys.stdout.flush()
+        print(
+            "[forge] second interrupt: abandoning the save in progress; 'latest' still names "
+            "the last complete checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(self.interrupt_exit_code)
 
     def _force_exit(self) -> None:
         print(

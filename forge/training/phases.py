@@ -284,6 +284,12 @@ def setup_data(run: RunContext, dist: DistContext) -> DataContext:
     eval_loader = None
     if cfg.eval.interval > 0:
         held_out = open_windows(folders[0], manifests[0], cfg.data.eval_split, seq_len, verify)
+        if len(held_out) < needed:
+            raise DataError(
+                f"{folders[0]}: split '{cfg.data.eval_split}' has {len(held_out)} windows of "
+                f"{seq_len + 1} tokens, fewer than one eval batch ({needed}); set "
+                "--eval.interval=0, or re-prepare the data with a larger --validation-percent"
+            )
         eval_loader = TextLoader(
             [held_out],
             single_source(

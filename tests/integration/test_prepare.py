@@ -77,8 +77,8 @@ def test_an_interrupted_run_resumes_and_makes_the_same_dataset(tmp_path, monkeyp
         return real(job)
 
     monkeypatch.setattr(prep, "tokenize_unit", dies_after_three)
-    with pytest.raises(KeyboardInterrupt):
-        PREPARE.main([*args, "--out", str(tmp_path / "out")])
+    assert PREPARE.main([*args, "--out", str(tmp_path / "out")]) == 130  # no traceback
+    assert "run the same command again to resume" in capsys.readouterr().err
     assert not (tmp_path / "out").exists() and (tmp_path / "out.tmp").is_dir()
     monkeypatch.setattr(prep, "tokenize_unit", real)
     capsys.readouterr()
@@ -108,19 +108,79 @@ def test_the_same_recipe_is_a_no_op_and_another_is_refused(tmp_path, capsys):
 
 # (case, file content, text in the one error line)
 BAD_INPUT = [
-    ("not JSON", '{"text": "ok"}\nnot json\n', "c.jsonl:byte 15: not a JSON line"),
-    ("missing field", '{"text": "ok"}\n{"body": "x"}\n', "c.jsonl:byte 15: no string field 'text'"),
-    ("field not a string", '{"text": 3}\n', "c.jsonl:byte 0: no string field 'text'"),
+    ("not JSON", b'{"text": "ok"}\nnot json\n', "c.jsonl:2: not a JSON line"),
+    ("missing field", b'{"text": "ok"}\n{"body": "x"}\n', "c.jsonl:2: no string field 'text'"),
+    ("field not a string", b'{"text": 3}\n', "c.jsonl:1: no string field 'text'"),
+    ("not UTF-8", b'{"text": "ok"}\n\n{"text": "caf\xe9"}\n', "c.jsonl:3: not UTF-8"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("content,text", [b[1:] for b in BAD_INPUT], ids=[b[0] for b in BAD_INPUT])
 def test_bad_jsonl_is_one_line_exit_2_and_nothing_on_disk(tmp_path, capsys, content, text):
-    (tmp_path / "c.jsonl").write_text(content)
+    (tmp_path / "c.jsonl").write_bytes(content)
     out = tmp_path / "out"
     assert PREPARE.main(["--input", str(tmp_path / "c.jsonl"), "--out", str(out), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and text in err[0], err
+    assert not out.exists() and not (tmp_path / "out.tmp").exists()
+
+
+def test_errors_replace_decodes_bad_bytes_as_the_replacement_character(tmp_path):
+    (tmp_path / "c.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    out = tmp_path / "out"
+    args = ["--input", str(tmp_path / "c.jsonl"), "--out", str(out), "--quiet"]
+    assert PREPARE.main([*args, "--errors=replace", "--validation-percent=0"]) == 0
+    assert decoded_documents(out) == ["caf\ufffd".encode()]
+
+
+def test_binary_files_are_skipped_and_counted(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("hello")
+    (src / "b.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    (src / "c.txt").write_text("world")
+    out = tmp_path / "out"
+    args = ["--input", str(src), "--out", str(out), "--quiet", "--validation-percent=0"]
+    assert PREPARE.main(args) == 0
+    assert sorted(decoded_documents(out)) == [b"hello", b"world"]
+    assert "skipped 1 binary files" in capsys.readouterr().out
+
+
+def test_an_empty_validation_split_warns(tmp_path, capsys):
+    write_jsonl(tmp_path / "c.jsonl", texts(3))
+    args = ["--input", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "o"), "--quiet"]
+    assert PREPARE.main([*args, "--validation-percent=0"]) == 0
+    assert "warning: the validation split is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "option,text",
+    [
+        ("--validation-percent=-1", "--validation-percent: must be in [0, 100], got -1.0"),
+        ("--validation-percent=nan", "--validation-percent: must be in [0, 100], got nan"),
+        ("--shard-tokens=0", "--shard-tokens: must be > 0, got 0"),
+        ("--workers=0", "--workers: must be >= 1, got 0"),
+    ],
+)
+def test_out_of_range_options_are_one_line(tmp_path, capsys, option, text):
+    write_jsonl(tmp_path / "c.jsonl", texts(3))
+    out = tmp_path / "o"
+    assert PREPARE.main(["--input", str(tmp_path / "c.jsonl"), "--out", str(out), option]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {text}"]
+    assert not out.exists()
+
+
+def test_a_failed_write_is_one_line_and_leaves_no_temporary_folder(tmp_path, capsys, monkeypatch):
+    write_jsonl(tmp_path / "c.jsonl", texts(30))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(prep, "publish", disk_full)
+    out = tmp_path / "out"
+    assert PREPARE.main(["--input", str(tmp_path / "c.jsonl"), "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "No space left on device" in err[0], err
     assert not out.exists() and not (tmp_path / "out.tmp").exists()
 
 
