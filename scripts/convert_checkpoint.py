@@ -15,25 +15,23 @@ import sys
 from collections.abc import Sequence
 
 from forge.checkpoint.export import DTYPES, export_model, import_model
-from forge.checkpoint.resume import ResumeSource, resolve_resume
-from forge.checkpoint.store import load_checkpoint, save_model_only
-from forge.config.loader import load_config
+from forge.checkpoint.resume import load_newest_weights
+from forge.checkpoint.store import save_model_only
 from forge.errors import UserInputError
 from forge.model.transformer import Transformer
+from forge.training.run_dir import checkpoint_dir_of, load_run_config
 
 
 def export(run_dir: pathlib.Path, out: pathlib.Path, dtype: str) -> None:
-    config = load_config([str(run_dir / "config.toml")]).config
-    ckpt_dir = (
-        pathlib.Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
-    )
-    plan = resolve_resume(ckpt_dir, None)
-    if plan.source is ResumeSource.FRESH or plan.path is None:
-        raise UserInputError(f"{ckpt_dir}: no checkpoint to export; train the run first")
+    config = load_run_config(run_dir)
     model = Transformer(config.model)
-    load_checkpoint(plan.path, model, None, restore_rng_state=False)
+    path = load_newest_weights(checkpoint_dir_of(config, run_dir), None, model, report)
     export_model(model.state_dict(), config.model, out, dtype)
-    print(f"exported {plan.path} to {out} ({dtype})")
+    print(f"exported {path} to {out} ({dtype})")
+
+
+def report(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 def import_(folder: pathlib.Path, out: pathlib.Path) -> None:
@@ -47,15 +45,24 @@ def import_(folder: pathlib.Path, out: pathlib.Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=defaults)
     sub = parser.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("export", help="forge run -> safetensors + config.json")
-    ex.add_argument("run_dir", type=pathlib.Path)
-    ex.add_argument("--out", type=pathlib.Path, required=True)
-    ex.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    im = sub.add_parser("import", help="safetensors + config.json -> forge checkpoint")
-    im.add_argument("folder", type=pathlib.Path)
-    im.add_argument("--out", type=pathlib.Path, required=True)
+    ex = sub.add_parser(
+        "export", help="forge run -> safetensors + config.json", formatter_class=defaults
+    )
+    ex.add_argument("run_dir", type=pathlib.Path, help="a run folder holding config.toml")
+    ex.add_argument("--out", type=pathlib.Path, required=True, help="folder to write")
+    ex.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the weights"
+    )
+    im = sub.add_parser(
+        "import", help="safetensors + config.json -> forge checkpoint", formatter_class=defaults
+    )
+    im.add_argument("folder", type=pathlib.Path, help="a Llama export (config.json + safetensors)")
+    im.add_argument(
+        "--out", type=pathlib.Path, required=True, help="checkpoint folder to write (step_0)"
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "export":

@@ -7,21 +7,21 @@ training uses), then samples with temperature and top-k.
 from __future__ import annotations
 
 import argparse
+import math
 import pathlib
 import sys
 from collections.abc import Sequence
 
 import torch
 
-from forge.checkpoint.resume import ResumeSource, resolve_resume
-from forge.checkpoint.store import load_checkpoint
+from forge.checkpoint.resume import load_newest_weights
 from forge.config import JobConfig
-from forge.config.loader import load_config
 from forge.data.shards import MANIFEST, read_manifest
 from forge.data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_from_manifest
 from forge.errors import UserInputError
 from forge.model.generate import sample
 from forge.model.transformer import Transformer
+from forge.training.run_dir import checkpoint_dir_of, load_run_config
 
 
 def run_tokenizer(config: JobConfig) -> Tokenizer:
@@ -32,30 +32,49 @@ def run_tokenizer(config: JobConfig) -> Tokenizer:
     return tokenizer_from_manifest(read_manifest(folder).tokenizer)
 
 
+def sampling_problems(args: argparse.Namespace) -> list[str]:
+    """Out-of-range sampling options, one line each."""
+    problems = []
+    if args.max_new_tokens < 0:
+        problems.append(f"--max-new-tokens: must be >= 0, got {args.max_new_tokens}")
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        problems.append(f"--temperature: must be a finite number > 0, got {args.temperature}")
+    if args.top_k < 0:
+        problems.append(f"--top-k: must be >= 0, got {args.top_k}")
+    if not 0 <= args.seed < 2**63:
+        problems.append(f"--seed: must be in [0, 2**63), got {args.seed}")
+    return problems
+
+
+def report(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("run_dir", type=pathlib.Path, help="a run folder holding config.toml")
-    parser.add_argument("--prompt", default="def ")
-    parser.add_argument("--max-new-tokens", type=int, default=400)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top-k", type=int, default=40)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt", default="def ", help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=400, help="tokens to sample")
+    parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (> 0)")
+    parser.add_argument(
+        "--top-k", type=int, default=40, help="sample among the k likeliest tokens (0: all)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     args = parser.parse_args(argv)
     try:
-        config = load_config([str(args.run_dir / "config.toml")]).config
-        ckpt_dir = (
-            pathlib.Path(config.checkpoint.dir)
-            if config.checkpoint.dir
-            else args.run_dir / "checkpoints"
-        )
+        problems = sampling_problems(args)
+        if problems:
+            raise UserInputError(problems)
+        config = load_run_config(args.run_dir)
         load_path = (
             pathlib.Path(config.checkpoint.load_path) if config.checkpoint.load_path else None
         )
-        plan = resolve_resume(ckpt_dir, load_path)
-        if plan.source is ResumeSource.FRESH or plan.path is None:
-            raise UserInputError(f"{ckpt_dir}: no checkpoint to sample from; train the run first")
         model = Transformer(config.model)
-        load_checkpoint(plan.path, model, None, restore_rng_state=False)
+        path = load_newest_weights(
+            checkpoint_dir_of(config, args.run_dir), load_path, model, report
+        )
         tok = run_tokenizer(config)
     except UserInputError as exc:
         for line in exc.lines:
@@ -70,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop_id=tok.eos_id,
         generator=torch.Generator().manual_seed(args.seed),
     )
-    print(f"# sampled from {plan.path}", file=sys.stderr)
+    print(f"# sampled from {path}", file=sys.stderr)
     print(tok.decode(ids))
     return 0
 

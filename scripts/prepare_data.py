@@ -112,7 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "replace decodes bad bytes as U+FFFD",
     )
     parser.add_argument(
-        "--glob", default=None, help="files to read under a folder (when unset: **/*, stdlib: **/*.py)"
+        "--glob",
+        default=None,
+        help="files to read under a folder (unset: **/*, stdlib: **/*.py)",
     )
     parser.add_argument(
         "--tokenizer",
@@ -121,7 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a Hugging Face tokenizer.json (when unset: the byte tokenizer)",
     )
     parser.add_argument(
-        "--bos-token", default=None, help="HF tokenizer: the document-start token (when unset: guess)"
+        "--bos-token",
+        default=None,
+        help="HF tokenizer: the document-start token (unset: guess)",
     )
     parser.add_argument(
         "--eos-token", default=None, help="HF tokenizer: the document-end token (when unset: guess)"

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import attrs
+from torch import nn
 
 from forge.checkpoint.safety import UnsafeCheckpointError
 from forge.checkpoint.store import (
@@ -23,6 +24,7 @@ from forge.checkpoint.store import (
     is_complete,
     latest_step,
     list_steps,
+    load_checkpoint,
     newest_complete,
     step_dir,
 )
@@ -103,3 +105,22 @@ def first_loadable(
         f"{paths[0].parent}: no checkpoint there loads ({'; '.join(errors)}); "
         "delete the broken ones or point checkpoint.dir elsewhere"
     )
+
+
+def load_newest_weights(
+    checkpoint_dir: pathlib.Path,
+    load_path: pathlib.Path | None,
+    model: nn.Module,
+    report: Callable[[str], None] = lambda line: None,
+) -> pathlib.Path:
+    """Load the weights a run would resume from into ``model`` (the same resolver and the same
+    fallback past damaged checkpoints as training); returns the checkpoint used."""
+    plan = resolve_resume(checkpoint_dir, load_path)
+    if plan.source is ResumeSource.FRESH or plan.path is None:
+        raise CheckpointError(f"{checkpoint_dir}: no checkpoint there; train the run first")
+
+    def load(path: pathlib.Path) -> None:
+        load_checkpoint(path, model, None, restore_rng_state=False)
+
+    path, _ = first_loadable((plan.path, *plan.fallbacks), load, report)
+    return path

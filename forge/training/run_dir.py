@@ -158,3 +158,12 @@ def foreign_records_problem(
             f"checkpoint to resume; {fix}"
         )
     return None
+
+
+def load_run_config(run_dir: pathlib.Path) -> JobConfig:
+    """The resolved config a run wrote to ``<run_dir>/config.toml``."""
+    if not (run_dir / "config.toml").is_file():
+        raise UserInputError(
+            f"no forge run at {run_dir} (no config.toml); pass the run.dir of a training run"
+        )
+    return load_config([str(run_dir / "config.toml")]).config
