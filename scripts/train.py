@@ -10,6 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from forge.config.loader import help_text
 from forge.errors import CheckpointSaveError, UserInputError
 from forge.resilience.control import ControlChannel, StepMonitor
 from forge.resilience.faults import FaultHooks, faults_from_env
@@ -49,10 +50,14 @@ from forge.training.phases import (
 
 def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
     """Run the phases in order; returns the process exit code of the loop's outcome."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if {"-h", "--help"} & set(args):
+        print(help_text())
+        return 0
     flag = ShutdownFlag().install()  # before set-up, so an early signal is not lost
     lock = None
     try:
-        run = load_and_validate_config(sys.argv[1:] if argv is None else argv)
+        run = load_and_validate_config(args)
         dist = setup_distributed(run)
         model = build_model_and_optim(run, dist)
         data = setup_data(run, dist)
