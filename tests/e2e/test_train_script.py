@@ -238,8 +238,23 @@ def test_generate_prints_text_from_the_trained_run(tiny_config):
     assert out.stdout.startswith("def ") and len(out.stdout) > 10
 
 
-def test_activation_checkpointing_changes_nothing_but_memory(tiny_config, tmp_path):
+def built_models(monkeypatch) -> list:
+    """Records the ModelContext each ``TRAIN.main`` call builds."""
+    built, real = [], TRAIN.build_model_and_optim
+
+    def spy(run, dist):
+        built.append(real(run, dist))
+        return built[-1]
+
+    monkeypatch.setattr(TRAIN, "build_model_and_optim", spy)
+    return built
+
+
+def test_activation_checkpointing_changes_nothing_but_memory(tiny_config, tmp_path, monkeypatch):
     """Same losses with and without AC, and a checkpoint written with AC resumes without it."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    built = built_models(monkeypatch)
     reference = reference_config(tiny_config, tmp_path)
     assert TRAIN.main([str(reference), "--train.max_steps=6"]) == 0
     assert (
@@ -248,16 +263,23 @@ def test_activation_checkpointing_changes_nothing_but_memory(tiny_config, tmp_pa
         )
         == 0
     )
+    plain, wrapped = (list(ctx.model.layers.values()) for ctx in built)
+    assert not any(isinstance(b, CheckpointWrapper) for b in plain)
+    assert all(isinstance(b, CheckpointWrapper) for b in wrapped)  # AC really applied
     assert losses(tiny_config) == losses(reference)
     assert TRAIN.main([str(tiny_config), "--train.max_steps=8"]) == 0
     assert [s for s, _ in losses(tiny_config)] == list(range(1, 9))
 
 
-def test_compiled_blocks_train_like_eager(tiny_config, tmp_path):
+def test_compiled_blocks_train_like_eager(tiny_config, tmp_path, monkeypatch):
     """train.compile=true (inductor on CPU: a ~30 s cold compile) matches eager closely."""
+    built = built_models(monkeypatch)
     reference = reference_config(tiny_config, tmp_path)
     assert TRAIN.main([str(reference), "--train.max_steps=3"]) == 0
     assert TRAIN.main([str(tiny_config), "--train.max_steps=3", "--train.compile=true"]) == 0
+    eager, compiled = (list(ctx.model.layers.values()) for ctx in built)
+    assert all(b._compiled_call_impl is None for b in eager)
+    assert all(b._compiled_call_impl is not None for b in compiled)  # compile really applied
     for (s1, l1), (s2, l2) in zip(losses(reference), losses(tiny_config), strict=True):
         assert s1 == s2 and l2 == pytest.approx(l1, rel=1e-4)
 
