@@ -161,6 +161,20 @@ def manifest_to_json(manifest: Manifest) -> dict[str, Any]:
     return {"format_version": FORMAT_VERSION, **attrs.asdict(manifest)}
 
 
+def dataset_fingerprint(manifest: Manifest) -> str:
+    """A short hash of what a dataset holds (tokenizer, every shard's checksum and length),
+    not of where it lies: a moved copy is the same data."""
+    content = {
+        "dtype": manifest.dtype,
+        "tokenizer": manifest.tokenizer,
+        "splits": {
+            name: [(s.sha256, s.num_tokens) for s in split.shards]
+            for name, split in sorted(manifest.splits.items())
+        },
+    }
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def read_manifest(folder: pathlib.Path) -> Manifest:
     """Parse ``folder/manifest.json``; a missing or malformed one is a ``DataError``."""
     path = folder / MANIFEST

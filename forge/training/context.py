@@ -124,6 +124,7 @@ class DataContext:
     train_loader: TextLoader
     eval_loader: TextLoader | None
     source_stats: SourceStats | None = None  # a mixture's per-source loss and tokens
+    fingerprints: tuple[str, ...] = ()  # each source's dataset_fingerprint, in source order
 
 
 @attrs.frozen

@@ -123,7 +123,7 @@ class TrainingEffects:
                 ),
                 model_fingerprint=config_fingerprint(self.run.config),
                 world_size=self.dist.world_size,
-                identity=run_identity(self.run.config, self.dist.dp_size),
+                identity=run_identity(self.run.config, self.dist.dp_size, self.data.fingerprints),
             )
         )
 

@@ -10,7 +10,7 @@ same run. No torch here: every decision is table-tested.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -49,11 +49,15 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def run_identity(config: JobConfig, dp_size: int | None) -> dict[str, Any]:
+def run_identity(
+    config: JobConfig, dp_size: int | None, fingerprints: Sequence[str] | None = None
+) -> dict[str, Any]:
     """The keys a resumed run must share with its checkpoint, as JSON values.
 
-    ``dp_size`` None leaves out the global batch (which depends on the world size): the form
-    compared against a run directory's ``config.toml``.
+    Sources are named by name, weight and (with ``fingerprints``, one per source) what their
+    dataset holds, never by path: a moved copy of the data is the same run. ``dp_size`` None
+    leaves out the global batch (which depends on the world size): the form compared against
+    a run directory's ``config.toml``.
     """
     train, data = config.train, config.data
     identity: dict[str, Any] = {
@@ -64,7 +68,11 @@ def run_identity(config: JobConfig, dp_size: int | None) -> dict[str, Any]:
         "train.seq_len": train.seq_len,
         "train.seed": train.seed,
         "train.data_seed": train.effective_data_seed,
-        "data.sources": _plain(data.source_list),
+        "data.sources": [
+            {"name": s.name, "weight": s.weight}
+            | ({"dataset": fingerprints[i]} if fingerprints else {})
+            for i, s in enumerate(data.source_list)
+        ],
         "data.temperature": data.temperature,
         "data.phases": _plain(data.phases),
         "data.pack_documents": data.pack_documents,

@@ -35,7 +35,7 @@ from forge.config.toml_writer import dumps_toml
 from forge.data.dataset import open_windows
 from forge.data.loader import Batch, Sampling, TextLoader, single_source, step_batches
 from forge.data.mixture import resolve_phases
-from forge.data.shards import DataError, Manifest, read_manifest
+from forge.data.shards import DataError, Manifest, dataset_fingerprint, read_manifest
 from forge.metrics.sinks import trim_records_after
 from forge.metrics.sources import SourceStats
 from forge.model.transformer import Transformer, num_parameters
@@ -94,6 +94,7 @@ def load_and_validate_config(argv: Sequence[str]) -> RunContext:
         problem = path_problem(key, folder)
         if problem is not None:
             problems.append(problem)
+            break  # the checkpoint directory usually lies inside the run directory
     if problems:
         raise ConfigError(problems)
     return run
@@ -304,6 +305,7 @@ def setup_data(run: RunContext, dist: DistContext) -> DataContext:
         )
     names = tuple(s.name for s in sources)
     return DataContext(
+        fingerprints=tuple(dataset_fingerprint(m) for m in manifests),
         manifest=manifests[0],
         train_loader=loader,
         eval_loader=eval_loader,
@@ -350,7 +352,7 @@ def setup_checkpointing(
         say(f"skipping incomplete checkpoint {path}")
     state = LoopState()
     if plan.source is ResumeSource.CHECKPOINT_DIR and plan.path is not None:
-        identity = run_identity(run.config, dist.dp_size)
+        identity = run_identity(run.config, dist.dp_size, data.fingerprints)
 
         def load(path: pathlib.Path) -> TrainState:
             check_loadable(path, model.model)
@@ -372,7 +374,8 @@ def setup_checkpointing(
         load_checkpoint(plan.path, model.model, optimizer, rank=dist.rank, restore_rng_state=False)
         recorded = read_train_state(plan.path).get("identity")
         differences = identity_differences(
-            recorded if isinstance(recorded, dict) else {}, run_identity(run.config, dist.dp_size)
+            recorded if isinstance(recorded, dict) else {},
+            run_identity(run.config, dist.dp_size, data.fingerprints),
         )
         say(f"initial weights from {plan.path}")
         for difference in differences:
@@ -402,12 +405,11 @@ def check_same_run(
     differences = identity_differences(train_state.identity or {}, identity)
     verdict = resume_verdict(differences, allow_change)
     if verdict is ResumeVerdict.REFUSE:
+        kinds = " and ".join(sorted({d.kind.value for d in differences}))
         raise RunMismatchError(
-            [
-                f"{path}: written by a different {d.kind.value}: {d.describe()}; resume with "
-                "the same value, or set checkpoint.allow_config_change=true to continue anyway"
-                for d in differences
-            ]
+            f"{path}: written with a different {kinds}: "
+            f"{'; '.join(d.describe() for d in differences)}; resume with the checkpoint's "
+            "values, or set checkpoint.allow_config_change=true to continue anyway"
         )
     for d in differences if verdict is ResumeVerdict.WARN else ():
         say(f"warning: resuming {path} with a different {d.kind.value}: {d.describe()}")

@@ -1,0 +1,343 @@
+"""Bad input of every kind, given as a hostile user would: each row runs ``scripts/train.py``
+as a real process and asserts its exit code, exactly one ``error:`` line naming the culprit,
+no traceback, and what is on disk afterwards. Most rows fail before any training step."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import pickle
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+
+import attrs
+import pytest
+
+from forge.checkpoint.resume import ResumeSource, resolve_resume
+from tests.conftest import REPO, TINY
+
+TRAIN = [sys.executable, str(REPO / "scripts" / "train.py")]
+
+
+@attrs.frozen
+class Run:
+    """A row's sandbox: its config, its run directory and its own copy of the data."""
+
+    root: pathlib.Path
+    config: pathlib.Path
+    data: pathlib.Path
+
+    @property
+    def dir(self) -> pathlib.Path:
+        return self.root / "run"
+
+    @property
+    def ckpt(self) -> pathlib.Path:
+        return self.dir / "checkpoints"
+
+
+@attrs.frozen
+class Result:
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def errors(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.startswith("error:")]
+
+
+def train(run: Run, *args: str, env: dict[str, str] | None = None) -> Result:
+    out = subprocess.run(
+        [*TRAIN, str(run.config), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+    return Result(out.returncode, out.stdout, out.stderr)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, small_corpus) -> Run:
+    """A tiny run trained to step 10, checkpoints at 5 and 10: copied by the rows that resume."""
+    root = tmp_path_factory.mktemp("trained")
+    run = make_run(root, small_corpus)
+    result = train(run, "--train.max_steps=10")
+    assert result.code == 0, result.stderr
+    return run
+
+
+def make_run(root: pathlib.Path, data: pathlib.Path) -> Run:
+    config = root / "tiny.toml"
+    config.write_text(TINY.format(data=data) + f'\n[run]\ndir = "{root / "run"}"\n')
+    return Run(root, config, data)
+
+
+@pytest.fixture
+def sandbox(tmp_path, small_corpus) -> Run:
+    """A fresh run with its own copy of the data, nothing trained."""
+    data = tmp_path / "data"
+    shutil.copytree(small_corpus, data)
+    return make_run(tmp_path, data)
+
+
+def copy_trained(trained: Run, sandbox: Run) -> None:
+    shutil.copytree(trained.dir, sandbox.dir, symlinks=True)
+
+
+# --- setups: each breaks one thing in the sandbox (some take the trained run) and returns
+# the extra command-line arguments
+
+
+def nothing(run: Run) -> list[str]:
+    return []
+
+
+def args(*extra: str) -> Callable[[Run], list[str]]:
+    return lambda run: list(extra)
+
+
+def config_is_a_directory(run: Run) -> list[str]:
+    run.config.unlink()
+    run.config.mkdir()
+    return []
+
+
+def config_not_utf8(run: Run) -> list[str]:
+    run.config.write_bytes(run.config.read_bytes() + "\n# caf\xe9\n".encode("latin-1"))
+    return []
+
+
+def config_missing(run: Run) -> list[str]:
+    run.config.unlink()
+    return []
+
+
+def config_invalid_toml(run: Run) -> list[str]:
+    run.config.write_text(run.config.read_text() + "\n[train\n")
+    return []
+
+
+def run_dir_is_a_file(run: Run) -> list[str]:
+    run.dir.write_text("not a folder")
+    return []
+
+
+def run_dir_below_a_file(run: Run) -> list[str]:
+    (run.root / "file").write_text("x")
+    return [f"--run.dir={run.root / 'file' / 'run'}"]
+
+
+def checkpoint_dir_is_a_file(run: Run) -> list[str]:
+    (run.root / "ckfile").write_text("x")
+    return [f"--checkpoint.dir={run.root / 'ckfile'}"]
+
+
+def manifest(run: Run) -> dict:
+    return json.loads((run.data / "manifest.json").read_text())
+
+
+def write_manifest(run: Run, raw: dict) -> None:
+    (run.data / "manifest.json").write_text(json.dumps(raw))
+
+
+def manifest_missing(run: Run) -> list[str]:
+    (run.data / "manifest.json").unlink()
+    return []
+
+
+def manifest_not_json(run: Run) -> list[str]:
+    (run.data / "manifest.json").write_text("{not json")
+    return []
+
+
+def manifest_float_dtype(run: Run) -> list[str]:
+    write_manifest(run, {**manifest(run), "dtype": "float32"})
+    return ["--data.verify_checksum=false"]
+
+
+def shard_odd_bytes(run: Run) -> list[str]:
+    shard = run.data / manifest(run)["splits"]["train"]["shards"][0]["file"]
+    with shard.open("ab") as f:
+        f.write(b"\x01")
+    return ["--data.verify_checksum=false"]
+
+
+def shard_missing(run: Run) -> list[str]:
+    (run.data / manifest(run)["splits"]["train"]["shards"][0]["file"]).unlink()
+    return []
+
+
+def shard_corrupt(run: Run) -> list[str]:
+    shard = run.data / manifest(run)["splits"]["train"]["shards"][0]["file"]
+    data = bytearray(shard.read_bytes())
+    data[100:104] = b"\x00\x01\x00\x01"
+    shard.write_bytes(bytes(data))
+    return []
+
+
+def empty_validation_split(run: Run) -> list[str]:
+    raw = manifest(run)
+    for shard in raw["splits"]["validation"]["shards"]:
+        (run.data / shard["file"]).unlink()
+    raw["splits"]["validation"] = {"shards": [], "num_tokens": 0, "num_documents": 0}
+    write_manifest(run, raw)
+    return ["--eval.interval=5"]
+
+
+def load_path_missing(run: Run) -> list[str]:
+    return [f"--checkpoint.load_path={run.root / 'nowhere'}"]
+
+
+def resume_with(*extra: str) -> Callable[[Run, Run], list[str]]:
+    def setup(run: Run, trained: Run) -> list[str]:
+        copy_trained(trained, run)
+        return ["--train.max_steps=12", *extra]
+
+    return setup
+
+
+def poisoned_metadata(run: Run, trained: Run) -> list[str]:
+    from tests.integration.test_checkpoint_security import Payload
+
+    copy_trained(trained, run)
+    for step in ("step_5", "step_10"):
+        (run.ckpt / step / ".metadata").write_bytes(pickle.dumps(Payload(run.root / "pwned")))
+    return ["--train.max_steps=12"]
+
+
+def every_checkpoint_truncated(run: Run, trained: Run) -> list[str]:
+    copy_trained(trained, run)
+    for step in ("step_5", "step_10"):
+        (run.ckpt / step / "__0_0.distcp").write_bytes(b"")
+    return ["--train.max_steps=12"]
+
+
+def another_runs_records(run: Run, trained: Run) -> list[str]:
+    copy_trained(trained, run)
+    return [f"--checkpoint.dir={run.root / 'elsewhere'}", "--train.max_steps=12"]
+
+
+def another_model_before_its_first_checkpoint(run: Run, trained: Run) -> list[str]:
+    copy_trained(trained, run)
+    shutil.rmtree(run.ckpt)  # a run that crashed before its first checkpoint...
+    return ["--model.dim=64"]  # ...restarted as another model
+
+
+# --- what must hold on disk afterwards
+
+
+def no_run_dir(run: Run) -> None:
+    assert not run.dir.exists() or not any(run.dir.iterdir()), list(run.dir.iterdir())
+
+
+def no_new_dirs(run: Run) -> None:
+    assert not (run.root / "file" / "run").exists() and not (run.root / "elsewhere").exists()
+
+
+def checkpoints_intact(run: Run) -> None:
+    plan = resolve_resume(run.ckpt, None)
+    assert plan.source is ResumeSource.CHECKPOINT_DIR and plan.path == run.ckpt / "step_10"
+    assert os.readlink(run.ckpt / "latest") == "step_10"
+    assert not list(run.ckpt.glob("*.tmp"))
+    lines = (run.dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == list(range(1, 11))  # not trimmed
+
+
+def nothing_executed(run: Run) -> None:
+    assert not (run.root / "pwned").exists()
+    checkpoints_intact(run)
+
+
+# (case, setup, exit code, text the one error line holds, check on disk)
+CONFIG_CASES = [
+    ("unknown key", args("--train.max_step=5"), 2, "train.max_step: unknown key", no_run_dir),
+    ("nan learning rate", args("--optimizer.lr=nan"), 2, "optimizer.lr: expected a finite", no_run_dir),
+    ("inf learning rate", args("--optimizer.lr=inf"), 2, "optimizer.lr: expected a finite", no_run_dir),
+    ("nan init std", args("--model.init_std=nan"), 2, "model.init_std", no_run_dir),
+    ("nan rope theta", args("--model.rope_theta=nan"), 2, "model.rope_theta", no_run_dir),
+    ("seed beyond 64 bits", args("--train.seed=99999999999999999999999"), 2, "train.seed: 99999999999999999999999 is out of range", no_run_dir),
+    ("empty run dir", args("--run.dir="), 2, "run.dir: must not be empty", no_run_dir),
+    ("float for an int", args("--checkpoint.interval=1e3"), 2, "checkpoint.interval: expected an integer, got 1000.0", no_run_dir),
+    ("three betas", args("--optimizer.betas=[0.9,0.9,0.9]"), 2, "optimizer.betas: expected 2 values, got 3", no_run_dir),
+    ("bad enum", args("--train.mixed_precision=fp16"), 2, "train.mixed_precision: expected one of", no_run_dir),
+    ("boolean for an int", args("--model.dim=true"), 2, "model.dim: expected an integer, got a boolean", no_run_dir),
+    ("run ends inside warmup", args("--train.max_steps=2"), 2, "scheduler.warmup_steps", no_run_dir),
+    ("stray argument", args("oops"), 2, "'oops': unexpected argument", no_run_dir),
+    ("config is a directory", config_is_a_directory, 2, "is a directory", no_run_dir),
+    ("config not UTF-8", config_not_utf8, 2, "not UTF-8", no_run_dir),
+    ("config missing", config_missing, 2, "config file not found", no_run_dir),
+    ("config invalid TOML", config_invalid_toml, 2, "invalid TOML", no_run_dir),
+    ("run dir is a file", run_dir_is_a_file, 2, "run.dir: ", lambda run: None),
+    ("run dir below a file", run_dir_below_a_file, 2, "lies below the file", no_new_dirs),
+    ("checkpoint dir is a file", checkpoint_dir_is_a_file, 2, "checkpoint.dir: ", no_run_dir),
+    ("run dir cannot be created", args("--run.dir=/proc/forge-run"), 2, "run.dir: cannot create /proc/forge-run", no_run_dir),
+]  # fmt: skip
+
+DATA_CASES = [
+    ("manifest missing", manifest_missing, 2, "no dataset manifest", no_run_dir),
+    ("manifest not JSON", manifest_not_json, 2, "malformed manifest", no_run_dir),
+    ("manifest dtype not a token dtype", manifest_float_dtype, 2, "dtype 'float32' is not a token dtype", no_run_dir),
+    ("shard of an odd byte size", shard_odd_bytes, 2, "train_00000.bin: ", no_run_dir),
+    ("shard missing", shard_missing, 2, "train_00000.bin: shard listed in the manifest is missing", no_run_dir),
+    ("shard checksum", shard_corrupt, 2, "train_00000.bin: checksum mismatch", no_run_dir),
+    ("empty validation split", empty_validation_split, 2, "split 'validation' has 0 windows", no_run_dir),
+    ("vocab smaller than the data's", args("--model.vocab_size=100"), 2, "model.vocab_size: 100 is smaller", no_run_dir),
+    ("data path elsewhere", args("--data.path=/nonexistent"), 2, "data.path: /nonexistent/manifest.json", no_run_dir),
+    ("load path missing", load_path_missing, 2, "checkpoint.load_path=", no_run_dir),
+]  # fmt: skip
+
+CHECKPOINT_CASES = [
+    ("resume with another rope theta", resume_with("--model.rope_theta=500000"), 2, "model.rope_theta: 10000.0 in the checkpoint, 500000.0 now", checkpoints_intact),
+    ("resume with another norm eps", resume_with("--model.norm_eps=1e-6"), 2, "model.norm_eps", checkpoints_intact),
+    ("resume with another max seq len", resume_with("--model.max_seq_len=64"), 2, "model.max_seq_len", checkpoints_intact),
+    ("resume with another seq len", resume_with("--train.seq_len=16"), 2, "train.seq_len: 32 in the checkpoint, 16 now", checkpoints_intact),
+    ("resume with another seed", resume_with("--train.seed=4"), 2, "train.seed", checkpoints_intact),
+    ("resume with another data seed", resume_with("--train.data_seed=9"), 2, "train.data_seed", checkpoints_intact),
+    ("resume with another global batch", resume_with("--train.batch_size=2"), 2, "global batch", checkpoints_intact),
+    ("resume with other data sources", resume_with("--data.temperature=2.0"), 2, "data.temperature", checkpoints_intact),
+    ("a pickle payload in the metadata", poisoned_metadata, 2, "refusing to load it", nothing_executed),
+    ("no checkpoint loads", every_checkpoint_truncated, 2, "no checkpoint there loads", lambda run: None),
+    ("a fresh start over another run's records", another_runs_records, 2, "run.dir: ", checkpoints_intact),
+    ("another model over a crashed run's records", another_model_before_its_first_checkpoint, 2, "model.dim", lambda run: None),
+]  # fmt: skip
+
+
+def check_row(run: Run, result: Result, code: int, culprit: str) -> None:
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.code == code, result.stderr
+    assert len(result.errors) == 1, result.stderr
+    assert culprit in result.errors[0], result.errors
+
+
+@pytest.mark.parametrize(
+    "setup,code,culprit,after",
+    [c[1:] for c in CONFIG_CASES + DATA_CASES],
+    ids=[c[0] for c in CONFIG_CASES + DATA_CASES],
+)
+def test_bad_config_or_data_is_one_line_and_leaves_nothing(sandbox, setup, code, culprit, after):
+    result = train(sandbox, *setup(sandbox))
+    check_row(sandbox, result, code, culprit)
+    after(sandbox)
+
+
+@pytest.mark.parametrize(
+    "setup,code,culprit,after",
+    [c[1:] for c in CHECKPOINT_CASES],
+    ids=[c[0] for c in CHECKPOINT_CASES],
+)
+def test_bad_checkpoint_or_run_dir_is_one_line_and_loses_nothing(
+    sandbox, trained, setup, code, culprit, after
+):
+    result = train(sandbox, *setup(sandbox, trained))
+    check_row(sandbox, result, code, culprit)
+    after(sandbox)
+
+
+def test_the_hostile_table_covers_every_class():
+    assert len(CONFIG_CASES) + len(DATA_CASES) + len(CHECKPOINT_CASES) >= 35
