@@ -6,89 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import pickle
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 
-import attrs
 import pytest
 
 from forge.checkpoint.resume import ResumeSource, resolve_resume
-from tests.conftest import REPO, TINY
-
-TRAIN = [sys.executable, str(REPO / "scripts" / "train.py")]
-
-
-@attrs.frozen
-class Run:
-    """A row's sandbox: its config, its run directory and its own copy of the data."""
-
-    root: pathlib.Path
-    config: pathlib.Path
-    data: pathlib.Path
-
-    @property
-    def dir(self) -> pathlib.Path:
-        return self.root / "run"
-
-    @property
-    def ckpt(self) -> pathlib.Path:
-        return self.dir / "checkpoints"
-
-
-@attrs.frozen
-class Result:
-    code: int
-    stdout: str
-    stderr: str
-
-    @property
-    def errors(self) -> list[str]:
-        return [line for line in self.stderr.splitlines() if line.startswith("error:")]
-
-
-def train(run: Run, *args: str, env: dict[str, str] | None = None) -> Result:
-    out = subprocess.run(
-        [*TRAIN, str(run.config), *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, **(env or {})},
-        check=False,
-    )
-    return Result(out.returncode, out.stdout, out.stderr)
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, small_corpus) -> Run:
-    """A tiny run trained to step 10, checkpoints at 5 and 10: copied by the rows that resume."""
-    root = tmp_path_factory.mktemp("trained")
-    run = make_run(root, small_corpus)
-    result = train(run, "--train.max_steps=10")
-    assert result.code == 0, result.stderr
-    return run
-
-
-def make_run(root: pathlib.Path, data: pathlib.Path) -> Run:
-    config = root / "tiny.toml"
-    config.write_text(TINY.format(data=data) + f'\n[run]\ndir = "{root / "run"}"\n')
-    return Run(root, config, data)
-
-
-@pytest.fixture
-def sandbox(tmp_path, small_corpus) -> Run:
-    """A fresh run with its own copy of the data, nothing trained."""
-    data = tmp_path / "data"
-    shutil.copytree(small_corpus, data)
-    return make_run(tmp_path, data)
-
-
-def copy_trained(trained: Run, sandbox: Run) -> None:
-    shutil.copytree(trained.dir, sandbox.dir, symlinks=True)
-
+from tests.e2e.sandbox import Result, Run, copy_trained, train
 
 # --- setups: each breaks one thing in the sandbox (some take the trained run) and returns
 # the extra command-line arguments

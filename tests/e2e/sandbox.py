@@ -1,0 +1,66 @@
+"""Sandboxes for the hostile-input tests: a run directory, a config and a private copy of the
+data, and ``scripts/train.py`` run as a real process."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import attrs
+
+from tests.conftest import REPO, TINY
+
+TRAIN = [sys.executable, str(REPO / "scripts" / "train.py")]
+
+
+@attrs.frozen
+class Run:
+    """A row's sandbox: its config, its run directory and its own copy of the data."""
+
+    root: pathlib.Path
+    config: pathlib.Path
+    data: pathlib.Path
+
+    @property
+    def dir(self) -> pathlib.Path:
+        return self.root / "run"
+
+    @property
+    def ckpt(self) -> pathlib.Path:
+        return self.dir / "checkpoints"
+
+
+@attrs.frozen
+class Result:
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def errors(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.startswith("error:")]
+
+
+def train(run: Run, *args: str, env: dict[str, str] | None = None) -> Result:
+    out = subprocess.run(
+        [*TRAIN, str(run.config), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+    return Result(out.returncode, out.stdout, out.stderr)
+
+
+def make_run(root: pathlib.Path, data: pathlib.Path) -> Run:
+    config = root / "tiny.toml"
+    config.write_text(TINY.format(data=data) + f'\n[run]\ndir = "{root / "run"}"\n')
+    return Run(root, config, data)
+
+
+def copy_trained(trained: Run, sandbox: Run) -> None:
+    shutil.copytree(trained.dir, sandbox.dir, symlinks=True)

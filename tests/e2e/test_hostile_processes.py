@@ -1,0 +1,212 @@
+"""Hostile processes and moments: two runs on one directory, a full disk in every save mode,
+damaged newest checkpoints, signals from outside, a NaN on the last step. Each runs
+``scripts/train.py`` as a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from forge.checkpoint.store import load_checkpoint
+from forge.config import load_config
+from forge.model.transformer import Transformer
+from forge.training.run_dir import lock_directories
+from tests.e2e.sandbox import TRAIN, Run, copy_trained, train
+
+STALL = "stall:step=2:seconds=60"  # holds the run (and its lock) after step 2
+
+
+def start(run: Run, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*TRAIN, str(run.config), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def wait_for_line(proc: subprocess.Popen, prefix: str, timeout_s: float = 120) -> None:
+    """Read the process's stdout until a line starts with ``prefix``."""
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"process ended before printing {prefix!r}")
+        if line.startswith(prefix):
+            return
+    raise AssertionError(f"no line {prefix!r} within {timeout_s} s")
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+def steps_logged(run: Run) -> list[int]:
+    lines = (run.dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(x)["step"] for x in lines]
+
+
+def test_a_second_process_on_the_same_run_dir_is_refused_naming_the_holder(sandbox):
+    first = start(sandbox, "--checkpoint.interval=100", env={"FORGE_FAULTS": STALL})
+    try:
+        wait_for_line(first, "step 2 |")
+        second = train(sandbox)
+        assert second.code == 2 and "Traceback" not in second.stderr
+        assert len(second.errors) == 1
+        assert f"run.dir: {sandbox.dir} is in use by pid {first.pid} on host" in second.errors[0]
+        assert steps_logged(sandbox) == [1, 2]  # the second process wrote nothing there
+    finally:
+        first.kill()  # SIGKILL: the OS drops the lock with the process
+        first.wait()
+    third = train(sandbox, "--train.max_steps=4")
+    assert third.code == 0, third.stderr  # no stale lock
+
+
+def test_a_checkpoint_dir_shared_by_two_run_dirs_is_refused(sandbox):
+    shared = sandbox.root / "shared-checkpoints"
+    held = lock_directories([("checkpoint.dir", shared)])  # another run holds it, in this process
+    try:
+        result = train(sandbox, f"--checkpoint.dir={shared}")
+    finally:
+        held.release()
+    assert result.code == 2 and "Traceback" not in result.stderr
+    assert len(result.errors) == 1
+    assert f"checkpoint.dir: {shared} is in use by pid {os.getpid()}" in result.errors[0]
+    assert not (sandbox.dir / "metrics.jsonl").exists()
+
+
+def file_size_limit(limit_bytes: int):
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+    return apply
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_process"])
+def test_a_full_disk_fails_the_final_save_in_one_line_and_keeps_the_last_checkpoint(
+    sandbox, trained, mode
+):
+    copy_trained(trained, sandbox)
+    proc = subprocess.run(
+        [*TRAIN, str(sandbox.config), "--train.max_steps=12", "--checkpoint.interval=11",
+         f"--checkpoint.async_mode={mode}"],
+        capture_output=True, text=True, timeout=240, check=False,
+        preexec_fn=file_size_limit(100_000),  # a shard of the tiny model is ~0.4 MB
+    )  # fmt: skip
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 5, proc.stderr
+    warnings = [x for x in proc.stderr.splitlines() if "saving step 11 failed" in x]
+    assert len(warnings) == 1 and "training goes on" in warnings[0]  # a periodic save
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1
+    assert f"checkpoint.dir {sandbox.ckpt}: saving step 12 failed" in errors[0]
+    assert "File too large" in errors[0]
+    assert os.readlink(sandbox.ckpt / "latest") == "step_10"
+    assert sorted(p.name for p in sandbox.ckpt.glob("step_*")) == ["step_10", "step_5"]
+    model = Transformer(load_config([str(sandbox.config)]).config.model)
+    load_checkpoint(sandbox.ckpt / "step_10", model, None)  # still loadable
+
+
+def truncate_rng(path):
+    rng = path / "rng_rank0.pt"
+    rng.write_bytes(rng.read_bytes()[:100])
+
+
+def wrong_train_state_shape(path):
+    (path / "train_state.json").write_text(json.dumps({"step": "four"}))
+
+
+def random_metadata(path):
+    (path / ".metadata").write_bytes(bytes(range(7, 256)) * 3)
+
+
+@pytest.mark.parametrize("damage", [truncate_rng, wrong_train_state_shape, random_metadata])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_older_one(sandbox, trained, damage):
+    copy_trained(trained, sandbox)
+    damage(sandbox.ckpt / "step_10")
+    result = train(sandbox, "--train.max_steps=12")
+    assert result.code == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"skipping unloadable checkpoint {sandbox.ckpt / 'step_10'}" in result.stderr
+    assert f"resumed from {sandbox.ckpt / 'step_5'} at step 5" in result.stderr
+    assert steps_logged(sandbox) == list(range(1, 13))
+
+
+def test_export_falls_back_like_training(sandbox, trained):
+    from tests.e2e.test_train_script import REPO
+
+    copy_trained(trained, sandbox)
+    truncate_rng(sandbox.ckpt / "step_10")
+    out = subprocess.run(
+        [TRAIN[0], str(REPO / "scripts" / "convert_checkpoint.py"), "export", str(sandbox.dir),
+         "--out", str(sandbox.root / "export"), "--dtype", "float32"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "skipping unloadable checkpoint" in out.stderr
+    assert f"exported {sandbox.ckpt / 'step_5'}" in out.stdout
+
+
+def test_allow_config_change_resumes_with_a_warning_listing_the_differences(sandbox, trained):
+    copy_trained(trained, sandbox)
+    result = train(
+        sandbox, "--train.max_steps=12", "--model.rope_theta=500000",
+        "--checkpoint.allow_config_change=true",
+    )  # fmt: skip
+    assert result.code == 0, result.stderr
+    assert "warning: resuming" in result.stderr
+    assert "model.rope_theta: 10000.0 in the checkpoint, 500000.0 now" in result.stderr
+
+
+def test_sigusr1_from_outside_saves_and_exits_75(sandbox):
+    proc = start(
+        sandbox, "--checkpoint.interval=100", env={"FORGE_FAULTS": "stall:step=2:seconds=3"}
+    )
+    wait_for_line(proc, "step 2 |")
+    proc.send_signal(signal.SIGUSR1)  # seen at the next step boundary, after the stall
+    code, err = finish(proc)
+    assert code == 75, err
+    assert "Traceback" not in err
+    state = json.loads((sandbox.ckpt / "step_3" / "train_state.json").read_text())
+    assert state["reason"] == "emergency"
+
+
+def test_two_ctrl_c_abandon_the_save_and_exit_130_with_latest_complete(sandbox):
+    proc = start(sandbox, "--checkpoint.interval=2", env={"FORGE_FAULTS": STALL})
+    wait_for_line(proc, "step 2 |")  # step_2 is committed before the stall
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    code, err = finish(proc)
+    assert code == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "second interrupt: abandoning the save in progress" in err
+    assert os.readlink(sandbox.ckpt / "latest") == "step_2"
+    model = Transformer(load_config([str(sandbox.config)]).config.model)
+    load_checkpoint(sandbox.ckpt / "step_2", model, None)
+
+
+def test_a_nan_on_the_last_step_saves_the_finite_state(sandbox, tmp_path):
+    same_lr = ("--checkpoint.interval=100", "--scheduler.decay_steps=10")
+    result = train(sandbox, "--train.max_steps=5", *same_lr, env={"FORGE_FAULTS": "nan:step=5"})
+    assert result.code == 0, result.stderr
+    state = json.loads((sandbox.ckpt / "step_5" / "train_state.json").read_text())
+    assert state["reason"] == "final" and state["loop_state"]["last_step_finite"] is False
+    reference = train(sandbox, f"--run.dir={tmp_path / 'ref'}", "--train.max_steps=4", *same_lr)
+    assert reference.code == 0, reference.stderr
+    model = Transformer(load_config([str(sandbox.config)]).config.model)
+    load_checkpoint(sandbox.ckpt / "step_5", model, None)
+    skipped = {k: v.clone() for k, v in model.state_dict().items()}
+    load_checkpoint(tmp_path / "ref" / "checkpoints" / "step_4", model, None)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, skipped[name]), name  # the weights of step 4
