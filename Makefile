@@ -4,14 +4,17 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 DATA   ?= data/stdlib
 CONFIG ?= configs/train/debug.toml
+# Where torch comes from. Unset: pip's default index; on Linux that is the CUDA build from PyPI.
+# CPU-only machine: make train TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+TORCH_INDEX_URL ?=
 
 .PHONY: train test lint prepare-data clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# CPU build first: a bare `torch` requirement would pull a multi-GB CUDA build.
-	$(PY) -m pip install --quiet torch==2.13.0
+	# torch first, from TORCH_INDEX_URL when given, so that the package install finds it satisfied
+	$(PY) -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 

@@ -79,3 +79,12 @@ def test_a_clean_finish_is_not_requeued(tmp_path):
     proc.communicate(timeout=20)
     assert proc.returncode == 0
     assert not (tmp_path / "scontrol.calls").exists()
+
+
+def test_the_script_creates_its_log_folder_and_uses_the_venv(tmp_path):
+    proc = start(tmp_path, ticks=3)
+    proc.communicate(timeout=20)
+    assert (REPO / "logs").is_dir()  # --output=logs/%x-%j.out of later submissions lands
+    args = (tmp_path / "srun.args").read_text().split()
+    python = args[args.index("scripts/train.py") - 1]
+    assert python == (".venv/bin/python" if (REPO / ".venv/bin/python").exists() else "python")
