@@ -61,17 +61,16 @@ class RunDirLock:
     ``discard``, removes the directories the lock itself created (a run that never started)."""
 
     files: list[object] = attrs.Factory(list)  # open lock files (their descriptors hold the lock)
-    created: list[pathlib.Path] = attrs.Factory(list)
+    created: list[pathlib.Path] = attrs.Factory(list)  # directories and lock files made here
 
     def release(self, discard: bool = False) -> None:
         for f in self.files:
             f.close()  # type: ignore[attr-defined]
         self.files.clear()
         if discard:
-            for folder in reversed(self.created):
-                (folder / LOCK_FILE).unlink(missing_ok=True)
-                with contextlib.suppress(OSError):  # only if nothing else was written there
-                    folder.rmdir()
+            for path in reversed(self.created):
+                with contextlib.suppress(OSError):  # a folder only if nothing else is in it
+                    path.rmdir() if path.is_dir() else path.unlink()
         self.created.clear()
 
 
@@ -98,6 +97,8 @@ def lock_directories(dirs: Sequence[tuple[str, pathlib.Path]]) -> RunDirLock:
         for key, folder in dirs:
             _make_dirs(key, folder, lock)
             lock_file = folder / LOCK_FILE
+            if not lock_file.exists():
+                lock.created.append(lock_file)
             try:
                 f = lock_file.open("a+")
             except OSError as exc:

@@ -1,0 +1,156 @@
+"""Run directories: the path checks, the lock, whose records a directory holds; and the pure
+rules for a failed save and for a run that is already complete."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from forge.config import dumps_toml, structure_config, unstructure_config
+from forge.training.outcome import LoopOutcome, outcome_message
+from forge.training.run_dir import (
+    LOCK_FILE,
+    RunDirBusyError,
+    foreign_records_problem,
+    lock_directories,
+    path_problem,
+)
+from forge.training.state import SaveReason, save_failure_is_fatal
+
+
+def make(tmp: pathlib.Path, spec: str) -> None:
+    """``spec``: "file:a", "dir:a/b" or "" (nothing)."""
+    kind, _, rel = spec.partition(":")
+    if kind == "file":
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).write_text("x")
+    elif kind == "dir":
+        (tmp / rel).mkdir(parents=True)
+
+
+# (case, what exists, the path, the start of the problem or None)
+PATHS = [
+    ("new directory", "", "run", None),
+    ("new nested directory", "", "a/b/run", None),
+    ("existing directory", "dir:run", "run", None),
+    ("a file", "file:run", "run", "run.dir: {tmp}/run is a file"),
+    ("below a file", "file:a", "a/run", "run.dir: {tmp}/a/run lies below the file {tmp}/a"),
+    ("deep below a file", "file:a", "a/b/c", "run.dir: {tmp}/a/b/c lies below the file {tmp}/a"),
+]
+
+
+@pytest.mark.parametrize("exists,rel,problem", [p[1:] for p in PATHS], ids=[p[0] for p in PATHS])
+def test_path_problem(tmp_path, exists, rel, problem):
+    make(tmp_path, exists)
+    found = path_problem("run.dir", tmp_path / rel)
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None and found.startswith(problem.format(tmp=tmp_path))
+
+
+def test_a_dangling_symlink_is_a_path_problem(tmp_path):
+    (tmp_path / "run").symlink_to(tmp_path / "gone")
+    found = path_problem("run.dir", tmp_path / "run")
+    assert found is not None and "broken symbolic link" in found
+
+
+def test_a_directory_locks_once_and_frees_on_release(tmp_path):
+    first = lock_directories([("run.dir", tmp_path / "run")])
+    with pytest.raises(RunDirBusyError, match=r"run.dir: .*/run is in use by pid \d+ on host"):
+        lock_directories([("run.dir", tmp_path / "run")])
+    first.release()
+    lock_directories([("run.dir", tmp_path / "run")]).release()
+
+
+def test_a_refused_lock_holds_nothing_and_creates_nothing(tmp_path):
+    held = lock_directories([("checkpoint.dir", tmp_path / "ckpt")])
+    with pytest.raises(RunDirBusyError, match=r"checkpoint\.dir"):
+        lock_directories([("run.dir", tmp_path / "new"), ("checkpoint.dir", tmp_path / "ckpt")])
+    assert not (tmp_path / "new").exists()  # created for the attempt, removed again
+    lock_directories([("run.dir", tmp_path / "new")]).release()  # and not left locked
+    held.release()
+
+
+def test_release_with_discard_removes_only_what_the_lock_created(tmp_path):
+    (tmp_path / "existing").mkdir()
+    lock = lock_directories(
+        [("run.dir", tmp_path / "existing"), ("checkpoint.dir", tmp_path / "a/b")]
+    )
+    lock.release(discard=True)
+    assert (tmp_path / "existing").is_dir() and not (tmp_path / "a").exists()
+    assert (tmp_path / "existing" / LOCK_FILE).exists() is False
+
+
+def write_run(run_dir: pathlib.Path, raw: dict, metrics: bool = True) -> None:
+    run_dir.mkdir(parents=True)
+    config = structure_config({**raw, "run": {"dir": str(run_dir)}})
+    (run_dir / "config.toml").write_text(dumps_toml(unstructure_config(config)))
+    if metrics:
+        (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+
+
+# (case, the previous run's config, its checkpoint dir, now: config, checkpoint dir, refused?)
+RECORDS = [
+    ("no records", None, None, {}, None, False),
+    ("the same run restarting before its first checkpoint", {}, None, {}, None, False),
+    ("the same run with another lr", {}, None, {"optimizer": {"lr": 1e-3}}, None, False),
+    ("another checkpoint dir", {}, None, {}, "elsewhere", True),
+    ("another model", {}, None, {"model": {"dim": 128}}, None, True),
+    ("another data order", {}, None, {"train": {"seq_len": 128}}, None, True),
+    ("the previous run's own checkpoint dir, named", {"checkpoint": {"dir": "CK"}}, "CK", {"checkpoint": {"dir": "CK"}}, "CK", False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "previous,previous_ckpt,now,now_ckpt,refused",
+    [r[1:] for r in RECORDS],
+    ids=[r[0] for r in RECORDS],
+)
+def test_foreign_records(tmp_path, previous, previous_ckpt, now, now_ckpt, refused):
+    def resolve(raw: dict) -> dict:
+        ck = raw.get("checkpoint", {}).get("dir")
+        return {**raw, "checkpoint": {"dir": str(tmp_path / ck)}} if ck else raw
+
+    run_dir = tmp_path / "run"
+    if previous is not None:
+        write_run(run_dir, resolve(previous))
+    config = structure_config({**resolve(now), "run": {"dir": str(run_dir)}})
+    ckpt = tmp_path / now_ckpt if now_ckpt else run_dir / "checkpoints"
+    problem = foreign_records_problem(run_dir, ckpt, config)
+    assert (problem is not None) is refused, problem
+    if refused:
+        assert problem is not None and problem.startswith(f"run.dir: {run_dir}")
+
+
+def test_metrics_without_a_config_are_an_unknown_runs_records(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    config = structure_config({"run": {"dir": str(tmp_path / "run")}})
+    problem = foreign_records_problem(tmp_path / "run", tmp_path / "run" / "checkpoints", config)
+    assert problem is not None and "unknown run" in problem
+
+
+# (reason, step, max_steps, fatal)
+SAVE_FAILURES = [
+    (SaveReason.SCHEDULED, 5, 10, False),  # periodic, mid-run: warn and go on
+    (SaveReason.SCHEDULED, 10, 10, True),  # periodic save of the last step: the last chance
+    (SaveReason.FINAL, 10, 10, True),
+    (SaveReason.FINAL, 7, 10, True),  # data exhausted early
+    (SaveReason.EMERGENCY, 5, 10, True),
+]
+
+
+@pytest.mark.parametrize("reason,step,max_steps,fatal", SAVE_FAILURES)
+def test_save_failure_is_fatal(reason, step, max_steps, fatal):
+    assert save_failure_is_fatal(reason, step, max_steps) is fatal
+
+
+def test_an_already_complete_run_says_how_to_extend_it():
+    message = outcome_message(LoopOutcome.ALREADY_COMPLETE, 400, 100, "runs/debug")
+    assert message is not None
+    assert "complete at step 400" in message and "--train.max_steps above 400" in message
+    assert "--run.dir" in message
+    others = set(LoopOutcome) - {LoopOutcome.ALREADY_COMPLETE}
+    assert all(outcome_message(o, 5, 10, "r") is None for o in others)
