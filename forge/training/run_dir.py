@@ -113,6 +113,9 @@ def lock_directories(dirs: Sequence[tuple[str, pathlib.Path]]) -> RunDirLock:
                     f"{key}: {folder} is in use by {_holder(lock_file)}; wait for that run to "
                     f"end, or choose another {key}"
                 ) from None
+            # a forked child (a DataLoader worker) would share the lock and could hold it after
+            # this process is gone: children close their copy
+            os.register_at_fork(after_in_child=f.close)
             f.seek(0)
             f.truncate()
             f.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")

@@ -188,3 +188,19 @@ def test_load_path_may_name_a_checkpoint_directory(tmp_path):
     fake_ckpt(tmp_path / "other", 8)
     plan = resolve_resume(tmp_path / "ckpt", tmp_path / "other")
     assert plan.path == tmp_path / "other" / "step_8"
+
+
+def test_retention_never_deletes_a_complete_checkpoint_for_an_incomplete_one(tmp_path):
+    """keep_last_n=2 with complete step_4 and step_8 and a damaged (incomplete) step_20."""
+    from forge.checkpoint.policy import SaveSchedule
+    from forge.checkpoint.store import TRAIN_STATE, apply_retention
+
+    for step in (4, 8):
+        (tmp_path / f"step_{step}").mkdir()
+        (tmp_path / f"step_{step}" / ".metadata").write_bytes(b"m")
+        (tmp_path / f"step_{step}" / TRAIN_STATE).write_text("{}")
+    (tmp_path / "step_20").mkdir()
+    (tmp_path / "step_20" / TRAIN_STATE).write_text("{}")  # no .metadata: incomplete
+    (tmp_path / "step_2").mkdir()  # incomplete and older than every complete one
+    assert apply_retention(tmp_path, 2, SaveSchedule(interval=4)) == [2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_20", "step_4", "step_8"]

@@ -154,3 +154,23 @@ def test_an_already_complete_run_says_how_to_extend_it():
     assert "--run.dir" in message
     others = set(LoopOutcome) - {LoopOutcome.ALREADY_COMPLETE}
     assert all(outcome_message(o, 5, 10, "r") is None for o in others)
+
+
+def test_a_forked_child_does_not_keep_the_lock(tmp_path):
+    """DataLoader workers are forked: they must not hold the run after it released it."""
+    import os
+    import signal
+
+    lock = lock_directories([("run.dir", tmp_path / "run")])
+    child = os.fork()
+    if child == 0:  # the child just lives on, as a worker would
+        import time
+
+        time.sleep(30)
+        os._exit(0)
+    try:
+        lock.release()
+        lock_directories([("run.dir", tmp_path / "run")]).release()  # free although it lives
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
