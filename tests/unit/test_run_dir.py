@@ -162,12 +162,15 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path):
     import signal
 
     lock = lock_directories([("run.dir", tmp_path / "run")])
+    ready, started = os.pipe()
     child = os.fork()
     if child == 0:  # the child just lives on, as a worker would
         import time
 
+        os.write(started, b"x")  # after the fork handlers ran
         time.sleep(30)
         os._exit(0)
+    os.read(ready, 1)
     try:
         lock.release()
         lock_directories([("run.dir", tmp_path / "run")]).release()  # free although it lives
