@@ -90,3 +90,49 @@ def test_stalled_rank_ends_in_health_failure_without_hanging(tmp_path, small_cor
     assert "HEALTH_FAILURE at step 3" in out.stdout  # step 3 timed out
     assert elapsed < 60, elapsed
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == []
+
+
+def test_a_held_run_dir_stops_both_ranks_at_start_up(tmp_path, small_corpus):
+    """Only rank 0 takes the lock; rank 1 learns of the refusal and never trains alone."""
+    from forge.training.run_dir import lock_directories
+
+    config = write_config(tmp_path, small_corpus)
+    run_dir = tmp_path / "run"
+    held = lock_directories([("run.dir", run_dir)])
+    try:
+        out, elapsed = torchrun(config, run_dir, *FSDP)
+    finally:
+        held.release()
+    assert out.returncode != 0
+    errors = [x for x in out.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 2, out.stderr[-3000:]  # one line from each rank, the same
+    assert all(f"is in use by pid {os.getpid()}" in e for e in errors)
+    assert not (run_dir / "metrics.jsonl").exists()
+    assert elapsed < 120  # no rank waited for a collective its peer never entered
+
+
+def test_a_full_disk_at_two_ranks_fails_both_alike_and_keeps_the_last_checkpoint(
+    tmp_path, small_corpus
+):
+    import resource
+
+    config = write_config(tmp_path, small_corpus)
+    run_dir = tmp_path / "run"
+    args = [*FSDP, "--checkpoint.interval=3", "--checkpoint.async_mode=async"]
+    ok(torchrun(config, run_dir, *args, "--train.max_steps=3")[0])
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "scripts" / "train.py"), str(config), f"--run.dir={run_dir}", *COMMON, *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env,
+                         preexec_fn=limit, check=False)  # fmt: skip
+    errors = [x for x in out.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 2 and all("saving step 6 failed" in e for e in errors), out.stderr[-4000:]
+    # torchrun reports the failed children with a traceback of its own; the children's is absent
+    assert "CheckpointException" not in out.stderr and "OSError" in errors[0]
+    ckpt = run_dir / "checkpoints"
+    assert os.readlink(ckpt / "latest") == "step_3"
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_")) == ["step_3"]
