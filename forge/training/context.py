@@ -20,6 +20,7 @@ from forge.metrics.sources import SourceStats
 from forge.optim.schedules import Schedule
 from forge.parallel.mesh import coordinates
 from forge.parallel.world import MeshDims, WorldInfo
+from forge.training.run_dir import checkpoint_dir_of
 from forge.training.state import LoopState
 
 
@@ -34,14 +35,9 @@ class RunContext:
 
     @classmethod
     def of(cls, config: JobConfig, source: pathlib.Path) -> RunContext:
-        """The context of a loaded config: ``checkpoint.dir`` defaults to
-        ``<run.dir>/checkpoints``."""
+        """The context of a loaded config (``run.dir`` resolved by ``load_config``)."""
         run_dir = pathlib.Path(str(config.run.dir))
-        ckpt = config.checkpoint.dir
-        checkpoint_dir = pathlib.Path(ckpt) if ckpt else run_dir / "checkpoints"
-        return cls(
-            config=config, config_source=source, run_dir=run_dir, checkpoint_dir=checkpoint_dir
-        )
+        return cls(config, source, run_dir, checkpoint_dir_of(config, run_dir))
 
     @property
     def metrics_path(self) -> pathlib.Path:
