@@ -2,7 +2,7 @@
 
 ``step`` is the index of the optimizer step about to run (0 for the first). Warmup is linear
 and reaches the peak at ``warmup_steps``; its first value is ``1 / (warmup_steps + 1)``, so the
-first step never runs at LR 0.
+first step never runs at LR 0. ``none`` has no warmup: the peak LR from step 0.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ def lr_multiplier(s: Schedule, step: int) -> float:
     progress = min(1.0, (step - s.warmup_steps) / s.decay_steps)
     if s.name is ScheduleName.LINEAR:
         return 1.0 - (1.0 - floor) * progress
+    if s.name is ScheduleName.REX:
+        return floor + (1.0 - floor) * (1.0 - progress) / (1.0 - progress / 2)
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 

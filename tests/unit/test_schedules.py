@@ -33,8 +33,12 @@ POINTS = [
     (ScheduleName.COSINE, 100, 0.1),
     (ScheduleName.LINEAR, 55, 0.55),
     (ScheduleName.LINEAR, 100, 0.1),
+    (ScheduleName.REX, 10, 1.0),
+    (ScheduleName.REX, 55, 0.1 + 0.9 * (0.5 / 0.75)),  # halfway: (1 - 1/2) / (1 - 1/4)
+    (ScheduleName.REX, 100, 0.1),
     (ScheduleName.CONSTANT, 99, 1.0),
-    (ScheduleName.NONE, 0, 1.0),
+    (ScheduleName.NONE, 0, 1.0),  # no warmup: warmup_steps is ignored
+    (ScheduleName.NONE, 5, 1.0),
     (ScheduleName.NONE, 99, 1.0),
     (ScheduleName.WSD, 79, 1.0),  # stable until the last 20% (decay_steps default)
     (ScheduleName.WSD, 80, 1.0),
@@ -48,7 +52,13 @@ def test_schedule_values(name, step, expected):
     assert lr_multiplier(sched(name), step) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("name", [ScheduleName.COSINE, ScheduleName.LINEAR, ScheduleName.WSD])
+def test_every_schedule_has_rows_in_the_table():
+    assert {name for name, _, _ in POINTS} == set(ScheduleName)
+
+
+@pytest.mark.parametrize(
+    "name", [ScheduleName.COSINE, ScheduleName.LINEAR, ScheduleName.REX, ScheduleName.WSD]
+)
 def test_decay_is_monotone_after_warmup(name):
     s = sched(name)
     values = [lr_multiplier(s, k) for k in range(10, 120)]

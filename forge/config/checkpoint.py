@@ -1,0 +1,64 @@
+"""``[checkpoint]``: when and how checkpoints are written, kept, resumed and exported."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from forge.config.checks import Problem, non_negative, not_empty, positive
+
+
+class AsyncMode(enum.Enum):
+    DISABLED = "disabled"  # the loop waits for every save
+    ASYNC = "async"  # stage (copy) the state, write it in a background thread
+    ASYNC_PROCESS = "async_process"  # stage into shared memory, write in a checkpoint process
+
+
+class ExportDtype(enum.Enum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+@attrs.frozen
+class DynamicWindow:
+    """Power-of-two milestones: inside [start, stop] save at start, start+1, start+2, start+4..."""
+
+    start: int = 0
+    stop: int = 512
+
+    def problems(self, prefix: str) -> list[Problem]:
+        p: list[Problem] = []
+        non_negative(p, f"{prefix}.start", self.start)
+        if self.stop < self.start:
+            p.append((f"{prefix}.stop", f"must be >= start={self.start}, got {self.stop}"))
+        return p
+
+
+@attrs.frozen
+class CheckpointConfig:
+    """DCP checkpoints. ``dir`` defaults to ``<run.dir>/checkpoints``; ``keep_last_n`` <= 0 keeps
+    all. ``load_path`` is used as initial weights only when ``dir`` holds no checkpoint."""
+
+    enabled: bool = True
+    dir: str | None = None
+    interval: int = 1000
+    async_mode: AsyncMode = AsyncMode.DISABLED
+    dyn_ckpt_window: DynamicWindow | None = None
+    keep_last_n: int = 3
+    load_path: str | None = None
+    load_optimizer: bool = False  # with load_path: also take its optimizer state
+    # resume even if the model or data order differs from the checkpoint's (with a warning)
+    allow_config_change: bool = False
+    export_final: bool = False  # the final save also writes <run.dir>/export (safetensors)
+    export_dtype: ExportDtype = ExportDtype.BFLOAT16
+
+    def problems(self) -> list[Problem]:
+        p: list[Problem] = []
+        not_empty(p, "checkpoint.dir", self.dir)
+        not_empty(p, "checkpoint.load_path", self.load_path)
+        positive(p, "checkpoint.interval", self.interval)
+        if self.dyn_ckpt_window is not None:
+            p += self.dyn_ckpt_window.problems("checkpoint.dyn_ckpt_window")
+        return p

@@ -1,0 +1,57 @@
+"""``[train]``: the optimisation loop, its precision, activation checkpointing and compile."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from forge.config.checks import Problem, non_negative, positive
+
+
+class Precision(enum.Enum):
+    """Compute dtype of the forward and backward pass (parameters stay fp32)."""
+
+    BF16 = "bf16"
+    FP32 = "fp32"
+
+
+class ActivationCheckpointing(enum.Enum):
+    NONE = "none"
+    FULL = "full"  # every block recomputes its activations in backward
+    SELECTIVE = "selective"  # every second block
+
+
+@attrs.frozen
+class TrainConfig:
+    """The optimisation loop. ``batch_size`` is per micro-batch; a step is
+    ``grad_accum_steps`` micro-batches."""
+
+    batch_size: int = 8
+    seq_len: int = 256
+    max_steps: int = 1000
+    max_epochs: int | None = None  # None: unbounded; else the loop ends DATA_EXHAUSTED
+    grad_accum_steps: int = 1
+    grad_clip_norm: float | None = 1.0  # None: no clipping (the norm is still measured)
+    seed: int = 42
+    data_seed: int | None = None  # None: same as seed
+    mixed_precision: Precision = Precision.BF16
+    num_threads: int = 0  # 0: torch's default
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.NONE
+    compile: bool = False  # torch.compile each block
+
+    @property
+    def effective_data_seed(self) -> int:
+        return self.seed if self.data_seed is None else self.data_seed
+
+    def problems(self) -> list[Problem]:
+        p: list[Problem] = []
+        for key in ("batch_size", "seq_len", "max_steps", "grad_accum_steps"):
+            positive(p, f"train.{key}", getattr(self, key))
+        if self.max_epochs is not None:
+            positive(p, "train.max_epochs", self.max_epochs)
+        if self.grad_clip_norm is not None:
+            positive(p, "train.grad_clip_norm", self.grad_clip_norm)
+        non_negative(p, "train.seed", self.seed)
+        non_negative(p, "train.num_threads", self.num_threads)
+        return p
