@@ -21,12 +21,15 @@ def _mesh_key(t: torch.Tensor) -> object:
 def global_grad_norm(
     params: Iterable[torch.Tensor], pp_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
-    """The L2 norm of every gradient in the model, as a plain fp32 scalar on every rank."""
+    """The L2 norm of every gradient in the model, as a plain fp32 scalar on every rank, on the
+    parameters' device (no host sync here: the caller reads it once per step)."""
+    params = list(params)
     groups: dict[object, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
             groups.setdefault(_mesh_key(p.grad), []).append(p.grad)
-    squares = torch.zeros((), dtype=torch.float32)
+    device = _local(params[0]).device if params else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float32, device=device)
     for mesh, grads in groups.items():
         if mesh is None:  # plain tensors: one fused kernel for all norms
             norms = torch.stack(torch._foreach_norm(grads))  # pyright: ignore[reportPrivateImportUsage]
@@ -35,10 +38,14 @@ def global_grad_norm(
         group_norm = torch.linalg.vector_norm(norms.float())
         if isinstance(group_norm, DTensor):
             group_norm = group_norm.full_tensor()
-        squares = squares + group_norm.to(squares.device) ** 2
+        squares = squares + group_norm**2
     if pp_group is not None:
         dist.all_reduce(squares, group=pp_group)
     return squares.sqrt()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def scale_grads_(params: Iterable[torch.Tensor], factor: float) -> None:

@@ -89,10 +89,10 @@ def finish_step(
 ) -> StepResult:
     """Clip by the global norm and step, only if loss and norm are finite; report the step.
 
-    Reads loss and norm in one host sync. A non-finite step zeroes the gradients and never
-    touches the optimizer state.
+    Reads loss and norm in one host sync (one device-to-host copy of both). A non-finite step
+    zeroes the gradients and never touches the optimizer state.
     """
-    loss_value, norm_value = torch.stack([loss.float().cpu(), grad_norm.float().cpu()]).tolist()
+    loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
     if math.isfinite(loss_value) and math.isfinite(norm_value):
         if math.isfinite(max_norm):
             scale_grads_(params, clip_coefficient(norm_value, max_norm))
@@ -134,7 +134,7 @@ def make_text_step(
     def text_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
         lr = set_lr(optimizer, lr_at(schedule, peak_lr, state.step) * batches[0].lr_scale)
         model.train()
-        total = torch.zeros(())
+        total = torch.zeros((), device=params[0].device)  # summed on the device: no sync here
         scale = loss_scale(state.step + 1) if loss_scale is not None else 1.0
         for i, batch in enumerate(batches):
             set_gradient_sync(model, i == len(batches) - 1)
@@ -142,7 +142,7 @@ def make_text_step(
             if scale != 1.0:  # fault injection (tests only)
                 loss = loss * scale
             (loss / len(batches)).backward()
-            total += loss.detach().cpu()
+            total += loss.detach().float()
         grad_norm = global_grad_norm(params)
         tokens = sum(b.num_tokens for b in batches) * dp_size
         mean_loss = total / len(batches)

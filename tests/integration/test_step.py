@@ -86,3 +86,44 @@ def test_norms_and_embeddings_do_not_decay():
     assert "layers.0.attention.wq.weight" in decay and "output.weight" in decay
     with_emb = param_groups(Transformer(CFG), OptimizerConfig(decay_embeddings=True))
     assert "tok_embeddings.weight" in with_emb[0]["names"]
+
+
+# what reads a tensor's value on the host: on a GPU each is a device synchronisation
+HOST_READS = ("cpu", "item", "tolist", "numpy", "__float__", "__int__", "__bool__")
+
+
+def count_host_reads(monkeypatch, optimizer) -> list[str]:
+    """Patch every host read of a tensor; reads inside ``optimizer.step`` (AdamW reads its CPU
+    step counters, which are no device sync) are not counted."""
+    reads: list[str] = []
+    inside_optimizer = []
+    for name in HOST_READS:
+        real = getattr(torch.Tensor, name)
+
+        def spy(self, *args, _real=real, _name=name, **kwargs):
+            if not inside_optimizer:
+                reads.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    real_step = optimizer.step
+
+    def step(*args, **kwargs):
+        inside_optimizer.append(True)
+        try:
+            return real_step(*args, **kwargs)
+        finally:
+            inside_optimizer.pop()
+
+    monkeypatch.setattr(optimizer, "step", step)
+    return reads
+
+
+@pytest.mark.parametrize("clip", [None, 1e-3])
+def test_a_step_reads_the_device_once_whatever_the_micro_batches(monkeypatch, clip):
+    _, opt, step = setup(clip=clip)
+    step((batch(1),), LoopState())  # optimizer state exists: later steps are steady state
+    reads = count_host_reads(monkeypatch, opt)
+    result = step((batch(1), batch(2), batch(3), batch(4)), LoopState(step=1))
+    assert reads == ["tolist"]  # loss and grad norm together, once
+    assert result.finite
