@@ -67,6 +67,16 @@ def forge_name(name: str) -> str:
     raise ExportError(f"tensor '{name}' is not part of a Llama model forge can read")
 
 
+def export_problem(cfg: ModelConfig) -> str | None:
+    """Why ``cfg`` has no Llama export, if it has none."""
+    if cfg.qk_norm:
+        return (
+            "model.qk_norm: transformers' LlamaForCausalLM has no query/key norms, so this "
+            "model has no Llama export; train without qk_norm to export it"
+        )
+    return None
+
+
 def llama_config(cfg: ModelConfig, dtype: str) -> dict:
     """The ``config.json`` of ``LlamaForCausalLM`` for ``cfg``."""
     return {
@@ -115,6 +125,9 @@ def export_model(
 
     if dtype not in DTYPES:
         raise ExportError(f"dtype '{dtype}': choose one of {sorted(DTYPES)}")
+    problem = export_problem(cfg)
+    if problem is not None:
+        raise ExportError(problem)
     tensors = {}
     for name, tensor in state.items():
         if cfg.tie_embeddings and name == "output.weight":

@@ -23,6 +23,7 @@ class ModelConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     init_std: float = 0.02
+    qk_norm: bool = False  # RMSNorm on each head's query and key (OLMo-2 / Qwen-3 style)
 
     @property
     def kv_heads(self) -> int:

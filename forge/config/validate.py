@@ -33,6 +33,14 @@ def cross_section_problems(config: JobConfig) -> list[Problem]:
                 "ids); set one of them off",
             )
         )
+    if config.checkpoint.export_final and config.model.qk_norm:
+        p.append(
+            (
+                "checkpoint.export_final",
+                "model.qk_norm has no Llama export (LlamaForCausalLM has no query/key norms); "
+                "set one of them off",
+            )
+        )
     window = config.checkpoint.dyn_ckpt_window
     if window is not None and window.start > config.train.max_steps:
         p.append(

@@ -2,7 +2,7 @@
 
 Parameter names are stable (they are checkpoint keys): ``tok_embeddings``, ``layers.<i>.
 attention.{wq,wk,wv,wo}``, ``layers.<i>.feed_forward.{w1,w2,w3}``, ``layers.<i>.{attention,
-ffn}_norm``, ``norm``, ``output``.
+ffn}_norm``, ``norm``, ``output``; with ``qk_norm``, ``layers.<i>.attention.{q,k}_norm``.
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
@@ -63,6 +66,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        # one weight per head dimension, shared by every head (and so by every TP shard)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -75,8 +81,11 @@ class Attention(nn.Module):
         if cos.dim() == 2:  # one table for every row: t is the full length even under SP
             cos, sin = cos[:t], sin[:t]
         # -1 heads: under tensor parallelism each rank holds n_heads / tp of them
-        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(b, t, -1, self.head_dim)
+        k = self.wk(x).view(b, t, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_kv_heads != self.n_heads

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -24,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from forge.config.sections import ActivationCheckpointing, Precision
-from forge.model.transformer import Transformer
+from forge.model.transformer import Transformer, TransformerBlock
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
@@ -40,28 +41,32 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
     if top:
         parallelize_module(model, tp_mesh, top)  # type: ignore[arg-type]
     for block in model.layers.values():
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(  # (x, cos, sin, mask): only x is sharded
-                    input_layouts=(Shard(1), None, None, None),
-                    desired_input_layouts=(Replicate(), None, None, None),
-                ),
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                ),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                "feed_forward.w3": ColwiseParallel(),
-            },
-        )
+        assert isinstance(block, TransformerBlock)
+        qk_norms: dict[str, ParallelStyle] = {}
+        if block.attention.q_norm is not None:
+            # q and k hold this rank's heads (dim 2): the norm's weight is replicated and each
+            # rank normalises its own heads, returning plain local tensors to attention
+            heads = SequenceParallel(sequence_dim=2, use_local_output=True)
+            qk_norms = {"attention.q_norm": heads, "attention.k_norm": heads}
+        plan: dict[str, ParallelStyle] = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(  # (x, cos, sin, mask): only x is sharded
+                input_layouts=(Shard(1), None, None, None),
+                desired_input_layouts=(Replicate(), None, None, None),
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        parallelize_module(block, tp_mesh, qk_norms | plan)
 
 
 def apply_activation_checkpointing(model: Transformer, mode: ActivationCheckpointing) -> None:

@@ -235,3 +235,37 @@ def test_packed_documents_under_tensor_parallelism_match_one_rank(tmp_path, smal
     train(write_config(tmp_path, small_corpus), two, *packed, *tp, ranks=2)
     config = write_config(tmp_path, small_corpus)
     assert_matches((config, one), config, two)
+
+
+QK_NORM_LAYOUTS = [
+    ("fsdp2", ["--distributed.dp_shard=2", "--train.batch_size=2", "--train.grad_accum_steps=2"]),
+    ("tp", ["--distributed.tp=2", "--distributed.dp_shard=1", "--train.batch_size=4",
+            "--train.grad_accum_steps=2"]),
+]  # fmt: skip
+
+
+def write_qk_norm_config(tmp: pathlib.Path, data: pathlib.Path) -> pathlib.Path:
+    """The tiny config with ``model.qk_norm`` in the file (``weights`` rebuilds from it)."""
+    path = write_config(tmp, data)
+    path.write_text(path.read_text().replace("[model]\n", "[model]\nqk_norm = true\n"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def qk_norm_reference(tmp_path_factory, small_corpus):
+    tmp = tmp_path_factory.mktemp("qk_ref")
+    config = write_qk_norm_config(tmp, small_corpus)
+    train(config, tmp / "run", "--train.batch_size=4", "--train.grad_accum_steps=2")
+    return config, tmp / "run"
+
+
+@pytest.mark.parametrize(
+    "args", [c[1] for c in QK_NORM_LAYOUTS], ids=[c[0] for c in QK_NORM_LAYOUTS]
+)
+def test_qk_norm_at_two_ranks_matches_one_rank(qk_norm_reference, tmp_path, small_corpus, args):
+    config = write_qk_norm_config(tmp_path, small_corpus)
+    train(config, tmp_path / "run", *args, ranks=2)
+    assert_matches(qk_norm_reference, config, tmp_path / "run")
+    names = weights(config, tmp_path / "run", 5)
+    assert "layers.0.attention.q_norm.weight" in names  # the norms trained and were saved
+    assert not torch.equal(names["layers.0.attention.q_norm.weight"], torch.ones(8))

@@ -107,3 +107,17 @@ def test_convert_script_round_trip_through_a_run(tiny_config, tmp_path):
     first_new = json.loads((tmp_path / "run2" / "metrics.jsonl").read_text().splitlines()[0])
     first_old = json.loads((run_dir(tiny_config) / "metrics.jsonl").read_text().splitlines()[0])
     assert first_new["loss"] < first_old["loss"]  # same first batch, trained initial weights
+
+
+def test_a_qk_norm_model_is_refused_by_export_in_one_line(tmp_path):
+    from forge.checkpoint.export import ExportError
+
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, max_seq_len=16, qk_norm=True)
+    state = Transformer(cfg).state_dict()
+    with pytest.raises(ExportError) as info:
+        export_model(state, cfg, tmp_path / "out", "float32")
+    assert info.value.lines == [
+        "model.qk_norm: transformers' LlamaForCausalLM has no query/key norms, so this model "
+        "has no Llama export; train without qk_norm to export it"
+    ]
+    assert not (tmp_path / "out").exists()

@@ -152,3 +152,35 @@ def test_activation_checkpointing_gives_the_same_gradients(mode):
     assert kinds == (
         ["CheckpointWrapper"] * 2 if mode == "full" else ["CheckpointWrapper", "TransformerBlock"]
     )
+
+
+def test_qk_norm_adds_one_norm_per_head_dimension_for_queries_and_keys():
+    m = model(qk_norm=True)
+    names = {n for n, _ in m.named_parameters() if "q_norm" in n or "k_norm" in n}
+    assert names == {f"layers.{i}.attention.{w}_norm.weight" for i in range(2) for w in "qk"}
+    assert all(
+        p.shape == (8,) and bool((p == 1).all()) for n, p in m.named_parameters() if n in names
+    )
+    assert num_parameters(m) == num_parameters(model()) + 2 * 2 * 8
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys(qk_norm):
+    """RMSNorm(c q) = RMSNorm(q): scaling wq and wk changes nothing with qk_norm, and changes
+    the logits without it."""
+    m = model(qk_norm=qk_norm, norm_eps=1e-12)  # eps would blur the invariance
+    x = torch.randint(0, 259, (2, 16))
+    before = m(x)
+    with torch.no_grad():
+        for block in m.layers.values():
+            block.attention.wq.weight.mul_(7.0)
+            block.attention.wk.weight.mul_(0.3)
+    after = m(x)
+    assert torch.allclose(before, after, atol=1e-4) is qk_norm
+
+
+def test_qk_norm_weights_learn():
+    m = model(qk_norm=True)
+    m(torch.randint(0, 259, (2, 16))).sum().backward()
+    grad = m.layers["0"].attention.q_norm.weight.grad
+    assert grad is not None and bool(grad.abs().sum() > 0)
