@@ -11,6 +11,8 @@ from forge.config.checks import Problem, non_negative, positive
 
 class OptimizerName(enum.Enum):
     ADAMW = "adamw"
+    MUON = "muon"  # Muon for the 2-D hidden matrices, AdamW for embeddings, head, norms
+    LION = "lion"
 
 
 class ScheduleName(enum.Enum):
@@ -26,7 +28,9 @@ class ScheduleName(enum.Enum):
 
 @attrs.frozen
 class OptimizerConfig:
-    """AdamW with explicit param groups: norms and biases never decay; embeddings by switch."""
+    """The update rule, with explicit param groups: norms and biases never decay; embeddings by
+    switch. ``betas`` serve AdamW (and Muon's AdamW part) and Lion; ``momentum`` and
+    ``ns_steps`` serve Muon."""
 
     name: OptimizerName = OptimizerName.ADAMW
     lr: float = 3e-4
@@ -34,6 +38,8 @@ class OptimizerConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     decay_embeddings: bool = False
+    momentum: float = 0.95  # Muon's momentum (Nesterov)
+    ns_steps: int = 5  # Muon's Newton–Schulz iterations
 
     def problems(self) -> list[Problem]:
         p: list[Problem] = []
@@ -42,6 +48,9 @@ class OptimizerConfig:
         positive(p, "optimizer.eps", self.eps)
         if not all(0.0 <= b < 1.0 for b in self.betas):
             p.append(("optimizer.betas", f"each beta must be in [0, 1), got {list(self.betas)}"))
+        if not 0.0 <= self.momentum < 1.0:
+            p.append(("optimizer.momentum", f"must be in [0, 1), got {self.momentum}"))
+        positive(p, "optimizer.ns_steps", self.ns_steps)
         return p
 
 

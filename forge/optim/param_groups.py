@@ -1,4 +1,4 @@
-"""AdamW parameter groups: which parameters get weight decay."""
+"""Parameter groups (which parameters decay, which Muon updates) and the optimizer from config."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from forge.config.sections import OptimizerConfig
+from forge.config.sections import OptimizerConfig, OptimizerName
+from forge.optim.optimizers import Lion, MuonAdamW
 
 
 def decays(name: str, param: torch.Tensor, decay_embeddings: bool) -> bool:
@@ -17,24 +18,48 @@ def decays(name: str, param: torch.Tensor, decay_embeddings: bool) -> bool:
     return decay_embeddings or "embeddings" not in name
 
 
+def uses_muon(name: str, param: torch.Tensor) -> bool:
+    """Muon takes the hidden matrices: 2-D weights inside the blocks (not the embedding or the
+    output head, whose rows are tokens)."""
+    return param.ndim == 2 and name.startswith("layers.")
+
+
 def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict[str, Any]]:
-    """Two groups, decay and no-decay, each listing its parameter names for inspection."""
-    groups: dict[bool, dict[str, Any]] = {
-        True: {"params": [], "names": [], "weight_decay": cfg.weight_decay},
-        False: {"params": [], "names": [], "weight_decay": 0.0},
+    """Decay and no-decay groups (and, for Muon, a Muon group of hidden matrices, which
+    decay), each listing its parameter names for inspection."""
+    muon = cfg.name is OptimizerName.MUON
+    groups: dict[tuple[bool, bool], dict[str, Any]] = {
+        (True, True): {"params": [], "names": [], "weight_decay": cfg.weight_decay},
+        (False, True): {"params": [], "names": [], "weight_decay": cfg.weight_decay},
+        (False, False): {"params": [], "names": [], "weight_decay": 0.0},
     }
     for name, p in model.named_parameters():  # tied weights appear once
         if not p.requires_grad:
             continue
-        group = groups[decays(name, p, cfg.decay_embeddings)]
+        on_muon = muon and uses_muon(name, p)
+        group = groups[(on_muon, on_muon or decays(name, p, cfg.decay_embeddings))]
         group["params"].append(p)
         group["names"].append(name)
+    if muon:
+        groups[(True, True)]["use_muon"] = True
     return [g for g in groups.values() if g["params"]]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """AdamW over ``param_groups``; the LR is set per step from the schedule."""
+    """The configured optimizer over ``param_groups``; the LR is set per step from the
+    schedule."""
     groups = param_groups(model, cfg)
     for g in groups:
         del g["names"]
+    if cfg.name is OptimizerName.LION:
+        return Lion(groups, lr=cfg.lr, betas=cfg.betas)
+    if cfg.name is OptimizerName.MUON:
+        return MuonAdamW(
+            groups,
+            lr=cfg.lr,
+            betas=cfg.betas,
+            eps=cfg.eps,
+            momentum=cfg.momentum,
+            ns_steps=cfg.ns_steps,
+        )
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True)

@@ -269,3 +269,19 @@ def test_qk_norm_at_two_ranks_matches_one_rank(qk_norm_reference, tmp_path, smal
     names = weights(config, tmp_path / "run", 5)
     assert "layers.0.attention.q_norm.weight" in names  # the norms trained and were saved
     assert not torch.equal(names["layers.0.attention.q_norm.weight"], torch.ones(8))
+
+
+OPTIMIZERS = [("muon", "3e-3"), ("lion", "3e-4")]
+
+
+@pytest.mark.parametrize("name,lr", OPTIMIZERS, ids=[o[0] for o in OPTIMIZERS])
+@pytest.mark.parametrize(
+    "layout", [c[1] for c in QK_NORM_LAYOUTS], ids=[c[0] for c in QK_NORM_LAYOUTS]
+)
+def test_optimizers_at_two_ranks_match_one_rank(tmp_path, small_corpus, name, lr, layout):
+    """Muon gathers each sharded matrix for its Newton–Schulz step; Lion is elementwise."""
+    args = [f"--optimizer.name={name}", f"--optimizer.lr={lr}"]
+    config = write_config(tmp_path, small_corpus)
+    train(config, tmp_path / "ref", *args, "--train.batch_size=4", "--train.grad_accum_steps=2")
+    train(config, tmp_path / "run", *args, *layout, ranks=2)
+    assert_matches((config, tmp_path / "ref"), config, tmp_path / "run")

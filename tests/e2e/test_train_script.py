@@ -382,3 +382,18 @@ def test_load_path_gives_initial_weights_and_optionally_the_optimizer(
     )
     has_moments = bool(model.optimizer.state_dict()["state"])
     assert has_moments is with_optimizer
+
+
+@pytest.mark.parametrize("name,lr", [("adamw", "3e-3"), ("muon", "3e-3"), ("lion", "3e-4")])
+def test_each_optimizer_learns_and_resumes_bit_exactly(tiny_config, tmp_path, name, lr):
+    args = [f"--optimizer.name={name}", f"--optimizer.lr={lr}"]
+    reference = reference_config(tiny_config, tmp_path)
+    assert TRAIN.main([str(reference), *args]) == 0
+    assert TRAIN.main([str(tiny_config), *args], hooks=[SignalAt(5)]) == 75
+    assert TRAIN.main([str(tiny_config), *args]) == 0
+    got = losses(tiny_config)
+    assert got == losses(reference)  # the optimizer state resumed exactly
+    for key, tensor in final_weights(reference, 12).items():
+        assert torch.equal(tensor, final_weights(tiny_config, 12)[key]), key
+    first, last = [v for _, v in got[:3]], [v for _, v in got[-3:]]
+    assert sum(last) < sum(first) - 0.3, got  # it learns

@@ -1,0 +1,147 @@
+"""Lion, and Muon for the hidden matrices with AdamW for the rest, as ``torch.optim.Optimizer``s.
+
+Both work on plain tensors and on sharded ``DTensor`` parameters (FSDP2, TP). Lion's update is
+elementwise, so each shard updates itself. Muon orthogonalises each matrix's momentum with a
+Newton–Schulz iteration, which needs the whole matrix: a sharded update is gathered, every rank
+runs the same iteration on the full matrix, and keeps its own shard of the result, so a
+sharded run takes exactly the steps of a one-process run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+# Newton–Schulz quintic coefficients (Keller Jordan's Muon)
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(matrix: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
+    """An approximately orthogonal matrix with ``matrix``'s singular vectors (US'V^T with
+    S' near 1), in fp32."""
+    a, b, c = NS_COEFFICIENTS
+    x = matrix.float()
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+def orthogonalized(update: torch.Tensor, steps: int) -> torch.Tensor:
+    """``newton_schulz`` of the full matrix, returned in ``update``'s layout (each rank keeps
+    its shard of a ``DTensor``; the full matrix is gathered once)."""
+    if not isinstance(update, DTensor):
+        return newton_schulz(update, steps).to(update.dtype)
+    full = newton_schulz(update.full_tensor(), steps).to(update.dtype)
+    # every rank computed the same full matrix: slice it locally, no communication
+    return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
+
+
+def muon_lr_scale(shape: torch.Size) -> float:
+    """Moonshot's scale: Muon's update gets AdamW's RMS, so both share ``optimizer.lr``."""
+    return 0.2 * math.sqrt(max(shape[0], shape[1]))
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023): ``p -= lr * (sign(b1 m + (1 - b1) g) + wd p)``, then
+    ``m = b2 m + (1 - b2) g``. One state tensor per parameter."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One Lion update of every parameter with a gradient."""
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                m = state["exp_avg"]
+                direction = m.mul(beta1).add_(p.grad, alpha=1 - beta1).sign_()
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(direction, alpha=-group["lr"])
+                m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+        return loss
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon (momentum, Nesterov, Newton–Schulz orthogonalisation) for the groups marked
+    ``use_muon``, AdamW for the others: one optimizer object to the loop, one state dict."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        momentum: float = 0.95,
+        ns_steps: int = 5,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "ns_steps": ns_steps,
+            "use_muon": False,
+        }
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One update: Muon for ``use_muon`` groups, AdamW for the rest."""
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    (self._muon if group["use_muon"] else self._adamw)(p, group)
+        return loss
+
+    def _muon(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        grad = p.grad
+        assert grad is not None
+        state = self.state[p]
+        if not state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        buf = state["momentum_buffer"]
+        buf.lerp_(grad, 1 - group["momentum"])
+        update = grad.lerp(buf, group["momentum"])  # Nesterov
+        ortho = orthogonalized(update, group["ns_steps"])
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(ortho, alpha=-group["lr"] * muon_lr_scale(p.shape))
+
+    def _adamw(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        beta1, beta2 = group["betas"]
+        state["step"] += 1
+        step = int(state["step"].item())  # a CPU counter: no device sync
+        state["exp_avg"].lerp_(p.grad, 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+        denom = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt_().add_(group["eps"])
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1**step))
