@@ -39,6 +39,7 @@ class TrainConfig:
     num_threads: int = 0  # 0: torch's default
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.NONE
     compile: bool = False  # torch.compile each block
+    z_loss_weight: float = 0.0  # adds weight × mean(logsumexp²) to the loss (0: off)
 
     @property
     def effective_data_seed(self) -> int:
@@ -54,4 +55,5 @@ class TrainConfig:
             positive(p, "train.grad_clip_norm", self.grad_clip_norm)
         non_negative(p, "train.seed", self.seed)
         non_negative(p, "train.num_threads", self.num_threads)
+        non_negative(p, "train.z_loss_weight", self.z_loss_weight)
         return p

@@ -25,6 +25,14 @@ def cross_section_problems(config: JobConfig) -> list[Problem]:
                 "(the run would end inside warmup)",
             )
         )
+    if config.train.z_loss_weight > 0 and config.distributed.pp > 1:
+        p.append(
+            (
+                "train.z_loss_weight",
+                "is not supported with distributed.pp > 1 yet (the pipeline's loss has no "
+                "second output to log); set one of them off",
+            )
+        )
     if config.data.pack_documents and config.distributed.pp > 1:
         p.append(
             (

@@ -46,10 +46,11 @@ ROLLBACK_SLOT = "rollback"
 def step_record(
     state: LoopState, result: StepResult, step_time: float, tokens_per_sec: float
 ) -> dict[str, Any]:
-    """The metrics one logged step writes."""
-    return {
-        "step": state.step,
-        "loss": result.loss,
+    """The metrics one logged step writes (``z_loss`` only when the z-loss is on)."""
+    record: dict[str, Any] = {"step": state.step, "loss": result.loss}
+    if result.z_loss is not None:
+        record["z_loss"] = result.z_loss
+    return record | {
         "grad_norm": result.grad_norm,
         "lr": result.lr,
         "tokens_seen": state.tokens_seen,
@@ -188,8 +189,15 @@ class TrainingEffects:
     def log(self, state: LoopState, result: StepResult) -> None:
         """Every rank calls this (a logging step is decided the same everywhere): the loss is
         averaged over data-parallel ranks here, so that no other step pays for the reduction."""
-        loss = mean_over_ranks(result.loss, self.dist.world_size, self.dist.device)
-        result = attrs.evolve(result, loss=loss)
+        if result.z_loss is None:
+            loss = mean_over_ranks(result.loss, self.dist.world_size, self.dist.device)
+            result = attrs.evolve(result, loss=loss)
+        else:  # both in one reduction
+            loss, z = sum_over_ranks(
+                [result.loss, result.z_loss], self.dist.world_size, self.dist.device
+            )
+            world = self.dist.world_size
+            result = attrs.evolve(result, loss=loss / world, z_loss=z / world)
         elapsed = self.clock() - self._mark_time
         steps = max(1, state.step - self._mark_step)
         step_time = elapsed / steps

@@ -456,6 +456,7 @@ def make_step_fn(
         dp_size=dist.dp_size,
         loss_scale=NanInjector(faults_from_env(os.environ), dist.rank),
         stats=data.source_stats if data is not None else None,
+        z_loss_weight=cfg.train.z_loss_weight,
     )
 
 

@@ -46,10 +46,12 @@ class StepResult:
     tokens: int
     lr: float
     collective_failed: bool = False  # a peer stalled or died during the step
+    z_loss: float | None = None  # mean logsumexp² when train.z_loss_weight > 0 (not in ``loss``)
 
     @property
     def finite(self) -> bool:
-        return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
+        z_finite = self.z_loss is None or math.isfinite(self.z_loss)
+        return math.isfinite(self.loss) and math.isfinite(self.grad_norm) and z_finite
 
 
 @attrs.frozen

@@ -64,6 +64,22 @@ def lm_loss(
     return per_token.sum() / counted.sum()
 
 
+def lm_loss_and_z(
+    model: nn.Module, batch: Batch, autocast: Callable, stats: SourceStats | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cross-entropy of ``lm_loss`` and the z-loss term ``mean(logsumexp(logits)²)``, both
+    over the unmasked labels, from one logsumexp (CE = logsumexp - the target's logit)."""
+    logits = logits_of(model, batch, autocast)
+    lse = logits.logsumexp(-1)  # (B, T), fp32
+    counted = batch.labels != IGNORE_INDEX
+    target = logits.gather(-1, batch.labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    per_token = (lse - target) * counted
+    if stats is not None and batch.sources is not None:
+        stats.add(batch.sources, per_token.sum(dim=1), counted.sum(dim=1))
+    n = counted.sum()
+    return per_token.sum() / n, (lse.square() * counted).sum() / n
+
+
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """FSDP2: reduce-scatter gradients only on the last micro-batch of a step."""
     if isinstance(model, FSDPModule):
@@ -86,19 +102,29 @@ def finish_step(
     *,
     tokens: int,
     lr: float,
+    z_loss: torch.Tensor | None = None,
 ) -> StepResult:
-    """Clip by the global norm and step, only if loss and norm are finite; report the step.
+    """Clip by the global norm and step, only if loss, norm (and z-loss) are finite; report
+    the step.
 
-    Reads loss and norm in one host sync (one device-to-host copy of both). A non-finite step
-    zeroes the gradients and never touches the optimizer state.
+    Reads them in one host sync (one device-to-host copy of all). A non-finite step zeroes the
+    gradients and never touches the optimizer state.
     """
-    loss_value, norm_value = torch.stack([loss.float(), grad_norm.float()]).tolist()
-    if math.isfinite(loss_value) and math.isfinite(norm_value):
+    read = [loss.float(), grad_norm.float(), *([z_loss.float()] if z_loss is not None else [])]
+    values = torch.stack(read).tolist()
+    result = StepResult(
+        loss=values[0],
+        grad_norm=values[1],
+        tokens=tokens,
+        lr=lr,
+        z_loss=values[2] if z_loss is not None else None,
+    )
+    if result.finite:
         if math.isfinite(max_norm):
-            scale_grads_(params, clip_coefficient(norm_value, max_norm))
+            scale_grads_(params, clip_coefficient(result.grad_norm, max_norm))
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss=loss_value, grad_norm=norm_value, tokens=tokens, lr=lr)
+    return result
 
 
 def make_text_step(
@@ -113,6 +139,7 @@ def make_text_step(
     dp_size: int = 1,
     loss_scale: Callable[[int], float] | None = None,
     stats: SourceStats | None = None,
+    z_loss_weight: float = 0.0,
 ) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
     """The language-model step: accumulate gradients, clip, and update only if all is finite.
 
@@ -121,7 +148,8 @@ def make_text_step(
     is global over every shard, so all ranks agree on whether the step is finite. The loss is
     this rank's; it is averaged over data-parallel ranks only when logged. ``loss_scale``
     (tests only) multiplies the loss of a given step, e.g. by NaN. ``stats`` collects
-    per-source losses of a mixture.
+    per-source losses of a mixture. ``z_loss_weight`` > 0 adds ``weight × mean(logsumexp²)`` to
+    the objective; the reported ``loss`` stays the cross-entropy, ``z_loss`` the mean term.
     """
     autocast = (
         contextlib.nullcontext
@@ -134,19 +162,30 @@ def make_text_step(
     def text_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
         lr = set_lr(optimizer, lr_at(schedule, peak_lr, state.step) * batches[0].lr_scale)
         model.train()
-        total = torch.zeros((), device=params[0].device)  # summed on the device: no sync here
+        device = params[0].device
+        total = torch.zeros((), device=device)  # summed on the device: no sync here
+        total_z = torch.zeros((), device=device) if z_loss_weight > 0 else None
         scale = loss_scale(state.step + 1) if loss_scale is not None else 1.0
         for i, batch in enumerate(batches):
             set_gradient_sync(model, i == len(batches) - 1)
-            loss = lm_loss(model, batch, autocast, stats)
+            if total_z is None:
+                loss, objective = lm_loss(model, batch, autocast, stats), None
+            else:
+                loss, z = lm_loss_and_z(model, batch, autocast, stats)
+                total_z += z.detach()
+                objective = loss + z_loss_weight * z
             if scale != 1.0:  # fault injection (tests only)
                 loss = loss * scale
-            (loss / len(batches)).backward()
+                objective = objective * scale if objective is not None else None
+            ((objective if objective is not None else loss) / len(batches)).backward()
             total += loss.detach().float()
         grad_norm = global_grad_norm(params)
         tokens = sum(b.num_tokens for b in batches) * dp_size
-        mean_loss = total / len(batches)
-        return finish_step(optimizer, params, mean_loss, grad_norm, max_norm, tokens=tokens, lr=lr)
+        n = len(batches)
+        mean_z = total_z / n if total_z is not None else None
+        return finish_step(
+            optimizer, params, total / n, grad_norm, max_norm, tokens=tokens, lr=lr, z_loss=mean_z
+        )
 
     return text_step
 

@@ -397,3 +397,15 @@ def test_each_optimizer_learns_and_resumes_bit_exactly(tiny_config, tmp_path, na
         assert torch.equal(tensor, final_weights(tiny_config, 12)[key]), key
     first, last = [v for _, v in got[:3]], [v for _, v in got[-3:]]
     assert sum(last) < sum(first) - 0.3, got  # it learns
+
+
+def test_z_loss_is_logged_beside_the_loss_only_when_on(tiny_config, tmp_path):
+    reference = reference_config(tiny_config, tmp_path)
+    assert TRAIN.main([str(reference), "--train.max_steps=3"]) == 0
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=3", "--train.z_loss_weight=1e-3"]) == 0
+    lines = (run_dir(tiny_config) / "metrics.jsonl").read_text().splitlines()
+    with_z = [json.loads(x) for x in lines]
+    plain = [json.loads(x) for x in (run_dir(reference) / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["z_loss"] > 0 for r in with_z) and not any("z_loss" in r for r in plain)
+    assert with_z[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)  # step 1: the same CE
+    assert with_z[2]["loss"] != plain[2]["loss"]  # the z term changed the updates

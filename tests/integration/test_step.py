@@ -1,5 +1,6 @@
 """text_step: accumulation, clipping, and a non-finite step that never touches the optimizer."""
 
+import contextlib
 import copy
 
 import pytest
@@ -7,10 +8,11 @@ import torch
 
 from forge.config import ModelConfig, OptimizerConfig, Precision, SchedulerConfig
 from forge.data.loader import Batch
+from forge.data.packing import IGNORE_INDEX
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer, param_groups, resolve_schedule
 from forge.training.state import LoopState
-from forge.training.step import make_text_step
+from forge.training.step import lm_loss_and_z, make_text_step
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, max_seq_len=16)
 
@@ -127,3 +129,49 @@ def test_a_step_reads_the_device_once_whatever_the_micro_batches(monkeypatch, cl
     result = step((batch(1), batch(2), batch(3), batch(4)), LoopState(step=1))
     assert reads == ["tolist"]  # loss and grad norm together, once
     assert result.finite
+
+
+def masked_batch(seed):
+    b = batch(seed)
+    labels = b.labels.clone()
+    labels[:, :5] = IGNORE_INDEX  # packed rows mask document boundaries like this
+    return Batch(b.inputs, labels)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_z_loss_parts_equal_cross_entropy_and_the_mean_squared_logsumexp(masked):
+    model, _, _ = setup()
+    b = masked_batch(3) if masked else batch(3)
+    ce, z = lm_loss_and_z(model, b, contextlib.nullcontext)
+    logits = model(b.inputs).float()
+    keep = b.labels != IGNORE_INDEX
+    expected_ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b.labels.flatten())
+    expected_z = logits.logsumexp(-1)[keep].square().mean()
+    torch.testing.assert_close(ce, expected_ce, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(z, expected_z, rtol=1e-6, atol=1e-6)
+
+
+def test_the_z_loss_is_in_the_objective_but_not_in_the_reported_loss():
+    weight = 0.1
+    _, _, plain = setup(sgd=True)
+    z_model, z_opt, _ = setup(sgd=True)
+    sched = resolve_schedule(SchedulerConfig(warmup_steps=0), 100)
+    z_step = make_text_step(z_model, z_opt, sched, 1e-2, Precision.FP32, None, z_loss_weight=weight)
+    reference = copy.deepcopy(z_model)
+    a, b = batch(1), batch(2)
+    r_plain, r_z = plain((a, b), LoopState()), z_step((a, b), LoopState())
+    assert r_z.loss == pytest.approx(r_plain.loss, rel=1e-6)  # the loss logged is the pure CE
+    assert r_plain.z_loss is None and r_z.z_loss is not None and r_z.z_loss > 0
+    # SGD: the update is -lr × the gradient of mean over micro-batches of (CE + w z)
+    objective = (
+        sum(
+            ce + weight * z
+            for ce, z in (lm_loss_and_z(reference, x, contextlib.nullcontext) for x in (a, b))
+        )
+        / 2
+    )
+    objective.backward()
+    for p_ref, p_z in zip(reference.parameters(), z_model.parameters(), strict=True):
+        torch.testing.assert_close(
+            p_z.detach(), p_ref.detach() - 1e-2 * p_ref.grad, rtol=1e-5, atol=1e-6
+        )
