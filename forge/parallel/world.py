@@ -109,12 +109,12 @@ def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
             )
         )
     m = config.model
-    if m.tie_embeddings and world_size > 1:
+    if m.tie_embeddings and dims.pp > 1:
         p.append(
             (
                 "model.tie_embeddings",
-                "is supported in a single process only (a shared embedding/head across shards "
-                "or stages is not implemented); set it to false",
+                "is not supported with distributed.pp > 1 (the embedding lives on the first "
+                "stage, the head on the last); set one of them off",
             )
         )
     if dims.tp > 1:

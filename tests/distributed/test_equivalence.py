@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import sys
 
+import attrs
 import pytest
 import torch
 
@@ -285,3 +286,25 @@ def test_optimizers_at_two_ranks_match_one_rank(tmp_path, small_corpus, name, lr
     train(config, tmp_path / "ref", *args, "--train.batch_size=4", "--train.grad_accum_steps=2")
     train(config, tmp_path / "run", *args, *layout, ranks=2)
     assert_matches((config, tmp_path / "ref"), config, tmp_path / "run")
+
+
+def write_tied_config(tmp: pathlib.Path, data: pathlib.Path) -> pathlib.Path:
+    path = write_config(tmp, data)
+    path.write_text(path.read_text().replace("[model]\n", "[model]\ntie_embeddings = true\n"))
+    return path
+
+
+@pytest.mark.parametrize(
+    "layout", [c[1] for c in QK_NORM_LAYOUTS], ids=[c[0] for c in QK_NORM_LAYOUTS]
+)
+def test_tied_embeddings_at_two_ranks_match_one_rank(tmp_path, small_corpus, layout):
+    config = write_tied_config(tmp_path, small_corpus)
+    train(config, tmp_path / "ref", "--train.batch_size=4", "--train.grad_accum_steps=2")
+    train(config, tmp_path / "run", *layout, ranks=2)
+    assert_matches((config, tmp_path / "ref"), config, tmp_path / "run")
+    # read back into an untied model: the two saved tensors are one trained weight
+    untied = Transformer(
+        attrs.evolve(load_config([str(config)]).config.model, tie_embeddings=False)
+    )
+    load_checkpoint(tmp_path / "run" / "checkpoints" / "step_5", untied, None)
+    assert torch.equal(untied.output.weight, untied.tok_embeddings.weight)

@@ -223,12 +223,14 @@ RULES = [
             "distributed.pp_schedule: 'interleaved_1f1b' is not supported yet (several stages per rank); use 'gpipe' or '1f1b'"
         ],
     ),
+    ("tied embeddings under FSDP2", cfg(distributed={"dp_shard": 2}, model={"tie_embeddings": True}), 2, []),
+    ("tied embeddings under TP", cfg(distributed={"dp_shard": 1, "tp": 2}, model={"tie_embeddings": True}), 2, []),
     (
-        "tied embeddings with several ranks",
-        cfg(distributed={"dp_shard": 2}, model={"tie_embeddings": True}),
+        "tied embeddings across pipeline stages",
+        cfg(distributed={"dp_shard": 1, "pp": 2}, model={"tie_embeddings": True}),
         2,
         [
-            "model.tie_embeddings: is supported in a single process only (a shared embedding/head across shards or stages is not implemented); set it to false"
+            "model.tie_embeddings: is not supported with distributed.pp > 1 (the embedding lives on the first stage, the head on the last); set one of them off"
         ],
     ),
     ("tied embeddings alone", cfg(model={"tie_embeddings": True}), 1, []),
