@@ -10,7 +10,8 @@ from forge.config.checks import Problem, non_negative, positive
 
 
 class Precision(enum.Enum):
-    """Compute dtype of the forward and backward pass (parameters stay fp32)."""
+    """A dtype: of the compute (``train.mixed_precision``) or of the parameters, gradients and
+    optimizer state (``train.param_dtype``)."""
 
     BF16 = "bf16"
     FP32 = "fp32"
@@ -35,7 +36,10 @@ class TrainConfig:
     grad_clip_norm: float | None = 1.0  # None: no clipping (the norm is still measured)
     seed: int = 42
     data_seed: int | None = None  # None: same as seed
-    mixed_precision: Precision = Precision.BF16
+    mixed_precision: Precision = Precision.BF16  # compute dtype of forward and backward
+    # parameters, gradients and optimizer state: fp32 master weights, or pure bf16 (a numerics
+    # trade-off: KempnerForge's bf16 mode)
+    param_dtype: Precision = Precision.FP32
     num_threads: int = 0  # 0: torch's default
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.NONE
     compile: bool = False  # torch.compile each block
@@ -56,4 +60,11 @@ class TrainConfig:
         non_negative(p, "train.seed", self.seed)
         non_negative(p, "train.num_threads", self.num_threads)
         non_negative(p, "train.z_loss_weight", self.z_loss_weight)
+        if self.param_dtype is Precision.BF16 and self.mixed_precision is not Precision.BF16:
+            p.append(
+                (
+                    "train.param_dtype",
+                    "'bf16' parameters compute in bf16; set train.mixed_precision='bf16' too",
+                )
+            )
         return p

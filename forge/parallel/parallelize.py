@@ -78,13 +78,26 @@ def apply_activation_checkpointing(model: Transformer, mode: ActivationCheckpoin
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, precision: Precision) -> None:
-    """FSDP2 per block, then the root; fp32 master weights and gradient reduction, with the
-    compute dtype from ``train.mixed_precision``."""
-    mp = MixedPrecisionPolicy(
+def fsdp_policy(precision: Precision, param_dtype: Precision) -> MixedPrecisionPolicy:
+    """FSDP2's dtypes from the two keys: bf16 compute over fp32 master weights casts the
+    gathered parameters and reduces gradients in fp32; pure bf16 parameters stay as they are and
+    reduce in bf16."""
+    if param_dtype is Precision.BF16:
+        return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.bfloat16)
+    return MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if precision is Precision.BF16 else None,
         reduce_dtype=torch.float32,
     )
+
+
+def apply_fsdp(
+    model: Transformer,
+    dp_mesh: DeviceMesh,
+    precision: Precision,
+    param_dtype: Precision = Precision.FP32,
+) -> None:
+    """FSDP2 per block, then the root, with ``fsdp_policy``'s dtypes."""
+    mp = fsdp_policy(precision, param_dtype)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
@@ -104,13 +117,14 @@ def parallelize(
     precision: Precision,
     activation_checkpointing: ActivationCheckpointing,
     compile_blocks: bool,
+    param_dtype: Precision = Precision.FP32,
 ) -> nn.Module:
     """The fixed order: TP, activation checkpointing, FSDP2, compile. Returns the model."""
     if tp_mesh is not None:
         apply_tp(model, tp_mesh)
     apply_activation_checkpointing(model, activation_checkpointing)
     if dp_mesh is not None:
-        apply_fsdp(model, dp_mesh, precision)
+        apply_fsdp(model, dp_mesh, precision, param_dtype)
     if compile_blocks:
         apply_compile(model)
     return model

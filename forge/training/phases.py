@@ -197,8 +197,9 @@ def seed_everything(seed: int) -> None:
 
 
 def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
-    """The fp32 model, parallelized (TP → AC → FSDP2 → compile), AdamW with param groups over
-    the parallelized parameters, and the resolved LR schedule.
+    """The model (fp32, or bf16 under ``train.param_dtype``), parallelized (TP → AC → FSDP2 →
+    compile), the configured optimizer with param groups over the parallelized parameters,
+    and the resolved LR schedule.
 
     The model is built on the meta device, parallelized, then materialized: each rank allocates
     only its shards and initializes them from per-parameter generators, so a sharded run starts
@@ -207,6 +208,8 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
     cfg = run.config
     with torch.device("meta"):  # no memory until sharded: each rank materializes its part
         model = Transformer(cfg.model)
+    if cfg.train.param_dtype is Precision.BF16:  # pure bf16: allocated (and sharded) as bf16
+        model.to(dtype=torch.bfloat16)
     num_params = num_parameters(model)
     pipeline = None
     pp_mesh = submesh(dist.mesh, "pp")
@@ -221,6 +224,7 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
         precision=cfg.train.mixed_precision,
         activation_checkpointing=cfg.train.activation_checkpointing,
         compile_blocks=cfg.train.compile,
+        param_dtype=cfg.train.param_dtype,
     )
     model.materialize(dist.device)
     model.init_weights(seed=cfg.train.seed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import signal
@@ -409,3 +410,50 @@ def test_z_loss_is_logged_beside_the_loss_only_when_on(tiny_config, tmp_path):
     assert all(r["z_loss"] > 0 for r in with_z) and not any("z_loss" in r for r in plain)
     assert with_z[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)  # step 1: the same CE
     assert with_z[2]["loss"] != plain[2]["loss"]  # the z term changed the updates
+
+
+def optimizer_state_dtypes(optimizer) -> set[torch.dtype]:
+    return {v.dtype for s in optimizer.state.values() for k, v in s.items() if k != "step"}
+
+
+# (mixed_precision, param_dtype, compute dtype, parameter and optimizer-state dtype)
+PRECISIONS = [
+    ("fp32", "fp32", torch.float32, torch.float32),
+    ("bf16", "fp32", torch.bfloat16, torch.float32),  # fp32 master weights, bf16 compute
+    ("bf16", "bf16", torch.bfloat16, torch.bfloat16),  # pure bf16
+]
+
+
+@pytest.mark.parametrize("compute,params,compute_dtype,param_dtype", PRECISIONS)
+def test_precision_modes_keep_each_dtype_where_it_belongs(
+    tiny_config, monkeypatch, compute, params, compute_dtype, param_dtype
+):
+    models = []
+    real = TRAIN.build_model_and_optim
+    seen: list[torch.dtype] = []
+
+    def spy(run, dist):
+        ctx = real(run, dist)
+        ctx.model.layers["0"].attention.wq.register_forward_hook(
+            lambda module, args, out: seen.append(out.dtype)
+        )
+        models.append(ctx)
+        return ctx
+
+    monkeypatch.setattr(TRAIN, "build_model_and_optim", spy)
+    args = [f"--train.mixed_precision={compute}", f"--train.param_dtype={params}"]
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=3", *args]) == 0
+    (ctx,) = models
+    assert set(seen) == {compute_dtype}
+    assert {p.dtype for p in ctx.model.parameters()} == {param_dtype}
+    assert optimizer_state_dtypes(ctx.optimizer) == {param_dtype}
+    assert all(math.isfinite(v) for _, v in losses(tiny_config))
+
+
+def test_pure_bf16_trains_close_to_fp32(tiny_config, tmp_path):
+    reference = reference_config(tiny_config, tmp_path)
+    assert TRAIN.main([str(reference)]) == 0
+    bf16 = ["--train.mixed_precision=bf16", "--train.param_dtype=bf16"]
+    assert TRAIN.main([str(tiny_config), *bf16]) == 0
+    for (step, fp32), (_, pure) in zip(losses(reference), losses(tiny_config), strict=True):
+        assert pure == pytest.approx(fp32, rel=0.03), step  # docs/optimizers.md: the tolerance

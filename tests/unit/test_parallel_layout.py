@@ -223,8 +223,18 @@ RULES = [
             "distributed.pp_schedule: 'interleaved_1f1b' is not supported yet (several stages per rank); use 'gpipe' or '1f1b'"
         ],
     ),
-    ("tied embeddings under FSDP2", cfg(distributed={"dp_shard": 2}, model={"tie_embeddings": True}), 2, []),
-    ("tied embeddings under TP", cfg(distributed={"dp_shard": 1, "tp": 2}, model={"tie_embeddings": True}), 2, []),
+    (
+        "tied embeddings under FSDP2",
+        cfg(distributed={"dp_shard": 2}, model={"tie_embeddings": True}),
+        2,
+        [],
+    ),
+    (
+        "tied embeddings under TP",
+        cfg(distributed={"dp_shard": 1, "tp": 2}, model={"tie_embeddings": True}),
+        2,
+        [],
+    ),
     (
         "tied embeddings across pipeline stages",
         cfg(distributed={"dp_shard": 1, "pp": 2}, model={"tie_embeddings": True}),
@@ -259,3 +269,23 @@ def test_distributed_section_ranges():
         "distributed.tp: must be > 0, got 0",
         "distributed.dp_shard: must be -1 (the rest) or >= 1, got 0",
     ]
+
+
+# (mixed_precision, param_dtype, FSDP2 param dtype, FSDP2 reduce dtype)
+FSDP_POLICIES = [
+    ("fp32", "fp32", None, "float32"),
+    ("bf16", "fp32", "bfloat16", "float32"),  # gathered weights cast to bf16, fp32 reduction
+    ("bf16", "bf16", None, "bfloat16"),  # pure bf16: nothing to cast, bf16 reduction
+]
+
+
+@pytest.mark.parametrize("compute,params,param_dtype,reduce_dtype", FSDP_POLICIES)
+def test_fsdp_policy_follows_the_two_precision_keys(compute, params, param_dtype, reduce_dtype):
+    import torch
+
+    from forge.config.sections import Precision
+    from forge.parallel.parallelize import fsdp_policy
+
+    policy = fsdp_policy(Precision(compute), Precision(params))
+    assert policy.param_dtype == (getattr(torch, param_dtype) if param_dtype else None)
+    assert policy.reduce_dtype == getattr(torch, reduce_dtype)
