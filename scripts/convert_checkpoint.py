@@ -19,14 +19,18 @@ from forge.checkpoint.resume import load_newest_weights
 from forge.checkpoint.store import save_model_only
 from forge.errors import UserInputError
 from forge.model.transformer import Transformer
+from forge.optim.optimizers import evaluation_weights
+from forge.optim.param_groups import inference_optimizer
 from forge.training.run_dir import checkpoint_dir_of, load_run_config
 
 
 def export(run_dir: pathlib.Path, out: pathlib.Path, dtype: str) -> None:
     config = load_run_config(run_dir)
     model = Transformer(config.model)
-    path = load_newest_weights(checkpoint_dir_of(config, run_dir), None, model, report)
-    export_model(model.state_dict(), config.model, out, dtype)
+    optimizer = inference_optimizer(model, config.optimizer)
+    path = load_newest_weights(checkpoint_dir_of(config, run_dir), None, model, report, optimizer)
+    with evaluation_weights(optimizer):
+        export_model(model.state_dict(), config.model, out, dtype)
     print(f"exported {path} to {out} ({dtype})")
 
 

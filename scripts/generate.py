@@ -21,6 +21,8 @@ from forge.data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_from_manife
 from forge.errors import UserInputError
 from forge.model.generate import sample
 from forge.model.transformer import Transformer
+from forge.optim.optimizers import evaluation_weights
+from forge.optim.param_groups import inference_optimizer
 from forge.training.run_dir import checkpoint_dir_of, load_run_config
 
 
@@ -72,23 +74,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             pathlib.Path(config.checkpoint.load_path) if config.checkpoint.load_path else None
         )
         model = Transformer(config.model)
+        optimizer = inference_optimizer(model, config.optimizer)
         path = load_newest_weights(
-            checkpoint_dir_of(config, args.run_dir), load_path, model, report
+            checkpoint_dir_of(config, args.run_dir), load_path, model, report, optimizer
         )
         tok = run_tokenizer(config)
     except UserInputError as exc:
         for line in exc.lines:
             print(f"error: {line}", file=sys.stderr)
         return 2
-    ids = sample(
-        model,
-        tok.encode(args.prompt, bos=True),
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        stop_id=tok.eos_id,
-        generator=torch.Generator().manual_seed(args.seed),
-    )
+    with evaluation_weights(optimizer):
+        ids = sample(
+            model,
+            tok.encode(args.prompt, bos=True),
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            stop_id=tok.eos_id,
+            generator=torch.Generator().manual_seed(args.seed),
+        )
     print(f"# sampled from {path}", file=sys.stderr)
     print(tok.decode(ids))
     return 0

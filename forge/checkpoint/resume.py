@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import attrs
+import torch
 from torch import nn
 
 from forge.checkpoint.safety import UnsafeCheckpointError
@@ -112,15 +113,17 @@ def load_newest_weights(
     load_path: pathlib.Path | None,
     model: nn.Module,
     report: Callable[[str], None] = lambda line: None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> pathlib.Path:
-    """Load the weights a run would resume from into ``model`` (the same resolver and the same
-    fallback past damaged checkpoints as training); returns the checkpoint used."""
+    """Load the weights a run would resume from into ``model`` (and ``optimizer``, whose state
+    some optimizers need for their evaluation weights), with the same resolver and the same
+    fallback past damaged checkpoints as training; returns the checkpoint used."""
     plan = resolve_resume(checkpoint_dir, load_path)
     if plan.source is ResumeSource.FRESH or plan.path is None:
         raise CheckpointError(f"{checkpoint_dir}: no checkpoint there; train the run first")
 
     def load(path: pathlib.Path) -> None:
-        load_checkpoint(path, model, None, restore_rng_state=False)
+        load_checkpoint(path, model, optimizer, restore_rng_state=False)
 
     path, _ = first_loadable((plan.path, *plan.fallbacks), load, report)
     return path

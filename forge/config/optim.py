@@ -13,6 +13,7 @@ class OptimizerName(enum.Enum):
     ADAMW = "adamw"
     MUON = "muon"  # Muon for the 2-D hidden matrices, AdamW for embeddings, head, norms
     LION = "lion"
+    SCHEDULE_FREE_ADAMW = "schedule_free_adamw"  # evaluates the averaged weights
 
 
 class ScheduleName(enum.Enum):

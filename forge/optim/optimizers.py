@@ -1,4 +1,5 @@
-"""Lion, and Muon for the hidden matrices with AdamW for the rest, as ``torch.optim.Optimizer``s.
+"""Lion, Muon for the hidden matrices with AdamW for the rest, and Schedule-Free AdamW, as
+``torch.optim.Optimizer``s.
 
 Both work on plain tensors and on sharded ``DTensor`` parameters (FSDP2, TP). Lion's update is
 elementwise, so each shard updates itself. Muon orthogonalises each matrix's momentum with a
@@ -10,7 +11,8 @@ sharded run takes exactly the steps of a one-process run.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -145,3 +147,95 @@ class MuonAdamW(torch.optim.Optimizer):
         denom = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt_().add_(group["eps"])
         p.mul_(1 - group["lr"] * group["weight_decay"])
         p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1**step))
+
+
+class ScheduleFreeAdamW(torch.optim.Optimizer):
+    """Schedule-Free AdamW (Defazio et al. 2024): no decay schedule needed.
+
+    The parameters hold ``y``, where gradients are taken; the state holds the base sequence
+    ``z``; the weights to evaluate, export and sample from are the averaged iterate
+    ``x = y + (1 - 1/b1)(z - y)`` (``averaged``), weighted by the squared peak LR so far.
+    Use it with a warmup and a constant LR (``scheduler.name = "constant"``).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "k": 0,  # steps taken
+            "lr_max": 0.0,
+            "weight_sum": 0.0,
+        }
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One Schedule-Free step: ``z`` takes the AdamW direction, ``y`` moves between the
+        new average and ``z``."""
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, k = group["lr"], group["k"]
+            group["lr_max"] = max(lr, group["lr_max"])
+            weight = group["lr_max"] ** 2
+            group["weight_sum"] += weight
+            ckp1 = weight / group["weight_sum"] if group["weight_sum"] else 0.0
+            bias_correction2 = 1 - beta2 ** (k + 1)
+            y_lr = lr * (beta1 * (1 - ckp1) - 1)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["z"] = p.detach().clone()
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                v, z = state["exp_avg_sq"], state["z"]
+                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                direction = p.grad / (v / bias_correction2).sqrt_().add_(group["eps"])
+                direction.add_(p, alpha=group["weight_decay"])  # decay taken at y
+                p.lerp_(z, ckp1)
+                p.add_(direction, alpha=y_lr)
+                z.sub_(direction, alpha=lr)
+            group["k"] = k + 1
+        return loss
+
+    @torch.no_grad()
+    def averaged(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(parameter, x)`` for every parameter with state: the evaluation weights."""
+        pairs = []
+        for group in self.param_groups:
+            beta1 = group["betas"][0]
+            for p in group["params"]:
+                if "z" in self.state[p]:
+                    pairs.append((p, p.lerp(self.state[p]["z"], 1 - 1 / beta1)))
+        return pairs
+
+
+@contextmanager
+def evaluation_weights(optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+    """Inside the block the parameters hold the optimizer's evaluation weights (Schedule-Free's
+    averaged iterate); after it, exactly their training values again (copied back, so a run
+    that evaluates resumes bit for bit). Other optimizers (or None): nothing changes."""
+    if not isinstance(optimizer, ScheduleFreeAdamW):
+        yield
+        return
+    pairs = optimizer.averaged()
+    training = [p.detach().clone() for p, _ in pairs]
+    with torch.no_grad():
+        for p, x in pairs:
+            p.copy_(x)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for (p, _), y in zip(pairs, training, strict=True):
+                p.copy_(y)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from forge.config.sections import OptimizerConfig, OptimizerName
-from forge.optim.optimizers import Lion, MuonAdamW
+from forge.optim.optimizers import Lion, MuonAdamW, ScheduleFreeAdamW
 
 
 def decays(name: str, param: torch.Tensor, decay_embeddings: bool) -> bool:
@@ -53,6 +53,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
         del g["names"]
     if cfg.name is OptimizerName.LION:
         return Lion(groups, lr=cfg.lr, betas=cfg.betas)
+    if cfg.name is OptimizerName.SCHEDULE_FREE_ADAMW:
+        return ScheduleFreeAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
     if cfg.name is OptimizerName.MUON:
         return MuonAdamW(
             groups,
@@ -63,3 +65,11 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
             ns_steps=cfg.ns_steps,
         )
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True)
+
+
+def inference_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer | None:
+    """The optimizer a script must load beside the weights to evaluate or export them:
+    Schedule-Free's averaged weights live partly in its state. None for the others."""
+    if cfg.name is OptimizerName.SCHEDULE_FREE_ADAMW:
+        return build_optimizer(model, cfg)
+    return None

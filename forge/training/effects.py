@@ -22,9 +22,11 @@ from forge.checkpoint.export import export_model
 from forge.checkpoint.slots import Slots
 from forge.checkpoint.store import apply_retention
 from forge.config.sections import AsyncMode
+from forge.data.loader import Batch
 from forge.errors import CheckpointSaveError
 from forge.metrics.sinks import JsonlSink, MetricsSink, StdoutSink
 from forge.metrics.sources import source_record
+from forge.optim.optimizers import evaluation_weights
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
 from forge.training.hooks import HookList, Hooks
 from forge.training.identity import run_identity
@@ -155,9 +157,10 @@ class TrainingEffects:
 
     def export(self) -> None:
         """Write ``<run.dir>/export``: the full model in Llama safetensors layout (rank 0)."""
-        full = get_model_state_dict(
-            self.model.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
+        with evaluation_weights(self.model.optimizer):  # Schedule-Free: the averaged weights
+            full = get_model_state_dict(
+                self.model.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
         if self.dist.is_main:
             ck = self.run.config.checkpoint
             tensors = {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
@@ -219,6 +222,14 @@ class TrainingEffects:
         loader.rewind()
         steps = self.run.config.eval.steps
         batches = [b for _, b in zip(range(steps), loader, strict=False)]
+        with evaluation_weights(self.model.optimizer):  # Schedule-Free: the averaged weights
+            loss = self._eval_loss(batches)
+        self._emit({"step": state.step, "eval/loss": loss, "eval/perplexity": math.exp(loss)})
+        self.hooks.on_eval_end(state, loss)
+        self._restart_clock(state)
+
+    def _eval_loss(self, batches: list[Batch]) -> float:
+        """The mean held-out loss over ``batches`` and every rank."""
         if self.model.pipeline is not None:
             n_micro = self.run.config.train.grad_accum_steps
             loss = evaluate_pipeline_loss(self.model.model, self.model.pipeline, batches, n_micro)
@@ -231,9 +242,7 @@ class TrainingEffects:
                 [total, float(count)], self.dist.world_size, self.dist.device
             )
             loss = total / max(count, 1.0)  # TP peers add the same pair: the ratio stands
-        self._emit({"step": state.step, "eval/loss": loss, "eval/perplexity": math.exp(loss)})
-        self.hooks.on_eval_end(state, loss)
-        self._restart_clock(state)
+        return loss
 
     def step_end(self, state: LoopState, result: StepResult) -> None:
         self.hooks.on_step_end(state, result)

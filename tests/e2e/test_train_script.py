@@ -385,9 +385,22 @@ def test_load_path_gives_initial_weights_and_optionally_the_optimizer(
     assert has_moments is with_optimizer
 
 
-@pytest.mark.parametrize("name,lr", [("adamw", "3e-3"), ("muon", "3e-3"), ("lion", "3e-4")])
+OPTIMIZERS = [
+    ("adamw", "3e-3"),
+    ("muon", "3e-3"),
+    ("lion", "3e-4"),
+    ("schedule_free_adamw", "3e-3"),
+]
+
+
+@pytest.mark.parametrize("name,lr", OPTIMIZERS, ids=[o[0] for o in OPTIMIZERS])
 def test_each_optimizer_learns_and_resumes_bit_exactly(tiny_config, tmp_path, name, lr):
-    args = [f"--optimizer.name={name}", f"--optimizer.lr={lr}"]
+    args = [
+        f"--optimizer.name={name}",
+        f"--optimizer.lr={lr}",
+        "--eval.interval=4",
+        "--eval.steps=2",
+    ]
     reference = reference_config(tiny_config, tmp_path)
     assert TRAIN.main([str(reference), *args]) == 0
     assert TRAIN.main([str(tiny_config), *args], hooks=[SignalAt(5)]) == 75
@@ -457,3 +470,56 @@ def test_pure_bf16_trains_close_to_fp32(tiny_config, tmp_path):
     assert TRAIN.main([str(tiny_config), *bf16]) == 0
     for (step, fp32), (_, pure) in zip(losses(reference), losses(tiny_config), strict=True):
         assert pure == pytest.approx(fp32, rel=0.03), step  # docs/optimizers.md: the tolerance
+
+
+def test_schedule_free_evaluates_the_averaged_weights(tiny_config, monkeypatch):
+    """The eval loss is computed with x (the average) in the parameters, never y."""
+    import forge.training.effects as effects
+    from forge.optim.optimizers import ScheduleFreeAdamW
+
+    models, seen = built_models(monkeypatch), []
+    real = effects.evaluate_loss
+
+    def spy(model, batches, precision):
+        (ctx,) = models
+        assert isinstance(ctx.optimizer, ScheduleFreeAdamW)
+        averaged = {id(p): x for p, x in ctx.optimizer.averaged_now}
+        seen.append(all(torch.equal(p, averaged[id(p)]) for p in model.parameters()))
+        return real(model, batches, precision)
+
+    monkeypatch.setattr(effects, "evaluate_loss", spy)
+    real_eval = ScheduleFreeAdamW.averaged
+
+    def record(self):
+        pairs = real_eval(self)
+        self.averaged_now = [(p, x.clone()) for p, x in pairs]
+        assert any(not torch.equal(p, x) for p, x in pairs)  # x is not the training y
+        return pairs
+
+    monkeypatch.setattr(ScheduleFreeAdamW, "averaged", record)
+    args = ["--optimizer.name=schedule_free_adamw", "--eval.interval=4", "--eval.steps=2"]
+    assert TRAIN.main([str(tiny_config), *args]) == 0
+    assert seen == [True, True, True]  # steps 4, 8, 12
+
+
+def test_export_of_a_schedule_free_run_holds_the_averaged_weights(tiny_config, tmp_path):
+    from forge.checkpoint.export import import_model
+    from forge.optim.optimizers import evaluation_weights
+    from forge.optim.param_groups import inference_optimizer
+
+    assert TRAIN.main([str(tiny_config), "--optimizer.name=schedule_free_adamw"]) == 0
+    convert = load_script("convert_checkpoint")
+    out = tmp_path / "export"
+    args = ["export", str(run_dir(tiny_config)), "--out", str(out), "--dtype", "float32"]
+    assert convert.main(args) == 0
+    _, exported = import_model(out)
+    config = load_config([str(run_dir(tiny_config) / "config.toml")]).config
+    model = Transformer(config.model)
+    optimizer = inference_optimizer(model, config.optimizer)
+    assert optimizer is not None
+    load_checkpoint(run_dir(tiny_config) / "checkpoints" / "step_12", model, optimizer)
+    training = {k: v.clone() for k, v in model.state_dict().items()}
+    with evaluation_weights(optimizer):
+        averaged = {k: v.clone() for k, v in model.state_dict().items()}
+    assert all(torch.equal(exported[k], averaged[k]) for k in averaged)
+    assert not all(torch.equal(exported[k], training[k]) for k in training)

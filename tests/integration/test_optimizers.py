@@ -9,7 +9,14 @@ from forge.config import ModelConfig, OptimizerConfig
 from forge.config.optim import OptimizerName
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer, param_groups
-from forge.optim.optimizers import Lion, MuonAdamW, muon_lr_scale, newton_schulz
+from forge.optim.optimizers import (
+    Lion,
+    MuonAdamW,
+    ScheduleFreeAdamW,
+    evaluation_weights,
+    muon_lr_scale,
+    newton_schulz,
+)
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, max_seq_len=16)
 
@@ -85,3 +92,43 @@ def test_every_optimizer_builds_from_config(name):
     assert sum(len(g["params"]) for g in opt.param_groups) == len(
         list(Transformer(CFG).parameters())
     )
+
+
+def trained_schedule_free(steps: int = 4):
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    opt = build_optimizer(model, OptimizerConfig(name=OptimizerName.SCHEDULE_FREE_ADAMW, lr=1e-2))
+    assert isinstance(opt, ScheduleFreeAdamW)
+    x = torch.randint(0, 259, (2, 16))
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).float().logsumexp(-1).mean().backward()
+        opt.step()
+    return model, opt
+
+
+def test_schedule_free_evaluation_weights_are_the_averaged_iterate_and_restore_exactly():
+    model, opt = trained_schedule_free()
+    y = {n: p.detach().clone() for n, p in model.named_parameters()}
+    beta1 = opt.param_groups[0]["betas"][0]
+    with evaluation_weights(opt):
+        for name, p in model.named_parameters():
+            z = opt.state[p]["z"]
+            x = y[name] + (1 - 1 / beta1) * (z - y[name])  # x = y + (1 - 1/b1)(z - y)
+            torch.testing.assert_close(p.detach(), x, rtol=0, atol=1e-6)
+        assert any(not torch.equal(p, y[n]) for n, p in model.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, y[name]), name  # bit for bit: a run that evaluates resumes exactly
+
+
+def test_schedule_free_first_step_puts_y_x_and_z_on_the_adam_step():
+    """Step 1 gives the newest iterate all the average's weight: y = x = z = start - lr·g/|g|."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = ScheduleFreeAdamW([p], lr=0.1, betas=(0.9, 0.999))
+    p.grad = torch.tensor([1.0, -1.0, 2.0])
+    opt.step()
+    expected = torch.ones(3) - 0.1 * torch.sign(p.grad)
+    torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(opt.state[p]["z"], expected, rtol=0, atol=1e-6)
+    with evaluation_weights(opt):
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6)
