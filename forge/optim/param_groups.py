@@ -64,7 +64,10 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
             momentum=cfg.momentum,
             ns_steps=cfg.ns_steps,
         )
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True)
+    on_gpu = any(p.is_cuda for g in groups for p in g["params"])
+    # fused kernels on CUDA (one launch for all parameters); foreach elsewhere
+    kernel = {"fused": True} if on_gpu else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kernel)
 
 
 def inference_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer | None:
