@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from typing import TextIO
 
 
 class UserInputError(ValueError):
@@ -40,3 +42,12 @@ class CheckpointSaveError(RuntimeError):
             f"checkpoint.dir {root}: saving step {step} failed ({cause}); the previous "
             "checkpoint and 'latest' are intact"
         )
+
+
+def print_errors(lines: Sequence[str], stream: TextIO | None = None) -> None:
+    """Each line as ``error: <line>``, written whole in one call: several ranks share one
+    stderr pipe, and a line written in pieces can interleave with another rank's."""
+    out = stream if stream is not None else sys.stderr
+    for line in lines:
+        out.write(f"error: {line}\n")
+    out.flush()

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from forge.checkpoint.export import DTYPES, export_model, import_model
 from forge.checkpoint.resume import load_newest_weights
 from forge.checkpoint.store import save_model_only
-from forge.errors import UserInputError
+from forge.errors import UserInputError, print_errors
 from forge.model.transformer import Transformer
 from forge.optim.optimizers import evaluation_weights
 from forge.optim.param_groups import inference_optimizer
@@ -74,8 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             import_(args.folder, args.out)
     except UserInputError as exc:
-        for line in exc.lines:
-            print(f"error: {line}", file=sys.stderr)
+        print_errors(exc.lines)
         return 2
     return 0
 

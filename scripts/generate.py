@@ -18,7 +18,7 @@ from forge.checkpoint.resume import load_newest_weights
 from forge.config import JobConfig
 from forge.data.shards import MANIFEST, read_manifest
 from forge.data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_from_manifest
-from forge.errors import UserInputError
+from forge.errors import UserInputError, print_errors
 from forge.model.generate import sample
 from forge.model.transformer import Transformer
 from forge.optim.optimizers import evaluation_weights
@@ -80,8 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         tok = run_tokenizer(config)
     except UserInputError as exc:
-        for line in exc.lines:
-            print(f"error: {line}", file=sys.stderr)
+        print_errors(exc.lines)
         return 2
     with evaluation_weights(optimizer):
         ids = sample(

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from forge.data.corpus import stdlib_root
 from forge.data.prepare import InputFormat, Recipe, TextErrors, find_inputs, prepare
 from forge.data.tokenizer import ByteTokenizer, HFTokenizer, first_known_token
-from forge.errors import UserInputError
+from forge.errors import UserInputError, print_errors
 
 BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<|endoftext|>", "[CLS]")
 EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "[SEP]")
@@ -151,8 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.out, root, recipe, args.workers, progress=None if args.quiet else sys.stderr
         )
     except UserInputError as exc:
-        for line in exc.lines:
-            print(f"error: {line}", file=sys.stderr)
+        print_errors(exc.lines)
         return 2
     except KeyboardInterrupt:
         print(

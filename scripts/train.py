@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from forge.config.loader import help_text
-from forge.errors import CheckpointSaveError, UserInputError
+from forge.errors import CheckpointSaveError, UserInputError, print_errors
 from forge.resilience.control import ControlChannel, StepMonitor
 from forge.resilience.faults import FaultHooks, faults_from_env
 from forge.resilience.health import guard_collectives
@@ -66,8 +66,7 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
     except UserInputError as exc:
         if lock is not None:
             lock.release(discard=True)  # a run that never started leaves no directory
-        for line in exc.lines:
-            print(f"error: {line}", file=sys.stderr)
+        print_errors(exc.lines)
         flag.uninstall()
         return CONFIG_ERROR_EXIT
     try:
@@ -112,7 +111,7 @@ def train(
         decision, state = conclude(outcome, state, policy, effects)
     except CheckpointSaveError as exc:  # every rank raises it: they agreed on the failure
         effects.abandon()
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        print_errors([str(exc)])
         flag.uninstall()
         teardown(dist)
         return SAVE_FAILED_EXIT
