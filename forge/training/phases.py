@@ -24,6 +24,7 @@ import torch
 from forge.checkpoint.policy import SaveSchedule
 from forge.checkpoint.resume import ResumeSource, first_loadable, resolve_resume
 from forge.checkpoint.store import (
+    check_loadable,
     load_checkpoint,
     read_train_state,
     remove_stale_temporaries,
@@ -358,9 +359,9 @@ def setup_checkpointing(
         identity = run_identity(run.config, dist.dp_size, data.fingerprints)
 
         def load(path: pathlib.Path) -> TrainState:
+            check_loadable(path, model.model)
             train_state = parse_train_state(read_train_state(path), path)
             check_same_run(train_state, identity, path, cfg.allow_config_change, say)
-            # validates every file (check_loadable) before it loads any tensor
             load_checkpoint(path, model.model, model.optimizer, rank=dist.rank)
             return train_state
 
