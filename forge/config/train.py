@@ -44,6 +44,9 @@ class TrainConfig:
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.NONE
     compile: bool = False  # torch.compile each block
     z_loss_weight: float = 0.0  # adds weight × mean(logsumexp²) to the loss (0: off)
+    # tokens per chunk of the output projection + cross-entropy: the fp32 logits of one chunk
+    # exist at a time, never those of the whole micro-batch (0: the plain, unchunked loss)
+    loss_chunk_size: int = 1024
 
     @property
     def effective_data_seed(self) -> int:
@@ -60,6 +63,7 @@ class TrainConfig:
         non_negative(p, "train.seed", self.seed)
         non_negative(p, "train.num_threads", self.num_threads)
         non_negative(p, "train.z_loss_weight", self.z_loss_weight)
+        non_negative(p, "train.loss_chunk_size", self.loss_chunk_size)
         if self.param_dtype is Precision.BF16 and self.mixed_precision is not Precision.BF16:
             p.append(
                 (

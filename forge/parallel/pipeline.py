@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from forge.config.sections import PipelineSchedule
+from forge.data.packing import IGNORE_INDEX
 from forge.model.transformer import Transformer
 
 
@@ -41,9 +43,22 @@ def stage_module(model: Transformer, stage: int, n_stages: int) -> Transformer:
     return part
 
 
-def lm_loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-micro-batch loss for the last stage (fp32 cross-entropy, mean over tokens)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+def lm_loss_fn(
+    output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor
+) -> torch.Tensor:
+    """Per-micro-batch loss for the last stage (fp32 cross-entropy, mean over unmasked
+    tokens): from the logits, or from the per-token terms of a chunked loss (``head_kwargs``)."""
+    if isinstance(output, tuple):
+        return output[0].sum() / (labels != IGNORE_INDEX).sum()
+    return F.cross_entropy(output.float().flatten(0, 1), labels.flatten())
+
+
+def head_kwargs(labels: torch.Tensor, loss_chunk_size: int) -> dict[str, Any]:
+    """The last stage's keyword inputs: with a chunked loss the stage computes the per-token
+    loss terms from ``labels`` itself (the schedule splits them with the micro-batches)."""
+    if loss_chunk_size <= 0:
+        return {}
+    return {"labels": labels, "loss_chunk_size": loss_chunk_size}
 
 
 def build_schedule(

@@ -232,11 +232,18 @@ class TrainingEffects:
         """The mean held-out loss over ``batches`` and every rank."""
         if self.model.pipeline is not None:
             n_micro = self.run.config.train.grad_accum_steps
-            loss = evaluate_pipeline_loss(self.model.model, self.model.pipeline, batches, n_micro)
+            loss = evaluate_pipeline_loss(
+                self.model.model,
+                self.model.pipeline,
+                batches,
+                n_micro,
+                self.run.config.train.loss_chunk_size,
+            )
             loss = mean_over_ranks(loss, self.dist.world_size, self.dist.device)
         else:
+            train = self.run.config.train
             total, count = evaluate_loss(
-                self.model.model, batches, self.run.config.train.mixed_precision
+                self.model.model, batches, train.mixed_precision, train.loss_chunk_size
             )
             total, count = sum_over_ranks(
                 [total, float(count)], self.dist.world_size, self.dist.device

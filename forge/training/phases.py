@@ -448,6 +448,7 @@ def make_step_fn(
             cfg.optimizer.lr,
             cfg.train.grad_clip_norm,
             dp_size=dist.dp_size,
+            loss_chunk_size=cfg.train.loss_chunk_size,
         )
     return make_text_step(
         model.model,
@@ -461,6 +462,7 @@ def make_step_fn(
         loss_scale=NanInjector(faults_from_env(os.environ), dist.rank),
         stats=data.source_stats if data is not None else None,
         z_loss_weight=cfg.train.z_loss_weight,
+        loss_chunk_size=cfg.train.loss_chunk_size,
     )
 
 

@@ -18,6 +18,7 @@ from forge.data.packing import IGNORE_INDEX
 from forge.metrics.sources import SourceStats
 from forge.optim.schedules import Schedule, lr_at
 from forge.parallel.grad_norm import clip_coefficient, global_grad_norm, scale_grads_
+from forge.parallel.pipeline import head_kwargs
 from forge.training.context import PipelineContext
 from forge.training.state import LoopState, StepResult
 
@@ -40,44 +41,76 @@ def device_type_of(model: nn.Module) -> str:
 def logits_of(model: nn.Module, batch: Batch, autocast: Callable) -> torch.Tensor:
     """The model's fp32 logits for a micro-batch (packed rows pass positions and documents)."""
     with autocast():
-        if batch.document_ids is None:
-            logits = model(batch.inputs)
-        else:
-            logits = model(batch.inputs, positions=batch.positions, document_ids=batch.document_ids)
+        logits = model(batch.inputs, **document_kwargs(batch))
     return logits.float()
 
 
+def document_kwargs(batch: Batch) -> dict[str, torch.Tensor | None]:
+    """The model's keyword inputs for packed rows (per-token positions and documents)."""
+    if batch.document_ids is None:
+        return {}
+    return {"positions": batch.positions, "document_ids": batch.document_ids}
+
+
+def token_losses(
+    model: nn.Module,
+    batch: Batch,
+    autocast: Callable,
+    loss_chunk_size: int,
+    *,
+    with_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token fp32 cross-entropy ``(B, T)`` (0 where the label is ignored) and, when
+    chunked or ``with_lse``, the per-token logsumexp.
+
+    ``loss_chunk_size`` > 0: the model computes both chunk by chunk and the full logits never
+    exist; 0: the plain path, fp32 logits then ``F.cross_entropy``.
+    """
+    if loss_chunk_size > 0:
+        with autocast():
+            return model(
+                batch.inputs,
+                labels=batch.labels,
+                loss_chunk_size=loss_chunk_size,
+                **document_kwargs(batch),
+            )
+    logits = logits_of(model, batch, autocast)
+    ce = F.cross_entropy(logits.transpose(1, 2), batch.labels, reduction="none")
+    return ce, logits.logsumexp(-1) if with_lse else None
+
+
 def lm_loss(
-    model: nn.Module, batch: Batch, autocast: Callable, stats: SourceStats | None = None
+    model: nn.Module,
+    batch: Batch,
+    autocast: Callable,
+    stats: SourceStats | None = None,
+    loss_chunk_size: int = 0,
 ) -> torch.Tensor:
     """Mean next-token cross-entropy of one micro-batch over its unmasked labels, in fp32.
 
     With ``stats``, also adds each row's loss sum and label count to its source's totals.
     """
-    logits = logits_of(model, batch, autocast)
-    if stats is None or batch.sources is None:
-        return F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten())
-    # (B, T), 0 where ignored
-    per_token = F.cross_entropy(logits.transpose(1, 2), batch.labels, reduction="none")
-    counted = (batch.labels != IGNORE_INDEX).sum(dim=1)
-    stats.add(batch.sources, per_token.sum(dim=1), counted)
-    return per_token.sum() / counted.sum()
+    return lm_loss_and_z(model, batch, autocast, stats, loss_chunk_size, with_z=False)[0]
 
 
 def lm_loss_and_z(
-    model: nn.Module, batch: Batch, autocast: Callable, stats: SourceStats | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cross-entropy of ``lm_loss`` and the z-loss term ``mean(logsumexp(logits)²)``, both
-    over the unmasked labels, from one logsumexp (CE = logsumexp - the target's logit)."""
-    logits = logits_of(model, batch, autocast)
-    lse = logits.logsumexp(-1)  # (B, T), fp32
+    model: nn.Module,
+    batch: Batch,
+    autocast: Callable,
+    stats: SourceStats | None = None,
+    loss_chunk_size: int = 0,
+    *,
+    with_z: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The cross-entropy of ``lm_loss`` and (``with_z``) the z-loss term
+    ``mean(logsumexp(logits)²)``, both over the unmasked labels."""
+    per_token, lse = token_losses(model, batch, autocast, loss_chunk_size, with_lse=with_z)
     counted = batch.labels != IGNORE_INDEX
-    target = logits.gather(-1, batch.labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    per_token = (lse - target) * counted
     if stats is not None and batch.sources is not None:
         stats.add(batch.sources, per_token.sum(dim=1), counted.sum(dim=1))
     n = counted.sum()
-    return per_token.sum() / n, (lse.square() * counted).sum() / n
+    z = (lse.square() * counted).sum() / n if with_z and lse is not None else None
+    return per_token.sum() / n, z
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
@@ -140,6 +173,7 @@ def make_text_step(
     loss_scale: Callable[[int], float] | None = None,
     stats: SourceStats | None = None,
     z_loss_weight: float = 0.0,
+    loss_chunk_size: int = 0,
 ) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
     """The language-model step: accumulate gradients, clip, and update only if all is finite.
 
@@ -150,6 +184,7 @@ def make_text_step(
     (tests only) multiplies the loss of a given step, e.g. by NaN. ``stats`` collects
     per-source losses of a mixture. ``z_loss_weight`` > 0 adds ``weight × mean(logsumexp²)`` to
     the objective; the reported ``loss`` stays the cross-entropy, ``z_loss`` the mean term.
+    ``loss_chunk_size`` > 0 computes the loss chunk by chunk (``token_losses``).
     """
     autocast = (
         contextlib.nullcontext
@@ -168,10 +203,11 @@ def make_text_step(
         scale = loss_scale(state.step + 1) if loss_scale is not None else 1.0
         for i, batch in enumerate(batches):
             set_gradient_sync(model, i == len(batches) - 1)
-            if total_z is None:
-                loss, objective = lm_loss(model, batch, autocast, stats), None
-            else:
-                loss, z = lm_loss_and_z(model, batch, autocast, stats)
+            loss, z = lm_loss_and_z(
+                model, batch, autocast, stats, loss_chunk_size, with_z=total_z is not None
+            )
+            objective = None
+            if total_z is not None and z is not None:
                 total_z += z.detach()
                 objective = loss + z_loss_weight * z
             if scale != 1.0:  # fault injection (tests only)
@@ -199,9 +235,11 @@ def make_pipeline_step(
     grad_clip_norm: float | None,
     *,
     dp_size: int = 1,
+    loss_chunk_size: int = 0,
 ) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
     """One optimizer step through the pipeline: the step's micro-batches are concatenated and
-    the schedule splits them again, one per pipeline micro-batch.
+    the schedule splits them again, one per pipeline micro-batch. The last stage computes the
+    loss chunk by chunk when ``loss_chunk_size`` > 0.
 
     The loss (known on the last stage) reaches every rank by a sum over the pipeline group;
     the grad norm is global across stages, so every rank takes the same finite/skip branch.
@@ -218,7 +256,9 @@ def make_pipeline_step(
         if pipeline.is_first:
             pipeline.schedule.step(inputs)
         elif pipeline.is_last:
-            pipeline.schedule.step(target=labels, losses=losses)
+            pipeline.schedule.step(
+                target=labels, losses=losses, **head_kwargs(labels, loss_chunk_size)
+            )
         else:
             pipeline.schedule.step()
         if losses:
@@ -235,7 +275,7 @@ def make_pipeline_step(
 
 @torch.no_grad()
 def evaluate_loss(
-    model: nn.Module, batches: list[Batch], precision: Precision
+    model: nn.Module, batches: list[Batch], precision: Precision, loss_chunk_size: int = 0
 ) -> tuple[float, int]:
     """Summed loss over the unmasked labels of ``batches`` and their number, in eval mode
     (sums, so that ranks combine them into the mean over the union of their batches)."""
@@ -245,8 +285,7 @@ def evaluate_loss(
     device = next(model.parameters()).device
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, labels; read once at the end
     for batch in batches:
-        logits = logits_of(model, batch, autocast)
-        summed = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="sum")
+        summed = token_losses(model, batch, autocast, loss_chunk_size)[0].sum()
         counted = (batch.labels != IGNORE_INDEX).sum()
         sums += torch.stack([summed.double(), counted.double()])
     model.train(was_training)
@@ -256,7 +295,11 @@ def evaluate_loss(
 
 @torch.no_grad()
 def evaluate_pipeline_loss(
-    stage: nn.Module, pipeline: PipelineContext, batches: list[Batch], n_microbatches: int
+    stage: nn.Module,
+    pipeline: PipelineContext,
+    batches: list[Batch],
+    n_microbatches: int,
+    loss_chunk_size: int = 0,
 ) -> float:
     """Mean loss over ``batches`` run forward-only through the pipeline, on every stage.
 
@@ -274,7 +317,9 @@ def evaluate_pipeline_loss(
             pipeline.schedule.eval(inputs)
         elif pipeline.is_last:
             group_losses: list[torch.Tensor] = []  # the schedule clears the list it is given
-            pipeline.schedule.eval(target=labels, losses=group_losses)
+            pipeline.schedule.eval(
+                target=labels, losses=group_losses, **head_kwargs(labels, loss_chunk_size)
+            )
             losses += group_losses
         else:
             pipeline.schedule.eval()

@@ -308,3 +308,33 @@ def test_tied_embeddings_at_two_ranks_match_one_rank(tmp_path, small_corpus, lay
     )
     load_checkpoint(tmp_path / "run" / "checkpoints" / "step_5", untied, None)
     assert torch.equal(untied.output.weight, untied.tok_embeddings.weight)
+
+
+@pytest.fixture(scope="module")
+def plain_loss_reference(tmp_path_factory, small_corpus):
+    """One rank with the plain, unchunked loss (full fp32 logits, ``F.cross_entropy``)."""
+    tmp = tmp_path_factory.mktemp("plain_ref")
+    config = write_config(tmp, small_corpus)
+    args = ["--train.batch_size=4", "--train.grad_accum_steps=2", "--train.loss_chunk_size=0"]
+    train(config, tmp / "run", *args)
+    return config, tmp / "run"
+
+
+CHUNKED_LAYOUTS = [c for c in CASES if c[0] in ("tp", "pp-1f1b")] + [
+    ("1 rank", ["--train.batch_size=4", "--train.grad_accum_steps=2"]),
+]
+
+
+@pytest.mark.parametrize(
+    "args", [c[1] for c in CHUNKED_LAYOUTS], ids=[c[0] for c in CHUNKED_LAYOUTS]
+)
+def test_chunked_loss_matches_the_plain_loss_under_each_layout(
+    plain_loss_reference, tmp_path, small_corpus, args
+):
+    """Chunks of 7 tokens (not dividing the 128 of a micro-batch) through the vocab-parallel
+    head (TP=2, vocab 259 split unevenly 130 + 129) and the pipeline's last stage: losses,
+    grad norms, eval loss and weights equal the plain loss's within 1e-5."""
+    config = write_config(tmp_path, small_corpus)
+    ranks = 1 if "--distributed.tp=2" not in args and "--distributed.pp=2" not in args else 2
+    train(config, tmp_path / "run", *args, "--train.loss_chunk_size=7", ranks=ranks)
+    assert_matches(plain_loss_reference, config, tmp_path / "run")
