@@ -1,50 +1,260 @@
-"""Step time of bf16 autocast vs fp32 on this machine, for the debug model.
+"""forge's training throughput in each precision mode against bare hand-written loops.
 
-Whether bf16 pays off on a CPU depends on the instruction set (AVX-512 BF16 or AMX: yes;
-AVX2 only: bf16 matmuls are emulated). Prints both and their ratio::
+One run, KempnerForge's debug shapes (the debug config with vocab 32000, FFN 768, seq 512,
+batch 4). Three bare loops, each the loop anyone would write by hand:
 
-    python benchmarks/precision.py [--steps 3]
+  (a) fp32 parameters and compute, loss on the fp32 logits;
+  (b) fp32 parameters, bf16 autocast, loss on the logits upcast to fp32;
+  (c) pure bf16 (parameters, gradients, AdamW state), loss on the bf16 logits (KempnerForge).
+
+against forge's own step (``make_step_fn``: the chunked loss, one host read per step, the
+finiteness check, global-norm clipping) in ``fp32``, ``mixed_precision=bf16`` (fp32 master
+weights) and ``param_dtype=bf16``; ``--compile`` adds forge with ``train.compile = true``.
+Rounds rotate the order so that machine noise hits every mode; medians are compared::
+
+    python benchmarks/precision.py [--steps 8] [--rounds 3] [--compile] [--loss-memory]
+
+``--loss-memory`` also prints the peak memory of one forward + backward of the loss alone,
+plain (full fp32 logits) vs chunked, at growing batch sizes.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
+import math
+import pathlib
+import platform
+import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Callable
 
+import attrs
 import torch
+import torch.nn.functional as F
 
-from forge.config import ModelConfig
-from forge.model.transformer import Transformer
+from forge.config import load_config
+from forge.data.loader import Batch
+from forge.model.chunked_loss import chunked_lm_loss
+from forge.model.transformer import Transformer, num_parameters
+from forge.optim import lr_at, resolve_schedule
+from forge.optim.param_groups import param_groups
+from forge.training.context import DistContext, RunContext
+from forge.training.phases import build_model_and_optim, make_step_fn
+from forge.training.state import LoopState
+
+SHAPES = [
+    "--model.vocab_size=32000",
+    "--model.ffn_hidden_dim=768",
+    "--model.max_seq_len=512",
+    "--train.seq_len=512",
+    "--train.batch_size=4",
+    "--train.grad_accum_steps=1",
+]
+
+FORGE_MODES = {
+    "forge fp32": ["--train.mixed_precision=fp32"],
+    "forge mixed bf16": ["--train.mixed_precision=bf16"],
+    "forge param_dtype=bf16": ["--train.mixed_precision=bf16", "--train.param_dtype=bf16"],
+}
+COMPILED = {f"{name} + compile": [*a, "--train.compile=true"] for name, a in FORGE_MODES.items()}
 
 
-def step_time(model: Transformer, tokens: torch.Tensor, bf16: bool, steps: int) -> float:
-    """Median seconds of forward + backward."""
-    times = []
-    for _ in range(steps + 1):  # the first is a warm-up
-        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        start = time.perf_counter()
-        with ctx:
-            logits = model(tokens)
-        logits.float().mean().backward()
-        times.append(time.perf_counter() - start)
-        model.zero_grad(set_to_none=True)
-    return statistics.median(times[1:])
+def cpu_flags() -> set[str]:
+    """The flags /proc/cpuinfo lists for the first CPU (empty where there is none)."""
+    path = pathlib.Path("/proc/cpuinfo")
+    if not path.exists():
+        return set()
+    for line in path.read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def batches(vocab: int, batch: int, seq: int, n: int = 4) -> list[Batch]:
+    """``n`` fixed batches of random tokens, shared by every mode."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (n, batch, seq + 1), generator=gen)
+    return [Batch(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+
+
+def bare_loop(config, mode: str) -> Callable[[list[Batch]], None]:
+    """A hand-written step: forward, loss, backward, clip, AdamW (torch's default kernel on
+    CPU, as KempnerForge: ``fused`` only on CUDA). ``mode`` is a, b or c."""
+    torch.manual_seed(0)
+    model = Transformer(config.model)
+    if mode == "c":
+        model.to(torch.bfloat16)
+    # KempnerForge's optimizer: torch's AdamW over the same param groups, fused on CUDA only
+    groups = param_groups(model, config.optimizer)
+    for g in groups:
+        del g["names"]
+    o = config.optimizer
+    opt = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=False)
+    schedule = resolve_schedule(config.scheduler, config.train.max_steps)
+    clip = config.train.grad_clip_norm or math.inf
+    autocast = (
+        (lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+        if mode == "b"
+        else contextlib.nullcontext
+    )
+    step = 0
+
+    def run(batch: list[Batch]) -> None:
+        nonlocal step
+        for group in opt.param_groups:
+            group["lr"] = lr_at(schedule, config.optimizer.lr, step)
+        b = batch[0]
+        with autocast():
+            logits = model(b.inputs)
+        logits = logits if mode == "c" else logits.float()
+        loss = F.cross_entropy(logits.flatten(0, 1), b.labels.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        step += 1
+
+    return run
+
+
+def forge_loop(config, workdir: pathlib.Path) -> Callable[[list[Batch]], None]:
+    """forge's model build (``build_model_and_optim``) and step function."""
+    torch.manual_seed(0)
+    run = RunContext(config, pathlib.Path("bench"), workdir, workdir / "checkpoints")
+    dist = DistContext()
+    mctx = build_model_and_optim(run, dist)
+    step_fn = make_step_fn(run, dist, mctx)
+    state = LoopState()
+
+    def run_step(batch: list[Batch]) -> None:
+        nonlocal state
+        result = step_fn(tuple(batch), state)
+        state = attrs.evolve(
+            state, step=state.step + 1, tokens_seen=state.tokens_seen + result.tokens
+        )
+
+    return run_step
+
+
+def tokens_per_s(step: Callable[[list[Batch]], None], data: list[Batch], steps: int) -> float:
+    """Tokens per second over ``steps`` steps (after the caller's warm-up)."""
+    start = time.perf_counter()
+    for i in range(steps):
+        step([data[i % len(data)]])
+    return steps * data[0].num_tokens / (time.perf_counter() - start)
+
+
+def loss_peak_mib(vocab: int, dim: int, tokens: int, chunk: int) -> float:
+    """Growth of this process's peak RSS over one forward + backward of the loss alone, fp32
+    (``chunk`` 0: the plain path). Run in a fresh process: the peak only ever rises."""
+    hidden = torch.randn(tokens, dim, requires_grad=True)
+    weight = (torch.randn(vocab, dim) * 0.02).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if chunk > 0:
+        chunked_lm_loss(hidden, weight, labels, chunk)[0].backward()
+    else:
+        F.cross_entropy((hidden @ weight.t()).float(), labels).backward()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # KiB on Linux
+
+
+def print_loss_memory(config) -> None:
+    vocab, dim, chunk = config.model.vocab_size, config.model.dim, config.train.loss_chunk_size
+    print()
+    print(f"loss peak memory (RSS growth), forward + backward, vocab {vocab}, dim {dim}, fp32:")
+    for tokens in (2048, 8192, 32768):
+        mib = {}
+        for c in (0, chunk):
+            code = (
+                "import sys; sys.path.insert(0, 'benchmarks'); import precision; "
+                f"print(precision.loss_peak_mib({vocab}, {dim}, {tokens}, {c}))"
+            )
+            out = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, check=True
+            )
+            mib[c] = float(out.stdout.split()[-1])
+        print(
+            f"  {tokens:>6} tokens: plain {mib[0]:8.1f} MiB, chunked ({chunk}) "
+            f"{mib[chunk]:7.1f} MiB; logits alone {tokens * vocab * 4 / 2**20:8.1f} MiB"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--config", default="configs/train/debug.toml")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per mode and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="also forge with train.compile")
+    parser.add_argument("--loss-memory", action="store_true", help="also the loss's peak memory")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256))
-    tokens = torch.randint(0, 259, (8, 256))
-    fp32 = step_time(model, tokens, False, args.steps)
-    bf16 = step_time(model, tokens, True, args.steps)
-    print(f"cpu capability: {torch.backends.cpu.get_cpu_capability()}")
-    print(f"fp32 forward+backward: {fp32:.3f} s; bf16 autocast: {bf16:.3f} s")
-    print(f"ratio bf16 / fp32 step time: {bf16 / fp32:.2f}")
+    base = load_config([args.config, *SHAPES]).config
+    flags = cpu_flags()
+    native_bf16 = bool({"avx512_bf16", "amx_bf16"} & flags)
+    print(
+        f"cpu: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
+    )
+    print(f"bf16 flags: {sorted({'avx512_bf16', 'amx_bf16', 'amx_tile'} & flags) or 'none'}")
+    print(
+        f"model: {num_parameters(Transformer(base.model)) / 1e6:.1f}M parameters, "
+        f"batch {base.train.batch_size} x {base.train.seq_len}"
+    )
+    data = batches(base.model.vocab_size, base.train.batch_size, base.train.seq_len)
+    modes = {**FORGE_MODES, **(COMPILED if args.compile else {})}
+    with tempfile.TemporaryDirectory() as tmp:
+        loops: dict[str, Callable[[list[Batch]], None]] = {
+            "bare (a) fp32": bare_loop(base, "a"),
+            "bare (b) bf16 autocast, fp32 loss": bare_loop(base, "b"),
+            "bare (c) pure bf16, bf16 loss": bare_loop(base, "c"),
+        }
+        for name, extra in modes.items():
+            config = load_config([args.config, *SHAPES, *extra]).config
+            loops[name] = forge_loop(config, pathlib.Path(tmp) / name.replace(" ", "_"))
+        for name, loop in loops.items():  # warm-up: allocator, thread pool, compile
+            start = time.perf_counter()
+            tokens_per_s(loop, data, 2)
+            print(f"warm-up {name}: {time.perf_counter() - start:.1f} s")
+        rates: dict[str, list[float]] = {name: [] for name in loops}
+        names = list(loops)
+        for r in range(args.rounds):
+            order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
+            for name in order:
+                gc.collect()
+                rates[name].append(tokens_per_s(loops[name], data, args.steps))
+    med = {name: statistics.median(v) for name, v in rates.items()}
+    print()
+    for name, v in rates.items():
+        print(
+            f"{name:38s} {med[name]:8,.0f} tokens/s (rounds: {', '.join(f'{x:,.0f}' for x in v)})"
+        )
+    print()
+    a, c = med["bare (a) fp32"], med["bare (c) pure bf16, bf16 loss"]
+    targets = [
+        ("forge param_dtype=bf16 / bare (c)", med["forge param_dtype=bf16"] / c, 1.10, True),
+        ("forge mixed bf16 / bare (c)", med["forge mixed bf16"] / c, 1.0, True),
+        ("forge fp32 / bare (a)", med["forge fp32"] / a, 0.97, False),
+    ]
+    for name in COMPILED if args.compile else ():
+        plain = name.removesuffix(" + compile")
+        print(f"ratio {name} / {plain}: {med[name] / med[plain]:.2f}")
+    for label, ratio, target, needs_bf16 in targets:
+        if needs_bf16 and not native_bf16:
+            verdict = "target skipped: no AVX-512 BF16 / AMX on this CPU"
+        else:
+            verdict = "meets" if ratio >= target else "MISSES"
+            verdict = f"{verdict} target >= {target:.2f}"
+        print(f"ratio {label}: {ratio:.3f} ({verdict})")
+    if args.loss_memory:
+        print_loss_memory(base)
 
 
 if __name__ == "__main__":

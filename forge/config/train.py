@@ -46,7 +46,7 @@ class TrainConfig:
     z_loss_weight: float = 0.0  # adds weight × mean(logsumexp²) to the loss (0: off)
     # tokens per chunk of the output projection + cross-entropy: the fp32 logits of one chunk
     # exist at a time, never those of the whole micro-batch (0: the plain, unchunked loss)
-    loss_chunk_size: int = 1024
+    loss_chunk_size: int = 256
 
     @property
     def effective_data_seed(self) -> int:

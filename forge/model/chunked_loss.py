@@ -2,14 +2,14 @@
 
 The plain loss materialises the ``(tokens, vocab)`` logits, upcasts them to fp32 and keeps
 them for backward: at vocab 128k and 8k tokens per micro-batch that is 4 GiB for one tensor.
-``ChunkedCrossEntropy`` computes the projection and the logsumexp for ``chunk_size`` tokens at
-a time (each chunk in fp32), keeps only the hidden states and one fp32 number per token, and
-recomputes each chunk's logits in backward: the loss needs ``O(chunk_size × vocab)`` memory.
+``ChunkedLMLoss`` computes the projection, the fp32 logsumexp and the gradient for
+``chunk_size`` tokens at a time: the loss needs ``O(chunk_size × vocab)`` memory beyond the
+gradients of its two inputs.
 
 Under tensor parallelism the output weight is split over the vocabulary (vocab-parallel): each
 rank projects onto its slice, the logsumexp and the target's logit are combined over the TP
-group with two all-reduces per micro-batch, and the hidden states' gradient is a partial sum
-that the caller's DTensor reduces.
+group with two all-reduces per chunk, and the hidden states' gradient is a partial sum that
+the caller's DTensor reduces.
 """
 
 from __future__ import annotations
@@ -31,14 +31,19 @@ def compute_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One chunk's logits in fp32, projected in ``dtype`` (as an autocast ``nn.Linear`` does)."""
-    return (hidden.to(dtype) @ weight.to(dtype).t()).float()
+class ChunkedLMLoss(torch.autograd.Function):
+    """The mean cross-entropy (plus ``z_weight`` × the mean squared logsumexp) over the
+    unignored tokens of ``hidden @ weight.T``, ``chunk_size`` tokens at a time.
 
+    Each chunk's gradient is computed in forward, while its logits are at hand (the loss's
+    gradient with respect to the logits needs nothing from later layers), so backward only
+    scales it: no logits are recomputed, and the loss costs the three matmuls of a plain
+    linear layer. ``weight`` may be this rank's vocab slice starting at ``vocab_start``; the
+    slices' logsumexps and target logits are combined over ``group`` chunk by chunk.
 
-class ChunkedCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy and logsumexp of ``hidden @ weight.T``, ``chunk_size`` tokens
-    at a time; ``weight`` may be this rank's vocab slice starting at ``vocab_start``."""
+    Returns the objective (differentiable), each token's cross-entropy and the mean squared
+    logsumexp (both for logging).
+    """
 
     @staticmethod
     def forward(
@@ -50,67 +55,68 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         dtype: torch.dtype,
         vocab_start: int,
         group: ProcessGroup | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        z_weight: float,
+        with_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, v_local = hidden.shape[0], weight.shape[0]
-        local_lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        target = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        device = hidden.device
+        valid = labels != IGNORE_INDEX
+        count = valid.sum().float()
         local = labels - vocab_start
         owned = (local >= 0) & (local < v_local)  # ignored labels are owned by no rank
         index = torch.where(owned, local, 0)
-        with torch.autocast(hidden.device.type, enabled=False):
+        ce = torch.zeros(n, dtype=torch.float32, device=device)
+        z_sum = torch.zeros((), dtype=torch.float32, device=device)
+        grad_hidden = torch.empty_like(hidden) if with_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device)
+        w = weight.to(dtype)
+        with torch.autocast(device.type, enabled=False):
             for start in range(0, n, chunk_size):
                 end = min(start + chunk_size, n)
-                logits = chunk_logits(hidden[start:end], weight, dtype)
-                local_lse[start:end] = logits.logsumexp(-1)
+                h = hidden[start:end].to(dtype)
+                logits = (h @ w.t()).float()  # projected in the compute dtype, then fp32
+                peak = logits.amax(-1)
+                if group is not None and not hidden.is_meta:
+                    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
                 picked = logits.gather(-1, index[start:end, None]).squeeze(-1)
-                target[start:end] = torch.where(owned[start:end], picked, 0.0)
-        lse = local_lse
-        if group is not None and not hidden.is_meta:  # combine the vocab slices
-            peak = local_lse.clone()
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-            sums = torch.stack([(local_lse - peak).exp(), target])
-            dist.all_reduce(sums, group=group)
-            lse, target = peak + sums[0].log(), sums[1]
-        valid = labels != IGNORE_INDEX
-        ce = torch.where(valid, lse - target, 0.0)
-        ctx.save_for_backward(hidden, weight, index, owned, valid, lse)
-        ctx.chunk_size, ctx.dtype = chunk_size, dtype
-        return ce, lse
+                exp = logits.sub_(peak[:, None]).exp_()  # the logits are not needed again
+                sums = torch.stack([exp.sum(-1), torch.where(owned[start:end], picked, 0.0)])
+                if group is not None and not hidden.is_meta:  # combine the vocab slices
+                    dist.all_reduce(sums, group=group)
+                lse = peak + sums[0].log()
+                chunk_valid = valid[start:end]
+                ce[start:end] = torch.where(chunk_valid, lse - sums[1], 0.0)
+                z_sum += (lse.square() * chunk_valid).sum()
+                if not with_grad:
+                    continue
+                # d ce / d logits = softmax - onehot(target); d lse² / d logits = 2 lse softmax
+                g_ce = chunk_valid / count
+                g_lse = 2 * z_weight * lse * g_ce
+                d_logits = exp.mul_(((g_ce + g_lse) / sums[0])[:, None])  # softmax × scale
+                hit = torch.where(owned[start:end], g_ce, 0.0)
+                d_logits.scatter_add_(-1, index[start:end, None], -hit[:, None])
+                d_logits = d_logits.to(dtype)
+                assert grad_hidden is not None
+                grad_hidden[start:end] = d_logits @ w
+                grad_weight += d_logits.t() @ h  # summed over chunks in fp32
+        z = z_sum / count
+        objective = ce.sum() / count + z_weight * z
+        if with_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        ctx.mark_non_differentiable(ce, z)
+        return objective, ce, z
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        grad_ce, grad_lse = grads  # of the two outputs (None for one that had no gradient)
-        hidden, weight, index, owned, valid, lse = ctx.saved_tensors
-        chunk, dtype = ctx.chunk_size, ctx.dtype
-        # an ignored token's ce is the constant 0: no gradient flows through it
-        grad_ce = torch.zeros_like(lse) if grad_ce is None else grad_ce.float() * valid
-        grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse.float()
-        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        w = weight.to(dtype)
-        for start in range(0, hidden.shape[0], chunk):
-            end = min(start + chunk, hidden.shape[0])
-            h = hidden[start:end].to(dtype)
-            logits = chunk_logits(h, w, dtype)
-            # d ce / d logits = softmax - onehot(target); d lse / d logits = softmax
-            probs = (logits - lse[start:end, None]).exp_()
-            d_logits = probs.mul_((grad_ce[start:end] + grad_lse[start:end])[:, None])
-            hit = torch.where(owned[start:end], grad_ce[start:end], 0.0)
-            d_logits.scatter_add_(-1, index[start:end, None], -hit[:, None])
-            d_logits = d_logits.to(dtype)
-            if grad_hidden is not None:
-                grad_hidden[start:end] = d_logits @ w
-            if want_weight:
-                grad_weight += d_logits.t() @ h  # summed over chunks in fp32
+        grad_objective = grads[0]  # the other two outputs are for logging only
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_objective is None:
+            return (None,) * 9
+        scale = grad_objective.to(grad_hidden.dtype)
         return (
-            grad_hidden,
-            grad_weight.to(weight.dtype) if want_weight else None,
-            None,
-            None,
-            None,
-            None,
-            None,
+            grad_hidden * scale if ctx.needs_input_grad[0] else None,
+            grad_weight * scale.to(grad_weight.dtype) if ctx.needs_input_grad[1] else None,
+            *(None,) * 7,
         )
 
 
@@ -122,14 +128,19 @@ def vocab_start_of(weight: DTensor) -> int:
     return min(mesh.get_local_rank() * per_rank, weight.shape[0])
 
 
-def token_loss_terms(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token cross-entropy (0 where ignored) and logsumexp, both ``labels.shape`` in fp32,
-    of the logits ``hidden @ weight.T`` without materialising them.
+def chunked_lm_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int,
+    z_weight: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ChunkedLMLoss`` of the logits ``hidden @ weight.T``: the objective (mean CE +
+    ``z_weight`` × mean logsumexp²), each token's CE (``labels.shape``, 0 where ignored) and the
+    z term, without materialising the logits.
 
     ``hidden`` is ``(B, T, D)``; under TP it is a sequence-sharded DTensor and ``weight`` a
-    vocab-sharded one, and the result is the same on every TP rank.
+    vocab-sharded one, and the results are the same on every TP rank.
     """
     dtype = compute_dtype(hidden.device.type, hidden.dtype)
     group, vocab_start = None, 0
@@ -143,9 +154,9 @@ def token_loss_terms(
         vocab_start = vocab_start_of(weight)
         group = weight.device_mesh.get_group()
         weight = weight.to_local()
-    shape = labels.shape
+    with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    ce, lse = ChunkedCrossEntropy.apply(
-        flat, weight, labels.reshape(-1), chunk_size, dtype, vocab_start, group
+    objective, ce, z = ChunkedLMLoss.apply(
+        flat, weight, labels.reshape(-1), chunk_size, dtype, vocab_start, group, z_weight, with_grad
     )  # type: ignore[misc]
-    return ce.view(shape), lse.view(shape)
+    return objective, ce.view(labels.shape), z

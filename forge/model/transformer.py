@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from forge.config.sections import ModelConfig
-from forge.model.chunked_loss import token_loss_terms
+from forge.model.chunked_loss import chunked_lm_loss
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,14 +202,16 @@ class Transformer(nn.Module):
         document_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         loss_chunk_size: int = 0,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        z_loss_weight: float = 0.0,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Token ids ``(B, T)`` (or hidden states on a later pipeline stage) to logits.
 
         Packed rows pass per-token ``positions`` (RoPE restarts per document) and
         ``document_ids`` (attention stays within a document). With ``labels`` and a
-        ``loss_chunk_size`` > 0, returns the per-token cross-entropy and logsumexp instead
-        (``token_loss_terms``), never materialising the logits; the loss is computed here, in
-        forward, so FSDP2's and the pipeline's hooks see the output weight used as usual.
+        ``loss_chunk_size`` > 0, returns ``chunked_lm_loss``'s objective, per-token
+        cross-entropy and z term instead, never materialising the logits; the loss is computed
+        here, in forward, so FSDP2's and the pipeline's hooks see the output weight used as
+        usual.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin, mask = self.rope_cos, self.rope_sin, None
@@ -224,7 +226,7 @@ class Transformer(nn.Module):
         if self.output is None:
             return h
         if labels is not None and loss_chunk_size > 0:
-            return token_loss_terms(h, self.output.weight, labels, loss_chunk_size)
+            return chunked_lm_loss(h, self.output.weight, labels, loss_chunk_size, z_loss_weight)
         return self.output(h)
 
 

@@ -64,10 +64,9 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
             momentum=cfg.momentum,
             ns_steps=cfg.ns_steps,
         )
-    on_gpu = any(p.is_cuda for g in groups for p in g["params"])
-    # fused kernels on CUDA (one launch for all parameters); foreach elsewhere
-    kernel = {"fused": True} if on_gpu else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kernel)
+    # fused kernels: one launch for all parameters on CUDA; on CPU one vectorised pass per
+    # tensor, 5-7x faster than foreach for the debug model (benchmarks/precision.py)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)
 
 
 def inference_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer | None:

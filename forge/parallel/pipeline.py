@@ -12,7 +12,6 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from forge.config.sections import PipelineSchedule
-from forge.data.packing import IGNORE_INDEX
 from forge.model.transformer import Transformer
 
 
@@ -44,18 +43,19 @@ def stage_module(model: Transformer, stage: int, n_stages: int) -> Transformer:
 
 
 def lm_loss_fn(
-    output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor
+    output: torch.Tensor | tuple[torch.Tensor, ...], labels: torch.Tensor
 ) -> torch.Tensor:
     """Per-micro-batch loss for the last stage (fp32 cross-entropy, mean over unmasked
-    tokens): from the logits, or from the per-token terms of a chunked loss (``head_kwargs``)."""
+    tokens): from the logits, or the objective the stage computed chunk by chunk
+    (``head_kwargs``)."""
     if isinstance(output, tuple):
-        return output[0].sum() / (labels != IGNORE_INDEX).sum()
+        return output[0]
     return F.cross_entropy(output.float().flatten(0, 1), labels.flatten())
 
 
 def head_kwargs(labels: torch.Tensor, loss_chunk_size: int) -> dict[str, Any]:
-    """The last stage's keyword inputs: with a chunked loss the stage computes the per-token
-    loss terms from ``labels`` itself (the schedule splits them with the micro-batches)."""
+    """The last stage's keyword inputs: with a chunked loss the stage computes the loss from
+    ``labels`` itself (the schedule splits them with the micro-batches)."""
     if loss_chunk_size <= 0:
         return {}
     return {"labels": labels, "loss_chunk_size": loss_chunk_size}

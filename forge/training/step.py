@@ -6,6 +6,7 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 
+import attrs
 import torch
 import torch.distributed as torch_dist
 import torch.nn.functional as F
@@ -52,65 +53,57 @@ def document_kwargs(batch: Batch) -> dict[str, torch.Tensor | None]:
     return {"positions": batch.positions, "document_ids": batch.document_ids}
 
 
-def token_losses(
+@attrs.frozen
+class MicroBatchLoss:
+    """One micro-batch's loss: ``objective`` to differentiate, ``loss`` (the mean
+    cross-entropy) and ``z`` (the mean squared logsumexp, None when the z-loss is off) to log."""
+
+    objective: torch.Tensor
+    loss: torch.Tensor
+    z: torch.Tensor | None
+
+
+def micro_batch_loss(
     model: nn.Module,
     batch: Batch,
     autocast: Callable,
-    loss_chunk_size: int,
+    stats: SourceStats | None = None,
     *,
-    with_lse: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token fp32 cross-entropy ``(B, T)`` (0 where the label is ignored) and, when
-    chunked or ``with_lse``, the per-token logsumexp.
+    loss_chunk_size: int = 0,
+    z_loss_weight: float = 0.0,
+) -> MicroBatchLoss:
+    """Next-token cross-entropy in fp32 over the unmasked labels, plus ``z_loss_weight`` ×
+    ``mean(logsumexp(logits)²)`` in the objective.
 
-    ``loss_chunk_size`` > 0: the model computes both chunk by chunk and the full logits never
-    exist; 0: the plain path, fp32 logits then ``F.cross_entropy``.
+    ``loss_chunk_size`` > 0: the model computes it chunk by chunk (``chunked_lm_loss``) and
+    the full logits never exist; 0: the plain path, fp32 logits then ``F.cross_entropy``. With
+    ``stats``, also adds each row's loss sum and label count to its source's totals.
     """
+    counted = batch.labels != IGNORE_INDEX
+    n = counted.sum()
     if loss_chunk_size > 0:
         with autocast():
-            return model(
+            objective, per_token, z = model(
                 batch.inputs,
                 labels=batch.labels,
                 loss_chunk_size=loss_chunk_size,
+                z_loss_weight=z_loss_weight,
                 **document_kwargs(batch),
             )
-    logits = logits_of(model, batch, autocast)
-    ce = F.cross_entropy(logits.transpose(1, 2), batch.labels, reduction="none")
-    return ce, logits.logsumexp(-1) if with_lse else None
-
-
-def lm_loss(
-    model: nn.Module,
-    batch: Batch,
-    autocast: Callable,
-    stats: SourceStats | None = None,
-    loss_chunk_size: int = 0,
-) -> torch.Tensor:
-    """Mean next-token cross-entropy of one micro-batch over its unmasked labels, in fp32.
-
-    With ``stats``, also adds each row's loss sum and label count to its source's totals.
-    """
-    return lm_loss_and_z(model, batch, autocast, stats, loss_chunk_size, with_z=False)[0]
-
-
-def lm_loss_and_z(
-    model: nn.Module,
-    batch: Batch,
-    autocast: Callable,
-    stats: SourceStats | None = None,
-    loss_chunk_size: int = 0,
-    *,
-    with_z: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The cross-entropy of ``lm_loss`` and (``with_z``) the z-loss term
-    ``mean(logsumexp(logits)²)``, both over the unmasked labels."""
-    per_token, lse = token_losses(model, batch, autocast, loss_chunk_size, with_lse=with_z)
-    counted = batch.labels != IGNORE_INDEX
+    else:
+        logits = logits_of(model, batch, autocast)
+        per_token = F.cross_entropy(logits.transpose(1, 2), batch.labels, reduction="none")
+        objective = per_token.sum() / n
+        z = None
+        if z_loss_weight > 0:
+            z = (logits.logsumexp(-1).square() * counted).sum() / n
+            objective = objective + z_loss_weight * z
     if stats is not None and batch.sources is not None:
-        stats.add(batch.sources, per_token.sum(dim=1), counted.sum(dim=1))
-    n = counted.sum()
-    z = (lse.square() * counted).sum() / n if with_z and lse is not None else None
-    return per_token.sum() / n, z
+        stats.add(batch.sources, per_token.detach().sum(dim=1), counted.sum(dim=1))
+    loss = per_token.detach().sum() / n
+    return MicroBatchLoss(
+        objective, loss, z.detach() if z is not None and z_loss_weight > 0 else None
+    )
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
@@ -203,18 +196,21 @@ def make_text_step(
         scale = loss_scale(state.step + 1) if loss_scale is not None else 1.0
         for i, batch in enumerate(batches):
             set_gradient_sync(model, i == len(batches) - 1)
-            loss, z = lm_loss_and_z(
-                model, batch, autocast, stats, loss_chunk_size, with_z=total_z is not None
+            terms = micro_batch_loss(
+                model,
+                batch,
+                autocast,
+                stats,
+                loss_chunk_size=loss_chunk_size,
+                z_loss_weight=z_loss_weight,
             )
-            objective = None
-            if total_z is not None and z is not None:
-                total_z += z.detach()
-                objective = loss + z_loss_weight * z
+            objective = terms.objective
             if scale != 1.0:  # fault injection (tests only)
-                loss = loss * scale
-                objective = objective * scale if objective is not None else None
-            ((objective if objective is not None else loss) / len(batches)).backward()
-            total += loss.detach().float()
+                objective = objective * scale
+            (objective / len(batches)).backward()
+            total += terms.loss.float() * scale
+            if total_z is not None and terms.z is not None:
+                total_z += terms.z
         grad_norm = global_grad_norm(params)
         tokens = sum(b.num_tokens for b in batches) * dp_size
         n = len(batches)
@@ -257,7 +253,10 @@ def make_pipeline_step(
             pipeline.schedule.step(inputs)
         elif pipeline.is_last:
             pipeline.schedule.step(
-                target=labels, losses=losses, **head_kwargs(labels, loss_chunk_size)
+                target=labels,
+                losses=losses,
+                return_outputs=False,  # only the losses are needed
+                **head_kwargs(labels, loss_chunk_size),
             )
         else:
             pipeline.schedule.step()
@@ -285,8 +284,9 @@ def evaluate_loss(
     device = next(model.parameters()).device
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, labels; read once at the end
     for batch in batches:
-        summed = token_losses(model, batch, autocast, loss_chunk_size)[0].sum()
+        terms = micro_batch_loss(model, batch, autocast, loss_chunk_size=loss_chunk_size)
         counted = (batch.labels != IGNORE_INDEX).sum()
+        summed = terms.loss * counted
         sums += torch.stack([summed.double(), counted.double()])
     model.train(was_training)
     total, count = sums.tolist()
@@ -318,7 +318,10 @@ def evaluate_pipeline_loss(
         elif pipeline.is_last:
             group_losses: list[torch.Tensor] = []  # the schedule clears the list it is given
             pipeline.schedule.eval(
-                target=labels, losses=group_losses, **head_kwargs(labels, loss_chunk_size)
+                target=labels,
+                losses=group_losses,
+                return_outputs=False,
+                **head_kwargs(labels, loss_chunk_size),
             )
             losses += group_losses
         else:

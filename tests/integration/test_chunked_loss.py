@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from forge.config.sections import ModelConfig
 from forge.data.loader import Batch
 from forge.data.packing import IGNORE_INDEX, pack
-from forge.model.chunked_loss import token_loss_terms
+from forge.model.chunked_loss import chunked_lm_loss
 from forge.model.transformer import Transformer
-from forge.training.step import lm_loss_and_z
+from forge.training.step import micro_batch_loss
 
 N, D, V = 37, 16, 101  # N not a multiple of any chunk size below
 
@@ -33,10 +33,12 @@ def inputs(ignored: int = 0, seed: int = 0):
     return hidden.requires_grad_(), weight.requires_grad_(), labels
 
 
-def objective(ce, lse, labels, z_weight):
+def reference_objective(hidden, weight, labels, z_weight):
+    ce, lse = reference_terms(hidden, weight, labels)
     mask = labels != IGNORE_INDEX
     n = mask.sum()
-    return ce.sum() / n + z_weight * (lse.square() * mask).sum() / n
+    z = (lse.square() * mask).sum() / n
+    return ce.sum() / n + z_weight * z, ce, z
 
 
 @pytest.mark.parametrize(
@@ -54,15 +56,37 @@ def objective(ce, lse, labels, z_weight):
 def test_chunked_loss_and_gradients_equal_cross_entropy_on_fp32_logits(chunk, ignored, z_weight):
     h1, w1, labels = inputs(ignored)
     h2, w2 = h1.detach().clone().requires_grad_(), w1.detach().clone().requires_grad_()
-    ce, lse = token_loss_terms(h1, w1, labels, chunk)
-    ref_ce, ref_lse = reference_terms(h2, w2, labels)
+    objective, ce, z = chunked_lm_loss(h1, w1, labels, chunk, z_weight)
+    ref_objective, ref_ce, ref_z = reference_objective(h2, w2, labels, z_weight)
+    torch.testing.assert_close(objective, ref_objective, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(z, ref_z.detach(), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(ce, ref_ce, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=1e-6)
     assert (ce[labels == IGNORE_INDEX] == 0).all()
-    objective(ce, lse, labels, z_weight).backward()
-    objective(ref_ce, ref_lse, labels, z_weight).backward()
+    (3 * objective).backward()  # backward scales the gradient computed in forward
+    (3 * ref_objective).backward()
     torch.testing.assert_close(h1.grad, h2.grad, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(w1.grad, w2.grad, atol=1e-6, rtol=1e-6)
+
+
+def test_a_confidently_wrong_token_has_a_large_finite_loss():
+    """A target whose probability underflows fp32 (logit 200 below the top one) still has
+    the loss ``F.cross_entropy`` gives it, not inf."""
+    hidden = torch.tensor([[[1.0, 0.0]]])
+    weight = torch.tensor([[200.0, 0.0], [0.0, 0.0], [0.0, 1.0]])
+    labels = torch.tensor([[1]])
+    _, ce, _ = chunked_lm_loss(hidden, weight, labels, 4)
+    expected = F.cross_entropy((hidden @ weight.t())[0], labels[0])
+    assert torch.isfinite(ce).all()
+    torch.testing.assert_close(ce[0, 0], expected)
+
+
+def test_without_gradients_no_gradient_is_computed():
+    """Eval runs under ``no_grad``: the loss is the same and nothing is kept for backward."""
+    h, w, labels = inputs()
+    with torch.no_grad():
+        objective, ce, _ = chunked_lm_loss(h, w, labels, 8)
+    assert objective.grad_fn is None
+    torch.testing.assert_close(ce, reference_terms(h, w, labels)[0].detach(), atol=1e-6, rtol=1e-6)
 
 
 def test_chunked_loss_in_bf16_autocast_matches_the_plain_autocast_loss():
@@ -71,12 +95,12 @@ def test_chunked_loss_in_bf16_autocast_matches_the_plain_autocast_loss():
     h1, w1, labels = inputs()
     h2, w2 = h1.detach().clone().requires_grad_(), w1.detach().clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ce, _ = token_loss_terms(h1, w1, labels, 8)
+        objective, ce, _ = chunked_lm_loss(h1, w1, labels, 8)
         logits = F.linear(h2, w2)
     assert logits.dtype == torch.bfloat16
     ref = F.cross_entropy(logits.float().transpose(1, 2), labels, reduction="none")
     torch.testing.assert_close(ce, ref, atol=1e-5, rtol=1e-5)
-    ce.mean().backward()
+    objective.backward()
     ref.mean().backward()
     assert w1.grad is not None and w1.grad.dtype == torch.float32
     torch.testing.assert_close(w1.grad, w2.grad, atol=2e-3, rtol=2e-2)
@@ -88,8 +112,7 @@ def test_a_bf16_weight_gets_a_bf16_gradient():
     h, w, labels = inputs()
     h = h.detach().bfloat16().requires_grad_()
     w = w.detach().bfloat16().requires_grad_()
-    ce, _ = token_loss_terms(h, w, labels, 8)
-    ce.mean().backward()
+    chunked_lm_loss(h, w, labels, 8)[0].backward()
     assert w.grad is not None and w.grad.dtype == torch.bfloat16
     assert h.grad is not None and h.grad.dtype == torch.bfloat16
 
@@ -109,8 +132,9 @@ def packed_batch(seed: int = 0) -> Batch:
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_model_loss_chunked_equals_plain_with_gradients(packed):
-    """The whole model: ``lm_loss_and_z`` chunked vs plain, same loss, z and gradients."""
+@pytest.mark.parametrize("z_weight", [0.0, 1e-2])
+def test_model_loss_chunked_equals_plain_with_gradients(packed, z_weight):
+    """The whole model: ``micro_batch_loss`` chunked vs plain, same loss, z and gradients."""
     torch.manual_seed(0)
     plain = Transformer(CFG)
     chunked = Transformer(CFG)
@@ -122,13 +146,17 @@ def test_model_loss_chunked_equals_plain_with_gradients(packed):
     )
     results = []
     for model, chunk in ((plain, 0), (chunked, 7)):
-        loss, z = lm_loss_and_z(model, batch, contextlib.nullcontext, None, chunk)
-        assert z is not None
-        (loss + 1e-2 * z).backward()
-        results.append((loss, z, {n: p.grad for n, p in model.named_parameters()}))
-    (l1, z1, g1), (l2, z2, g2) = results
-    torch.testing.assert_close(l2, l1, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(z2, z1, atol=1e-6, rtol=1e-6)
+        terms = micro_batch_loss(
+            model, batch, contextlib.nullcontext, loss_chunk_size=chunk, z_loss_weight=z_weight
+        )
+        terms.objective.backward()
+        results.append((terms, {n: p.grad for n, p in model.named_parameters()}))
+    (t1, g1), (t2, g2) = results
+    torch.testing.assert_close(t2.objective, t1.objective, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(t2.loss, t1.loss, atol=1e-6, rtol=1e-6)
+    assert (t1.z is None) == (t2.z is None) == (z_weight == 0)
+    if t1.z is not None:
+        torch.testing.assert_close(t2.z, t1.z, atol=1e-6, rtol=1e-6)
     for name in g1:
         torch.testing.assert_close(g2[name], g1[name], atol=1e-6, rtol=1e-6, msg=name)
 
@@ -148,7 +176,6 @@ def test_chunked_loss_never_materialises_the_full_logits():
             return out
 
     with Sizes():
-        ce, _ = token_loss_terms(h, w, labels, chunk)
-        ce.sum().backward()
+        chunked_lm_loss(h, w, labels, chunk)[0].backward()
     assert max(sizes) == max(chunk * V, V * D)
     assert max(sizes) < N * V

@@ -12,7 +12,7 @@ from forge.data.packing import IGNORE_INDEX
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer, param_groups, resolve_schedule
 from forge.training.state import LoopState
-from forge.training.step import lm_loss_and_z, make_text_step
+from forge.training.step import make_text_step, micro_batch_loss
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, max_seq_len=16)
 
@@ -142,13 +142,15 @@ def masked_batch(seed):
 def test_z_loss_parts_equal_cross_entropy_and_the_mean_squared_logsumexp(masked):
     model, _, _ = setup()
     b = masked_batch(3) if masked else batch(3)
-    ce, z = lm_loss_and_z(model, b, contextlib.nullcontext)
+    terms = micro_batch_loss(model, b, contextlib.nullcontext, z_loss_weight=0.5)
+    ce, z = terms.loss, terms.z
     logits = model(b.inputs).float()
     keep = b.labels != IGNORE_INDEX
     expected_ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b.labels.flatten())
     expected_z = logits.logsumexp(-1)[keep].square().mean()
     torch.testing.assert_close(ce, expected_ce, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(z, expected_z, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(terms.objective, ce + 0.5 * z, rtol=1e-6, atol=1e-6)
 
 
 def test_the_z_loss_is_in_the_objective_but_not_in_the_reported_loss():
@@ -165,8 +167,8 @@ def test_the_z_loss_is_in_the_objective_but_not_in_the_reported_loss():
     # SGD: the update is -lr × the gradient of mean over micro-batches of (CE + w z)
     objective = (
         sum(
-            ce + weight * z
-            for ce, z in (lm_loss_and_z(reference, x, contextlib.nullcontext) for x in (a, b))
+            micro_batch_loss(reference, x, contextlib.nullcontext, z_loss_weight=weight).objective
+            for x in (a, b)
         )
         / 2
     )
