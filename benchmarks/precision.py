@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from forge.config import load_config
 from forge.data.loader import Batch
-from forge.model.chunked_loss import chunked_lm_loss
+from forge.model.chunked_loss import LossSpec, chunked_lm_loss
 from forge.model.transformer import Transformer, num_parameters
 from forge.optim import lr_at, resolve_schedule
 from forge.optim.param_groups import param_groups
@@ -159,7 +159,7 @@ def loss_peak_mib(vocab: int, dim: int, tokens: int, chunk: int) -> float:
     labels = torch.randint(0, vocab, (tokens,))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if chunk > 0:
-        chunked_lm_loss(hidden, weight, labels, chunk)[0].backward()
+        chunked_lm_loss(hidden, weight, labels, LossSpec(chunk))[0].backward()
     else:
         F.cross_entropy((hidden @ weight.t()).float(), labels).backward()
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # KiB on Linux

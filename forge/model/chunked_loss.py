@@ -14,8 +14,11 @@ the caller's DTensor reduces.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -24,11 +27,80 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from forge.data.packing import IGNORE_INDEX
 
 
+@attrs.frozen
+class LossSpec:
+    """How the language-model loss is computed: ``chunk_size`` tokens at a time (0: the plain
+    loss on the full fp32 logits), with ``z_weight`` × mean logsumexp² in the objective, and
+    each chunk through ``torch.compile`` when ``compiled``."""
+
+    chunk_size: int = 0
+    z_weight: float = 0.0
+    compiled: bool = False
+
+    @property
+    def chunked(self) -> bool:
+        return self.chunk_size > 0
+
+
 def compute_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
     """The matmul dtype: autocast's when it is on, else the tensors' own."""
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return dtype
+
+
+class ChunkTerms(NamedTuple):
+    """One chunk's contribution: each token's cross-entropy, the sum of its squared
+    logsumexps, and (when gradients are wanted) the gradients of its hidden states and of the
+    output weight. (A NamedTuple, not attrs: ``torch.compile`` traces building it.)"""
+
+    ce: torch.Tensor
+    z_sum: torch.Tensor
+    grad_hidden: torch.Tensor | None
+    grad_weight: torch.Tensor | None
+
+
+def chunk_terms(
+    h: torch.Tensor,  # (C, D), in the compute dtype
+    w: torch.Tensor,  # (V_local, D), in the compute dtype
+    index: torch.Tensor,  # (C,) the target's row in ``w`` (0 where not owned)
+    owned: torch.Tensor,  # (C,) this rank holds the target's row
+    valid: torch.Tensor,  # (C,) the label is not ignored
+    count: torch.Tensor,  # () unignored labels in the whole micro-batch
+    z_weight: float,
+    with_grad: bool,
+    group: ProcessGroup | None,
+) -> ChunkTerms:
+    """Project one chunk, take its fp32 logsumexp and, with ``with_grad``, the gradients of
+    ``mean CE + z_weight × mean lse²`` with respect to ``h`` and ``w``."""
+    logits = (h @ w.t()).float()
+    peak = logits.amax(-1)
+    if group is not None and not h.is_meta:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    picked = logits.gather(-1, index[:, None]).squeeze(-1)
+    exp = logits.sub_(peak[:, None]).exp_()  # the logits are not needed again
+    sums = torch.stack([exp.sum(-1), torch.where(owned, picked, 0.0)])
+    if group is not None and not h.is_meta:  # combine the vocab slices
+        dist.all_reduce(sums, group=group)
+    lse = peak + sums[0].log()
+    ce = torch.where(valid, lse - sums[1], 0.0)
+    z_sum = (lse.square() * valid).sum()
+    if not with_grad:
+        return ChunkTerms(ce, z_sum, None, None)
+    # d ce / d logits = softmax - onehot(target); d lse² / d logits = 2 lse softmax
+    g_ce = valid / count
+    g_lse = 2 * z_weight * lse * g_ce
+    d_logits = exp.mul_(((g_ce + g_lse) / sums[0])[:, None])  # softmax × scale
+    d_logits.scatter_add_(-1, index[:, None], -torch.where(owned, g_ce, 0.0)[:, None])
+    d_logits = d_logits.to(h.dtype)
+    return ChunkTerms(ce, z_sum, d_logits @ w, d_logits.t() @ h)
+
+
+@functools.cache
+def compiled_chunk_terms() -> Callable[..., ChunkTerms]:
+    """``chunk_terms`` through ``torch.compile``: the elementwise tail fused into a few loops
+    (built once per process, on first use)."""
+    return torch.compile(chunk_terms, dynamic=False)
 
 
 class ChunkedLMLoss(torch.autograd.Function):
@@ -40,6 +112,7 @@ class ChunkedLMLoss(torch.autograd.Function):
     scales it: no logits are recomputed, and the loss costs the three matmuls of a plain
     linear layer. ``weight`` may be this rank's vocab slice starting at ``vocab_start``; the
     slices' logsumexps and target logits are combined over ``group`` chunk by chunk.
+    ``compiled`` runs each chunk through ``compiled_chunk_terms`` (single rank only).
 
     Returns the objective (differentiable), each token's cross-entropy and the mean squared
     logsumexp (both for logging).
@@ -57,6 +130,7 @@ class ChunkedLMLoss(torch.autograd.Function):
         group: ProcessGroup | None,
         z_weight: float,
         with_grad: bool,
+        compiled: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, v_local = hidden.shape[0], weight.shape[0]
         device = hidden.device
@@ -70,35 +144,20 @@ class ChunkedLMLoss(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if with_grad else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device)
         w = weight.to(dtype)
+        terms_of = compiled_chunk_terms() if compiled and group is None else chunk_terms
         with torch.autocast(device.type, enabled=False):
             for start in range(0, n, chunk_size):
-                end = min(start + chunk_size, n)
-                h = hidden[start:end].to(dtype)
-                logits = (h @ w.t()).float()  # projected in the compute dtype, then fp32
-                peak = logits.amax(-1)
-                if group is not None and not hidden.is_meta:
-                    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-                picked = logits.gather(-1, index[start:end, None]).squeeze(-1)
-                exp = logits.sub_(peak[:, None]).exp_()  # the logits are not needed again
-                sums = torch.stack([exp.sum(-1), torch.where(owned[start:end], picked, 0.0)])
-                if group is not None and not hidden.is_meta:  # combine the vocab slices
-                    dist.all_reduce(sums, group=group)
-                lse = peak + sums[0].log()
-                chunk_valid = valid[start:end]
-                ce[start:end] = torch.where(chunk_valid, lse - sums[1], 0.0)
-                z_sum += (lse.square() * chunk_valid).sum()
-                if not with_grad:
-                    continue
-                # d ce / d logits = softmax - onehot(target); d lse² / d logits = 2 lse softmax
-                g_ce = chunk_valid / count
-                g_lse = 2 * z_weight * lse * g_ce
-                d_logits = exp.mul_(((g_ce + g_lse) / sums[0])[:, None])  # softmax × scale
-                hit = torch.where(owned[start:end], g_ce, 0.0)
-                d_logits.scatter_add_(-1, index[start:end, None], -hit[:, None])
-                d_logits = d_logits.to(dtype)
-                assert grad_hidden is not None
-                grad_hidden[start:end] = d_logits @ w
-                grad_weight += d_logits.t() @ h  # summed over chunks in fp32
+                part = slice(start, min(start + chunk_size, n))
+                h = hidden[part].to(dtype)
+                terms = terms_of(
+                    h, w, index[part], owned[part], valid[part], count, z_weight, with_grad, group
+                )
+                ce[part] = terms.ce
+                z_sum += terms.z_sum
+                if grad_hidden is not None and terms.grad_hidden is not None:
+                    grad_hidden[part] = terms.grad_hidden
+                if terms.grad_weight is not None:
+                    grad_weight += terms.grad_weight  # summed over chunks in fp32
         z = z_sum / count
         objective = ce.sum() / count + z_weight * z
         if with_grad:
@@ -111,12 +170,12 @@ class ChunkedLMLoss(torch.autograd.Function):
         grad_objective = grads[0]  # the other two outputs are for logging only
         grad_hidden, grad_weight = ctx.saved_tensors
         if grad_objective is None:
-            return (None,) * 9
+            return (None,) * 10
         scale = grad_objective.to(grad_hidden.dtype)
         return (
             grad_hidden * scale if ctx.needs_input_grad[0] else None,
             grad_weight * scale.to(grad_weight.dtype) if ctx.needs_input_grad[1] else None,
-            *(None,) * 7,
+            *(None,) * 8,
         )
 
 
@@ -129,15 +188,11 @@ def vocab_start_of(weight: DTensor) -> int:
 
 
 def chunked_lm_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    chunk_size: int,
-    z_weight: float = 0.0,
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, spec: LossSpec
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``ChunkedLMLoss`` of the logits ``hidden @ weight.T``: the objective (mean CE +
-    ``z_weight`` × mean logsumexp²), each token's CE (``labels.shape``, 0 where ignored) and the
-    z term, without materialising the logits.
+    ``spec.z_weight`` × mean logsumexp²), each token's CE (``labels.shape``, 0 where ignored)
+    and the z term, without materialising the logits.
 
     ``hidden`` is ``(B, T, D)``; under TP it is a sequence-sharded DTensor and ``weight`` a
     vocab-sharded one, and the results are the same on every TP rank.
@@ -157,6 +212,15 @@ def chunked_lm_loss(
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     flat = hidden.reshape(-1, hidden.shape[-1])
     objective, ce, z = ChunkedLMLoss.apply(
-        flat, weight, labels.reshape(-1), chunk_size, dtype, vocab_start, group, z_weight, with_grad
+        flat,
+        weight,
+        labels.reshape(-1),
+        spec.chunk_size,
+        dtype,
+        vocab_start,
+        group,
+        spec.z_weight,
+        with_grad,
+        spec.compiled,
     )  # type: ignore[misc]
     return objective, ce.view(labels.shape), z

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from forge.config.sections import ModelConfig
-from forge.model.chunked_loss import chunked_lm_loss
+from forge.model.chunked_loss import LossSpec, chunked_lm_loss
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,15 +201,14 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-        loss_chunk_size: int = 0,
-        z_loss_weight: float = 0.0,
+        loss: LossSpec | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Token ids ``(B, T)`` (or hidden states on a later pipeline stage) to logits.
 
         Packed rows pass per-token ``positions`` (RoPE restarts per document) and
         ``document_ids`` (attention stays within a document). With ``labels`` and a
-        ``loss_chunk_size`` > 0, returns ``chunked_lm_loss``'s objective, per-token
-        cross-entropy and z term instead, never materialising the logits; the loss is computed
+        chunked ``loss``, returns ``chunked_lm_loss``'s objective, per-token cross-entropy
+        and z term instead, never materialising the logits; the loss is computed
         here, in forward, so FSDP2's and the pipeline's hooks see the output weight used as
         usual.
         """
@@ -225,8 +224,8 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if self.output is None:
             return h
-        if labels is not None and loss_chunk_size > 0:
-            return chunked_lm_loss(h, self.output.weight, labels, loss_chunk_size, z_loss_weight)
+        if labels is not None and loss is not None and loss.chunked:
+            return chunked_lm_loss(h, self.output.weight, labels, loss)
         return self.output(h)
 
 

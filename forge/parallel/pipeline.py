@@ -12,6 +12,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from forge.config.sections import PipelineSchedule
+from forge.model.chunked_loss import LossSpec
 from forge.model.transformer import Transformer
 
 
@@ -53,12 +54,12 @@ def lm_loss_fn(
     return F.cross_entropy(output.float().flatten(0, 1), labels.flatten())
 
 
-def head_kwargs(labels: torch.Tensor, loss_chunk_size: int) -> dict[str, Any]:
+def head_kwargs(labels: torch.Tensor, loss: LossSpec) -> dict[str, Any]:
     """The last stage's keyword inputs: with a chunked loss the stage computes the loss from
     ``labels`` itself (the schedule splits them with the micro-batches)."""
-    if loss_chunk_size <= 0:
+    if not loss.chunked:
         return {}
-    return {"labels": labels, "loss_chunk_size": loss_chunk_size}
+    return {"labels": labels, "loss": loss}
 
 
 def build_schedule(

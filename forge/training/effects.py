@@ -33,7 +33,7 @@ from forge.training.identity import run_identity
 from forge.training.outcome import LoopOutcome
 from forge.training.phases import config_fingerprint, loop_policy
 from forge.training.state import LoopState, SaveReason, StepResult, save_failure_is_fatal
-from forge.training.step import evaluate_loss, evaluate_pipeline_loss
+from forge.training.step import evaluate_loss, evaluate_pipeline_loss, loss_spec_of
 from forge.training.train_state import (
     TRAIN_STATE_VERSION,
     LoaderRecord,
@@ -237,13 +237,13 @@ class TrainingEffects:
                 self.model.pipeline,
                 batches,
                 n_micro,
-                self.run.config.train.loss_chunk_size,
+                loss_spec_of(self.run.config.train),
             )
             loss = mean_over_ranks(loss, self.dist.world_size, self.dist.device)
         else:
             train = self.run.config.train
             total, count = evaluate_loss(
-                self.model.model, batches, train.mixed_precision, train.loss_chunk_size
+                self.model.model, batches, train.mixed_precision, loss_spec_of(train)
             )
             total, count = sum_over_ranks(
                 [total, float(count)], self.dist.world_size, self.dist.device

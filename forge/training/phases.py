@@ -75,7 +75,7 @@ from forge.training.run_dir import (
     path_problem,
 )
 from forge.training.state import LoopPolicy, LoopState, StepResult, starting_outcome
-from forge.training.step import make_pipeline_step, make_text_step
+from forge.training.step import loss_spec_of, make_pipeline_step, make_text_step
 from forge.training.train_state import TrainState, parse_train_state
 
 
@@ -448,7 +448,7 @@ def make_step_fn(
             cfg.optimizer.lr,
             cfg.train.grad_clip_norm,
             dp_size=dist.dp_size,
-            loss_chunk_size=cfg.train.loss_chunk_size,
+            loss_spec=loss_spec_of(cfg.train),
         )
     return make_text_step(
         model.model,
@@ -461,8 +461,7 @@ def make_step_fn(
         dp_size=dist.dp_size,
         loss_scale=NanInjector(faults_from_env(os.environ), dist.rank),
         stats=data.source_stats if data is not None else None,
-        z_loss_weight=cfg.train.z_loss_weight,
-        loss_chunk_size=cfg.train.loss_chunk_size,
+        loss_spec=loss_spec_of(cfg.train),
     )
 
 

@@ -13,15 +13,24 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from forge.config.sections import Precision
+from forge.config.sections import Precision, TrainConfig
 from forge.data.loader import Batch
 from forge.data.packing import IGNORE_INDEX
 from forge.metrics.sources import SourceStats
+from forge.model.chunked_loss import LossSpec
 from forge.optim.schedules import Schedule, lr_at
 from forge.parallel.grad_norm import clip_coefficient, global_grad_norm, scale_grads_
 from forge.parallel.pipeline import head_kwargs
 from forge.training.context import PipelineContext
 from forge.training.state import LoopState, StepResult
+
+PLAIN_LOSS = LossSpec()  # the full fp32 logits, then F.cross_entropy
+
+
+def loss_spec_of(train: TrainConfig) -> LossSpec:
+    """The loss the ``[train]`` keys ask for: chunked by ``loss_chunk_size``, with the
+    z-loss weight, each chunk compiled under ``train.compile``."""
+    return LossSpec(train.loss_chunk_size, train.z_loss_weight, train.compile)
 
 
 def autocast_for(
@@ -68,42 +77,35 @@ def micro_batch_loss(
     batch: Batch,
     autocast: Callable,
     stats: SourceStats | None = None,
-    *,
-    loss_chunk_size: int = 0,
-    z_loss_weight: float = 0.0,
+    loss_spec: LossSpec = PLAIN_LOSS,
 ) -> MicroBatchLoss:
-    """Next-token cross-entropy in fp32 over the unmasked labels, plus ``z_loss_weight`` ×
-    ``mean(logsumexp(logits)²)`` in the objective.
+    """Next-token cross-entropy in fp32 over the unmasked labels, plus ``loss_spec.z_weight``
+    × ``mean(logsumexp(logits)²)`` in the objective.
 
-    ``loss_chunk_size`` > 0: the model computes it chunk by chunk (``chunked_lm_loss``) and
-    the full logits never exist; 0: the plain path, fp32 logits then ``F.cross_entropy``. With
+    A chunked ``loss_spec``: the model computes it chunk by chunk (``chunked_lm_loss``) and the
+    full logits never exist; else the plain path, fp32 logits then ``F.cross_entropy``. With
     ``stats``, also adds each row's loss sum and label count to its source's totals.
     """
     counted = batch.labels != IGNORE_INDEX
     n = counted.sum()
-    if loss_chunk_size > 0:
+    z_weight = loss_spec.z_weight
+    if loss_spec.chunked:
         with autocast():
             objective, per_token, z = model(
-                batch.inputs,
-                labels=batch.labels,
-                loss_chunk_size=loss_chunk_size,
-                z_loss_weight=z_loss_weight,
-                **document_kwargs(batch),
+                batch.inputs, labels=batch.labels, loss=loss_spec, **document_kwargs(batch)
             )
     else:
         logits = logits_of(model, batch, autocast)
         per_token = F.cross_entropy(logits.transpose(1, 2), batch.labels, reduction="none")
         objective = per_token.sum() / n
         z = None
-        if z_loss_weight > 0:
+        if z_weight > 0:
             z = (logits.logsumexp(-1).square() * counted).sum() / n
-            objective = objective + z_loss_weight * z
+            objective = objective + z_weight * z
     if stats is not None and batch.sources is not None:
         stats.add(batch.sources, per_token.detach().sum(dim=1), counted.sum(dim=1))
     loss = per_token.detach().sum() / n
-    return MicroBatchLoss(
-        objective, loss, z.detach() if z is not None and z_loss_weight > 0 else None
-    )
+    return MicroBatchLoss(objective, loss, z.detach() if z is not None and z_weight > 0 else None)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
@@ -165,8 +167,7 @@ def make_text_step(
     dp_size: int = 1,
     loss_scale: Callable[[int], float] | None = None,
     stats: SourceStats | None = None,
-    z_loss_weight: float = 0.0,
-    loss_chunk_size: int = 0,
+    loss_spec: LossSpec = PLAIN_LOSS,
 ) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
     """The language-model step: accumulate gradients, clip, and update only if all is finite.
 
@@ -175,9 +176,9 @@ def make_text_step(
     is global over every shard, so all ranks agree on whether the step is finite. The loss is
     this rank's; it is averaged over data-parallel ranks only when logged. ``loss_scale``
     (tests only) multiplies the loss of a given step, e.g. by NaN. ``stats`` collects
-    per-source losses of a mixture. ``z_loss_weight`` > 0 adds ``weight × mean(logsumexp²)`` to
-    the objective; the reported ``loss`` stays the cross-entropy, ``z_loss`` the mean term.
-    ``loss_chunk_size`` > 0 computes the loss chunk by chunk (``token_losses``).
+    per-source losses of a mixture. ``loss_spec`` says how the loss is computed
+    (``micro_batch_loss``); with a z-loss weight the reported ``loss`` stays the
+    cross-entropy, ``z_loss`` the mean term.
     """
     autocast = (
         contextlib.nullcontext
@@ -192,18 +193,11 @@ def make_text_step(
         model.train()
         device = params[0].device
         total = torch.zeros((), device=device)  # summed on the device: no sync here
-        total_z = torch.zeros((), device=device) if z_loss_weight > 0 else None
+        total_z = torch.zeros((), device=device) if loss_spec.z_weight > 0 else None
         scale = loss_scale(state.step + 1) if loss_scale is not None else 1.0
         for i, batch in enumerate(batches):
             set_gradient_sync(model, i == len(batches) - 1)
-            terms = micro_batch_loss(
-                model,
-                batch,
-                autocast,
-                stats,
-                loss_chunk_size=loss_chunk_size,
-                z_loss_weight=z_loss_weight,
-            )
+            terms = micro_batch_loss(model, batch, autocast, stats, loss_spec)
             objective = terms.objective
             if scale != 1.0:  # fault injection (tests only)
                 objective = objective * scale
@@ -231,11 +225,11 @@ def make_pipeline_step(
     grad_clip_norm: float | None,
     *,
     dp_size: int = 1,
-    loss_chunk_size: int = 0,
+    loss_spec: LossSpec = PLAIN_LOSS,
 ) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
     """One optimizer step through the pipeline: the step's micro-batches are concatenated and
     the schedule splits them again, one per pipeline micro-batch. The last stage computes the
-    loss chunk by chunk when ``loss_chunk_size`` > 0.
+    loss chunk by chunk when ``loss_spec`` is chunked.
 
     The loss (known on the last stage) reaches every rank by a sum over the pipeline group;
     the grad norm is global across stages, so every rank takes the same finite/skip branch.
@@ -256,7 +250,7 @@ def make_pipeline_step(
                 target=labels,
                 losses=losses,
                 return_outputs=False,  # only the losses are needed
-                **head_kwargs(labels, loss_chunk_size),
+                **head_kwargs(labels, loss_spec),
             )
         else:
             pipeline.schedule.step()
@@ -274,7 +268,7 @@ def make_pipeline_step(
 
 @torch.no_grad()
 def evaluate_loss(
-    model: nn.Module, batches: list[Batch], precision: Precision, loss_chunk_size: int = 0
+    model: nn.Module, batches: list[Batch], precision: Precision, loss_spec: LossSpec = PLAIN_LOSS
 ) -> tuple[float, int]:
     """Summed loss over the unmasked labels of ``batches`` and their number, in eval mode
     (sums, so that ranks combine them into the mean over the union of their batches)."""
@@ -284,7 +278,7 @@ def evaluate_loss(
     device = next(model.parameters()).device
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, labels; read once at the end
     for batch in batches:
-        terms = micro_batch_loss(model, batch, autocast, loss_chunk_size=loss_chunk_size)
+        terms = micro_batch_loss(model, batch, autocast, loss_spec=loss_spec)
         counted = (batch.labels != IGNORE_INDEX).sum()
         summed = terms.loss * counted
         sums += torch.stack([summed.double(), counted.double()])
@@ -299,7 +293,7 @@ def evaluate_pipeline_loss(
     pipeline: PipelineContext,
     batches: list[Batch],
     n_microbatches: int,
-    loss_chunk_size: int = 0,
+    loss_spec: LossSpec = PLAIN_LOSS,
 ) -> float:
     """Mean loss over ``batches`` run forward-only through the pipeline, on every stage.
 
@@ -321,7 +315,7 @@ def evaluate_pipeline_loss(
                 target=labels,
                 losses=group_losses,
                 return_outputs=False,
-                **head_kwargs(labels, loss_chunk_size),
+                **head_kwargs(labels, loss_spec),
             )
             losses += group_losses
         else:

@@ -480,12 +480,12 @@ def test_schedule_free_evaluates_the_averaged_weights(tiny_config, monkeypatch):
     models, seen = built_models(monkeypatch), []
     real = effects.evaluate_loss
 
-    def spy(model, batches, precision):
+    def spy(model, batches, precision, loss_spec):
         (ctx,) = models
         assert isinstance(ctx.optimizer, ScheduleFreeAdamW)
         averaged = {id(p): x for p, x in ctx.optimizer.averaged_now}
         seen.append(all(torch.equal(p, averaged[id(p)]) for p in model.parameters()))
-        return real(model, batches, precision)
+        return real(model, batches, precision, loss_spec)
 
     monkeypatch.setattr(effects, "evaluate_loss", spy)
     real_eval = ScheduleFreeAdamW.averaged

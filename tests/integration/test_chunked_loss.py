@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from forge.config.sections import ModelConfig
 from forge.data.loader import Batch
 from forge.data.packing import IGNORE_INDEX, pack
-from forge.model.chunked_loss import chunked_lm_loss
+from forge.model.chunked_loss import LossSpec, chunked_lm_loss
 from forge.model.transformer import Transformer
 from forge.training.step import micro_batch_loss
 
@@ -56,7 +56,7 @@ def reference_objective(hidden, weight, labels, z_weight):
 def test_chunked_loss_and_gradients_equal_cross_entropy_on_fp32_logits(chunk, ignored, z_weight):
     h1, w1, labels = inputs(ignored)
     h2, w2 = h1.detach().clone().requires_grad_(), w1.detach().clone().requires_grad_()
-    objective, ce, z = chunked_lm_loss(h1, w1, labels, chunk, z_weight)
+    objective, ce, z = chunked_lm_loss(h1, w1, labels, LossSpec(chunk, z_weight))
     ref_objective, ref_ce, ref_z = reference_objective(h2, w2, labels, z_weight)
     torch.testing.assert_close(objective, ref_objective, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(z, ref_z.detach(), atol=1e-6, rtol=1e-6)
@@ -74,7 +74,7 @@ def test_a_confidently_wrong_token_has_a_large_finite_loss():
     hidden = torch.tensor([[[1.0, 0.0]]])
     weight = torch.tensor([[200.0, 0.0], [0.0, 0.0], [0.0, 1.0]])
     labels = torch.tensor([[1]])
-    _, ce, _ = chunked_lm_loss(hidden, weight, labels, 4)
+    _, ce, _ = chunked_lm_loss(hidden, weight, labels, LossSpec(4))
     expected = F.cross_entropy((hidden @ weight.t())[0], labels[0])
     assert torch.isfinite(ce).all()
     torch.testing.assert_close(ce[0, 0], expected)
@@ -84,7 +84,7 @@ def test_without_gradients_no_gradient_is_computed():
     """Eval runs under ``no_grad``: the loss is the same and nothing is kept for backward."""
     h, w, labels = inputs()
     with torch.no_grad():
-        objective, ce, _ = chunked_lm_loss(h, w, labels, 8)
+        objective, ce, _ = chunked_lm_loss(h, w, labels, LossSpec(8))
     assert objective.grad_fn is None
     torch.testing.assert_close(ce, reference_terms(h, w, labels)[0].detach(), atol=1e-6, rtol=1e-6)
 
@@ -95,7 +95,7 @@ def test_chunked_loss_in_bf16_autocast_matches_the_plain_autocast_loss():
     h1, w1, labels = inputs()
     h2, w2 = h1.detach().clone().requires_grad_(), w1.detach().clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        objective, ce, _ = chunked_lm_loss(h1, w1, labels, 8)
+        objective, ce, _ = chunked_lm_loss(h1, w1, labels, LossSpec(8))
         logits = F.linear(h2, w2)
     assert logits.dtype == torch.bfloat16
     ref = F.cross_entropy(logits.float().transpose(1, 2), labels, reduction="none")
@@ -112,7 +112,7 @@ def test_a_bf16_weight_gets_a_bf16_gradient():
     h, w, labels = inputs()
     h = h.detach().bfloat16().requires_grad_()
     w = w.detach().bfloat16().requires_grad_()
-    chunked_lm_loss(h, w, labels, 8)[0].backward()
+    chunked_lm_loss(h, w, labels, LossSpec(8))[0].backward()
     assert w.grad is not None and w.grad.dtype == torch.bfloat16
     assert h.grad is not None and h.grad.dtype == torch.bfloat16
 
@@ -147,7 +147,7 @@ def test_model_loss_chunked_equals_plain_with_gradients(packed, z_weight):
     results = []
     for model, chunk in ((plain, 0), (chunked, 7)):
         terms = micro_batch_loss(
-            model, batch, contextlib.nullcontext, loss_chunk_size=chunk, z_loss_weight=z_weight
+            model, batch, contextlib.nullcontext, loss_spec=LossSpec(chunk, z_weight)
         )
         terms.objective.backward()
         results.append((terms, {n: p.grad for n, p in model.named_parameters()}))
@@ -176,6 +176,18 @@ def test_chunked_loss_never_materialises_the_full_logits():
             return out
 
     with Sizes():
-        chunked_lm_loss(h, w, labels, chunk)[0].backward()
+        chunked_lm_loss(h, w, labels, LossSpec(chunk))[0].backward()
     assert max(sizes) == max(chunk * V, V * D)
     assert max(sizes) < N * V
+
+
+def test_the_compiled_chunk_equals_the_eager_one():
+    """``train.compile`` runs each chunk through ``torch.compile``: same loss and gradients."""
+    results = []
+    for compiled in (False, True):
+        h, w, labels = inputs(ignored=9)
+        objective, ce, z = chunked_lm_loss(h, w, labels, LossSpec(8, 1e-2, compiled))
+        objective.backward()
+        results.append((objective, ce, z, h.grad, w.grad))
+    for eager, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)

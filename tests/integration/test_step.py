@@ -9,6 +9,7 @@ import torch
 from forge.config import ModelConfig, OptimizerConfig, Precision, SchedulerConfig
 from forge.data.loader import Batch
 from forge.data.packing import IGNORE_INDEX
+from forge.model.chunked_loss import LossSpec
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer, param_groups, resolve_schedule
 from forge.training.state import LoopState
@@ -142,7 +143,7 @@ def masked_batch(seed):
 def test_z_loss_parts_equal_cross_entropy_and_the_mean_squared_logsumexp(masked):
     model, _, _ = setup()
     b = masked_batch(3) if masked else batch(3)
-    terms = micro_batch_loss(model, b, contextlib.nullcontext, z_loss_weight=0.5)
+    terms = micro_batch_loss(model, b, contextlib.nullcontext, loss_spec=LossSpec(z_weight=0.5))
     ce, z = terms.loss, terms.z
     logits = model(b.inputs).float()
     keep = b.labels != IGNORE_INDEX
@@ -158,7 +159,9 @@ def test_the_z_loss_is_in_the_objective_but_not_in_the_reported_loss():
     _, _, plain = setup(sgd=True)
     z_model, z_opt, _ = setup(sgd=True)
     sched = resolve_schedule(SchedulerConfig(warmup_steps=0), 100)
-    z_step = make_text_step(z_model, z_opt, sched, 1e-2, Precision.FP32, None, z_loss_weight=weight)
+    z_step = make_text_step(
+        z_model, z_opt, sched, 1e-2, Precision.FP32, None, loss_spec=LossSpec(z_weight=weight)
+    )
     reference = copy.deepcopy(z_model)
     a, b = batch(1), batch(2)
     r_plain, r_z = plain((a, b), LoopState()), z_step((a, b), LoopState())
@@ -167,7 +170,9 @@ def test_the_z_loss_is_in_the_objective_but_not_in_the_reported_loss():
     # SGD: the update is -lr × the gradient of mean over micro-batches of (CE + w z)
     objective = (
         sum(
-            micro_batch_loss(reference, x, contextlib.nullcontext, z_loss_weight=weight).objective
+            micro_batch_loss(
+                reference, x, contextlib.nullcontext, loss_spec=LossSpec(z_weight=weight)
+            ).objective
             for x in (a, b)
         )
         / 2
