@@ -10,7 +10,8 @@ batch 4). Three bare loops, each the loop anyone would write by hand:
 against forge's own step (``make_step_fn``: the chunked loss, one host read per step, the
 finiteness check, global-norm clipping) in ``fp32``, ``mixed_precision=bf16`` (fp32 master
 weights) and ``param_dtype=bf16``; ``--compile`` adds forge with ``train.compile = true``.
-Rounds rotate the order so that machine noise hits every mode; medians are compared::
+Every forge mode runs eager (``train.compile = false``), whatever the default; rounds rotate
+the order so that machine noise hits every mode; medians are compared::
 
     python benchmarks/precision.py [--steps 8] [--rounds 3] [--compile] [--loss-memory]
 
@@ -26,7 +27,6 @@ import gc
 import math
 import pathlib
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from forge.config import load_config
 from forge.data.loader import Batch
+from forge.metrics.memory import peak_rss_bytes
 from forge.model.chunked_loss import LossSpec, chunked_lm_loss
 from forge.model.transformer import Transformer, num_parameters
 from forge.optim import lr_at, resolve_schedule
@@ -58,11 +59,17 @@ SHAPES = [
 ]
 
 FORGE_MODES = {
-    "forge fp32": ["--train.mixed_precision=fp32"],
-    "forge mixed bf16": ["--train.mixed_precision=bf16"],
-    "forge param_dtype=bf16": ["--train.mixed_precision=bf16", "--train.param_dtype=bf16"],
+    "forge fp32": ["--train.mixed_precision=fp32", "--train.compile=false"],
+    "forge mixed bf16": ["--train.mixed_precision=bf16", "--train.compile=false"],
+    "forge param_dtype=bf16": [
+        "--train.mixed_precision=bf16",
+        "--train.param_dtype=bf16",
+        "--train.compile=false",
+    ],
 }
-COMPILED = {f"{name} + compile": [*a, "--train.compile=true"] for name, a in FORGE_MODES.items()}
+COMPILED = {
+    f"{name} + compile": [*a[:-1], "--train.compile=true"] for name, a in FORGE_MODES.items()
+}
 
 
 def cpu_flags() -> set[str]:
@@ -157,12 +164,12 @@ def loss_peak_mib(vocab: int, dim: int, tokens: int, chunk: int) -> float:
     hidden = torch.randn(tokens, dim, requires_grad=True)
     weight = (torch.randn(vocab, dim) * 0.02).requires_grad_()
     labels = torch.randint(0, vocab, (tokens,))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = peak_rss_bytes()
     if chunk > 0:
         chunked_lm_loss(hidden, weight, labels, LossSpec(chunk))[0].backward()
     else:
         F.cross_entropy((hidden @ weight.t()).float(), labels).backward()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # KiB on Linux
+    return (peak_rss_bytes() - before) / 2**20
 
 
 def print_loss_memory(config) -> None:

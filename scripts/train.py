@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from forge.config.loader import help_text
 from forge.errors import CheckpointSaveError, UserInputError, print_errors
+from forge.metrics.profiler import profiler_hooks
 from forge.resilience.control import ControlChannel, StepMonitor
 from forge.resilience.faults import FaultHooks, faults_from_env
 from forge.resilience.health import guard_collectives
@@ -24,7 +25,7 @@ from forge.training.context import (
     RunContext,
 )
 from forge.training.effects import TrainingEffects
-from forge.training.hooks import Hooks
+from forge.training.hooks import Hooks, configured_hooks
 from forge.training.loop import conclude, run_training_loop
 from forge.training.outcome import (
     CONFIG_ERROR_EXIT,
@@ -63,6 +64,7 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         data = setup_data(run, dist)
         lock = claim_run_dir(run, dist)
         ckpt = setup_checkpointing(run, dist, model, data)
+        hooks = [*hooks, *configured_hooks(run.config.hooks)]
     except UserInputError as exc:
         if lock is not None:
             lock.release(discard=True)  # a run that never started leaves no directory
@@ -90,7 +92,11 @@ def train(
     if dist.is_main:
         print(f"[forge] {model.num_params:,} parameters; run dir {run.run_dir}", file=sys.stderr)
     policy = loop_policy(run.config)
-    hooks = [*hooks, FaultHooks(faults_from_env(os.environ), dist.rank)]
+    hooks = [
+        *hooks,
+        *profiler_hooks(run.config.profiler, run.run_dir, dist.rank),
+        FaultHooks(faults_from_env(os.environ), dist.rank),
+    ]
     effects = TrainingEffects(run, dist, model, data, hooks=hooks)
     res = run.config.resilience
     monitor = StepMonitor(
@@ -103,7 +109,7 @@ def train(
         outcome, state = run_training_loop(
             ckpt.initial_state,
             train_batches(run, data),
-            guard_collectives(make_step_fn(run, dist, model, data)),
+            guard_collectives(make_step_fn(run, dist, model, data, effects.hooks)),
             policy,
             effects,
             monitor,

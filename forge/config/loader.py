@@ -124,6 +124,17 @@ def _structure_enum(value: Any, cls: type[enum.Enum]) -> enum.Enum:
         raise ValueError(f"expected one of {allowed}, got {value!r}") from None
 
 
+def _structure_keyword_tables(value: Any, _: type) -> dict[str, dict[str, Any]]:
+    """``[hooks.args]``: one table of keyword arguments per class, values kept as TOML gave
+    them (the class's constructor checks them)."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"expected a table of tables, got {value!r}")
+    for key, kwargs in value.items():
+        if not isinstance(kwargs, Mapping):
+            raise ValueError(f'"{key}" must be a table of keyword arguments, got {kwargs!r}')
+    return {str(k): dict(v) for k, v in value.items()}
+
+
 def make_converter() -> cattrs.Converter:
     """A strict converter: no silent int/str/bool coercions, enum errors list the choices."""
     conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
@@ -135,6 +146,9 @@ def make_converter() -> cattrs.Converter:
         lambda t: isinstance(t, type) and issubclass(t, enum.Enum), _structure_enum
     )
     conv.register_structure_hook_factory(_is_fixed_tuple, _fixed_tuple_hook)
+    conv.register_structure_hook_func(
+        lambda t: t == dict[str, dict[str, Any]], _structure_keyword_tables
+    )
     conv.register_unstructure_hook_func(
         lambda t: isinstance(t, type) and issubclass(t, enum.Enum), lambda e: e.value
     )

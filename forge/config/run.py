@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from forge.config.checks import Problem, not_empty, positive
+from forge.config.checks import Problem, non_negative, not_empty, positive
 
 
 @attrs.frozen
@@ -29,4 +29,25 @@ class MetricsConfig:
     def problems(self) -> list[Problem]:
         p: list[Problem] = []
         positive(p, "metrics.log_interval", self.log_interval)
+        return p
+
+
+@attrs.frozen
+class ProfilerConfig:
+    """``torch.profiler`` over a window of steps: skip ``wait``, warm up ``warmup``, record
+    ``active``; ``repeat`` such cycles (0: until the run ends). Chrome traces go to
+    ``<run.dir>/profiler/``."""
+
+    enabled: bool = False
+    wait: int = 1
+    warmup: int = 1
+    active: int = 3
+    repeat: int = 1
+
+    def problems(self) -> list[Problem]:
+        p: list[Problem] = []
+        non_negative(p, "profiler.wait", self.wait)
+        non_negative(p, "profiler.warmup", self.warmup)
+        positive(p, "profiler.active", self.active)
+        non_negative(p, "profiler.repeat", self.repeat)
         return p

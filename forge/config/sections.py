@@ -15,10 +15,11 @@ from forge.config.checkpoint import AsyncMode, CheckpointConfig, DynamicWindow, 
 from forge.config.checks import Problem
 from forge.config.data import DataConfig, DataPhase, DataSource, EvalConfig
 from forge.config.distributed import DistributedConfig, PipelineSchedule
+from forge.config.hooks import HooksConfig
 from forge.config.model import ModelConfig
 from forge.config.optim import OptimizerConfig, OptimizerName, ScheduleName, SchedulerConfig
 from forge.config.resilience import NonFinitePolicy, ResilienceConfig
-from forge.config.run import MetricsConfig, RunConfig
+from forge.config.run import MetricsConfig, ProfilerConfig, RunConfig
 from forge.config.train import ActivationCheckpointing, Precision, TrainConfig
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "DynamicWindow",
     "EvalConfig",
     "ExportDtype",
+    "HooksConfig",
     "JobConfig",
     "MetricsConfig",
     "ModelConfig",
@@ -41,6 +43,7 @@ __all__ = [
     "PipelineSchedule",
     "Precision",
     "Problem",
+    "ProfilerConfig",
     "ResilienceConfig",
     "RunConfig",
     "ScheduleName",
@@ -64,6 +67,8 @@ class JobConfig:
     metrics: MetricsConfig = attrs.Factory(MetricsConfig)
     resilience: ResilienceConfig = attrs.Factory(ResilienceConfig)
     distributed: DistributedConfig = attrs.Factory(DistributedConfig)
+    hooks: HooksConfig = attrs.Factory(HooksConfig)
+    profiler: ProfilerConfig = attrs.Factory(ProfilerConfig)
 
     @property
     def nonfinite_limit(self) -> int:

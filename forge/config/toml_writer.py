@@ -44,7 +44,7 @@ def dumps_toml(data: Mapping[str, Any], _prefix: str = "") -> str:
     out = "\n".join(lines) + ("\n" if lines else "")
     for key, value in data.items():
         if isinstance(value, Mapping):
-            name = f"{_prefix}{key}"
+            name = f"{_prefix}{_key(key)}"
             body = dumps_toml(value, f"{name}.")
             out += f"\n[{name}]\n{body}"
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import sys
@@ -33,6 +34,61 @@ class StdoutSink:
 
     def close(self) -> None:
         pass
+
+
+def format_duration(seconds: float) -> str:
+    """``45s``, ``3m12s``, ``2h05m``: short enough for a progress line."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def progress_line(record: Mapping[str, Any], max_steps: int) -> str:
+    """``step 120/400 | loss 2.3456 | 5,120 tok/s | ETA 3m12s`` from a step record."""
+    step = int(record["step"])
+    eta = (max_steps - step) * float(record.get("step_time", math.nan))
+    return (
+        f"step {step}/{max_steps} | loss {record['loss']:.4f} | "
+        f"{record.get('tokens_per_sec', 0.0):,.0f} tok/s | ETA {format_duration(eta)}"
+    )
+
+
+class ProgressSink:
+    """For an interactive terminal: one line, rewritten in place at every logged step; other
+    records (eval, per-source) print as lines of their own above it."""
+
+    def __init__(self, stream: TextIO, max_steps: int) -> None:
+        self.stream = stream
+        self.max_steps = max_steps
+        self.pending = False  # a progress line is on screen without its newline
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        if "loss" in record and "step_time" in record:
+            self.stream.write(f"\r{progress_line(record, self.max_steps)}\x1b[K")
+            self.pending = True
+        else:
+            self.stream.write(f"\r\x1b[K{format_record(record)}\n")
+            self.pending = False
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.pending:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.pending = False
+
+
+def console_sink(stream: TextIO, max_steps: int) -> MetricsSink:
+    """A progress line on a terminal, plain lines otherwise (SLURM logs stay greppable)."""
+    isatty = getattr(stream, "isatty", None)
+    if isatty is not None and isatty():
+        return ProgressSink(stream, max_steps)
+    return StdoutSink(stream)
 
 
 class JsonlSink:

@@ -112,6 +112,7 @@ class ModelContext:
     num_params: int
     fsdp: bool = False  # FSDP2 applies the compute dtype itself (no autocast)
     pipeline: PipelineContext | None = None  # set when distributed.pp > 1
+    compiled: bool = False  # blocks and loss chunks go through torch.compile
 
 
 @attrs.frozen

@@ -24,7 +24,9 @@ from forge.checkpoint.store import apply_retention
 from forge.config.sections import AsyncMode
 from forge.data.loader import Batch
 from forge.errors import CheckpointSaveError
-from forge.metrics.sinks import JsonlSink, MetricsSink, StdoutSink
+from forge.metrics.flops import device_peak_flops, flops_per_token, throughput_record
+from forge.metrics.memory import memory_record
+from forge.metrics.sinks import JsonlSink, MetricsSink, console_sink
 from forge.metrics.sources import source_record
 from forge.optim.optimizers import evaluation_weights
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
@@ -86,6 +88,7 @@ class TrainingEffects:
         self.sinks = list(sinks)
         self._mark_time = clock()
         self._mark_step = 0
+        self._flops_per_token = flops_per_token(run.config.model, run.config.train.seq_len)
         self._schedule = loop_policy(run.config).schedule
         self.slots = Slots(model.model, model.optimizer)
         self._save_reasons: dict[int, SaveReason] = {}
@@ -206,6 +209,11 @@ class TrainingEffects:
         step_time = elapsed / steps
         tps = result.tokens / step_time if step_time > 0 else math.inf
         record = step_record(state, result, step_time, tps)
+        if self.dist.is_main:  # only rank 0 writes metrics: the others skip the measurement
+            peak = device_peak_flops(self.dist.device, self.run.config.train.mixed_precision)
+            world = self.dist.world_size
+            record |= throughput_record(tps, world, self._flops_per_token, peak)
+            record |= memory_record(self.dist.device)
         if self.data.source_stats is not None:
             sums = self.data.source_stats.drain()  # on the training device
             if self.dist.world_size > 1:
@@ -237,13 +245,16 @@ class TrainingEffects:
                 self.model.pipeline,
                 batches,
                 n_micro,
-                loss_spec_of(self.run.config.train),
+                loss_spec_of(self.run.config.train, self.model.compiled),
             )
             loss = mean_over_ranks(loss, self.dist.world_size, self.dist.device)
         else:
             train = self.run.config.train
             total, count = evaluate_loss(
-                self.model.model, batches, train.mixed_precision, loss_spec_of(train)
+                self.model.model,
+                batches,
+                train.mixed_precision,
+                loss_spec_of(train, self.model.compiled),
             )
             total, count = sum_over_ranks(
                 [total, float(count)], self.dist.world_size, self.dist.device
@@ -303,7 +314,7 @@ def default_sinks(run: RunContext, dist: DistContext) -> list[MetricsSink]:
     """stdout and ``metrics.jsonl`` on rank 0; nothing elsewhere."""
     if not dist.is_main:
         return []
-    sinks: list[MetricsSink] = [StdoutSink(sys.stdout)]
+    sinks: list[MetricsSink] = [console_sink(sys.stdout, run.config.train.max_steps)]
     if run.config.metrics.jsonl:
         sinks.append(JsonlSink(run.metrics_path))
     return sinks

@@ -10,16 +10,19 @@ input of any kind leaves no run directory behind.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import pathlib
 import random
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+from torch import nn
 
 from forge.checkpoint.policy import SaveSchedule
 from forge.checkpoint.resume import ResumeSource, first_loadable, resolve_resume
@@ -61,6 +64,7 @@ from forge.training.context import (
     RunContext,
     StepBatches,
 )
+from forge.training.hooks import Hooks, hook_problems
 from forge.training.identity import (
     ResumeVerdict,
     identity_differences,
@@ -74,7 +78,7 @@ from forge.training.run_dir import (
     lock_directories,
     path_problem,
 )
-from forge.training.state import LoopPolicy, LoopState, StepResult, starting_outcome
+from forge.training.state import LoopPolicy, LoopState, PendingStep, StepResult, starting_outcome
 from forge.training.step import loss_spec_of, make_pipeline_step, make_text_step
 from forge.training.train_state import TrainState, parse_train_state
 
@@ -89,6 +93,7 @@ def load_and_validate_config(argv: Sequence[str]) -> RunContext:
     world = world_info(os.environ)
     problems = [f"{k}: {m}" for k, m in parallel_problems(config, world.world_size)]
     problems += data_problems(config)
+    problems += hook_problems(config.hooks)
     run = RunContext.of(config, loaded.source)
     for key, folder in run_directories(run):
         problem = path_problem(key, folder)
@@ -217,13 +222,14 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
         stage_index, n_stages = pp_mesh.get_local_rank(), pp_mesh.size()
         model = stage_module(model, stage_index, n_stages)
     dp_mesh = submesh(dist.mesh, "dp_replicate", "dp_shard")
+    compiled = cfg.train.compile_enabled(dist.device.type, cxx_compiler_found())
     parallelize(
         model,
         tp_mesh=submesh(dist.mesh, "tp"),
         dp_mesh=dp_mesh,
         precision=cfg.train.mixed_precision,
         activation_checkpointing=cfg.train.activation_checkpointing,
-        compile_blocks=cfg.train.compile,
+        compile_blocks=compiled,
         param_dtype=cfg.train.param_dtype,
     )
     model.materialize(dist.device)
@@ -247,7 +253,14 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
         num_params=num_params,
         fsdp=dp_mesh is not None,
         pipeline=pipeline,
+        compiled=compiled,
     )
+
+
+def cxx_compiler_found() -> bool:
+    """Whether inductor's CPU backend has a C++ compiler (``$CXX``, else ``c++``/``g++``)."""
+    names = [os.environ.get("CXX", ""), "c++", "g++", "clang++"]
+    return any(shutil.which(n) for n in names if n)
 
 
 def setup_data(run: RunContext, dist: DistContext) -> DataContext:
@@ -434,11 +447,19 @@ def prepare_run_dir(run: RunContext, dist: DistContext, ckpt: CheckpointContext)
 
 
 def make_step_fn(
-    run: RunContext, dist: DistContext, model: ModelContext, data: DataContext | None = None
+    run: RunContext,
+    dist: DistContext,
+    model: ModelContext,
+    data: DataContext | None = None,
+    hooks: Hooks | None = None,
 ) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
     """The step function the config selects: the pipeline step under ``distributed.pp > 1``,
-    else the text LM step."""
+    else the text LM step; ``hooks.on_before_optimizer_step`` runs inside it."""
     cfg = run.config
+    before_update: Callable[[PendingStep], None] | None = None
+    if hooks is not None:
+        before_update = functools.partial(call_before_update, hooks, model.model, model.optimizer)
+
     if model.pipeline is not None:
         return make_pipeline_step(
             model.model,
@@ -448,7 +469,8 @@ def make_step_fn(
             cfg.optimizer.lr,
             cfg.train.grad_clip_norm,
             dp_size=dist.dp_size,
-            loss_spec=loss_spec_of(cfg.train),
+            loss_spec=loss_spec_of(cfg.train, model.compiled),
+            before_update=before_update,
         )
     return make_text_step(
         model.model,
@@ -461,8 +483,16 @@ def make_step_fn(
         dp_size=dist.dp_size,
         loss_scale=NanInjector(faults_from_env(os.environ), dist.rank),
         stats=data.source_stats if data is not None else None,
-        loss_spec=loss_spec_of(cfg.train),
+        loss_spec=loss_spec_of(cfg.train, model.compiled),
+        before_update=before_update,
     )
+
+
+def call_before_update(
+    hooks: Hooks, model: nn.Module, optimizer: torch.optim.Optimizer, pending: PendingStep
+) -> None:
+    """``hooks.on_before_optimizer_step`` in the step function's shape."""
+    hooks.on_before_optimizer_step(pending, model, optimizer)
 
 
 def train_batches(run: RunContext, data: DataContext) -> StepBatches:

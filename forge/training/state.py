@@ -55,6 +55,16 @@ class StepResult:
 
 
 @attrs.frozen
+class PendingStep:
+    """The optimizer step about to be applied: its number (1-based) and what it measured,
+    the global gradient norm before clipping included; ``result.finite`` says whether the
+    update will happen."""
+
+    step: int
+    result: StepResult
+
+
+@attrs.frozen
 class Signals:
     """Conditions polled once per step, already reduced over every rank (the control word)."""
 

@@ -22,15 +22,15 @@ from forge.optim.schedules import Schedule, lr_at
 from forge.parallel.grad_norm import clip_coefficient, global_grad_norm, scale_grads_
 from forge.parallel.pipeline import head_kwargs
 from forge.training.context import PipelineContext
-from forge.training.state import LoopState, StepResult
+from forge.training.state import LoopState, PendingStep, StepResult
 
 PLAIN_LOSS = LossSpec()  # the full fp32 logits, then F.cross_entropy
 
 
-def loss_spec_of(train: TrainConfig) -> LossSpec:
+def loss_spec_of(train: TrainConfig, compiled: bool = False) -> LossSpec:
     """The loss the ``[train]`` keys ask for: chunked by ``loss_chunk_size``, with the
-    z-loss weight, each chunk compiled under ``train.compile``."""
-    return LossSpec(train.loss_chunk_size, train.z_loss_weight, train.compile)
+    z-loss weight, each chunk compiled when the model is (``ModelContext.compiled``)."""
+    return LossSpec(train.loss_chunk_size, train.z_loss_weight, compiled)
 
 
 def autocast_for(
@@ -131,12 +131,15 @@ def finish_step(
     tokens: int,
     lr: float,
     z_loss: torch.Tensor | None = None,
+    step: int = 0,
+    before_update: Callable[[PendingStep], None] | None = None,
 ) -> StepResult:
     """Clip by the global norm and step, only if loss, norm (and z-loss) are finite; report
     the step.
 
-    Reads them in one host sync (one device-to-host copy of all). A non-finite step zeroes the
-    gradients and never touches the optimizer state.
+    Reads them in one host sync (one device-to-host copy of all). ``before_update`` sees step
+    ``step`` after that read, before clipping. A non-finite step zeroes the gradients and
+    never touches the optimizer state.
     """
     read = [loss.float(), grad_norm.float(), *([z_loss.float()] if z_loss is not None else [])]
     values = torch.stack(read).tolist()
@@ -147,6 +150,8 @@ def finish_step(
         lr=lr,
         z_loss=values[2] if z_loss is not None else None,
     )
+    if before_update is not None:
+        before_update(PendingStep(step, result))
     if result.finite:
         if math.isfinite(max_norm):
             scale_grads_(params, clip_coefficient(result.grad_norm, max_norm))
@@ -168,6 +173,7 @@ def make_text_step(
     loss_scale: Callable[[int], float] | None = None,
     stats: SourceStats | None = None,
     loss_spec: LossSpec = PLAIN_LOSS,
+    before_update: Callable[[PendingStep], None] | None = None,
 ) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
     """The language-model step: accumulate gradients, clip, and update only if all is finite.
 
@@ -178,7 +184,8 @@ def make_text_step(
     (tests only) multiplies the loss of a given step, e.g. by NaN. ``stats`` collects
     per-source losses of a mixture. ``loss_spec`` says how the loss is computed
     (``micro_batch_loss``); with a z-loss weight the reported ``loss`` stays the
-    cross-entropy, ``z_loss`` the mean term.
+    cross-entropy, ``z_loss`` the mean term. ``before_update`` sees each step before its
+    gradients are clipped and applied.
     """
     autocast = (
         contextlib.nullcontext
@@ -210,7 +217,16 @@ def make_text_step(
         n = len(batches)
         mean_z = total_z / n if total_z is not None else None
         return finish_step(
-            optimizer, params, total / n, grad_norm, max_norm, tokens=tokens, lr=lr, z_loss=mean_z
+            optimizer,
+            params,
+            total / n,
+            grad_norm,
+            max_norm,
+            tokens=tokens,
+            lr=lr,
+            z_loss=mean_z,
+            step=state.step + 1,
+            before_update=before_update,
         )
 
     return text_step
@@ -226,6 +242,7 @@ def make_pipeline_step(
     *,
     dp_size: int = 1,
     loss_spec: LossSpec = PLAIN_LOSS,
+    before_update: Callable[[PendingStep], None] | None = None,
 ) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
     """One optimizer step through the pipeline: the step's micro-batches are concatenated and
     the schedule splits them again, one per pipeline micro-batch. The last stage computes the
@@ -261,7 +278,17 @@ def make_pipeline_step(
         torch_dist.all_reduce(loss, group=pipeline.group)
         grad_norm = global_grad_norm(params, pipeline.group)
         tokens = sum(b.num_tokens for b in batches) * dp_size
-        return finish_step(optimizer, params, loss, grad_norm, max_norm, tokens=tokens, lr=lr)
+        return finish_step(
+            optimizer,
+            params,
+            loss,
+            grad_norm,
+            max_norm,
+            tokens=tokens,
+            lr=lr,
+            step=state.step + 1,
+            before_update=before_update,
+        )
 
     return pipeline_step
 

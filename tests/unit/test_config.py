@@ -17,6 +17,7 @@ from forge.config import (
     unstructure_config,
 )
 from forge.config.loader import apply_overrides, parse_cli, parse_override_value
+from forge.config.sections import TrainConfig
 from tests.conftest import REPO
 
 
@@ -201,6 +202,26 @@ BAD = [
     ),
     ("too few betas", {"optimizer": {"betas": [0.9]}}, "optimizer.betas: expected 2 values, got 1"),
     (
+        "hook not a path",
+        {"hooks": {"classes": ["pkg.Hook"]}},
+        "hooks.classes[0]: must be 'package.module:ClassName', got 'pkg.Hook'",
+    ),
+    (
+        "hook listed twice",
+        {"hooks": {"classes": ["pkg:Hook", "pkg:Hook"]}},
+        "hooks.classes: lists a class twice",
+    ),
+    (
+        "hook arguments for an unlisted class",
+        {"hooks": {"classes": ["pkg:A"], "args": {"pkg:B": {"x": 1}}}},
+        'hooks.args."pkg:B": names a class that hooks.classes does not list',
+    ),
+    (
+        "hook arguments not a table",
+        {"hooks": {"classes": ["pkg:A"], "args": {"pkg:A": 3}}},
+        'hooks.args: "pkg:A" must be a table of keyword arguments, got 3',
+    ),
+    (
         "a scalar for betas",
         {"optimizer": {"betas": 0.9}},
         "optimizer.betas: expected a list of 2 values, got 0.9",
@@ -291,6 +312,7 @@ def test_resolved_config_round_trips_through_toml():
             "optimizer": {"betas": [0.8, 0.9]},
             "checkpoint": {"dyn_ckpt_window": {"start": 0, "stop": 8}, "load_path": 'a b"c'},
             "train": {"mixed_precision": "fp32", "grad_clip_norm": 0.5},
+            "hooks": {"classes": ["a.b:C"], "args": {"a.b:C": {"path": "x.jsonl", "n": [1, 2]}}},
         }
     )
     text = dumps_toml(unstructure_config(cfg))
@@ -409,3 +431,23 @@ def test_a_mixture_with_phases_round_trips_through_toml():
     assert cfg.data.phases[0].weights == {"web": 3.0}
     again = structure_config(tomli.loads(dumps_toml(unstructure_config(cfg))))
     assert again == cfg
+
+
+# (train.compile, compute dtype, device, a C++ compiler found, compiled)
+COMPILE_CASES = [
+    (None, "bf16", "cpu", True, True),  # the default where it was measured to pay off
+    (None, "bf16", "cpu", False, False),  # inductor would fail without a compiler
+    (None, "bf16", "cuda", False, True),  # Triton, not a host compiler
+    (None, "fp32", "cpu", True, False),  # fp32 gained under 10%: eager
+    (None, "fp32", "cuda", True, False),
+    (True, "fp32", "cpu", False, True),  # an explicit choice always wins
+    (False, "bf16", "cuda", True, False),
+]
+
+
+@pytest.mark.parametrize("compile_,precision,device,found,expected", COMPILE_CASES)
+def test_compile_defaults_to_bf16_where_a_compiler_exists(
+    compile_, precision, device, found, expected
+):
+    train = TrainConfig(compile=compile_, mixed_precision=Precision(precision))
+    assert train.compile_enabled(device, found) is expected
