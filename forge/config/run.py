@@ -21,14 +21,22 @@ class RunConfig:
 
 @attrs.frozen
 class MetricsConfig:
-    """Step metrics to stdout and ``<run.dir>/metrics.jsonl`` every ``log_interval`` steps."""
+    """Step metrics to stdout and ``<run.dir>/metrics.jsonl`` every ``log_interval`` steps;
+    optionally to TensorBoard (``<run.dir>/tensorboard``) and Weights & Biases, from rank 0."""
 
     log_interval: int = 10
     jsonl: bool = True
+    tensorboard: bool = False  # needs the optional extra: pip install 'forge[tensorboard]'
+    wandb: bool = False  # needs 'forge[wandb]'; WANDB_MODE=offline writes the run locally
+    wandb_project: str = "forge"
+    wandb_name: str | None = None  # None: the run directory's name
+    wandb_group: str | None = None
+    wandb_tags: list[str] = attrs.Factory(list)
 
     def problems(self) -> list[Problem]:
         p: list[Problem] = []
         positive(p, "metrics.log_interval", self.log_interval)
+        not_empty(p, "metrics.wandb_project", self.wandb_project)
         return p
 
 

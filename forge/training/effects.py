@@ -24,6 +24,7 @@ from forge.checkpoint.store import apply_retention
 from forge.config.sections import AsyncMode
 from forge.data.loader import Batch
 from forge.errors import CheckpointSaveError
+from forge.metrics.backends import TensorBoardSink, WandbSink
 from forge.metrics.flops import device_peak_flops, flops_per_token, throughput_record
 from forge.metrics.memory import memory_record
 from forge.metrics.sinks import JsonlSink, MetricsSink, console_sink
@@ -311,10 +312,16 @@ def sum_over_ranks(
 
 
 def default_sinks(run: RunContext, dist: DistContext) -> list[MetricsSink]:
-    """stdout and ``metrics.jsonl`` on rank 0; nothing elsewhere."""
+    """The console, ``metrics.jsonl`` and the enabled TensorBoard / W&B sinks on rank 0;
+    nothing elsewhere."""
     if not dist.is_main:
         return []
     sinks: list[MetricsSink] = [console_sink(sys.stdout, run.config.train.max_steps)]
-    if run.config.metrics.jsonl:
+    metrics = run.config.metrics
+    if metrics.jsonl:
         sinks.append(JsonlSink(run.metrics_path))
+    if metrics.tensorboard:
+        sinks.append(TensorBoardSink(run.run_dir / "tensorboard"))
+    if metrics.wandb:
+        sinks.append(WandbSink(run.config, run.run_dir))
     return sinks

@@ -39,6 +39,7 @@ from forge.data.dataset import open_windows
 from forge.data.loader import Batch, Sampling, TextLoader, single_source, step_batches
 from forge.data.mixture import resolve_phases
 from forge.data.shards import DataError, Manifest, dataset_fingerprint, read_manifest
+from forge.metrics.backends import missing_sink_packages
 from forge.metrics.sinks import trim_records_after
 from forge.metrics.sources import SourceStats
 from forge.model.transformer import Transformer, num_parameters
@@ -94,6 +95,7 @@ def load_and_validate_config(argv: Sequence[str]) -> RunContext:
     problems = [f"{k}: {m}" for k, m in parallel_problems(config, world.world_size)]
     problems += data_problems(config)
     problems += hook_problems(config.hooks)
+    problems += missing_sink_packages(config)
     run = RunContext.of(config, loaded.source)
     for key, folder in run_directories(run):
         problem = path_problem(key, folder)

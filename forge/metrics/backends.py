@@ -1,0 +1,109 @@
+"""Optional metric sinks: TensorBoard and Weights & Biases (rank 0 only, extras installed).
+
+Each one continues the same run when training resumes: TensorBoard drops the events a crashed
+run wrote past the step the resumed one starts logging at; W&B resumes the run whose id the
+first launch stored in ``<run.dir>/wandb_run_id``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import pathlib
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from forge.config.sections import JobConfig
+
+# (config key, module to import, extra to install)
+OPTIONAL_SINKS = (
+    ("metrics.tensorboard", "tensorboard", "tensorboard"),
+    ("metrics.wandb", "wandb", "wandb"),
+)
+
+
+def missing_sink_packages(config: JobConfig) -> list[str]:
+    """One ``key: message`` line per enabled sink whose package is not installed."""
+    enabled = {
+        "metrics.tensorboard": config.metrics.tensorboard,
+        "metrics.wandb": config.metrics.wandb,
+    }
+    return [
+        f"{key}: needs the '{module}' package; install it with pip install 'forge[{extra}]' "
+        "(or set the key to false)"
+        for key, module, extra in OPTIONAL_SINKS
+        if enabled[key] and importlib.util.find_spec(module) is None
+    ]
+
+
+def scalars(record: Mapping[str, Any]) -> dict[str, float]:
+    """The record's numeric values other than ``step`` (what a scalar logger takes)."""
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
+    }
+
+
+class TensorBoardSink:
+    """Event files under ``log_dir``; the writer opens at the first record, purging events at
+    or after its step that an earlier, crashed run left."""
+
+    def __init__(self, log_dir: pathlib.Path) -> None:
+        self.log_dir = log_dir
+        self.writer: Any = None
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        step = int(record["step"])
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.log_dir), purge_step=step)
+        for key, value in scalars(record).items():
+            if math.isfinite(value):
+                self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def wandb_run_id(run_dir: pathlib.Path, new_id: str) -> str:
+    """The run's W&B id: the stored one, else ``new_id``, stored for the next launch."""
+    path = run_dir / "wandb_run_id"
+    if path.is_file():
+        stored = path.read_text().strip()
+        if stored:
+            return stored
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(new_id + "\n")
+    return new_id
+
+
+class WandbSink:
+    """A W&B run named after the run directory (or ``metrics.wandb_name``), resumed by the id
+    stored in the run directory; ``WANDB_MODE`` (e.g. ``offline``) is honoured by wandb."""
+
+    def __init__(self, config: JobConfig, run_dir: pathlib.Path) -> None:
+        import wandb
+
+        m = config.metrics
+        self.wandb = wandb
+        self.run = wandb.init(
+            project=m.wandb_project,
+            name=m.wandb_name or run_dir.name,
+            group=m.wandb_group,
+            tags=list(m.wandb_tags),
+            id=wandb_run_id(run_dir, uuid.uuid4().hex[:8]),
+            resume="allow",
+            dir=str(run_dir),
+            config={"run_dir": str(run_dir)},
+        )
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self.run.log(scalars(record), step=int(record["step"]))
+
+    def close(self) -> None:
+        self.run.finish()

@@ -1,0 +1,159 @@
+"""Per-rank memory of a config under a layout, estimated without allocating anything.
+
+The estimate adds what a training rank holds at its peak (``MemoryPlan``):
+
+- **weights, gradients, optimizer state**: the parameters this rank owns — a pipeline stage's
+  share (the largest stage), split by tensor parallelism and sharded by FSDP over
+  ``dp_shard`` — in ``train.param_dtype``; optimizer state per parameter by optimizer
+  (AdamW and Schedule-Free two tensors, Lion one, Muon one for hidden matrices and two for
+  the rest);
+- **gathered weights**: FSDP2 all-gathers a block to compute it, and prefetches the next one:
+  two blocks in the compute dtype;
+- **activations**: what backward keeps per token and layer, counted for this model with SDPA
+  attention (no ``T × T`` scores kept): the norms' inputs and outputs, q/k/v before and after
+  RoPE, the attention output, and SwiGLU's four ``ffn``-wide tensors, i.e.
+  ``10·dim + 4·kv_dim + 4·ffn`` elements in the compute dtype; sequence parallelism divides them
+  by ``tp``; full activation checkpointing keeps only each block's input plus one block's
+  activations during its recompute, selective keeps half the blocks; a pipeline stage keeps
+  as many micro-batches in flight as its schedule does (1F1B: up to ``pp``; GPipe: all);
+- **loss**: the chunked loss's few ``chunk × vocab`` fp32 buffers, or the plain loss's three
+  ``tokens × vocab`` ones.
+
+It leaves out the CUDA context, allocator fragmentation and communication buffers: the fit
+check keeps ``HEADROOM`` of the device free for them.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from forge.config.sections import (
+    ActivationCheckpointing,
+    JobConfig,
+    OptimizerName,
+    PipelineSchedule,
+    Precision,
+)
+from forge.parallel.world import MeshDims
+
+HEADROOM = 0.1  # of the device's memory, for what the estimate leaves out
+GIB = 2**30
+
+
+@attrs.frozen
+class MemoryPlan:
+    """One rank's estimated peak, in bytes, by part."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    gathered_weights: int
+    activations: int
+    activations_without_ac: int  # the same micro-batch with activation checkpointing off
+    loss: int
+
+    @property
+    def total(self) -> int:
+        return (
+            self.parameters
+            + self.gradients
+            + self.optimizer_state
+            + self.gathered_weights
+            + self.activations
+            + self.loss
+        )
+
+    def fits(self, device_bytes: float) -> bool:
+        """Whether the total leaves ``HEADROOM`` of the device free."""
+        return self.total <= (1 - HEADROOM) * device_bytes
+
+
+def dtype_bytes(precision: Precision) -> int:
+    return 2 if precision is Precision.BF16 else 4
+
+
+def block_parameters(config: JobConfig) -> int:
+    """Parameters of one transformer block."""
+    m = config.model
+    head_dim = m.dim // m.n_heads
+    attention = 2 * m.dim * m.n_heads * head_dim + 2 * m.dim * m.kv_heads * head_dim
+    qk = 2 * head_dim if m.qk_norm else 0
+    return attention + qk + 3 * m.dim * m.hidden_dim + 2 * m.dim
+
+
+def stage_parameters(config: JobConfig, pp: int) -> tuple[int, int]:
+    """(parameters of the largest pipeline stage, of which in 2-D hidden matrices)."""
+    m = config.model
+    layers = -(-m.n_layers // pp)  # earlier stages take the remainder
+    embedding = m.vocab_size * m.dim
+    # one stage: embedding, head and norm; else the first stage's embedding or the last's head
+    ends = embedding * (1 if m.tie_embeddings else 2) if pp == 1 else embedding
+    ends += m.dim
+    norms = 2 * m.dim + (2 * (m.dim // m.n_heads) if m.qk_norm else 0)
+    blocks = layers * block_parameters(config)
+    return blocks + ends, layers * (block_parameters(config) - norms)
+
+
+def optimizer_tensors(name: OptimizerName, total: int, hidden_matrices: int) -> float:
+    """Optimizer-state elements per the optimizer (a sum over parameters)."""
+    if name is OptimizerName.LION:
+        return float(total)
+    if name is OptimizerName.MUON:  # momentum for hidden matrices, AdamW's two for the rest
+        return hidden_matrices + 2.0 * (total - hidden_matrices)
+    return 2.0 * total  # AdamW, Schedule-Free AdamW
+
+
+def activation_bytes_per_layer(config: JobConfig, tokens: int, tp: int) -> int:
+    """What backward keeps for one block and ``tokens`` tokens (see the module docstring)."""
+    m = config.model
+    kv_dim = m.kv_heads * (m.dim // m.n_heads)
+    elements = 10 * m.dim + 4 * kv_dim + 4 * m.hidden_dim
+    return tokens * elements * dtype_bytes(config.train.mixed_precision) // tp
+
+
+def memory_plan(config: JobConfig, dims: MeshDims) -> MemoryPlan:
+    """This config's per-rank peak under the mesh ``dims`` (a pure function: no torch)."""
+    m, t = config.model, config.train
+    stage, hidden = stage_parameters(config, dims.pp)
+    owned = stage / (dims.tp * dims.dp_shard)
+    param_bytes = dtype_bytes(t.param_dtype)
+    compute_bytes = dtype_bytes(t.mixed_precision)
+    gathered = 0
+    if dims.dp_shard > 1:
+        gathered = 2 * block_parameters(config) * compute_bytes // dims.tp
+    tokens = t.batch_size * t.seq_len
+    layers = -(-m.n_layers // dims.pp)
+    per_layer = activation_bytes_per_layer(config, tokens, dims.tp)
+    in_flight = 1
+    if dims.pp > 1:
+        n_micro = t.grad_accum_steps
+        schedule = config.distributed.pp_schedule
+        in_flight = n_micro if schedule is PipelineSchedule.GPIPE else min(dims.pp, n_micro)
+    without_ac = layers * per_layer
+    ac = t.activation_checkpointing
+    if ac is ActivationCheckpointing.FULL:
+        kept = layers * tokens * m.dim * compute_bytes // dims.tp + per_layer
+    elif ac is ActivationCheckpointing.SELECTIVE:
+        kept = (layers // 2) * tokens * m.dim * compute_bytes // dims.tp + (
+            layers - layers // 2
+        ) * per_layer
+    else:
+        kept = without_ac
+    vocab_rows = m.vocab_size // dims.tp
+    if t.loss_chunk_size > 0:
+        loss = 3 * min(t.loss_chunk_size, tokens) * vocab_rows * 4
+    else:
+        loss = 3 * tokens * vocab_rows * 4
+    return MemoryPlan(
+        parameters=round(owned * param_bytes),
+        gradients=round(owned * param_bytes),
+        optimizer_state=round(
+            optimizer_tensors(config.optimizer.name, stage, hidden)
+            / (dims.tp * dims.dp_shard)
+            * param_bytes
+        ),
+        gathered_weights=gathered,
+        activations=kept * in_flight,
+        activations_without_ac=without_ac * in_flight,
+        loss=loss,
+    )

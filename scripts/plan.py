@@ -1,0 +1,85 @@
+"""Size a config before launching: ``python scripts/plan.py CONFIG [--overrides] --nproc N``.
+
+Prints the parameter counts, the FLOPs per token, and one rank's estimated peak memory for the
+layout the config's ``[distributed]`` keys give at ``--nproc`` ranks — weights, gradients,
+optimizer state, FSDP's gathered blocks, activations (with and without activation
+checkpointing) and the loss — and whether it fits ``--gpu-memory-gb``. Nothing is allocated:
+the model is counted from its config (``forge/parallel/memory_plan.py`` says what is counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from forge.config import load_config
+from forge.errors import UserInputError, print_errors
+from forge.metrics.flops import flops_per_token, non_embedding_parameters
+from forge.parallel.memory_plan import GIB, HEADROOM, MemoryPlan, memory_plan, stage_parameters
+from forge.parallel.world import parallel_problems, resolve_dims
+
+
+def report(plan: MemoryPlan, device_gb: float) -> list[str]:
+    """The memory lines of the plan, in GiB."""
+    rows = [
+        ("weights", plan.parameters),
+        ("gradients", plan.gradients),
+        ("optimizer state", plan.optimizer_state),
+        ("gathered weights (FSDP)", plan.gathered_weights),
+        ("activations", plan.activations),
+        ("loss", plan.loss),
+    ]
+    lines = [f"  {name:26s} {size / GIB:9.2f} GiB" for name, size in rows]
+    lines.append(f"  {'total':26s} {plan.total / GIB:9.2f} GiB")
+    no_ac = plan.activations_without_ac / GIB
+    lines.append(f"  (activations without activation checkpointing: {no_ac:.2f} GiB)")
+    usable = (1 - HEADROOM) * device_gb
+    verdict = "fits" if plan.fits(device_gb * GIB) else "does NOT fit"
+    lines.append(
+        f"{verdict} in {device_gb:g} GiB per device ({usable:.1f} GiB usable, "
+        f"{plan.total / GIB / usable:.0%} of it)"
+    )
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--nproc", type=int, default=1, help="ranks in the job (the world size)")
+    parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per device, GiB")
+    args, rest = parser.parse_known_args(argv)
+    try:
+        if args.nproc < 1 or args.gpu_memory_gb <= 0:
+            raise UserInputError(["--nproc and --gpu-memory-gb must be > 0"])
+        config = load_config(rest).config
+        problems = [f"{k}: {m}" for k, m in parallel_problems(config, args.nproc)]
+        if problems:
+            raise UserInputError(problems)
+    except UserInputError as exc:
+        print_errors(exc.lines)
+        return 2
+    m, t = config.model, config.train
+    dims = resolve_dims(config.distributed, args.nproc)
+    total = non_embedding_parameters(m) + (0 if m.tie_embeddings else m.vocab_size * m.dim)
+    print(f"parameters: {total:,} total, {non_embedding_parameters(m):,} non-embedding")
+    print(
+        f"FLOPs per token: {flops_per_token(m, t.seq_len) / 1e9:.2f} GFLOP at seq_len {t.seq_len}"
+    )
+    print(
+        f"layout at {args.nproc} ranks: dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} "
+        f"tp={dims.tp} pp={dims.pp}; largest stage {stage_parameters(config, dims.pp)[0]:,} params"
+    )
+    print(
+        f"per rank: micro-batch {t.batch_size} x {t.seq_len}, {t.mixed_precision.value} compute, "
+        f"{t.param_dtype.value} weights, {config.optimizer.name.value}, "
+        f"activation checkpointing {t.activation_checkpointing.value}"
+    )
+    for line in report(memory_plan(config, dims), args.gpu_memory_gb):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""TensorBoard, Weights & Biases (offline) and the plot script, read back from what they wrote."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from tests.e2e.test_train_script import TRAIN, nothing_written, run_dir
+
+
+def step_records(config) -> list[dict]:
+    lines = (run_dir(config) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def test_tensorboard_events_equal_the_jsonl_and_a_resume_continues_them(tiny_config):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = [str(tiny_config), "--metrics.tensorboard=true", "--metrics.log_interval=2"]
+    assert TRAIN.main([*args, "--train.max_steps=4"]) == 0
+    assert TRAIN.main([*args, "--train.max_steps=8"]) == 0  # resumes at step 4
+    events = EventAccumulator(str(run_dir(tiny_config) / "tensorboard"))
+    events.Reload()
+    loss = events.Scalars("loss")
+    records = step_records(tiny_config)
+    assert [e.step for e in loss] == [r["step"] for r in records] == [1, 2, 4, 6, 8]
+    for event, record in zip(loss, records, strict=True):
+        assert event.value == pytest.approx(record["loss"], rel=1e-6)
+    assert {"grad_norm", "lr", "tokens_per_sec", "mfu", "memory/rss_gb"} <= set(
+        events.Tags()["scalars"]
+    )
+
+
+def test_wandb_offline_writes_its_run_and_a_resume_reuses_the_id(tiny_config, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    args = [str(tiny_config), "--metrics.wandb=true", '--metrics.wandb_tags=["ci"]']
+    assert TRAIN.main([*args, "--train.max_steps=3"]) == 0
+    run_id = (run_dir(tiny_config) / "wandb_run_id").read_text().strip()
+    assert TRAIN.main([*args, "--train.max_steps=6"]) == 0
+    folders = sorted((run_dir(tiny_config) / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2 and all(f.name.endswith(run_id) for f in folders)
+    assert all(any(f.glob("*.wandb")) for f in folders)  # the run's records
+
+
+def test_a_sink_without_its_package_is_one_line_exit_2(tiny_config, capsys, monkeypatch):
+    import forge.metrics.backends as backends
+
+    missing = (("metrics.tensorboard", "no_such_tensorboard_pkg", "tensorboard"),)
+    monkeypatch.setattr(backends, "OPTIONAL_SINKS", missing + backends.OPTIONAL_SINKS[1:])
+    assert TRAIN.main([str(tiny_config), "--metrics.tensorboard=true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error: metrics.tensorboard: needs the 'no_such_tensorboard_pkg' package; install it "
+        "with pip install 'forge[tensorboard]' (or set the key to false)"
+    ]
+    assert nothing_written(tiny_config)
+
+
+PLOT = [sys.executable, str(REPO / "scripts" / "plot_metrics.py")]
+
+
+def write_metrics(folder, scale: float) -> None:
+    folder.mkdir()
+    lines = [
+        {"step": s, "loss": scale * 4 / s, "grad_norm": 1 / s, "lr": 1e-3, "tokens_per_sec": 5e3}
+        for s in range(1, 21)
+    ]
+    lines.append({"step": 20, "eval/loss": scale * 0.3, "eval/perplexity": 1.35})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + "{torn")
+
+
+def test_plot_metrics_overlays_runs_into_a_png(tmp_path):
+    write_metrics(tmp_path / "a", 1.0)
+    write_metrics(tmp_path / "b", 0.8)
+    out = tmp_path / "plots" / "curves.png"
+    done = subprocess.run(
+        [*PLOT, str(tmp_path / "a"), str(tmp_path / "b" / "metrics.jsonl"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+def test_plot_metrics_of_a_missing_run_is_one_line_exit_2(tmp_path):
+    done = subprocess.run(
+        [*PLOT, str(tmp_path / "nope"), "--out", str(tmp_path / "c.png")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'nope'}: no metrics.jsonl here; pass a run directory or its file"
+    ]
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_tensorboard_drops_what_a_crashed_run_logged_past_its_checkpoint(sandbox):
+    """Killed at step 7 with the last checkpoint at 4: steps 6 (logged, then lost) and the
+    resumed run's 6 appear once, with the resumed run's values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.e2e.sandbox import train
+
+    args = ["--metrics.tensorboard=true", "--metrics.log_interval=2", "--train.max_steps=8"]
+    args.append("--checkpoint.interval=4")
+    crashed = train(sandbox, *args, env={"FORGE_FAULTS": "signal:step=7:sig=KILL"})
+    assert crashed.code == -9
+    assert train(sandbox, *args).code == 0
+    events = EventAccumulator(str(sandbox.dir / "tensorboard"))
+    events.Reload()
+    loss = events.Scalars("loss")
+    lines = (sandbox.dir / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if "loss" in r]
+    assert [e.step for e in loss] == [r["step"] for r in records] == [1, 2, 4, 6, 8]
+    for event, record in zip(loss, records, strict=True):
+        assert event.value == pytest.approx(record["loss"], rel=1e-6)

@@ -1,0 +1,151 @@
+"""The shipped presets have their model cards' sizes; the memory plan adds up as documented."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import attrs
+import pytest
+import torch
+
+from forge.config import load_config
+from forge.config.sections import ActivationCheckpointing, OptimizerName, Precision
+from forge.metrics.flops import non_embedding_parameters
+from forge.model.transformer import Transformer, num_parameters
+from forge.parallel.memory_plan import GIB, memory_plan
+from forge.parallel.world import MeshDims
+from tests.conftest import REPO
+
+# (preset, the published parameter count, embeddings tied)
+PRESETS = [
+    ("llama3_1b", 1.23e9, True),  # Llama 3.2 1B
+    ("llama3_3b", 3.21e9, True),  # Llama 3.2 3B
+    ("llama3_8b", 8.03e9, False),  # Llama 3.1 8B
+    ("llama3_70b", 70.6e9, False),  # Llama 3.1 70B
+]
+
+
+def preset(name: str):
+    return load_config([str(REPO / "configs" / "train" / f"{name}.toml")]).config
+
+
+@pytest.mark.parametrize(("name", "published", "tied"), PRESETS, ids=[p[0] for p in PRESETS])
+def test_each_preset_builds_with_its_model_cards_parameter_count(name, published, tied):
+    cfg = preset(name)
+    with torch.device("meta"):  # nothing allocated, even for 70B
+        model = Transformer(cfg.model)
+    count = num_parameters(model)
+    assert count == pytest.approx(published, rel=0.005)
+    assert cfg.model.tie_embeddings is tied
+    assert cfg.model.kv_heads < cfg.model.n_heads  # grouped-query attention
+    embedding = 0 if tied else cfg.model.vocab_size * cfg.model.dim
+    assert count == non_embedding_parameters(cfg.model) + embedding
+
+
+EIGHT_B = preset("llama3_8b")
+P_8B = 8_030_261_248
+
+
+def test_the_8b_plan_on_8_ranks_worked_by_hand():
+    """FSDP over 8: fp32 weights and gradients, AdamW's two fp32 moments, all / 8."""
+    plan = memory_plan(EIGHT_B, MeshDims(dp_shard=8))
+    assert plan.parameters == plan.gradients == round(P_8B * 4 / 8)
+    assert plan.optimizer_state == round(2 * P_8B * 4 / 8)
+    # full AC: each of 32 blocks keeps its bf16 input (8192 tokens x 4096), plus one block's
+    # activations: 8192 x (10·4096 + 4·1024 + 4·14336) elements in bf16
+    block_input = 8192 * 4096 * 2
+    one_block = 8192 * (10 * 4096 + 4 * 1024 + 4 * 14336) * 2
+    assert plan.activations == 32 * block_input + one_block
+    assert plan.activations_without_ac == 32 * one_block
+    assert plan.fits(80 * GIB) and not plan.fits(16 * GIB)
+
+
+def evolve_train(cfg, **kwargs):
+    return attrs.evolve(cfg, train=attrs.evolve(cfg.train, **kwargs))
+
+
+# (change, part, expected ratio to the 8-rank FSDP plan's)
+SCALING = [
+    (dict(dims=MeshDims(dp_shard=4, tp=2)), "parameters", 1.0),  # same 8-way split
+    (dict(dims=MeshDims(dp_shard=8, tp=2)), "parameters", 0.5),
+    (dict(dims=MeshDims(dp_shard=8, tp=2)), "activations_without_ac", 0.5),  # sequence-parallel
+    (dict(dims=MeshDims(dp_replicate=2, dp_shard=4)), "optimizer_state", 2.0),  # replicas hold it
+    (dict(train=dict(param_dtype=Precision.BF16)), "optimizer_state", 0.5),  # pure bf16
+    (dict(optimizer=OptimizerName.LION), "optimizer_state", 0.5),  # one moment
+    (dict(train=dict(batch_size=2)), "activations", 2.0),
+]
+
+
+@pytest.mark.parametrize(("change", "part", "ratio"), SCALING)
+def test_plan_parts_scale_with_the_layout_and_settings(change, part, ratio):
+    base = memory_plan(EIGHT_B, MeshDims(dp_shard=8))
+    cfg = EIGHT_B
+    if "train" in change:
+        cfg = evolve_train(cfg, **change["train"])
+    if "optimizer" in change:
+        cfg = attrs.evolve(cfg, optimizer=attrs.evolve(cfg.optimizer, name=change["optimizer"]))
+    plan = memory_plan(cfg, change.get("dims", MeshDims(dp_shard=8)))
+    assert getattr(plan, part) / getattr(base, part) == pytest.approx(ratio, rel=1e-3)
+
+
+def test_activation_checkpointing_keeps_less():
+    plans = {
+        ac: memory_plan(evolve_train(EIGHT_B, activation_checkpointing=ac), MeshDims(dp_shard=8))
+        for ac in ActivationCheckpointing
+    }
+    full, selective, none = (
+        plans[ActivationCheckpointing(a)].activations for a in ("full", "selective", "none")
+    )
+    assert full < selective < none == plans[ActivationCheckpointing.NONE].activations_without_ac
+
+
+def test_a_pipeline_stage_holds_its_share_of_layers_and_micro_batches_in_flight():
+    cfg = attrs.evolve(EIGHT_B, distributed=attrs.evolve(EIGHT_B.distributed, pp=4))
+    one, four = memory_plan(EIGHT_B, MeshDims()), memory_plan(cfg, MeshDims(pp=4))
+    assert four.parameters < one.parameters / 3  # 8 of 32 blocks, plus an end
+    # 1F1B keeps up to pp = 4 micro-batches (grad_accum_steps = 8) of 8 checkpointed blocks
+    block_input = 8192 * 4096 * 2
+    one_block = 8192 * (10 * 4096 + 4 * 1024 + 4 * 14336) * 2
+    assert one.activations == 32 * block_input + one_block
+    assert four.activations == 4 * (8 * block_input + one_block)
+
+
+PLAN = [sys.executable, str(REPO / "scripts" / "plan.py")]
+
+
+def test_plan_script_reports_the_parts_and_the_verdict():
+    out = subprocess.run(
+        [
+            *PLAN,
+            str(REPO / "configs/train/llama3_70b.toml"),
+            "--nproc",
+            "8",
+            "--gpu-memory-gb",
+            "80",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "parameters: 70,553,706,496 total" in out
+    assert "does NOT fit in 80 GiB per device" in out  # 70B on 8 GPUs with fp32 Adam: no
+    out = subprocess.run(
+        [*PLAN, str(REPO / "configs/train/llama3_70b.toml"), "--nproc", "64"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "layout at 64 ranks: dp_replicate=1 dp_shard=8 tp=8 pp=1" in out
+    assert "\nfits in 80 GiB" in out
+
+
+def test_plan_script_refuses_an_impossible_layout_in_one_line():
+    done = subprocess.run(
+        [*PLAN, str(REPO / "configs/train/llama3_8b.toml"), "--nproc", "6", "--distributed.tp=4"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: distributed: pp*dp_replicate*dp_shard*tp")
