@@ -1,7 +1,8 @@
 """Sample text from a trained run: ``python scripts/generate.py runs/debug --prompt 'def '``.
 
 Loads the run's resolved ``config.toml`` and its newest complete checkpoint (the same resolver
-training uses), then samples with temperature and top-k.
+training uses), then samples — greedy at temperature 0, else with temperature, top-k and top-p
+— with a KV cache, until the tokenizer's EOS or the model's context is full.
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ def run_tokenizer(config: JobConfig) -> Tokenizer:
 def sampling_problems(args: argparse.Namespace) -> list[str]:
     """Out-of-range sampling options, one line each."""
     problems = []
-    if args.max_new_tokens < 0:
+    if args.max_new_tokens is not None and args.max_new_tokens < 0:
         problems.append(f"--max-new-tokens: must be >= 0, got {args.max_new_tokens}")
-    if not (math.isfinite(args.temperature) and args.temperature > 0):
-        problems.append(f"--temperature: must be a finite number > 0, got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        problems.append(f"--temperature: must be a finite number >= 0, got {args.temperature}")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        problems.append(f"--top-p: must be in (0, 1], got {args.top_p}")
     if args.top_k < 0:
         problems.append(f"--top-k: must be >= 0, got {args.top_k}")
     if not 0 <= args.seed < 2**63:
@@ -58,10 +61,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("run_dir", type=pathlib.Path, help="a run folder holding config.toml")
     parser.add_argument("--prompt", default="def ", help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=400, help="tokens to sample")
-    parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (> 0)")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="tokens to sample (default: up to the model's max_seq_len)",
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.8, help="softmax temperature (0: greedy)"
+    )
     parser.add_argument(
         "--top-k", type=int, default=40, help="sample among the k likeliest tokens (0: all)"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="sample within this much probability (1: all)"
     )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     args = parser.parse_args(argv)
@@ -79,16 +92,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             checkpoint_dir_of(config, args.run_dir), load_path, model, report, optimizer
         )
         tok = run_tokenizer(config)
+        prompt = tok.encode(args.prompt, bos=True)
+        room = config.model.max_seq_len - len(prompt)
+        new_tokens = room if args.max_new_tokens is None else args.max_new_tokens
+        if room < 0 or new_tokens > room:
+            raise UserInputError(
+                [
+                    f"--max-new-tokens: the prompt ({len(prompt)} tokens) + {new_tokens} new "
+                    f"tokens exceed model.max_seq_len={config.model.max_seq_len}; ask for at "
+                    f"most {max(room, 0)}"
+                ]
+            )
     except UserInputError as exc:
         print_errors(exc.lines)
         return 2
     with evaluation_weights(optimizer):
         ids = sample(
             model,
-            tok.encode(args.prompt, bos=True),
-            args.max_new_tokens,
+            prompt,
+            new_tokens,
             temperature=args.temperature,
             top_k=args.top_k,
+            top_p=args.top_p,
             stop_id=tok.eos_id,
             generator=torch.Generator().manual_seed(args.seed),
         )

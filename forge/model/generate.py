@@ -1,10 +1,41 @@
-"""Autoregressive sampling from a ``Transformer``."""
+"""Autoregressive sampling from a ``Transformer``: prefill, then cached decoding."""
 
 from __future__ import annotations
 
 import torch
 
-from forge.model.transformer import Transformer
+from forge.model.transformer import KVCache, Transformer
+
+
+def filter_logits(
+    logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
+    """``logits`` with every token outside the ``top_k`` likeliest, or outside the smallest
+    set whose probability reaches ``top_p`` (nucleus), set to -inf. ``None``/0 and 1.0: off."""
+    if top_k is not None and 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        ordered, order = torch.sort(logits, descending=True)
+        before = torch.softmax(ordered, dim=-1).cumsum(-1) - torch.softmax(ordered, dim=-1)
+        drop = before >= top_p  # a token stays if the ones above it fall short of top_p
+        unsorted = torch.zeros_like(drop).scatter(-1, order, drop)
+        logits = logits.masked_fill(unsorted, float("-inf"))
+    return logits
+
+
+def next_token(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+) -> int:
+    """Greedy at temperature 0, else a sample from the filtered, tempered distribution."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 @torch.no_grad()
@@ -15,26 +46,39 @@ def sample(
     *,
     temperature: float = 0.8,
     top_k: int | None = 40,
+    top_p: float | None = None,
     stop_id: int | None = None,
     generator: torch.Generator | None = None,
+    use_cache: bool = True,
 ) -> list[int]:
-    """Prompt plus up to ``max_new_tokens`` sampled ids (greedy when temperature is 0)."""
+    """Prompt plus up to ``max_new_tokens`` sampled ids, stopping after ``stop_id``.
+
+    With ``use_cache`` the prompt is run once (prefill) and each new token reuses the cached
+    keys and values; without it every token recomputes the whole context (the reference the
+    tests compare against). Positions past ``model.max_seq_len`` are refused (``ValueError``):
+    the model has no RoPE positions there, and sliding the window would change the text.
+    """
+    if not prompt:
+        raise ValueError("the prompt is empty: generation needs at least one token")
+    if len(prompt) + max_new_tokens > model.cfg.max_seq_len:
+        raise ValueError(
+            f"prompt ({len(prompt)} tokens) + {max_new_tokens} new tokens exceed "
+            f"model.max_seq_len={model.cfg.max_seq_len}; ask for at most "
+            f"{max(0, model.cfg.max_seq_len - len(prompt))} new tokens"
+        )
     model.eval()
+    device = next(model.parameters()).device
     ids = list(prompt)
-    window = model.cfg.max_seq_len
+    cache = KVCache(model.cfg, dtype=next(model.parameters()).dtype, device=device)
+    pending = ids  # the tokens the model has not seen yet
     for _ in range(max_new_tokens):
-        context = torch.tensor([ids[-window:]], dtype=torch.long)
-        logits = model(context)[0, -1].float()
-        if temperature <= 0:
-            nxt = int(logits.argmax())
+        if use_cache:
+            logits = model(torch.tensor([pending], device=device), cache=cache)[0, -1]
         else:
-            logits = logits / temperature
-            if top_k is not None and top_k < logits.numel():
-                kth = torch.topk(logits, top_k).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = torch.softmax(logits, dim=-1)
-            nxt = int(torch.multinomial(probs, 1, generator=generator))
+            logits = model(torch.tensor([ids], device=device))[0, -1]
+        nxt = next_token(logits.float(), temperature, top_k, top_p, generator)
         ids.append(nxt)
+        pending = [nxt]
         if stop_id is not None and nxt == stop_id:
             break
     return ids

@@ -42,6 +42,26 @@ def document_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
+class KVCache:
+    """Keys and values of every layer for incremental decoding: ``(B, kv_heads, max_len,
+    head_dim)`` per layer, filled up to ``length`` positions. The model's forward writes the
+    new positions and advances ``length``; it refuses to go past ``max_len``."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        head_dim = cfg.dim // cfg.n_heads
+        shape = (cfg.n_layers, batch, cfg.kv_heads, cfg.max_seq_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = cfg.max_seq_len
+        self.length = 0
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -77,7 +97,10 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None = None,
+        cache: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
+        """``cache``: this layer's key and value buffers and how many positions they hold;
+        the new keys and values are written after those and attention covers them all."""
         b, t, _ = x.shape
         if cos.dim() == 2:  # one table for every row: t is the full length even under SP
             cos, sin = cos[:t], sin[:t]
@@ -90,6 +113,14 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_kv_heads != self.n_heads
+        if cache is not None:
+            keys, values, start = cache
+            keys[:, :, start : start + t] = k
+            values[:, :, start : start + t] = v
+            k, v = keys[:, :, : start + t], values[:, :, : start + t]
+            if start > 0:  # query i sits at position start + i: it sees keys up to there
+                visible = torch.arange(start + t, device=x.device)
+                mask = visible[None, :] <= (start + torch.arange(t, device=x.device))[:, None]
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:  # packed documents: causal within each document only
@@ -124,8 +155,12 @@ class TransformerBlock(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None = None,
+        cache: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        if cache is None:  # four inputs, as the tensor-parallel plan expects
+            x = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        else:
+            x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -202,6 +237,7 @@ class Transformer(nn.Module):
         document_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         loss: LossSpec | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Token ids ``(B, T)`` (or hidden states on a later pipeline stage) to logits.
 
@@ -210,7 +246,7 @@ class Transformer(nn.Module):
         chunked ``loss``, returns ``chunked_lm_loss``'s objective, per-token cross-entropy
         and z term instead, never materialising the logits; the loss is computed
         here, in forward, so FSDP2's and the pipeline's hooks see the output weight used as
-        usual.
+        usual. With a ``cache`` (generation), ``tokens`` continue the cached positions.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin, mask = self.rope_cos, self.rope_sin, None
@@ -218,8 +254,22 @@ class Transformer(nn.Module):
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         if document_ids is not None:
             mask = document_attention_mask(document_ids)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, mask)
+        start = 0
+        if cache is not None:
+            start, t = cache.length, tokens.shape[1]
+            if start + t > cache.max_len:
+                raise ValueError(
+                    f"position {start + t} is past model.max_seq_len={cache.max_len}: the "
+                    "model has no RoPE positions there; generate fewer tokens"
+                )
+            cos, sin = cos[start : start + t], sin[start : start + t]
+        for i, layer in enumerate(self.layers.values()):
+            if cache is None:
+                h = layer(h, cos, sin, mask)
+            else:
+                h = layer(h, cos, sin, mask, (cache.keys[i], cache.values[i], start))
+        if cache is not None:
+            cache.length += tokens.shape[1]
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:
