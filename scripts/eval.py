@@ -1,0 +1,146 @@
+"""Held-out loss of a trained model: ``python scripts/eval.py runs/debug [--data DIR]``.
+
+Takes a run directory (the checkpoint training would resume from, found by the same resolver)
+or one checkpoint directory (``runs/debug/checkpoints/step_400``), and computes the mean loss
+and perplexity over every window of a prepared split (``--split validation`` of ``--data``,
+by default the run's own data). Under ``torchrun --nproc_per_node=N`` each rank evaluates
+every N-th window and the sums are combined, so the result is the same at any rank count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import sys
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from forge.checkpoint.resume import first_loadable, load_newest_weights
+from forge.checkpoint.store import load_checkpoint
+from forge.data.dataset import open_windows
+from forge.data.loader import Batch
+from forge.data.shards import read_manifest
+from forge.errors import UserInputError, print_errors
+from forge.model.transformer import Transformer
+from forge.optim.optimizers import evaluation_weights
+from forge.optim.param_groups import inference_optimizer
+from forge.parallel.world import world_info
+from forge.training.run_dir import checkpoint_dir_of, load_run_config
+from forge.training.step import evaluate_loss, loss_spec_of
+
+
+def run_dir_of(path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path | None]:
+    """(the run directory, the checkpoint asked for or None): ``path`` is either."""
+    if (path / "config.toml").is_file():
+        return path, None
+    if (path / "train_state.json").is_file():
+        for parent in path.parents[:3]:
+            if (parent / "config.toml").is_file():
+                return parent, path
+        raise UserInputError([f"{path}: no run config.toml above this checkpoint"])
+    raise UserInputError(
+        [f"{path}: neither a run directory (config.toml) nor a checkpoint (train_state.json)"]
+    )
+
+
+def batches_of(windows, rank: int, world: int, batch_size: int) -> list[Batch]:
+    """This rank's windows (every ``world``-th from ``rank``), in batches of ``batch_size``."""
+    mine = list(range(rank, len(windows), world))
+    out = []
+    for start in range(0, len(mine), batch_size):
+        rows = torch.stack(
+            [torch.from_numpy(windows[i].astype("int64")) for i in mine[start : start + batch_size]]
+        )
+        out.append(Batch(rows[:, :-1], rows[:, 1:]))
+    return out
+
+
+def report(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("path", type=pathlib.Path, help="a run directory or one checkpoint")
+    parser.add_argument("--data", type=pathlib.Path, default=None, help="a prepared dataset")
+    parser.add_argument("--split", default="validation", help="which split of --data")
+    parser.add_argument("--batch-size", type=int, default=8, help="windows per forward")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    world = world_info(os.environ)
+    if world.world_size > 1:
+        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    try:
+        if args.batch_size < 1:
+            raise UserInputError([f"--batch-size: must be >= 1, got {args.batch_size}"])
+        run_dir, checkpoint = run_dir_of(args.path)
+        config = load_run_config(run_dir)
+        data = args.data or pathlib.Path(config.data.source_list[0].path)
+        manifest = read_manifest(data)  # a DataError is a UserInputError: one line
+        if args.split not in manifest.splits:
+            splits = sorted(manifest.splits)
+            raise UserInputError([f"{data}: no split {args.split!r}; it has {splits}"])
+        windows = open_windows(data, manifest, args.split, config.train.seq_len, True)
+        if manifest.vocab_size > config.model.vocab_size:
+            raise UserInputError(
+                [f"{data}: vocab size {manifest.vocab_size} is larger than the model's "
+                 f"{config.model.vocab_size}; evaluate on data prepared with its tokenizer"]
+            )  # fmt: skip
+        model = Transformer(config.model)
+        optimizer = inference_optimizer(model, config.optimizer)
+        if checkpoint is None:
+            load_path = (
+                pathlib.Path(config.checkpoint.load_path) if config.checkpoint.load_path else None
+            )
+            used = load_newest_weights(
+                checkpoint_dir_of(config, run_dir), load_path, model, report, optimizer
+            )
+        else:
+            used, _ = first_loadable(
+                (checkpoint,),
+                lambda p: load_checkpoint(p, model, optimizer, restore_rng_state=False),
+                report,
+            )
+    except UserInputError as exc:
+        if world.rank == 0:
+            print_errors(exc.lines)
+        return 2
+    batches = batches_of(windows, world.rank, world.world_size, args.batch_size)
+    with evaluation_weights(optimizer):
+        total, count = evaluate_loss(
+            model, batches, config.train.mixed_precision, loss_spec_of(config.train)
+        )
+    if world.world_size > 1:
+        sums = torch.tensor([total, float(count)], dtype=torch.float64)
+        dist.all_reduce(sums)
+        total, count = sums.tolist()
+        dist.destroy_process_group()
+    loss = total / count
+    if world.rank == 0:
+        result = {
+            "checkpoint": str(used),
+            "data": str(data),
+            "split": args.split,
+            "tokens": int(count),
+            "loss": loss,
+            "perplexity": math.exp(loss),
+        }
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(
+                f"{args.split} loss {loss:.4f} | perplexity {math.exp(loss):.3f} | "
+                f"{int(count):,} tokens | {used}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
