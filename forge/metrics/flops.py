@@ -19,14 +19,18 @@ import torch
 from forge.config.sections import ModelConfig, Precision
 
 
-def non_embedding_parameters(cfg: ModelConfig) -> int:
-    """Parameters a token's forward pass multiplies with: blocks, final norm, output head."""
+def block_parameters(cfg: ModelConfig) -> int:
+    """Parameters of one transformer block: attention (and its q/k norms), SwiGLU, two norms."""
     head_dim = cfg.dim // cfg.n_heads
     attention = 2 * cfg.dim * cfg.n_heads * head_dim + 2 * cfg.dim * cfg.kv_heads * head_dim
     qk_norms = 2 * head_dim if cfg.qk_norm else 0
     feed_forward = 3 * cfg.dim * cfg.hidden_dim
-    block = attention + qk_norms + feed_forward + 2 * cfg.dim  # two RMSNorm weights
-    return cfg.n_layers * block + cfg.dim + cfg.vocab_size * cfg.dim
+    return attention + qk_norms + feed_forward + 2 * cfg.dim
+
+
+def non_embedding_parameters(cfg: ModelConfig) -> int:
+    """Parameters a token's forward pass multiplies with: blocks, final norm, output head."""
+    return cfg.n_layers * block_parameters(cfg) + cfg.dim + cfg.vocab_size * cfg.dim
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

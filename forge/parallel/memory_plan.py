@@ -34,6 +34,7 @@ from forge.config.sections import (
     PipelineSchedule,
     Precision,
 )
+from forge.metrics.flops import block_parameters
 from forge.parallel.world import MeshDims
 
 HEADROOM = 0.1  # of the device's memory, for what the estimate leaves out
@@ -72,15 +73,6 @@ def dtype_bytes(precision: Precision) -> int:
     return 2 if precision is Precision.BF16 else 4
 
 
-def block_parameters(config: JobConfig) -> int:
-    """Parameters of one transformer block."""
-    m = config.model
-    head_dim = m.dim // m.n_heads
-    attention = 2 * m.dim * m.n_heads * head_dim + 2 * m.dim * m.kv_heads * head_dim
-    qk = 2 * head_dim if m.qk_norm else 0
-    return attention + qk + 3 * m.dim * m.hidden_dim + 2 * m.dim
-
-
 def stage_parameters(config: JobConfig, pp: int) -> tuple[int, int]:
     """(parameters of the largest pipeline stage, of which in 2-D hidden matrices)."""
     m = config.model
@@ -90,8 +82,8 @@ def stage_parameters(config: JobConfig, pp: int) -> tuple[int, int]:
     ends = embedding * (1 if m.tie_embeddings else 2) if pp == 1 else embedding
     ends += m.dim
     norms = 2 * m.dim + (2 * (m.dim // m.n_heads) if m.qk_norm else 0)
-    blocks = layers * block_parameters(config)
-    return blocks + ends, layers * (block_parameters(config) - norms)
+    blocks = layers * block_parameters(config.model)
+    return blocks + ends, layers * (block_parameters(config.model) - norms)
 
 
 def optimizer_tensors(name: OptimizerName, total: int, hidden_matrices: int) -> float:
@@ -120,7 +112,7 @@ def memory_plan(config: JobConfig, dims: MeshDims) -> MemoryPlan:
     compute_bytes = dtype_bytes(t.mixed_precision)
     gathered = 0
     if dims.dp_shard > 1:
-        gathered = 2 * block_parameters(config) * compute_bytes // dims.tp
+        gathered = 2 * block_parameters(config.model) * compute_bytes // dims.tp
     tokens = t.batch_size * t.seq_len
     layers = -(-m.n_layers // dims.pp)
     per_layer = activation_bytes_per_layer(config, tokens, dims.tp)
