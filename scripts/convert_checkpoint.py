@@ -14,9 +14,19 @@ import pathlib
 import sys
 from collections.abc import Sequence
 
-from forge.checkpoint.export import DTYPES, export_model, import_model
+from forge.checkpoint.export import (
+    DTYPES,
+    TokenizerInfo,
+    export_model,
+    import_model,
+    tokenizer_info,
+)
 from forge.checkpoint.resume import load_newest_weights
 from forge.checkpoint.store import save_model_only
+from forge.config import JobConfig
+from forge.config.loader import CONVERTER
+from forge.config.toml_writer import dumps_toml
+from forge.data.shards import MANIFEST, read_manifest
 from forge.errors import UserInputError, print_errors
 from forge.model.transformer import Transformer
 from forge.optim.optimizers import evaluation_weights
@@ -30,8 +40,16 @@ def export(run_dir: pathlib.Path, out: pathlib.Path, dtype: str) -> None:
     optimizer = inference_optimizer(model, config.optimizer)
     path = load_newest_weights(checkpoint_dir_of(config, run_dir), None, model, report, optimizer)
     with evaluation_weights(optimizer):
-        export_model(model.state_dict(), config.model, out, dtype)
+        export_model(model.state_dict(), config.model, out, dtype, run_tokenizer_info(config))
     print(f"exported {path} to {out} ({dtype})")
+
+
+def run_tokenizer_info(config: JobConfig) -> TokenizerInfo:
+    """The special ids (and HF tokenizer file) of the run's data, if its manifest is there."""
+    folder = pathlib.Path(config.data.source_list[0].path)
+    if not (folder / MANIFEST).is_file():
+        return TokenizerInfo()
+    return tokenizer_info(read_manifest(folder).tokenizer)
 
 
 def report(line: str) -> None:
@@ -44,8 +62,8 @@ def import_(folder: pathlib.Path, out: pathlib.Path) -> None:
     model.load_state_dict(state)
     path = save_model_only(out, 0, model, {"step": 0, "imported_from": str(folder)})
     print(f"wrote {path}; use it with --checkpoint.load_path={path} and this [model] section:")
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim"):
-        print(f"  {key} = {getattr(cfg, key)}")
+    model = {k: v for k, v in CONVERTER.unstructure(cfg).items() if v is not None}
+    print(dumps_toml({"model": model}).strip())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,11 +8,15 @@ SwiGLU, RMSNorm), so the export is a rename and a dtype cast; it loads into
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
 import re
 import shutil
+from collections.abc import Mapping
+from typing import Any
 
+import attrs
 import torch
 
 from forge.config.sections import ModelConfig
@@ -42,6 +46,35 @@ _HF_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 class ExportError(UserInputError):
     """An export cannot be written or read."""
+
+
+@attrs.frozen
+class TokenizerInfo:
+    """What an export records of the tokenizer the model was trained with: its special ids
+    (for ``config.json`` and ``generation_config.json``) and, for a Hugging Face tokenizer,
+    its ``tokenizer.json`` (copied beside the weights)."""
+
+    bos_id: int | None = None
+    eos_id: int | None = None
+    pad_id: int | None = None
+    tokenizer_json: pathlib.Path | None = None
+
+
+def tokenizer_info(description: Mapping[str, Any]) -> TokenizerInfo:
+    """The ``TokenizerInfo`` of a dataset manifest's tokenizer description (the file only
+    when it is still there, with the hash the manifest recorded)."""
+    path = description.get("path")
+    tokenizer_json = None
+    if description.get("type") == "hf" and path and pathlib.Path(path).is_file():
+        data = pathlib.Path(path).read_bytes()
+        if hashlib.sha256(data).hexdigest() == description.get("sha256"):
+            tokenizer_json = pathlib.Path(path)
+    return TokenizerInfo(
+        bos_id=description.get("bos_id"),
+        eos_id=description.get("eos_id"),
+        pad_id=description.get("pad_id"),
+        tokenizer_json=tokenizer_json,
+    )
 
 
 def hf_name(name: str) -> str:
@@ -77,8 +110,10 @@ def export_problem(cfg: ModelConfig) -> str | None:
     return None
 
 
-def llama_config(cfg: ModelConfig, dtype: str) -> dict:
-    """The ``config.json`` of ``LlamaForCausalLM`` for ``cfg``."""
+def llama_config(cfg: ModelConfig, dtype: str, tokens: TokenizerInfo | None = None) -> dict:
+    """The ``config.json`` of ``LlamaForCausalLM`` for ``cfg`` (RoPE both as transformers v5's
+    ``rope_parameters`` and v4's ``rope_theta``), with the tokenizer's special ids."""
+    tokens = tokens or TokenizerInfo()
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -90,6 +125,7 @@ def llama_config(cfg: ModelConfig, dtype: str) -> dict:
         "vocab_size": cfg.vocab_size,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
         "max_position_embeddings": cfg.max_seq_len,
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
@@ -97,11 +133,51 @@ def llama_config(cfg: ModelConfig, dtype: str) -> dict:
         "mlp_bias": False,
         "torch_dtype": dtype,
         "initializer_range": cfg.init_std,
+        "bos_token_id": tokens.bos_id,
+        "eos_token_id": tokens.eos_id,
+        "pad_token_id": tokens.pad_id,
     }
 
 
+def generation_config(cfg: ModelConfig, tokens: TokenizerInfo) -> dict:
+    """``generation_config.json``: the special ids and the context length."""
+    return {
+        "bos_token_id": tokens.bos_id,
+        "eos_token_id": tokens.eos_id,
+        "pad_token_id": tokens.pad_id,
+        "max_length": cfg.max_seq_len,
+    }
+
+
+def rope_problem(config: Mapping[str, Any]) -> str | None:
+    """Why a Llama ``config.json``'s RoPE is not forge's plain RoPE, if it is not."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    kinds = {params.get("rope_type"), scaling.get("rope_type"), scaling.get("type")}
+    for kind in sorted(k for k in kinds - {None, "default"} if isinstance(k, str)):
+        return (
+            f"config.json: RoPE type {kind!r} (rope scaling) is not implemented by forge, only "
+            "plain RoPE ('default'); the model's logits would differ"
+        )
+    return None
+
+
 def model_config_from_llama(config: dict) -> ModelConfig:
-    """The forge ``ModelConfig`` of a Llama ``config.json``."""
+    """The forge ``ModelConfig`` of a Llama ``config.json``; ``ExportError`` for what forge's
+    decoder does not have (RoPE scaling, biases, another activation, another head size)."""
+    problems = [p for p in (rope_problem(config),) if p is not None]
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        problems.append("config.json: attention or MLP biases; forge's decoder has none")
+    if config.get("hidden_act", "silu") != "silu":
+        problems.append(f"config.json: hidden_act {config['hidden_act']!r}; forge uses 'silu'")
+    head_dim = config.get("head_dim")
+    if head_dim is not None and head_dim * config["num_attention_heads"] != config["hidden_size"]:
+        problems.append(
+            f"config.json: head_dim {head_dim} is not hidden_size / num_attention_heads"
+        )
+    if problems:
+        raise ExportError(problems)
+    params = config.get("rope_parameters") or {}
     return ModelConfig(
         dim=config["hidden_size"],
         n_layers=config["num_hidden_layers"],
@@ -110,7 +186,7 @@ def model_config_from_llama(config: dict) -> ModelConfig:
         vocab_size=config["vocab_size"],
         ffn_hidden_dim=config["intermediate_size"],
         norm_eps=config.get("rms_norm_eps", 1e-5),
-        rope_theta=config.get("rope_theta", 10000.0),
+        rope_theta=params.get("rope_theta", config.get("rope_theta", 10000.0)),
         max_seq_len=config.get("max_position_embeddings", 2048),
         tie_embeddings=config.get("tie_word_embeddings", False),
         init_std=config.get("initializer_range", 0.02),
@@ -118,9 +194,15 @@ def model_config_from_llama(config: dict) -> ModelConfig:
 
 
 def export_model(
-    state: dict[str, torch.Tensor], cfg: ModelConfig, out: pathlib.Path, dtype: str
+    state: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    out: pathlib.Path,
+    dtype: str,
+    tokens: TokenizerInfo | None = None,
 ) -> pathlib.Path:
-    """Write ``out/model.safetensors`` and ``out/config.json`` (via a temporary folder)."""
+    """Write ``out/model.safetensors``, ``config.json``, ``generation_config.json`` and, for a
+    Hugging Face tokenizer, its ``tokenizer.json`` (via a temporary folder)."""
+    tokens = tokens or TokenizerInfo()
     from safetensors.torch import save_file
 
     if dtype not in DTYPES:
@@ -137,7 +219,11 @@ def export_model(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(llama_config(cfg, dtype), indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps(llama_config(cfg, dtype, tokens), indent=2) + "\n")
+    generation = json.dumps(generation_config(cfg, tokens), indent=2) + "\n"
+    (tmp / "generation_config.json").write_text(generation)
+    if tokens.tokenizer_json is not None:
+        shutil.copyfile(tokens.tokenizer_json, tmp / "tokenizer.json")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

@@ -18,7 +18,7 @@ import torch.distributed as torch_dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from forge.checkpoint.checkpointer import Checkpointer, stop_checkpoint_process
-from forge.checkpoint.export import export_model
+from forge.checkpoint.export import export_model, tokenizer_info
 from forge.checkpoint.slots import Slots
 from forge.checkpoint.store import apply_retention
 from forge.config.sections import AsyncMode
@@ -168,7 +168,13 @@ class TrainingEffects:
         if self.dist.is_main:
             ck = self.run.config.checkpoint
             tensors = {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
-            export_model(tensors, self.run.config.model, self.run.export_dir, ck.export_dtype.value)
+            export_model(
+                tensors,
+                self.run.config.model,
+                self.run.export_dir,
+                ck.export_dtype.value,
+                tokenizer_info(self.data.manifest.tokenizer),
+            )
 
     def wait(self) -> None:
         """Finish and commit the save in flight, if any."""

@@ -4,11 +4,14 @@ import json
 import subprocess
 import sys
 
+import attrs
 import pytest
+import tomli
 import torch
 
 from forge.checkpoint.export import ExportError, export_model, forge_name, hf_name, import_model
 from forge.config import ModelConfig
+from forge.config.loader import CONVERTER
 from forge.model.transformer import Transformer
 from tests.conftest import REPO
 
@@ -93,6 +96,16 @@ def test_convert_script_round_trip_through_a_run(tiny_config, tmp_path):
     from forge.config import load_config
 
     cfg = load_config([str(tiny_config)]).config.model
+    # the printed [model] section is complete: it loads back to the same config
+    section = out.stdout[out.stdout.index("\n[model]") :]
+    parsed = CONVERTER.structure(tomli.loads(section)["model"], ModelConfig)
+    assert parsed.hidden_dim == cfg.hidden_dim  # the export states the FFN width explicitly
+    assert attrs.evolve(parsed, ffn_hidden_dim=cfg.ffn_hidden_dim) == cfg
+    # the byte tokenizer's ids reach config.json and generation_config.json
+    exported = json.loads((tmp_path / "exp" / "config.json").read_text())
+    generation = json.loads((tmp_path / "exp" / "generation_config.json").read_text())
+    for doc in (exported, generation):
+        assert (doc["bos_token_id"], doc["eos_token_id"], doc["pad_token_id"]) == (256, 257, 258)
     trained, imported = Transformer(cfg), Transformer(cfg)
     load_checkpoint(run_dir(tiny_config) / "checkpoints" / "step_3", trained, None)
     load_checkpoint(tmp_path / "imported" / "step_0", imported, None)
