@@ -9,6 +9,7 @@ SwiGLU, RMSNorm), so the export is a rename and a dtype cast; it loads into
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import pathlib
 import re
@@ -19,6 +20,7 @@ from typing import Any
 import attrs
 import torch
 
+from forge.checkpoint.hf_tokenizer import BYTE_SPECIAL_TOKENS, byte_tokenizer_json, tokenizer_config
 from forge.config.sections import ModelConfig
 from forge.errors import UserInputError
 
@@ -58,6 +60,9 @@ class TokenizerInfo:
     eos_id: int | None = None
     pad_id: int | None = None
     tokenizer_json: pathlib.Path | None = None
+    kind: str | None = None  # "byte" or "hf"; None: unknown, no tokenizer files
+    bos_token: str | None = None
+    eos_token: str | None = None
 
 
 def tokenizer_info(description: Mapping[str, Any]) -> TokenizerInfo:
@@ -74,7 +79,25 @@ def tokenizer_info(description: Mapping[str, Any]) -> TokenizerInfo:
         eos_id=description.get("eos_id"),
         pad_id=description.get("pad_id"),
         tokenizer_json=tokenizer_json,
+        kind=description.get("type"),
+        bos_token=description.get("bos_token"),
+        eos_token=description.get("eos_token"),
     )
+
+
+def write_tokenizer_files(folder: pathlib.Path, tokens: TokenizerInfo, max_len: int) -> None:
+    """``tokenizer.json`` + ``tokenizer_config.json`` so that ``AutoTokenizer`` loads the
+    export: the dataset's own file for a Hugging Face tokenizer, a byte-level one with forge's
+    ids for the byte tokenizer (skipped without the optional ``tokenizers`` package)."""
+    if tokens.kind == "hf" and tokens.tokenizer_json is not None:
+        shutil.copyfile(tokens.tokenizer_json, folder / "tokenizer.json")
+        config = tokenizer_config(tokens.bos_token, tokens.eos_token, None, max_len)
+    elif tokens.kind == "byte" and importlib.util.find_spec("tokenizers") is not None:
+        (folder / "tokenizer.json").write_text(byte_tokenizer_json())
+        config = tokenizer_config(*BYTE_SPECIAL_TOKENS, max_len)
+    else:
+        return
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def hf_name(name: str) -> str:
@@ -200,8 +223,8 @@ def export_model(
     dtype: str,
     tokens: TokenizerInfo | None = None,
 ) -> pathlib.Path:
-    """Write ``out/model.safetensors``, ``config.json``, ``generation_config.json`` and, for a
-    Hugging Face tokenizer, its ``tokenizer.json`` (via a temporary folder)."""
+    """Write ``out/model.safetensors``, ``config.json``, ``generation_config.json`` and the
+    tokenizer files (``write_tokenizer_files``), via a temporary folder."""
     tokens = tokens or TokenizerInfo()
     from safetensors.torch import save_file
 
@@ -222,8 +245,7 @@ def export_model(
     (tmp / "config.json").write_text(json.dumps(llama_config(cfg, dtype, tokens), indent=2) + "\n")
     generation = json.dumps(generation_config(cfg, tokens), indent=2) + "\n"
     (tmp / "generation_config.json").write_text(generation)
-    if tokens.tokenizer_json is not None:
-        shutil.copyfile(tokens.tokenizer_json, tmp / "tokenizer.json")
+    write_tokenizer_files(tmp, tokens, cfg.max_seq_len)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")  # in the dev extra: runs in 
 CFG = ModelConfig(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, rope_theta=500000.0
 )  # GQA, and a RoPE base that a reader must not drop
-TOKENS = TokenizerInfo(bos_id=256, eos_id=257, pad_id=258)
+TOKENS = TokenizerInfo(bos_id=256, eos_id=257, pad_id=258, kind="byte")
 
 
 def exported(tmp_path, cfg: ModelConfig = CFG):
@@ -96,3 +96,29 @@ def test_tied_embeddings_round_trip(tmp_path):
     x = torch.randint(0, 256, (1, 16))
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, model(x), atol=1e-4, rtol=1e-4)
+
+
+TEXT = "def héllo(wörld):\n\treturn '🙂' * 2  \r\n"
+
+
+def test_a_byte_tokenizer_export_loads_with_auto_tokenizer_and_the_same_ids(tmp_path):
+    from forge.data.tokenizer import ByteTokenizer
+
+    exported(tmp_path)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "exp")
+    ours = ByteTokenizer()
+    assert tok.encode(TEXT, add_special_tokens=False) == ours.encode(TEXT)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (256, 257, 258)
+    ids = ours.encode(TEXT, bos=True, eos=True)
+    assert tok.decode(ids, skip_special_tokens=True) == ours.decode(ids) == TEXT
+
+
+def test_pipeline_text_generation_runs_on_the_export_like_forge(tmp_path):
+    from forge.data.tokenizer import ByteTokenizer
+
+    model, _ = exported(tmp_path)
+    generate = transformers.pipeline("text-generation", model=str(tmp_path / "exp"))
+    out = generate("def ", do_sample=False, max_new_tokens=12, return_full_text=False)
+    ours = ByteTokenizer()
+    ids = sample(model, ours.encode("def "), 12, temperature=0, stop_id=257)
+    assert out[0]["generated_text"] == ours.decode(ids[4:])
