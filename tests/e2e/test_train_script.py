@@ -621,3 +621,29 @@ def test_the_debug_model_in_bf16_stays_within_5_percent_of_fp32_for_50_steps(
     for name in ("bf16", "pure"):
         for step, fp32 in curves["fp32"].items():
             assert curves[name][step] == pytest.approx(fp32, rel=0.05), (name, step, curves)
+
+
+OPTIONAL_PACKAGES = (
+    "tensorboard",
+    "wandb",
+    "matplotlib",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+)
+
+
+def test_training_needs_none_of_the_optional_extras(tiny_config):
+    """Each optional package made unimportable, as on a machine without the extras: a run
+    with eval and checkpoints still completes (an import of any of them would fail it)."""
+    code = (
+        "import runpy, sys\n"
+        f"for name in {OPTIONAL_PACKAGES!r}:\n"
+        "    sys.modules[name] = None\n"
+        f"sys.argv = ['train.py', {str(tiny_config)!r}, '--train.max_steps=6', '--eval.interval=3']\n"
+        f"runpy.run_path({str(REPO / 'scripts' / 'train.py')!r}, run_name='__main__')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "COMPLETED at step 6" in done.stdout + done.stderr
+    assert latest(tiny_config) == "step_6"
