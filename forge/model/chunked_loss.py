@@ -142,7 +142,9 @@ class ChunkedLMLoss(torch.autograd.Function):
         ce = torch.zeros(n, dtype=torch.float32, device=device)
         z_sum = torch.zeros((), dtype=torch.float32, device=device)
         grad_hidden = torch.empty_like(hidden) if with_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device)
+        grad_weight = (  # summed over chunks in fp32; evaluation needs none
+            torch.zeros(weight.shape, dtype=torch.float32, device=device) if with_grad else None
+        )
         w = weight.to(dtype)
         terms_of = compiled_chunk_terms() if compiled and group is None else chunk_terms
         with torch.autocast(device.type, enabled=False):
@@ -156,11 +158,11 @@ class ChunkedLMLoss(torch.autograd.Function):
                 z_sum += terms.z_sum
                 if grad_hidden is not None and terms.grad_hidden is not None:
                     grad_hidden[part] = terms.grad_hidden
-                if terms.grad_weight is not None:
-                    grad_weight += terms.grad_weight  # summed over chunks in fp32
+                if grad_weight is not None and terms.grad_weight is not None:
+                    grad_weight += terms.grad_weight
         z = z_sum / count
         objective = ce.sum() / count + z_weight * z
-        if with_grad:
+        if grad_weight is not None:
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         ctx.mark_non_differentiable(ce, z)
         return objective, ce, z

@@ -90,6 +90,7 @@ class TrainingEffects:
         self._mark_time = clock()
         self._mark_step = 0
         self._flops_per_token = flops_per_token(run.config.model, run.config.train.seq_len)
+        self._peak_flops: tuple[float | None] | None = None  # (peak,) after the first log
         self._schedule = loop_policy(run.config).schedule
         self.slots = Slots(model.model, model.optimizer)
         self._save_reasons: dict[int, SaveReason] = {}
@@ -217,9 +218,11 @@ class TrainingEffects:
         tps = result.tokens / step_time if step_time > 0 else math.inf
         record = step_record(state, result, step_time, tps)
         if self.dist.is_main:  # only rank 0 writes metrics: the others skip the measurement
-            peak = device_peak_flops(self.dist.device, self.run.config.train.mixed_precision)
+            if self._peak_flops is None:  # looked up (or, on a CPU, measured) once
+                precision = self.run.config.train.mixed_precision
+                self._peak_flops = (device_peak_flops(self.dist.device, precision),)
             world = self.dist.world_size
-            record |= throughput_record(tps, world, self._flops_per_token, peak)
+            record |= throughput_record(tps, world, self._flops_per_token, self._peak_flops[0])
             record |= memory_record(self.dist.device)
         if self.data.source_stats is not None:
             sums = self.data.source_stats.drain()  # on the training device
