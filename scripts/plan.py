@@ -64,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     dims = resolve_dims(config.distributed, args.nproc)
     total = non_embedding_parameters(m) + (0 if m.tie_embeddings else m.vocab_size * m.dim)
     print(f"parameters: {total:,} total, {non_embedding_parameters(m):,} non-embedding")
+    if m.moe:
+        active = non_embedding_parameters(m, active=True)
+        print(f"mixture of experts: {active:,} non-embedding parameters active per token")
     print(
         f"FLOPs per token: {flops_per_token(m, t.seq_len) / 1e9:.2f} GFLOP at seq_len {t.seq_len}"
     )

@@ -24,13 +24,14 @@ class DistributedConfig:
     dp_shard: int = -1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallelism, carved out of dp_shard (docs/moe.md)
     pp_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
     backend: str = "cpu:gloo,cuda:nccl"
     timeout_s: float = 600.0  # process-group init and every collective
 
     def problems(self) -> list[Problem]:
         p: list[Problem] = []
-        for key in ("dp_replicate", "tp", "pp"):
+        for key in ("dp_replicate", "tp", "pp", "ep"):
             positive(p, f"distributed.{key}", getattr(self, key))
         if self.dp_shard != -1 and self.dp_shard < 1:
             p.append(

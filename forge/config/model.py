@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import enum
+import math
+
 import attrs
 
-from forge.config.checks import Problem, positive
+from forge.config.checks import Problem, non_negative, positive
+
+
+class MoeRouter(enum.Enum):
+    """How a mixture-of-experts layer scores experts: a softmax over experts (Mixtral), or an
+    independent sigmoid per expert (DeepSeek-V3); both weight the chosen top-k by their
+    normalised scores."""
+
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
 
 
 @attrs.frozen
@@ -24,6 +36,18 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     qk_norm: bool = False  # RMSNorm on each head's query and key (OLMo-2 / Qwen-3 style)
+    # Mixture of experts (docs/moe.md): 0 experts = every block dense
+    moe_num_experts: int = 0
+    moe_top_k: int = 2  # experts each token goes through
+    moe_shared_experts: int = 0  # experts every token goes through, beside the routed ones
+    moe_hidden_dim: int | None = None  # each expert's SwiGLU width; None: the dense width
+    moe_every: int = 1  # an MoE block every k blocks (after the first dense ones)
+    moe_first_dense: int = 0  # dense blocks at the start (DeepSeek-style)
+    moe_router: MoeRouter = MoeRouter.SOFTMAX
+    moe_capacity_factor: float = 0.0  # 0: dropless; else tokens past capacity are dropped
+    moe_aux_loss_weight: float = 0.01  # load-balancing loss (Switch form), summed over layers
+    moe_z_loss_weight: float = 0.0  # router z-loss, summed over layers
+    moe_bias_update_rate: float = 0.0  # sigmoid router: aux-loss-free balancing (DeepSeek-V3)
 
     @property
     def kv_heads(self) -> int:
@@ -36,8 +60,31 @@ class ModelConfig:
         raw = int(8 * self.dim / 3)
         return self.multiple_of * -(-raw // self.multiple_of)
 
+    @property
+    def moe(self) -> bool:
+        """Whether any block is a mixture of experts."""
+        return self.moe_num_experts > 0 and bool(self.moe_layers)
+
+    @property
+    def expert_hidden_dim(self) -> int:
+        """Each routed (and shared) expert's SwiGLU width."""
+        return self.moe_hidden_dim if self.moe_hidden_dim is not None else self.hidden_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` is a mixture of experts: after ``moe_first_dense`` dense
+        blocks, every ``moe_every``-th block (the last of each group of ``moe_every``)."""
+        if self.moe_num_experts <= 0 or layer < self.moe_first_dense or self.moe_every < 1:
+            return False
+        return (layer - self.moe_first_dense + 1) % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The indices of the mixture-of-experts blocks, in order."""
+        return tuple(i for i in range(self.n_layers) if self.is_moe_layer(i))
+
     def problems(self) -> list[Problem]:
         p: list[Problem] = []
+        p += self.moe_problems()
         for key in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
             positive(p, f"model.{key}", getattr(self, key))
         positive(p, "model.norm_eps", self.norm_eps)
@@ -53,4 +100,47 @@ class ModelConfig:
             p.append(("model.dim", "dim / n_heads (the head size) must be even for RoPE"))
         if self.n_heads > 0 and self.kv_heads > 0 and self.n_heads % self.kv_heads:
             p.append(("model.n_kv_heads", f"must divide model.n_heads={self.n_heads}"))
+        return p
+
+    def moe_problems(self) -> list[Problem]:
+        """The mixture-of-experts keys' ranges (none apply when ``moe_num_experts`` is 0)."""
+        p: list[Problem] = []
+        non_negative(p, "model.moe_num_experts", self.moe_num_experts)
+        if self.moe_num_experts <= 0:
+            return p
+        positive(p, "model.moe_top_k", self.moe_top_k)
+        if self.moe_top_k > self.moe_num_experts:
+            p.append(
+                ("model.moe_top_k", f"must be <= model.moe_num_experts={self.moe_num_experts}")
+            )
+        for key in ("moe_shared_experts", "moe_first_dense"):
+            non_negative(p, f"model.{key}", getattr(self, key))
+        positive(p, "model.moe_every", self.moe_every)
+        if self.moe_hidden_dim is not None:
+            positive(p, "model.moe_hidden_dim", self.moe_hidden_dim)
+        for key in (
+            "moe_capacity_factor",
+            "moe_aux_loss_weight",
+            "moe_z_loss_weight",
+            "moe_bias_update_rate",
+        ):
+            value = getattr(self, key)
+            if not math.isfinite(value) or value < 0:
+                p.append((f"model.{key}", f"must be a finite number >= 0, got {value}"))
+        if self.moe_bias_update_rate > 0 and self.moe_router is not MoeRouter.SIGMOID:
+            p.append(
+                (
+                    "model.moe_bias_update_rate",
+                    "aux-loss-free balancing needs model.moe_router='sigmoid' (the bias shifts "
+                    "which experts are chosen, not their softmax weights); set it to 0",
+                )
+            )
+        if self.moe_every >= 1 and self.moe_first_dense >= 0 and not self.moe_layers:
+            p.append(
+                (
+                    "model.moe_first_dense",
+                    f"leaves no mixture-of-experts block among model.n_layers={self.n_layers} "
+                    f"(moe_every={self.moe_every}); lower it or set model.moe_num_experts=0",
+                )
+            )
         return p

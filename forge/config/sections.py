@@ -16,7 +16,7 @@ from forge.config.checks import Problem
 from forge.config.data import DataConfig, DataPhase, DataSource, EvalConfig
 from forge.config.distributed import DistributedConfig, PipelineSchedule
 from forge.config.hooks import HooksConfig
-from forge.config.model import ModelConfig
+from forge.config.model import ModelConfig, MoeRouter
 from forge.config.optim import OptimizerConfig, OptimizerName, ScheduleName, SchedulerConfig
 from forge.config.resilience import NonFinitePolicy, ResilienceConfig
 from forge.config.run import MetricsConfig, ProfilerConfig, RunConfig
@@ -37,6 +37,7 @@ __all__ = [
     "JobConfig",
     "MetricsConfig",
     "ModelConfig",
+    "MoeRouter",
     "NonFinitePolicy",
     "OptimizerConfig",
     "OptimizerName",

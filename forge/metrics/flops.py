@@ -19,23 +19,44 @@ import torch
 from forge.config.sections import ModelConfig, Precision
 
 
-def block_parameters(cfg: ModelConfig) -> int:
-    """Parameters of one transformer block: attention (and its q/k norms), SwiGLU, two norms."""
+def feed_forward_parameters(cfg: ModelConfig, layer: int, active: bool = False) -> int:
+    """Parameters of block ``layer``'s feed-forward: the dense SwiGLU, or a mixture of
+    experts' router, routed experts (only the ``top_k`` a token passes through when
+    ``active``) and shared experts."""
+    if not cfg.is_moe_layer(layer):
+        return 3 * cfg.dim * cfg.hidden_dim
+    expert = 3 * cfg.dim * cfg.expert_hidden_dim
+    routed = cfg.moe_top_k if active else cfg.moe_num_experts
+    return cfg.dim * cfg.moe_num_experts + (routed + cfg.moe_shared_experts) * expert
+
+
+def block_parameters(cfg: ModelConfig, layer: int = 0, active: bool = False) -> int:
+    """Parameters of block ``layer``: attention (and its q/k norms), its feed-forward (see
+    ``feed_forward_parameters``), two norms."""
     head_dim = cfg.dim // cfg.n_heads
     attention = 2 * cfg.dim * cfg.n_heads * head_dim + 2 * cfg.dim * cfg.kv_heads * head_dim
     qk_norms = 2 * head_dim if cfg.qk_norm else 0
-    feed_forward = 3 * cfg.dim * cfg.hidden_dim
+    feed_forward = feed_forward_parameters(cfg, layer, active)
     return attention + qk_norms + feed_forward + 2 * cfg.dim
 
 
-def non_embedding_parameters(cfg: ModelConfig) -> int:
-    """Parameters a token's forward pass multiplies with: blocks, final norm, output head."""
-    return cfg.n_layers * block_parameters(cfg) + cfg.dim + cfg.vocab_size * cfg.dim
+def largest_block_parameters(cfg: ModelConfig) -> int:
+    """The parameters of the largest block (a mixture of experts' when there is one)."""
+    return max(block_parameters(cfg, i) for i in range(cfg.n_layers))
+
+
+def non_embedding_parameters(cfg: ModelConfig, active: bool = False) -> int:
+    """Parameters a token's forward pass multiplies with: blocks, final norm, output head;
+    with ``active``, only the experts a token is routed to."""
+    blocks = sum(block_parameters(cfg, i, active) for i in range(cfg.n_layers))
+    return blocks + cfg.dim + cfg.vocab_size * cfg.dim
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token at ``seq_len``."""
-    return 6.0 * non_embedding_parameters(cfg) + 12.0 * cfg.n_layers * cfg.dim * seq_len
+    """Training FLOPs (forward + backward) per token at ``seq_len``, counting the active
+    parameters of a mixture of experts (the ``top_k`` routed experts a token goes through)."""
+    matmuls = 6.0 * non_embedding_parameters(cfg, active=True)
+    return matmuls + 12.0 * cfg.n_layers * cfg.dim * seq_len
 
 
 @attrs.frozen

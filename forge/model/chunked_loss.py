@@ -31,11 +31,14 @@ from forge.data.packing import IGNORE_INDEX
 class LossSpec:
     """How the language-model loss is computed: ``chunk_size`` tokens at a time (0: the plain
     loss on the full fp32 logits), with ``z_weight`` × mean logsumexp² in the objective, and
-    each chunk through ``torch.compile`` when ``compiled``."""
+    each chunk through ``torch.compile`` when ``compiled``. A mixture-of-experts model adds
+    ``moe_aux_weight`` × its balancing losses and ``moe_z_weight`` × its router z-losses."""
 
     chunk_size: int = 0
     z_weight: float = 0.0
     compiled: bool = False
+    moe_aux_weight: float = 0.0
+    moe_z_weight: float = 0.0
 
     @property
     def chunked(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from forge.config.sections import ModelConfig
 from forge.model.chunked_loss import LossSpec, chunked_lm_loss
+from forge.model.feed_forward import FeedForward
+from forge.model.moe import MoE, Router, empty_stats
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,26 +131,22 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Attention then a feed-forward, each pre-normed and residual. Block ``layer`` is a
+    mixture of experts where ``cfg.is_moe_layer(layer)``; its forward then also takes and
+    returns the MoE statistics (see ``forge.model.moe``)."""
+
+    feed_forward: FeedForward | MoE
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
+        if cfg.is_moe_layer(layer):
+            self.feed_forward = MoE(cfg, cfg.moe_layers.index(layer))
+        else:
+            self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
 
     def forward(
         self,
@@ -156,12 +155,32 @@ class TransformerBlock(nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor | None = None,
         cache: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-    ) -> torch.Tensor:
+        moe_stats: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if cache is None:  # four inputs, as the tensor-parallel plan expects
             x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         else:
             x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache)
+        if isinstance(self.feed_forward, MoE):
+            assert moe_stats is not None, "a mixture-of-experts block needs the MoE statistics"
+            moe: tuple[torch.Tensor, torch.Tensor] = self.feed_forward(self.ffn_norm(x), moe_stats)
+            return x + moe[0], moe[1]
         return x + self.feed_forward(self.ffn_norm(x))
+
+
+class MoeOutput(NamedTuple):
+    """A mixture-of-experts model's output: what a dense model returns, and the statistics
+    ``(MoE layers, 4 + E)`` of every MoE layer the forward passed through."""
+
+    output: Any
+    stats: torch.Tensor
+
+
+def split_moe_output(output: Any) -> tuple[Any, torch.Tensor | None]:
+    """``(output, stats)`` of a model's forward: stats None for a dense model."""
+    if isinstance(output, MoeOutput):
+        return output.output, output.stats
+    return output, None
 
 
 class Transformer(nn.Module):
@@ -180,7 +199,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -223,23 +242,32 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
-        """Recompute the RoPE tables (needed after ``to_empty`` from the meta device)."""
+        """Recompute the RoPE tables and zero the routers' balancing biases (needed after
+        ``to_empty`` from the meta device)."""
         cos, sin = rope_tables(
             self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta
         )
         self.rope_cos = cos.to(self.rope_cos.device)
         self.rope_sin = sin.to(self.rope_sin.device)
+        for module in self.modules():
+            if isinstance(module, Router):  # the balancing bias starts at zero
+                module.expert_bias.zero_()
 
     def forward(
         self,
         tokens: torch.Tensor,
+        moe_stats: torch.Tensor | None = None,
+        *,
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         loss: LossSpec | None = None,
         cache: KVCache | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> Any:
         """Token ids ``(B, T)`` (or hidden states on a later pipeline stage) to logits.
+
+        A model with mixture-of-experts blocks returns ``MoeOutput(output, stats)``; a later
+        pipeline stage receives the earlier stages' ``moe_stats`` beside the hidden states.
 
         Packed rows pass per-token ``positions`` (RoPE restarts per document) and
         ``document_ids`` (attention stays within a document). With ``labels`` and a
@@ -254,6 +282,8 @@ class Transformer(nn.Module):
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         if document_ids is not None:
             mask = document_attention_mask(document_ids)
+        if self.cfg.moe and moe_stats is None:
+            moe_stats = empty_stats(self.cfg, h.device)
         start = 0
         if cache is not None:
             start, t = cache.length, tokens.shape[1]
@@ -263,13 +293,22 @@ class Transformer(nn.Module):
                     "model has no RoPE positions there; generate fewer tokens"
                 )
             cos, sin = cos[start : start + t], sin[start : start + t]
-        for i, layer in enumerate(self.layers.values()):
-            if cache is None:
+        for i, (name, layer) in enumerate(self.layers.items()):
+            layer_cache = None if cache is None else (cache.keys[i], cache.values[i], start)
+            if self.cfg.is_moe_layer(int(name)):
+                h, moe_stats = layer(h, cos, sin, mask, layer_cache, moe_stats)
+            elif cache is None:
                 h = layer(h, cos, sin, mask)
             else:
-                h = layer(h, cos, sin, mask, (cache.keys[i], cache.values[i], start))
+                h = layer(h, cos, sin, mask, layer_cache)
         if cache is not None:
             cache.length += tokens.shape[1]
+        out = self.head(h, labels, loss)
+        return out if moe_stats is None else MoeOutput(out, moe_stats)
+
+    def head(self, h: torch.Tensor, labels: torch.Tensor | None, loss: LossSpec | None) -> Any:
+        """The final norm and output projection (or the chunked loss), where this stage has
+        them; else the hidden states."""
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:
@@ -290,10 +329,19 @@ def canonical_name(name: str) -> str:
     return name
 
 
+# the projections that write into the residual stream: their init is scaled down by depth
+RESIDUAL_OUTPUTS = (
+    "attention.wo.weight",
+    "feed_forward.w2.weight",
+    "feed_forward.experts.w2",
+    "feed_forward.shared.w2.weight",
+)
+
+
 def initial_value(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> torch.Tensor:
     """The full initial value of parameter ``name``: a pure function of (name, shape, seed).
 
-    Norm weights are ones; residual output projections (``wo``, ``w2``) are normal with
+    Norm weights are ones; residual output projections (``wo``, every ``w2``) are normal with
     std ``init_std / sqrt(2 n_layers)``; everything else normal with ``init_std``. Because each
     parameter has its own generator, the weights do not depend on construction order, device,
     sharding or pipeline split, which is what makes a 2-rank run start where a 1-rank run does.
@@ -301,7 +349,7 @@ def initial_value(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int
     if name.endswith("norm.weight"):
         return torch.ones(shape)
     std = cfg.init_std
-    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+    if name.endswith(RESIDUAL_OUTPUTS):
         std = std / math.sqrt(2 * cfg.n_layers)
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)

@@ -34,7 +34,7 @@ from forge.config.sections import (
     PipelineSchedule,
     Precision,
 )
-from forge.metrics.flops import block_parameters
+from forge.metrics.flops import largest_block_parameters
 from forge.parallel.world import MeshDims
 
 HEADROOM = 0.1  # of the device's memory, for what the estimate leaves out
@@ -82,8 +82,8 @@ def stage_parameters(config: JobConfig, pp: int) -> tuple[int, int]:
     ends = embedding * (1 if m.tie_embeddings else 2) if pp == 1 else embedding
     ends += m.dim
     norms = 2 * m.dim + (2 * (m.dim // m.n_heads) if m.qk_norm else 0)
-    blocks = layers * block_parameters(config.model)
-    return blocks + ends, layers * (block_parameters(config.model) - norms)
+    block = largest_block_parameters(m)  # an upper bound where blocks differ (MoE)
+    return layers * block + ends, layers * (block - norms)
 
 
 def optimizer_tensors(name: OptimizerName, total: int, hidden_matrices: int) -> float:
@@ -112,7 +112,7 @@ def memory_plan(config: JobConfig, dims: MeshDims) -> MemoryPlan:
     compute_bytes = dtype_bytes(t.mixed_precision)
     gathered = 0
     if dims.dp_shard > 1:
-        gathered = 2 * block_parameters(config.model) * compute_bytes // dims.tp
+        gathered = 2 * largest_block_parameters(m) * compute_bytes // dims.tp
     tokens = t.batch_size * t.seq_len
     layers = -(-m.n_layers // dims.pp)
     per_layer = activation_bytes_per_layer(config, tokens, dims.tp)

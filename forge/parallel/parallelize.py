@@ -1,10 +1,11 @@
-"""Apply parallelisms to a built model in one fixed order: TP → activation checkpointing →
-FSDP2 → compile.
+"""Apply parallelisms to a built model in one fixed order: TP → EP → activation
+checkpointing → FSDP2 → compile.
 
 Why this order: TP rewrites the Linear layers into DTensor shards, so it must see the plain
-modules; activation checkpointing wraps whole blocks, TP-sharded or not; FSDP2 then shards
-whatever parameters exist (plain or TP DTensors, giving 2-D FSDP×TP); compile comes last so
-it traces the final modules, hooks included.
+modules; EP likewise shards the experts' weights; activation checkpointing wraps whole blocks,
+TP-sharded or not; FSDP2 then shards whatever parameters exist (plain or TP DTensors, giving
+2-D FSDP×TP), except the experts EP already split over the data-parallel ranks; compile comes
+last so it traces the final modules, hooks included.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 
 from forge.config.sections import ActivationCheckpointing, Precision
 from forge.model.transformer import Transformer, TransformerBlock
+from forge.parallel.expert import apply_ep
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
@@ -95,12 +97,14 @@ def apply_fsdp(
     dp_mesh: DeviceMesh,
     precision: Precision,
     param_dtype: Precision = Precision.FP32,
+    ignored: set[nn.Parameter] | None = None,
 ) -> None:
-    """FSDP2 per block, then the root, with ``fsdp_policy``'s dtypes."""
+    """FSDP2 per block, then the root, with ``fsdp_policy``'s dtypes; ``ignored`` parameters
+    (expert-parallel experts) stay as they are."""
     mp = fsdp_policy(precision, param_dtype)
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored or None)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored or None)
 
 
 def apply_compile(model: Transformer) -> None:
@@ -118,13 +122,15 @@ def parallelize(
     activation_checkpointing: ActivationCheckpointing,
     compile_blocks: bool,
     param_dtype: Precision = Precision.FP32,
+    ep_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
-    """The fixed order: TP, activation checkpointing, FSDP2, compile. Returns the model."""
+    """The fixed order: TP, EP, activation checkpointing, FSDP2, compile. Returns the model."""
     if tp_mesh is not None:
         apply_tp(model, tp_mesh)
+    experts = apply_ep(model, ep_mesh) if ep_mesh is not None else set()
     apply_activation_checkpointing(model, activation_checkpointing)
     if dp_mesh is not None:
-        apply_fsdp(model, dp_mesh, precision, param_dtype)
+        apply_fsdp(model, dp_mesh, precision, param_dtype, experts)
     if compile_blocks:
         apply_compile(model)
     return model

@@ -12,8 +12,10 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from forge.config.sections import PipelineSchedule
+from forge.data.packing import IGNORE_INDEX
 from forge.model.chunked_loss import LossSpec
-from forge.model.transformer import Transformer
+from forge.model.moe import moe_terms
+from forge.model.transformer import Transformer, split_moe_output
 
 
 def split_layers(n_layers: int, n_stages: int) -> list[list[int]]:
@@ -43,15 +45,38 @@ def stage_module(model: Transformer, stage: int, n_stages: int) -> Transformer:
     return part
 
 
-def lm_loss_fn(
-    output: torch.Tensor | tuple[torch.Tensor, ...], labels: torch.Tensor
-) -> torch.Tensor:
-    """Per-micro-batch loss for the last stage (fp32 cross-entropy, mean over unmasked
-    tokens): from the logits, or the objective the stage computed chunk by chunk
-    (``head_kwargs``)."""
-    if isinstance(output, tuple):
-        return output[0]
-    return F.cross_entropy(output.float().flatten(0, 1), labels.flatten())
+class StageLoss:
+    """The last stage's per-micro-batch loss: fp32 cross-entropy (mean over unmasked tokens)
+    from the logits, or the objective the stage computed chunk by chunk (``head_kwargs``),
+    plus a mixture-of-experts model's auxiliary losses (``moe_terms``).
+
+    The schedule keeps only the objective; each micro-batch's cross-entropy and MoE
+    statistics are kept here for the step to ``take`` (what ``micro_batch_loss`` returns
+    outside a pipeline).
+    """
+
+    def __init__(self, moe_aux_weight: float = 0.0, moe_z_weight: float = 0.0) -> None:
+        self.moe_weights = (moe_aux_weight, moe_z_weight)
+        self._records: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+        out, stats = split_moe_output(output)
+        if isinstance(out, tuple):  # (objective, per-token loss, z) of the chunked loss
+            objective, per_token = out[0], out[1]
+            ce = per_token.detach().sum() / (labels != IGNORE_INDEX).sum()
+        else:
+            objective = F.cross_entropy(out.float().flatten(0, 1), labels.flatten())
+            ce = objective.detach()
+        if stats is not None:
+            objective = objective + moe_terms(stats, *self.moe_weights).objective
+            stats = stats.detach()
+        self._records.append((ce, stats))
+        return objective
+
+    def take(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The micro-batches' (cross-entropy, MoE statistics) since the last call."""
+        records, self._records = self._records, []
+        return records
 
 
 def head_kwargs(labels: torch.Tensor, loss: LossSpec) -> dict[str, Any]:
@@ -70,6 +95,7 @@ def build_schedule(
     group: ProcessGroup,
     kind: PipelineSchedule,
     n_microbatches: int,
+    loss_fn: StageLoss,
 ) -> _PipelineSchedule:
     """The schedule that runs one optimizer step's micro-batches through the pipeline.
 
@@ -78,7 +104,7 @@ def build_schedule(
     """
     pipe_stage = PipelineStage(stage, stage_index, n_stages, device, group=group)
     if kind is PipelineSchedule.GPIPE:
-        return ScheduleGPipe(pipe_stage, n_microbatches, loss_fn=lm_loss_fn)
+        return ScheduleGPipe(pipe_stage, n_microbatches, loss_fn=loss_fn)
     if kind is PipelineSchedule.ONE_F_ONE_B:
-        return Schedule1F1B(pipe_stage, n_microbatches, loss_fn=lm_loss_fn)
+        return Schedule1F1B(pipe_stage, n_microbatches, loss_fn=loss_fn)
     raise ValueError(f"distributed.pp_schedule={kind.value!r} is not supported")

@@ -129,6 +129,7 @@ def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
                     f"must divide train.seq_len={config.train.seq_len} (sequence parallelism)",
                 )
             )
+    p += expert_problems(config, dims)
     if dims.pp > 1 and config.checkpoint.export_final:
         p.append(
             (
@@ -167,4 +168,35 @@ def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
                     f"distributed.pp={dims.pp} and pp_schedule='{d.pp_schedule.value}'",
                 )
             )
+    return p
+
+
+def expert_problems(config: JobConfig, dims: MeshDims) -> list[Problem]:
+    """What a mixture-of-experts model, or expert parallelism, cannot be combined with."""
+    m, ep = config.model, config.distributed.ep
+    p: list[Problem] = []
+    if m.moe and dims.tp > 1:
+        p.append(
+            (
+                "distributed.tp",
+                "tensor parallelism is not supported with mixture-of-experts blocks "
+                "(model.moe_num_experts > 0); use distributed.ep and dp_shard instead",
+            )
+        )
+    if ep == 1:
+        return p
+    if not m.moe:
+        p.append(("distributed.ep", "needs mixture-of-experts blocks (model.moe_num_experts > 0)"))
+        return p
+    if ep != dims.dp_shard or dims.dp_replicate > 1:
+        p.append(
+            (
+                "distributed.ep",
+                f"must equal distributed.dp_shard (resolved {dims.dp_shard}) with "
+                "dp_replicate=1: the experts are split over the data-parallel ranks, and "
+                "splitting them over part of them only is not supported yet",
+            )
+        )
+    if m.moe_num_experts % ep:
+        p.append(("distributed.ep", f"must divide model.moe_num_experts={m.moe_num_experts}"))
     return p

@@ -19,6 +19,7 @@ from forge.data.shards import Manifest
 from forge.metrics.sources import SourceStats
 from forge.optim.schedules import Schedule
 from forge.parallel.mesh import coordinates
+from forge.parallel.pipeline import StageLoss
 from forge.parallel.world import MeshDims, WorldInfo
 from forge.training.run_dir import checkpoint_dir_of
 from forge.training.state import LoopState
@@ -92,6 +93,7 @@ class PipelineContext:
     group: ProcessGroup
     stage_index: int
     n_stages: int
+    loss: StageLoss = attrs.Factory(StageLoss)  # the last stage's loss function
 
     @property
     def is_first(self) -> bool:

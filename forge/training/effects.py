@@ -27,6 +27,7 @@ from forge.errors import CheckpointSaveError
 from forge.metrics.backends import TensorBoardSink, WandbSink
 from forge.metrics.flops import device_peak_flops, flops_per_token, throughput_record
 from forge.metrics.memory import memory_record
+from forge.metrics.moe import moe_record
 from forge.metrics.sinks import JsonlSink, MetricsSink, console_sink
 from forge.metrics.sources import source_record
 from forge.optim.optimizers import evaluation_weights
@@ -35,7 +36,13 @@ from forge.training.hooks import HookList, Hooks
 from forge.training.identity import run_identity
 from forge.training.outcome import LoopOutcome
 from forge.training.phases import config_fingerprint, loop_policy
-from forge.training.state import LoopState, SaveReason, StepResult, save_failure_is_fatal
+from forge.training.state import (
+    LoopState,
+    SaveReason,
+    StepResult,
+    save_failure_is_fatal,
+    stats_from_flat,
+)
 from forge.training.step import evaluate_loss, evaluate_pipeline_loss, loss_spec_of
 from forge.training.train_state import (
     TRAIN_STATE_VERSION,
@@ -224,6 +231,11 @@ class TrainingEffects:
             world = self.dist.world_size
             record |= throughput_record(tps, world, self._flops_per_token, self._peak_flops[0])
             record |= memory_record(self.dist.device)
+        if result.moe is not None:  # every rank holds its own statistics: summed here
+            moe = result.moe
+            total = sum_over_ranks(moe.flat(), self.dist.world_size, self.dist.device)
+            summed = stats_from_flat(total, len(moe.loads), len(moe.loads[0]))
+            record |= moe_record(summed, self.dist.world_size)
         if self.data.source_stats is not None:
             sums = self.data.source_stats.drain()  # on the training device
             if self.dist.world_size > 1:

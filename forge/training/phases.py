@@ -33,7 +33,7 @@ from forge.checkpoint.store import (
     remove_stale_temporaries,
 )
 from forge.config.loader import CONVERTER, ConfigError, load_config, unstructure_config
-from forge.config.sections import JobConfig, Precision
+from forge.config.sections import JobConfig, ModelConfig, Precision
 from forge.config.toml_writer import dumps_toml
 from forge.data.dataset import open_windows
 from forge.data.loader import Batch, Sampling, TextLoader, single_source, step_batches
@@ -42,6 +42,7 @@ from forge.data.shards import DataError, Manifest, dataset_fingerprint, read_man
 from forge.metrics.backends import missing_sink_packages
 from forge.metrics.sinks import trim_records_after
 from forge.metrics.sources import SourceStats
+from forge.model.moe import stats_width
 from forge.model.transformer import Transformer, num_parameters
 from forge.optim.param_groups import build_optimizer
 from forge.optim.schedules import resolve_schedule
@@ -53,7 +54,7 @@ from forge.parallel.mesh import (
     submesh,
 )
 from forge.parallel.parallelize import parallelize
-from forge.parallel.pipeline import build_schedule, stage_module
+from forge.parallel.pipeline import StageLoss, build_schedule, stage_module
 from forge.parallel.world import parallel_problems, resolve_dims, world_info
 from forge.resilience.faults import NanInjector, faults_from_env
 from forge.training.context import (
@@ -233,11 +234,14 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
         activation_checkpointing=cfg.train.activation_checkpointing,
         compile_blocks=compiled,
         param_dtype=cfg.train.param_dtype,
+        ep_mesh=submesh(dist.mesh, "dp_shard") if cfg.distributed.ep > 1 else None,
     )
     model.materialize(dist.device)
     model.init_weights(seed=cfg.train.seed)
     if pp_mesh is not None:
         group = pp_mesh.get_group()
+        spec = loss_spec_of(cfg.train, compiled, cfg.model)
+        stage_loss = StageLoss(spec.moe_aux_weight, spec.moe_z_weight)
         schedule = build_schedule(
             model,
             pp_mesh.get_local_rank(),
@@ -246,8 +250,11 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
             group,
             cfg.distributed.pp_schedule,
             cfg.train.grad_accum_steps,
+            stage_loss,
         )
-        pipeline = PipelineContext(schedule, group, pp_mesh.get_local_rank(), pp_mesh.size())
+        pipeline = PipelineContext(
+            schedule, group, pp_mesh.get_local_rank(), pp_mesh.size(), stage_loss
+        )
     return ModelContext(
         model=model,
         optimizer=build_optimizer(model, cfg.optimizer),
@@ -462,6 +469,8 @@ def make_step_fn(
     if hooks is not None:
         before_update = functools.partial(call_before_update, hooks, model.model, model.optimizer)
 
+    loss_spec = loss_spec_of(cfg.train, model.compiled, cfg.model)
+    balance_rate = cfg.model.moe_bias_update_rate if cfg.model.moe else 0.0
     if model.pipeline is not None:
         return make_pipeline_step(
             model.model,
@@ -471,8 +480,11 @@ def make_step_fn(
             cfg.optimizer.lr,
             cfg.train.grad_clip_norm,
             dp_size=dist.dp_size,
-            loss_spec=loss_spec_of(cfg.train, model.compiled),
+            loss_spec=loss_spec,
             before_update=before_update,
+            moe_shape=moe_stats_shape(cfg.model),
+            balance_rate=balance_rate,
+            world_size=dist.world_size,
         )
     return make_text_step(
         model.model,
@@ -485,9 +497,16 @@ def make_step_fn(
         dp_size=dist.dp_size,
         loss_scale=NanInjector(faults_from_env(os.environ), dist.rank),
         stats=data.source_stats if data is not None else None,
-        loss_spec=loss_spec_of(cfg.train, model.compiled),
+        loss_spec=loss_spec,
         before_update=before_update,
+        balance_rate=balance_rate,
+        world_size=dist.world_size,
     )
+
+
+def moe_stats_shape(cfg: ModelConfig) -> tuple[int, int] | None:
+    """The shape of a mixture-of-experts model's statistics (None when dense)."""
+    return (len(cfg.moe_layers), stats_width(cfg.moe_num_experts)) if cfg.moe else None
 
 
 def call_before_update(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 
 import attrs
 
@@ -38,6 +39,38 @@ class LoopState:
 
 
 @attrs.frozen
+class MoeStepStats:
+    """A mixture-of-experts model's step, on this rank: the mean balancing and router
+    z-losses per MoE layer, the assignments dropped by capacity and all assignments made, and
+    the tokens routed to each expert, one tuple per MoE layer."""
+
+    aux_loss: float
+    z_loss: float
+    dropped: float
+    assigned: float
+    loads: tuple[tuple[float, ...], ...]
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.aux_loss) and math.isfinite(self.z_loss)
+
+    def flat(self) -> list[float]:
+        """aux, z, dropped, assigned, then every layer's loads (``stats_from_flat``'s input)."""
+        flat = [self.aux_loss, self.z_loss, self.dropped, self.assigned]
+        for layer in self.loads:
+            flat += layer
+        return flat
+
+
+def stats_from_flat(values: Sequence[float], n_layers: int, n_experts: int) -> MoeStepStats:
+    """The ``MoeStepStats`` whose ``flat()`` is ``values``."""
+    loads = tuple(
+        tuple(values[4 + i * n_experts : 4 + (i + 1) * n_experts]) for i in range(n_layers)
+    )
+    return MoeStepStats(values[0], values[1], values[2], values[3], loads)
+
+
+@attrs.frozen
 class StepResult:
     """What one optimizer step reports back (already world-reduced)."""
 
@@ -47,11 +80,16 @@ class StepResult:
     lr: float
     collective_failed: bool = False  # a peer stalled or died during the step
     z_loss: float | None = None  # mean logsumexp² when train.z_loss_weight > 0 (not in ``loss``)
+    moe: MoeStepStats | None = None  # a mixture-of-experts model's routing (losses not in ``loss``)
 
     @property
     def finite(self) -> bool:
+        """Loss, grad norm and every auxiliary loss finite: the update may be applied."""
         z_finite = self.z_loss is None or math.isfinite(self.z_loss)
-        return math.isfinite(self.loss) and math.isfinite(self.grad_norm) and z_finite
+        moe_finite = self.moe is None or self.moe.finite
+        return (
+            math.isfinite(self.loss) and math.isfinite(self.grad_norm) and z_finite and moe_finite
+        )
 
 
 @attrs.frozen

@@ -13,24 +13,39 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from forge.config.sections import Precision, TrainConfig
+from forge.config.sections import ModelConfig, Precision, TrainConfig
 from forge.data.loader import Batch
 from forge.data.packing import IGNORE_INDEX
 from forge.metrics.sources import SourceStats
 from forge.model.chunked_loss import LossSpec
+from forge.model.moe import ASSIGNED, AUX, DROPPED, LOADS, Z, moe_terms
+from forge.model.transformer import split_moe_output
 from forge.optim.schedules import Schedule, lr_at
 from forge.parallel.grad_norm import clip_coefficient, global_grad_norm, scale_grads_
 from forge.parallel.pipeline import head_kwargs
 from forge.training.context import PipelineContext
-from forge.training.state import LoopState, PendingStep, StepResult
+from forge.training.expert_balance import balance_experts, global_loads
+from forge.training.state import (
+    LoopState,
+    MoeStepStats,
+    PendingStep,
+    StepResult,
+    stats_from_flat,
+)
 
 PLAIN_LOSS = LossSpec()  # the full fp32 logits, then F.cross_entropy
 
 
-def loss_spec_of(train: TrainConfig, compiled: bool = False) -> LossSpec:
+def loss_spec_of(
+    train: TrainConfig, compiled: bool = False, model: ModelConfig | None = None
+) -> LossSpec:
     """The loss the ``[train]`` keys ask for: chunked by ``loss_chunk_size``, with the
-    z-loss weight, each chunk compiled when the model is (``ModelContext.compiled``)."""
-    return LossSpec(train.loss_chunk_size, train.z_loss_weight, compiled)
+    z-loss weight, each chunk compiled when the model is (``ModelContext.compiled``); with a
+    mixture-of-experts ``model``, its auxiliary-loss weights."""
+    aux = z = 0.0
+    if model is not None and model.moe:
+        aux, z = model.moe_aux_loss_weight, model.moe_z_loss_weight
+    return LossSpec(train.loss_chunk_size, train.z_loss_weight, compiled, aux, z)
 
 
 def autocast_for(
@@ -50,9 +65,16 @@ def device_type_of(model: nn.Module) -> str:
 
 def logits_of(model: nn.Module, batch: Batch, autocast: Callable) -> torch.Tensor:
     """The model's fp32 logits for a micro-batch (packed rows pass positions and documents)."""
+    return logits_and_stats(model, batch, autocast)[0]
+
+
+def logits_and_stats(
+    model: nn.Module, batch: Batch, autocast: Callable
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fp32 logits and, for a mixture-of-experts model, its MoE statistics."""
     with autocast():
-        logits = model(batch.inputs, **document_kwargs(batch))
-    return logits.float()
+        logits, stats = split_moe_output(model(batch.inputs, **document_kwargs(batch)))
+    return logits.float(), stats
 
 
 def document_kwargs(batch: Batch) -> dict[str, torch.Tensor | None]:
@@ -65,11 +87,13 @@ def document_kwargs(batch: Batch) -> dict[str, torch.Tensor | None]:
 @attrs.frozen
 class MicroBatchLoss:
     """One micro-batch's loss: ``objective`` to differentiate, ``loss`` (the mean
-    cross-entropy) and ``z`` (the mean squared logsumexp, None when the z-loss is off) to log."""
+    cross-entropy) and ``z`` (the mean squared logsumexp, None when the z-loss is off) to log,
+    and a mixture-of-experts model's statistics (``forge.model.moe``; None when dense)."""
 
     objective: torch.Tensor
     loss: torch.Tensor
     z: torch.Tensor | None
+    moe: torch.Tensor | None = None
 
 
 def micro_batch_loss(
@@ -84,18 +108,20 @@ def micro_batch_loss(
 
     A chunked ``loss_spec``: the model computes it chunk by chunk (``chunked_lm_loss``) and the
     full logits never exist; else the plain path, fp32 logits then ``F.cross_entropy``. With
-    ``stats``, also adds each row's loss sum and label count to its source's totals.
+    ``stats``, also adds each row's loss sum and label count to its source's totals. A
+    mixture-of-experts model's auxiliary losses join the objective (``moe_terms``).
     """
     counted = batch.labels != IGNORE_INDEX
     n = counted.sum()
     z_weight = loss_spec.z_weight
     if loss_spec.chunked:
         with autocast():
-            objective, per_token, z = model(
-                batch.inputs, labels=batch.labels, loss=loss_spec, **document_kwargs(batch)
+            output, moe = split_moe_output(
+                model(batch.inputs, labels=batch.labels, loss=loss_spec, **document_kwargs(batch))
             )
+        objective, per_token, z = output
     else:
-        logits = logits_of(model, batch, autocast)
+        logits, moe = logits_and_stats(model, batch, autocast)
         per_token = F.cross_entropy(logits.transpose(1, 2), batch.labels, reduction="none")
         objective = per_token.sum() / n
         z = None
@@ -104,8 +130,38 @@ def micro_batch_loss(
             objective = objective + z_weight * z
     if stats is not None and batch.sources is not None:
         stats.add(batch.sources, per_token.detach().sum(dim=1), counted.sum(dim=1))
+    if moe is not None:
+        objective = objective + moe_terms(moe, loss_spec.moe_aux_weight, loss_spec.moe_z_weight)[0]
+        moe = moe.detach()
     loss = per_token.detach().sum() / n
-    return MicroBatchLoss(objective, loss, z.detach() if z is not None and z_weight > 0 else None)
+    z_logged = z.detach() if z is not None and z_weight > 0 else None
+    return MicroBatchLoss(objective, loss, z_logged, moe)
+
+
+def moe_summary(stats: torch.Tensor, n_micro: int) -> torch.Tensor:
+    """A step's MoE statistics (summed over its ``n_micro`` micro-batches) as one flat
+    tensor for the host read: mean aux and z losses per layer and micro-batch, dropped and
+    assigned counts, then every layer's loads."""
+    means = stats[:, [AUX, Z]].mean(0) / n_micro
+    counts = stats[:, [DROPPED, ASSIGNED]].sum(0)
+    return torch.cat([means, counts, stats[:, LOADS:].flatten()])
+
+
+def moe_step_stats(values: Sequence[float], n_layers: int) -> MoeStepStats:
+    """``moe_summary``'s values, read on the host."""
+    n_experts = (len(values) - 4) // n_layers
+    return stats_from_flat(values, n_layers, n_experts)
+
+
+def balance_after_update(
+    model: nn.Module, stats: torch.Tensor | None, rate: float, world_size: int
+) -> Callable[[], None] | None:
+    """The aux-loss-free bias update this step applies after ``optimizer.step()`` (None when
+    off): the step's loads, summed over ranks here, so every rank applies the same update."""
+    if stats is None or rate <= 0:
+        return None
+    loads = global_loads(stats[:, LOADS:], world_size)
+    return lambda: balance_experts(model, loads, rate)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
@@ -133,22 +189,28 @@ def finish_step(
     z_loss: torch.Tensor | None = None,
     step: int = 0,
     before_update: Callable[[PendingStep], None] | None = None,
+    moe: torch.Tensor | None = None,
+    moe_layers: int = 0,
+    after_update: Callable[[], None] | None = None,
 ) -> StepResult:
-    """Clip by the global norm and step, only if loss, norm (and z-loss) are finite; report
-    the step.
+    """Clip by the global norm and step, only if loss, norm (and z-loss, and a MoE model's
+    auxiliary losses) are finite; report the step.
 
-    Reads them in one host sync (one device-to-host copy of all). ``before_update`` sees step
-    ``step`` after that read, before clipping. A non-finite step zeroes the gradients and
-    never touches the optimizer state.
+    Reads them in one host sync (one device-to-host copy of all; ``moe`` is
+    ``moe_summary``'s tensor over ``moe_layers`` layers). ``before_update`` sees step
+    ``step`` after that read, before clipping; ``after_update`` runs right after an applied
+    ``optimizer.step()`` (the experts' balancing bias). A non-finite step zeroes the gradients
+    and never touches the optimizer state.
     """
     read = [loss.float(), grad_norm.float(), *([z_loss.float()] if z_loss is not None else [])]
-    values = torch.stack(read).tolist()
+    values = torch.cat([torch.stack(read), *([moe.float()] if moe is not None else [])]).tolist()
     result = StepResult(
         loss=values[0],
         grad_norm=values[1],
         tokens=tokens,
         lr=lr,
         z_loss=values[2] if z_loss is not None else None,
+        moe=moe_step_stats(values[len(read) :], moe_layers) if moe is not None else None,
     )
     if before_update is not None:
         before_update(PendingStep(step, result))
@@ -156,6 +218,8 @@ def finish_step(
         if math.isfinite(max_norm):
             scale_grads_(params, clip_coefficient(result.grad_norm, max_norm))
         optimizer.step()
+        if after_update is not None:
+            after_update()
     optimizer.zero_grad(set_to_none=True)
     return result
 
@@ -174,6 +238,8 @@ def make_text_step(
     stats: SourceStats | None = None,
     loss_spec: LossSpec = PLAIN_LOSS,
     before_update: Callable[[PendingStep], None] | None = None,
+    balance_rate: float = 0.0,
+    world_size: int = 1,
 ) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
     """The language-model step: accumulate gradients, clip, and update only if all is finite.
 
@@ -185,7 +251,9 @@ def make_text_step(
     per-source losses of a mixture. ``loss_spec`` says how the loss is computed
     (``micro_batch_loss``); with a z-loss weight the reported ``loss`` stays the
     cross-entropy, ``z_loss`` the mean term. ``before_update`` sees each step before its
-    gradients are clipped and applied.
+    gradients are clipped and applied. A mixture-of-experts model's statistics are summed
+    over micro-batches and reported; with ``balance_rate`` its routers' biases move after the
+    update (``balance_experts``, loads summed over ``world_size`` ranks).
     """
     autocast = (
         contextlib.nullcontext
@@ -202,6 +270,7 @@ def make_text_step(
         total = torch.zeros((), device=device)  # summed on the device: no sync here
         total_z = torch.zeros((), device=device) if loss_spec.z_weight > 0 else None
         scale = loss_scale(state.step + 1) if loss_scale is not None else 1.0
+        moe: torch.Tensor | None = None
         for i, batch in enumerate(batches):
             set_gradient_sync(model, i == len(batches) - 1)
             terms = micro_batch_loss(model, batch, autocast, stats, loss_spec)
@@ -212,6 +281,8 @@ def make_text_step(
             total += terms.loss.float() * scale
             if total_z is not None and terms.z is not None:
                 total_z += terms.z
+            if terms.moe is not None:
+                moe = terms.moe if moe is None else moe + terms.moe
         grad_norm = global_grad_norm(params)
         tokens = sum(b.num_tokens for b in batches) * dp_size
         n = len(batches)
@@ -227,6 +298,9 @@ def make_text_step(
             z_loss=mean_z,
             step=state.step + 1,
             before_update=before_update,
+            moe=moe_summary(moe, n) if moe is not None else None,
+            moe_layers=moe.shape[0] if moe is not None else 0,
+            after_update=balance_after_update(model, moe, balance_rate, world_size),
         )
 
     return text_step
@@ -243,6 +317,9 @@ def make_pipeline_step(
     dp_size: int = 1,
     loss_spec: LossSpec = PLAIN_LOSS,
     before_update: Callable[[PendingStep], None] | None = None,
+    moe_shape: tuple[int, int] | None = None,
+    balance_rate: float = 0.0,
+    world_size: int = 1,
 ) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
     """One optimizer step through the pipeline: the step's micro-batches are concatenated and
     the schedule splits them again, one per pipeline micro-batch. The last stage computes the
@@ -250,6 +327,8 @@ def make_pipeline_step(
 
     The loss (known on the last stage) reaches every rank by a sum over the pipeline group;
     the grad norm is global across stages, so every rank takes the same finite/skip branch.
+    A mixture-of-experts model's statistics (``moe_shape``: MoE layers × columns) travel
+    through the stages with the hidden states and reach every stage the same way.
     """
     params = [p for p in stage.parameters() if p.requires_grad]
     max_norm = math.inf if grad_clip_norm is None else grad_clip_norm
@@ -259,25 +338,21 @@ def make_pipeline_step(
         stage.train()
         inputs = torch.cat([b.inputs for b in batches])
         labels = torch.cat([b.labels for b in batches])
-        losses: list[torch.Tensor] = []
         if pipeline.is_first:
             pipeline.schedule.step(inputs)
         elif pipeline.is_last:
             pipeline.schedule.step(
                 target=labels,
-                losses=losses,
+                losses=[],
                 return_outputs=False,  # only the losses are needed
                 **head_kwargs(labels, loss_spec),
             )
         else:
             pipeline.schedule.step()
-        if losses:
-            loss = torch.stack(losses).mean().detach().float()
-        else:  # not the last stage: contributes 0 to the sum, on the device the group reduces on
-            loss = torch.zeros((), device=params[0].device)
-        torch_dist.all_reduce(loss, group=pipeline.group)
+        loss, moe = stage_totals(pipeline, params[0].device, moe_shape)
         grad_norm = global_grad_norm(params, pipeline.group)
         tokens = sum(b.num_tokens for b in batches) * dp_size
+        n = len(batches)
         return finish_step(
             optimizer,
             params,
@@ -288,9 +363,32 @@ def make_pipeline_step(
             lr=lr,
             step=state.step + 1,
             before_update=before_update,
+            moe=moe_summary(moe, n) if moe is not None else None,
+            moe_layers=moe.shape[0] if moe is not None else 0,
+            after_update=balance_after_update(stage, moe, balance_rate, world_size),
         )
 
     return pipeline_step
+
+
+def stage_totals(
+    pipeline: PipelineContext, device: torch.device, moe_shape: tuple[int, int] | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The mean cross-entropy over the step's micro-batches and the MoE statistics summed
+    over them, on every stage: the last stage has them, the others add zeros to the sum over
+    the pipeline group."""
+    records = pipeline.loss.take()
+    loss = torch.zeros((), device=device)
+    if records:
+        loss = torch.stack([ce for ce, _ in records]).mean().float()
+    moe = None
+    if moe_shape is not None:
+        moe = torch.zeros(moe_shape, device=device)
+        for _, stats in records:
+            moe = moe + stats if stats is not None else moe
+        torch_dist.all_reduce(moe, group=pipeline.group)
+    torch_dist.all_reduce(loss, group=pipeline.group)
+    return loss, moe
 
 
 @torch.no_grad()
@@ -337,14 +435,13 @@ def evaluate_pipeline_loss(
         if pipeline.is_first:
             pipeline.schedule.eval(inputs)
         elif pipeline.is_last:
-            group_losses: list[torch.Tensor] = []  # the schedule clears the list it is given
             pipeline.schedule.eval(
                 target=labels,
-                losses=group_losses,
+                losses=[],
                 return_outputs=False,
                 **head_kwargs(labels, loss_spec),
             )
-            losses += group_losses
+            losses += [ce for ce, _ in pipeline.loss.take()]
         else:
             pipeline.schedule.eval()
     stage.train(was_training)
