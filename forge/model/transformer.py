@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -168,19 +168,28 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class MoeOutput(NamedTuple):
-    """A mixture-of-experts model's output: what a dense model returns, and the statistics
-    ``(MoE layers, 4 + E)`` of every MoE layer the forward passed through."""
+def with_moe_stats(output: Any, stats: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A mixture-of-experts model's output: what a dense model returns (the logits, hidden
+    states, or the chunked loss's three terms) followed by the statistics ``(MoE layers,
+    4 + E)`` of every MoE layer the forward passed through, as one flat tuple of tensors (a
+    pipeline stage sends its outputs on only as a plain tuple)."""
+    parts = output if isinstance(output, tuple) else (output,)
+    return (*parts, stats)
 
-    output: Any
-    stats: torch.Tensor
+
+def split_moe_output(output: Any, moe: bool) -> tuple[Any, torch.Tensor | None]:
+    """``(output, stats)`` of the forward of a model that is a mixture of experts (``moe``),
+    or ``(output, None)`` of a dense one."""
+    if not moe:
+        return output, None
+    rest = tuple(output[:-1])
+    return (rest[0] if len(rest) == 1 else rest), output[-1]
 
 
-def split_moe_output(output: Any) -> tuple[Any, torch.Tensor | None]:
-    """``(output, stats)`` of a model's forward: stats None for a dense model."""
-    if isinstance(output, MoeOutput):
-        return output.output, output.stats
-    return output, None
+def is_moe(model: nn.Module) -> bool:
+    """Whether ``model`` (possibly FSDP-wrapped, or a pipeline stage) has mixture-of-experts
+    blocks, so that its forward returns ``with_moe_stats``'s tuple."""
+    return isinstance(model, Transformer) and model.cfg.moe
 
 
 class Transformer(nn.Module):
@@ -266,7 +275,7 @@ class Transformer(nn.Module):
     ) -> Any:
         """Token ids ``(B, T)`` (or hidden states on a later pipeline stage) to logits.
 
-        A model with mixture-of-experts blocks returns ``MoeOutput(output, stats)``; a later
+        A model with mixture-of-experts blocks returns ``with_moe_stats``'s tuple; a later
         pipeline stage receives the earlier stages' ``moe_stats`` beside the hidden states.
 
         Packed rows pass per-token ``positions`` (RoPE restarts per document) and
@@ -304,7 +313,7 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.length += tokens.shape[1]
         out = self.head(h, labels, loss)
-        return out if moe_stats is None else MoeOutput(out, moe_stats)
+        return out if moe_stats is None else with_moe_stats(out, moe_stats)
 
     def head(self, h: torch.Tensor, labels: torch.Tensor | None, loss: LossSpec | None) -> Any:
         """The final norm and output projection (or the chunked loss), where this stage has

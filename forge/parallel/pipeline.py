@@ -55,12 +55,15 @@ class StageLoss:
     outside a pipeline).
     """
 
-    def __init__(self, moe_aux_weight: float = 0.0, moe_z_weight: float = 0.0) -> None:
+    def __init__(
+        self, moe: bool = False, moe_aux_weight: float = 0.0, moe_z_weight: float = 0.0
+    ) -> None:
+        self.moe = moe
         self.moe_weights = (moe_aux_weight, moe_z_weight)
         self._records: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
     def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
-        out, stats = split_moe_output(output)
+        out, stats = split_moe_output(output, self.moe)
         if isinstance(out, tuple):  # (objective, per-token loss, z) of the chunked loss
             objective, per_token = out[0], out[1]
             ce = per_token.detach().sum() / (labels != IGNORE_INDEX).sum()
@@ -73,9 +76,13 @@ class StageLoss:
         self._records.append((ce, stats))
         return objective
 
-    def take(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """The micro-batches' (cross-entropy, MoE statistics) since the last call."""
-        records, self._records = self._records, []
+    def take(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The last ``n`` micro-batches' (cross-entropy, MoE statistics), forgetting all.
+
+        Only the last ``n``: a schedule's first step also calls the loss on placeholder
+        tensors to infer the backward's shapes, and that call's values are garbage.
+        """
+        records, self._records = self._records[-n:] if n > 0 else [], []
         return records
 
 

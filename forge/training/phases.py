@@ -241,7 +241,7 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
     if pp_mesh is not None:
         group = pp_mesh.get_group()
         spec = loss_spec_of(cfg.train, compiled, cfg.model)
-        stage_loss = StageLoss(spec.moe_aux_weight, spec.moe_z_weight)
+        stage_loss = StageLoss(cfg.model.moe, spec.moe_aux_weight, spec.moe_z_weight)
         schedule = build_schedule(
             model,
             pp_mesh.get_local_rank(),

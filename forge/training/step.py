@@ -19,7 +19,7 @@ from forge.data.packing import IGNORE_INDEX
 from forge.metrics.sources import SourceStats
 from forge.model.chunked_loss import LossSpec
 from forge.model.moe import ASSIGNED, AUX, DROPPED, LOADS, Z, moe_terms
-from forge.model.transformer import split_moe_output
+from forge.model.transformer import is_moe, split_moe_output
 from forge.optim.schedules import Schedule, lr_at
 from forge.parallel.grad_norm import clip_coefficient, global_grad_norm, scale_grads_
 from forge.parallel.pipeline import head_kwargs
@@ -73,7 +73,8 @@ def logits_and_stats(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fp32 logits and, for a mixture-of-experts model, its MoE statistics."""
     with autocast():
-        logits, stats = split_moe_output(model(batch.inputs, **document_kwargs(batch)))
+        output = model(batch.inputs, **document_kwargs(batch))
+    logits, stats = split_moe_output(output, is_moe(model))
     return logits.float(), stats
 
 
@@ -116,10 +117,10 @@ def micro_batch_loss(
     z_weight = loss_spec.z_weight
     if loss_spec.chunked:
         with autocast():
-            output, moe = split_moe_output(
-                model(batch.inputs, labels=batch.labels, loss=loss_spec, **document_kwargs(batch))
+            output = model(
+                batch.inputs, labels=batch.labels, loss=loss_spec, **document_kwargs(batch)
             )
-        objective, per_token, z = output
+        (objective, per_token, z), moe = split_moe_output(output, is_moe(model))
     else:
         logits, moe = logits_and_stats(model, batch, autocast)
         per_token = F.cross_entropy(logits.transpose(1, 2), batch.labels, reduction="none")
@@ -349,10 +350,10 @@ def make_pipeline_step(
             )
         else:
             pipeline.schedule.step()
-        loss, moe = stage_totals(pipeline, params[0].device, moe_shape)
+        n = len(batches)
+        loss, moe = stage_totals(pipeline, n, params[0].device, moe_shape)
         grad_norm = global_grad_norm(params, pipeline.group)
         tokens = sum(b.num_tokens for b in batches) * dp_size
-        n = len(batches)
         return finish_step(
             optimizer,
             params,
@@ -372,12 +373,15 @@ def make_pipeline_step(
 
 
 def stage_totals(
-    pipeline: PipelineContext, device: torch.device, moe_shape: tuple[int, int] | None
+    pipeline: PipelineContext,
+    n_micro: int,
+    device: torch.device,
+    moe_shape: tuple[int, int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The mean cross-entropy over the step's micro-batches and the MoE statistics summed
-    over them, on every stage: the last stage has them, the others add zeros to the sum over
+    """The mean cross-entropy over the step's ``n_micro`` micro-batches and the MoE
+    statistics summed over them, on every stage: the last stage has them, the others add zeros to the sum over
     the pipeline group."""
-    records = pipeline.loss.take()
+    records = pipeline.loss.take(n_micro)
     loss = torch.zeros((), device=device)
     if records:
         loss = torch.stack([ce for ce, _ in records]).mean().float()
@@ -441,7 +445,7 @@ def evaluate_pipeline_loss(
                 return_outputs=False,
                 **head_kwargs(labels, loss_spec),
             )
-            losses += [ce for ce, _ in pipeline.loss.take()]
+            losses += [ce for ce, _ in pipeline.loss.take(n_microbatches)]
         else:
             pipeline.schedule.eval()
     stage.train(was_training)
