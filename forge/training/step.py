@@ -379,8 +379,8 @@ def stage_totals(
     moe_shape: tuple[int, int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The mean cross-entropy over the step's ``n_micro`` micro-batches and the MoE
-    statistics summed over them, on every stage: the last stage has them, the others add zeros to the sum over
-    the pipeline group."""
+    statistics summed over them, on every stage: the last stage has them, the others add
+    zeros to the sum over the pipeline group."""
     records = pipeline.loss.take(n_micro)
     loss = torch.zeros((), device=device)
     if records:
