@@ -1,0 +1,283 @@
+"""Mixture of experts: routing, capacity, the auxiliary losses, the balancing bias, metrics
+and config rules, each against hand-worked values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from forge.config import ConfigError, load_config
+from forge.config.sections import ModelConfig, MoeRouter
+from forge.metrics.flops import feed_forward_parameters, non_embedding_parameters
+from forge.metrics.moe import load_cv, moe_record
+from forge.model.feed_forward import FeedForward
+from forge.model.moe import (
+    AUX,
+    DROPPED,
+    LOADS,
+    MoE,
+    Routing,
+    Z,
+    balance_loss,
+    expert_capacity,
+    grouped_swiglu,
+    route,
+    router_z_loss,
+    sort_by_expert,
+)
+from forge.model.transformer import Transformer, num_parameters
+from forge.parallel.world import parallel_problems
+from forge.training.expert_balance import bias_update
+from forge.training.state import MoeStepStats, StepResult
+
+# two tokens, three experts
+LOGITS = torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.5, 3.0]])
+
+
+def test_softmax_routing_takes_the_top_k_probabilities_renormalised():
+    routing = route(LOGITS, 2, MoeRouter.SOFTMAX)
+    assert routing.experts.tolist() == [[0, 1], [2, 1]]
+    p = LOGITS.softmax(-1)
+    first = torch.tensor([p[0, 0], p[0, 1]]) / (p[0, 0] + p[0, 1])
+    torch.testing.assert_close(routing.weights[0], first)
+    torch.testing.assert_close(routing.weights.sum(-1), torch.ones(2))
+    torch.testing.assert_close(routing.probs, p)
+
+
+def test_sigmoid_routing_normalises_the_chosen_scores():
+    routing = route(LOGITS, 2, MoeRouter.SIGMOID)
+    s = LOGITS.sigmoid()
+    assert routing.experts.tolist() == [[0, 1], [2, 1]]
+    expected = torch.stack([s[0, [0, 1]] / s[0, [0, 1]].sum(), s[1, [2, 1]] / s[1, [2, 1]].sum()])
+    torch.testing.assert_close(routing.weights, expected)
+    torch.testing.assert_close(routing.probs, s / s.sum(-1, keepdim=True))
+
+
+def test_the_balancing_bias_changes_the_choice_but_not_the_weights():
+    bias = torch.tensor([0.0, 0.0, 5.0])  # expert 2 strongly favoured
+    routing = route(LOGITS, 1, MoeRouter.SIGMOID, bias)
+    assert routing.experts.tolist() == [[2], [2]]
+    torch.testing.assert_close(routing.weights, torch.ones(2, 1))  # normalised over one choice
+    two = route(LOGITS, 2, MoeRouter.SIGMOID, bias)
+    s = LOGITS.sigmoid()
+    assert two.experts[0].tolist() == [2, 0]
+    torch.testing.assert_close(two.weights[0], s[0, [2, 0]] / s[0, [2, 0]].sum())
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "experts", "factor", "capacity"),
+    [
+        (8, 2, 4, 1.0, 4),
+        (8, 2, 4, 1.25, 5),
+        (10, 1, 4, 1.0, 3),  # ceil(2.5)
+        (8, 2, 4, 0.0, None),  # dropless
+    ],
+)
+def test_expert_capacity(tokens, k, experts, factor, capacity):
+    assert expert_capacity(tokens, k, experts, factor) == capacity
+
+
+def routing_of(experts: list[list[int]], n_experts: int) -> Routing:
+    chosen = torch.tensor(experts)
+    weights = torch.full(chosen.shape, 1.0 / chosen.shape[1])
+    probs = torch.full((chosen.shape[0], n_experts), 1.0 / n_experts)
+    return Routing(chosen, weights, probs)
+
+
+def test_capacity_drops_the_assignments_past_it_first_choices_first():
+    # five tokens all choose expert 0 first; second choices spread over 1 and 2
+    routing = routing_of([[0, 1], [0, 2], [0, 1], [0, 1], [0, 2]], 3)
+    kept = sort_by_expert(routing, 3, capacity=2)
+    assert kept.routed.tolist() == [5, 3, 2]
+    assert kept.counts.tolist() == [2, 2, 2]  # 3 + 1 assignments dropped
+    assert kept.tokens.tolist() == [0, 1, 0, 2, 1, 4]  # expert 0: tokens 0, 1; expert 1: 0, 2
+    dropless = sort_by_expert(routing, 3, capacity=None)
+    assert dropless.counts.tolist() == [5, 3, 2]
+    assert dropless.tokens.tolist() == [0, 1, 2, 3, 4, 0, 2, 3, 1, 4]
+
+
+def test_the_balancing_loss_is_one_when_balanced_and_matches_a_hand_computation():
+    probs = torch.full((4, 2), 0.5)
+    assert balance_loss(probs, torch.tensor([2, 2])).item() == pytest.approx(1.0)
+    probs = torch.tensor([[0.9, 0.1], [0.7, 0.3]])
+    counts = torch.tensor([3, 1])  # f = (0.75, 0.25); P = (0.8, 0.2)
+    assert balance_loss(probs, counts).item() == pytest.approx(2 * (0.75 * 0.8 + 0.25 * 0.2))
+
+
+def test_the_router_z_loss_is_the_mean_squared_logsumexp():
+    expected = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in LOGITS.tolist()) / 2
+    assert router_z_loss(LOGITS).item() == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("bias", "loads", "rate", "expected"),
+    [
+        ([0.0, 0.0, 0.0, 0.0], [4, 4, 4, 4], 0.1, [0.0, 0.0, 0.0, 0.0]),  # balanced: no change
+        ([0.0, 0.0, 0.0, 0.0], [10, 2, 2, 2], 0.1, [-0.1, 0.1, 0.1, 0.1]),
+        ([0.5, -0.5, 0.0, 0.0], [1, 7, 4, 4], 0.01, [0.51, -0.51, 0.0, 0.0]),  # at mean: kept
+    ],
+)
+def test_the_bias_update_rule(bias, loads, rate, expected):
+    got = bias_update(torch.tensor(bias), torch.tensor(loads, dtype=torch.float32), rate)
+    torch.testing.assert_close(got, torch.tensor(expected))
+
+
+def test_one_expert_top_1_dropless_equals_the_dense_swiglu():
+    cfg = ModelConfig(
+        dim=16, n_layers=1, n_heads=2, ffn_hidden_dim=24, moe_num_experts=1, moe_top_k=1
+    )
+    torch.manual_seed(0)
+    moe, dense = MoE(cfg, 0), FeedForward(16, 24)
+    with torch.no_grad():
+        moe.router.gate.weight.normal_()
+        moe.experts.w1.copy_(dense.w1.weight.t()[None])
+        moe.experts.w3.copy_(dense.w3.weight.t()[None])
+        moe.experts.w2.copy_(dense.w2.weight.t()[None])
+    x = torch.randn(2, 5, 16)
+    out, stats = moe(x, torch.zeros(1, LOADS + 1))
+    torch.testing.assert_close(out, dense(x))
+    assert stats[0, LOADS].item() == 10 and stats[0, DROPPED].item() == 0
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5], [0, 0, 8], [8, 0, 0]])
+def test_grouped_gemm_equals_a_matmul_per_expert(counts):
+    torch.manual_seed(1)
+    x = torch.randn(8, 16, requires_grad=True)
+    w1, w3 = torch.randn(3, 16, 8), torch.randn(3, 16, 8)
+    w2 = torch.randn(3, 8, 16)
+    c = torch.tensor(counts)
+    out = grouped_swiglu(x, c, w1, w2, w3)  # fp32 on a CPU: torch._grouped_mm
+    rows = x.split(counts)
+    expected = torch.cat(
+        [(torch.nn.functional.silu(r @ w1[e]) * (r @ w3[e])) @ w2[e] for e, r in enumerate(rows)]
+    )
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(out)
+    (gx,) = torch.autograd.grad(out, x, grad)
+    (ex,) = torch.autograd.grad(expected, x, grad)
+    torch.testing.assert_close(gx, ex)
+
+
+def test_router_logits_are_fp32_under_bf16_autocast():
+    cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, moe_num_experts=4)
+    moe = MoE(cfg, 0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert moe.router(torch.randn(3, 16)).dtype == torch.float32
+    moe.to(torch.bfloat16)
+    assert moe.router.expert_bias.dtype == torch.float32  # the bias keeps its precision
+
+
+def test_the_model_returns_its_statistics_and_the_losses_reach_the_router():
+    cfg = ModelConfig(
+        dim=16, n_layers=3, n_heads=2, vocab_size=32, max_seq_len=8, moe_num_experts=4,
+        moe_first_dense=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    logits, stats = model(torch.randint(0, 32, (2, 8)))
+    assert logits.shape == (2, 8, 32) and stats.shape == (2, LOADS + 4)
+    assert stats[:, LOADS:].sum(-1).tolist() == [32.0, 32.0]  # 16 tokens × top-2 per layer
+    (stats[:, AUX].sum() + stats[:, Z].sum()).backward()
+    gate = model.layers["1"].feed_forward.router.gate.weight  # type: ignore[union-attr]
+    assert gate.grad is not None and gate.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    ("layers", "first_dense", "every", "expected"),
+    [
+        (4, 0, 1, (0, 1, 2, 3)),
+        (4, 1, 1, (1, 2, 3)),  # DeepSeek: the first block dense
+        (6, 0, 2, (1, 3, 5)),  # every other block
+        (6, 1, 2, (2, 4)),
+    ],
+)
+def test_which_blocks_are_mixtures_of_experts(layers, first_dense, every, expected):
+    cfg = ModelConfig(n_layers=layers, moe_num_experts=4, moe_first_dense=first_dense,
+                      moe_every=every)  # fmt: skip
+    assert cfg.moe_layers == expected
+
+
+def test_parameter_counts_match_the_built_model():
+    cfg = ModelConfig(
+        dim=32, n_layers=3, n_heads=4, vocab_size=64, moe_num_experts=6, moe_top_k=2,
+        moe_shared_experts=2, moe_hidden_dim=16, moe_first_dense=1,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    embedding = cfg.vocab_size * cfg.dim
+    assert non_embedding_parameters(cfg) == num_parameters(model) - embedding
+    expert = 3 * 32 * 16
+    assert feed_forward_parameters(cfg, 1) == 32 * 6 + (6 + 2) * expert
+    assert feed_forward_parameters(cfg, 1, active=True) == 32 * 6 + (2 + 2) * expert
+    assert feed_forward_parameters(cfg, 0) == 3 * 32 * cfg.hidden_dim
+
+
+@pytest.mark.parametrize(
+    ("loads", "cv"),
+    [([4, 4, 4, 4], 0.0), ([8, 0, 0, 0], math.sqrt(3)), ([2, 6], 0.5), ([0, 0], 0.0)],
+)
+def test_load_cv(loads, cv):
+    assert load_cv(loads) == pytest.approx(cv)
+
+
+def test_moe_record_averages_over_ranks_and_layers():
+    stats = MoeStepStats(2.4, 0.6, 3.0, 12.0, ((4.0, 4.0), (2.0, 6.0)))
+    assert moe_record(stats, ranks=2) == pytest.approx(
+        {
+            "moe/aux_loss": 1.2,
+            "moe/z_loss": 0.3,
+            "moe/dropped_fraction": 0.25,
+            "moe/load_cv": 0.25,  # (0 + 0.5) / 2
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("aux", "z", "finite"),
+    [(1.0, 0.5, True), (math.nan, 0.5, False), (1.0, math.inf, False)],
+)
+def test_a_non_finite_auxiliary_loss_makes_the_step_non_finite(aux, z, finite):
+    result = StepResult(2.0, 1.0, 64, 1e-3, moe=MoeStepStats(aux, z, 0.0, 8.0, ((4.0, 4.0),)))
+    assert result.finite is finite
+
+
+def problems_of(tmp_path, *args: str, world: int = 1) -> list[str]:
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\ndim = 32\nn_heads = 4\n[data]\npath = "x"\n')
+    try:
+        config = load_config([str(path), *args]).config
+    except ConfigError as exc:
+        return exc.lines
+    return [f"{k}: {m}" for k, m in parallel_problems(config, world)]
+
+
+@pytest.mark.parametrize(
+    ("args", "world", "fragment"),
+    [
+        (["--model.moe_num_experts=4", "--model.moe_top_k=5"], 1, "model.moe_top_k: must be <="),
+        (["--model.moe_num_experts=-1"], 1, "model.moe_num_experts: must be >= 0"),
+        (["--model.moe_num_experts=4", "--model.moe_capacity_factor=-1"], 1, "capacity_factor"),
+        (["--model.moe_num_experts=4", "--model.moe_aux_loss_weight=nan"], 1, "aux_loss_weight"),
+        (["--model.moe_num_experts=4", "--model.moe_bias_update_rate=0.01"], 1, "'sigmoid'"),
+        (["--model.moe_num_experts=4", "--model.moe_first_dense=4"], 1, "no mixture-of-experts"),
+        (["--model.moe_num_experts=4", "--model.moe_every=0"], 1, "model.moe_every: must be > 0"),
+        (["--distributed.ep=2"], 2, "distributed.ep: needs mixture-of-experts"),
+        (["--model.moe_num_experts=3", "--distributed.ep=2"], 2, "must divide model.moe_num"),
+        (["--model.moe_num_experts=4", "--distributed.ep=2"], 4, "must equal distributed.dp_shard"),
+        (
+            ["--model.moe_num_experts=4", "--distributed.tp=2", "--distributed.dp_shard=1"],
+            2,
+            "distributed.tp: tensor parallelism is not supported with mixture-of-experts",
+        ),
+    ],
+)
+def test_moe_config_refusals_name_the_key(tmp_path, args, world, fragment):
+    problems = problems_of(tmp_path, *args, world=world)
+    assert any(fragment in line for line in problems), problems
+
+
+def test_a_valid_moe_layout_has_no_problems(tmp_path):
+    args = ["--model.moe_num_experts=4", "--distributed.ep=2", "--distributed.dp_shard=2"]
+    assert problems_of(tmp_path, *args, world=2) == []
