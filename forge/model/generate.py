@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from forge.model.transformer import KVCache, Transformer
+from forge.model.transformer import KVCache, Transformer, split_moe_output
 
 
 def filter_logits(
@@ -73,9 +73,10 @@ def sample(
     pending = ids  # the tokens the model has not seen yet
     for _ in range(max_new_tokens):
         if use_cache:
-            logits = model(torch.tensor([pending], device=device), cache=cache)[0, -1]
+            output = model(torch.tensor([pending], device=device), cache=cache)
         else:
-            logits = model(torch.tensor([ids], device=device))[0, -1]
+            output = model(torch.tensor([ids], device=device))
+        logits = split_moe_output(output, model.cfg.moe)[0][0, -1]
         nxt = next_token(logits.float(), temperature, top_k, top_p, generator)
         ids.append(nxt)
         pending = [nxt]

@@ -43,7 +43,7 @@ from forge.training.state import (
     save_failure_is_fatal,
     stats_from_flat,
 )
-from forge.training.step import evaluate_loss, evaluate_pipeline_loss, loss_spec_of
+from forge.training.step import evaluate_pipeline_loss, evaluate_totals, loss_spec_of
 from forge.training.train_state import (
     TRAIN_STATE_VERSION,
     LoaderRecord,
@@ -253,13 +253,18 @@ class TrainingEffects:
         steps = self.run.config.eval.steps
         batches = [b for _, b in zip(range(steps), loader, strict=False)]
         with evaluation_weights(self.model.optimizer):  # Schedule-Free: the averaged weights
-            loss = self._eval_loss(batches)
+            loss, loads = self._eval_loss(batches)
         self._emit({"step": state.step, "eval/loss": loss, "eval/perplexity": math.exp(loss)})
+        if loads is not None:  # a table, not a scalar: for metrics.jsonl only
+            for sink in self.sinks:
+                if isinstance(sink, JsonlSink):
+                    sink.write({"step": state.step, "moe/layer_loads": loads})
         self.hooks.on_eval_end(state, loss)
         self._restart_clock(state)
 
-    def _eval_loss(self, batches: list[Batch]) -> float:
-        """The mean held-out loss over ``batches`` and every rank."""
+    def _eval_loss(self, batches: list[Batch]) -> tuple[float, list[list[float]] | None]:
+        """The mean held-out loss over ``batches`` and every rank, and a mixture of experts'
+        tokens per expert of each MoE layer, summed over ranks (None in a pipeline)."""
         if self.model.pipeline is not None:
             n_micro = self.run.config.train.grad_accum_steps
             loss = evaluate_pipeline_loss(
@@ -269,20 +274,26 @@ class TrainingEffects:
                 n_micro,
                 loss_spec_of(self.run.config.train, self.model.compiled),
             )
-            loss = mean_over_ranks(loss, self.dist.world_size, self.dist.device)
-        else:
-            train = self.run.config.train
-            total, count = evaluate_loss(
-                self.model.model,
-                batches,
-                train.mixed_precision,
-                loss_spec_of(train, self.model.compiled),
-            )
-            total, count = sum_over_ranks(
-                [total, float(count)], self.dist.world_size, self.dist.device
-            )
-            loss = total / max(count, 1.0)  # TP peers add the same pair: the ratio stands
-        return loss
+            return mean_over_ranks(loss, self.dist.world_size, self.dist.device), None
+        train = self.run.config.train
+        totals = evaluate_totals(
+            self.model.model,
+            batches,
+            train.mixed_precision,
+            loss_spec_of(train, self.model.compiled),
+        )
+        flat_loads = [x for layer in totals.moe_loads or [] for x in layer]
+        summed = sum_over_ranks(
+            [totals.loss_sum, float(totals.count), *flat_loads],
+            self.dist.world_size,
+            self.dist.device,
+        )
+        loss = summed[0] / max(summed[1], 1.0)  # TP peers add the same pair: the ratio stands
+        if totals.moe_loads is None:
+            return loss, None
+        width = len(totals.moe_loads[0])
+        loads = summed[2:]
+        return loss, [loads[i : i + width] for i in range(0, len(loads), width)]
 
     def step_end(self, state: LoopState, result: StepResult) -> None:
         self.hooks.on_step_end(state, result)

@@ -395,25 +395,48 @@ def stage_totals(
     return loss, moe
 
 
+@attrs.frozen
+class EvalTotals:
+    """Held-out sums over some batches: the summed loss over the unmasked labels, their
+    number, and a mixture-of-experts model's tokens per expert ``(MoE layers, E)``."""
+
+    loss_sum: float
+    count: int
+    moe_loads: list[list[float]] | None = None
+
+
 @torch.no_grad()
-def evaluate_loss(
+def evaluate_totals(
     model: nn.Module, batches: list[Batch], precision: Precision, loss_spec: LossSpec = PLAIN_LOSS
-) -> tuple[float, int]:
-    """Summed loss over the unmasked labels of ``batches`` and their number, in eval mode
-    (sums, so that ranks combine them into the mean over the union of their batches)."""
+) -> EvalTotals:
+    """``EvalTotals`` over ``batches`` in eval mode (sums, so that ranks combine them into
+    the mean over the union of their batches)."""
     autocast = autocast_for(precision, device_type_of(model))
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, labels; read once at the end
+    loads: torch.Tensor | None = None
     for batch in batches:
         terms = micro_batch_loss(model, batch, autocast, loss_spec=loss_spec)
         counted = (batch.labels != IGNORE_INDEX).sum()
         summed = terms.loss * counted
         sums += torch.stack([summed.double(), counted.double()])
+        if terms.moe is not None:
+            batch_loads = terms.moe[:, LOADS:]
+            loads = batch_loads if loads is None else loads + batch_loads
     model.train(was_training)
     total, count = sums.tolist()
-    return total, int(count)
+    return EvalTotals(total, int(count), loads.tolist() if loads is not None else None)
+
+
+def evaluate_loss(
+    model: nn.Module, batches: list[Batch], precision: Precision, loss_spec: LossSpec = PLAIN_LOSS
+) -> tuple[float, int]:
+    """Summed loss over the unmasked labels of ``batches`` and their number, in eval mode
+    (``evaluate_totals`` without the expert loads)."""
+    totals = evaluate_totals(model, batches, precision, loss_spec)
+    return totals.loss_sum, totals.count
 
 
 @torch.no_grad()

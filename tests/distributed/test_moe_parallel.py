@@ -62,11 +62,21 @@ def moe_reference(tmp_path_factory, small_corpus):
     return config, tmp / "run"
 
 
-def assert_moe_metrics_match(reference: pathlib.Path, run_dir: pathlib.Path) -> None:
+def assert_moe_metrics_match(
+    reference: pathlib.Path, run_dir: pathlib.Path, pipeline: bool = False
+) -> None:
     ref = {r["step"]: r for r in records(reference)}
     for got in records(run_dir):
         for key in MOE_METRICS:
             assert got[key] == pytest.approx(ref[got["step"]][key], rel=1e-5, abs=1e-7), key
+    ref_loads = records(reference, "moe/layer_loads")
+    assert [r["step"] for r in ref_loads] == [5]  # on eval steps: 8 rows x 32 tokens x top-2
+    assert [sum(layer) for layer in ref_loads[0]["moe/layer_loads"]] == [512.0, 512.0]
+    got_loads = records(run_dir, "moe/layer_loads")
+    if pipeline:  # the pipeline's evaluation reports the loss only
+        assert got_loads == []
+    else:
+        assert got_loads[0]["moe/layer_loads"] == ref_loads[0]["moe/layer_loads"]
 
 
 def bias_of(config: pathlib.Path, run_dir: pathlib.Path, step: int) -> torch.Tensor:
@@ -79,7 +89,7 @@ def test_moe_at_two_ranks_matches_one_rank(moe_reference, tmp_path, small_corpus
     config = write_moe_config(tmp_path, small_corpus, "moe_first_dense = 1\n")
     train(config, tmp_path / "run", *args, ranks=2)
     assert_matches(moe_reference, config, tmp_path / "run")
-    assert_moe_metrics_match(moe_reference[1], tmp_path / "run")
+    assert_moe_metrics_match(moe_reference[1], tmp_path / "run", pipeline=args is PP)
     assert bias_of(config, tmp_path / "run", 5).abs().sum() > 0  # the bias did move
 
 
