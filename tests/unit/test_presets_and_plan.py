@@ -43,6 +43,42 @@ def test_each_preset_builds_with_its_model_cards_parameter_count(name, published
     assert count == non_embedding_parameters(cfg.model) + embedding
 
 
+# (preset, total parameters, active per token, tolerance): Mixtral's published counts exactly;
+# the DeepSeekMoE-16B model card's 16.4B / 2.8B to its rounding; the debug model's by hand
+# (blocks: attention 196,608 + 8 routed and 1 shared experts of 3·256·232 + router 2,048 +
+# norms 512; 4 blocks, final norm, embedding and head 2·259·256; active: 2 routed + 1 shared)
+MOE_PRESETS = [
+    ("mixtral_8x7b", 46_702_792_704, 12_879_925_248, 0),
+    ("deepseek_moe_16b", 16.4e9, 2.8e9, 0.05e9),
+    ("debug_moe", 7_343_872, 3_067_648, 0),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "total", "active", "tolerance"), MOE_PRESETS, ids=[p[0] for p in MOE_PRESETS]
+)
+def test_each_moe_preset_has_its_total_and_active_parameter_counts(name, total, active, tolerance):
+    cfg = preset(name).model
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    embedding = cfg.vocab_size * cfg.dim
+    assert num_parameters(model) == pytest.approx(total, abs=tolerance)
+    assert non_embedding_parameters(cfg, active=True) + embedding == pytest.approx(
+        active, abs=tolerance
+    )
+    assert num_parameters(model) == non_embedding_parameters(cfg) + embedding
+
+
+def test_the_debug_moe_model_is_as_wide_per_token_as_the_dense_debug_model():
+    dense, moe = preset("debug").model, preset("debug_moe").model
+    active, dense_count = (
+        non_embedding_parameters(moe, active=True),
+        non_embedding_parameters(dense),
+    )
+    assert active == pytest.approx(dense_count, rel=0.01)
+    assert moe.moe_num_experts == 8 and moe.moe_top_k == 2 and moe.moe_shared_experts == 1
+
+
 EIGHT_B = preset("llama3_8b")
 P_8B = 8_030_261_248
 
