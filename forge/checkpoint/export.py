@@ -2,8 +2,10 @@
 
 forge's decoder is a Llama (RoPE in the half-split layout of HF's ``rotate_half``, GQA,
 SwiGLU, RMSNorm), so the export is a rename and a dtype cast; it loads into
-``LlamaForCausalLM`` and back into forge. Needs the optional ``safetensors`` package
-(``pip install 'forge[safetensors]'``).
+``LlamaForCausalLM`` and back into forge. A mixture of experts with Mixtral's routing (softmax
+top-k, renormalised, in every block, no shared experts) exports to ``MixtralForCausalLM``
+instead, one ``w1/w2/w3`` per expert (the layout transformers v4 reads and v5 converts). Needs
+the optional ``safetensors`` package (``pip install 'forge[safetensors]'``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import attrs
 import torch
 
 from forge.checkpoint.hf_tokenizer import BYTE_SPECIAL_TOKENS, byte_tokenizer_json, tokenizer_config
-from forge.config.sections import ModelConfig
+from forge.config.sections import ModelConfig, MoeRouter
 from forge.errors import UserInputError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,6 +44,12 @@ _TOP = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+_EXPERTS = {  # forge's (E, in, out) weight → Mixtral's per-expert (out, in) Linear weight
+    "feed_forward.experts.w1": "w1",
+    "feed_forward.experts.w2": "w2",
+    "feed_forward.experts.w3": "w3",
+}
+_MOE_GATE = ("feed_forward.router.gate.weight", "block_sparse_moe.gate.weight")
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -123,12 +131,46 @@ def forge_name(name: str) -> str:
     raise ExportError(f"tensor '{name}' is not part of a Llama model forge can read")
 
 
+def hf_tensors(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """forge tensor → its HF (Llama or Mixtral) tensors: one for most, one per expert for
+    the experts' stacked weights; none for the router's balancing bias (always 0 under
+    softmax routing, the only one exported)."""
+    m = _LAYER_KEY.match(name)
+    if m and m.group(2) in _EXPERTS:
+        prefix = f"model.layers.{m.group(1)}.block_sparse_moe.experts"
+        kind = _EXPERTS[m.group(2)]
+        return {f"{prefix}.{j}.{kind}.weight": w.t() for j, w in enumerate(tensor)}
+    if m and m.group(2) == _MOE_GATE[0]:
+        return {f"model.layers.{m.group(1)}.{_MOE_GATE[1]}": tensor}
+    if m and m.group(2) == "feed_forward.router.expert_bias":
+        return {}
+    return {hf_name(name): tensor}
+
+
 def export_problem(cfg: ModelConfig) -> str | None:
-    """Why ``cfg`` has no Llama export, if it has none."""
+    """Why ``cfg`` has no Llama (or, for a mixture of experts, Mixtral) export, if it has
+    none: one line naming the key."""
     if cfg.qk_norm:
         return (
             "model.qk_norm: transformers' LlamaForCausalLM has no query/key norms, so this "
             "model has no Llama export; train without qk_norm to export it"
+        )
+    if not cfg.moe:
+        return None
+    if cfg.moe_router is not MoeRouter.SOFTMAX:
+        return (
+            f"model.moe_router={cfg.moe_router.value!r}: MixtralForCausalLM routes by a "
+            "softmax over experts, so this model has no Mixtral export"
+        )
+    if cfg.moe_shared_experts:
+        return (
+            "model.moe_shared_experts: MixtralForCausalLM has no shared experts, so this model "
+            "has no Mixtral export"
+        )
+    if len(cfg.moe_layers) != cfg.n_layers:
+        return (
+            "model.moe_first_dense / model.moe_every: MixtralForCausalLM has experts in every "
+            "block, so a model with dense blocks has no Mixtral export"
         )
     return None
 
@@ -162,6 +204,25 @@ def llama_config(cfg: ModelConfig, dtype: str, tokens: TokenizerInfo | None = No
     }
 
 
+def hf_config(cfg: ModelConfig, dtype: str, tokens: TokenizerInfo | None = None) -> dict:
+    """``config.json``: Llama's for a dense model, Mixtral's for a mixture of experts."""
+    config = llama_config(cfg, dtype, tokens)
+    if not cfg.moe:
+        return config
+    config.pop("mlp_bias")
+    return config | {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": cfg.expert_hidden_dim,
+        "num_local_experts": cfg.moe_num_experts,
+        "num_experts_per_tok": cfg.moe_top_k,
+        "router_aux_loss_coef": cfg.moe_aux_loss_weight,
+        "output_router_logits": False,
+        "router_jitter_noise": 0.0,
+        "sliding_window": None,
+    }
+
+
 def generation_config(cfg: ModelConfig, tokens: TokenizerInfo) -> dict:
     """``generation_config.json``: the special ids and the context length."""
     return {
@@ -189,6 +250,11 @@ def model_config_from_llama(config: dict) -> ModelConfig:
     """The forge ``ModelConfig`` of a Llama ``config.json``; ``ExportError`` for what forge's
     decoder does not have (RoPE scaling, biases, another activation, another head size)."""
     problems = [p for p in (rope_problem(config),) if p is not None]
+    if "num_local_experts" in config:
+        problems.append(
+            f"config.json: a mixture of experts ({config.get('model_type')}); forge imports "
+            "dense Llama models only"
+        )
     if config.get("attention_bias") or config.get("mlp_bias"):
         problems.append("config.json: attention or MLP biases; forge's decoder has none")
     if config.get("hidden_act", "silu") != "silu":
@@ -237,12 +303,13 @@ def export_model(
     for name, tensor in state.items():
         if cfg.tie_embeddings and name == "output.weight":
             continue  # tied: the embedding is the head
-        tensors[hf_name(name)] = tensor.detach().to(DTYPES[dtype]).contiguous().cpu()
+        for hf_key, value in hf_tensors(name, tensor.detach()).items():
+            tensors[hf_key] = value.to(DTYPES[dtype]).contiguous().cpu()
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(llama_config(cfg, dtype, tokens), indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps(hf_config(cfg, dtype, tokens), indent=2) + "\n")
     generation = json.dumps(generation_config(cfg, tokens), indent=2) + "\n"
     (tmp / "generation_config.json").write_text(generation)
     write_tokenizer_files(tmp, tokens, cfg.max_seq_len)

@@ -10,6 +10,7 @@ import torch
 
 from forge.checkpoint.export import ExportError, TokenizerInfo, export_model, import_model
 from forge.config import ModelConfig
+from forge.config.sections import MoeRouter
 from forge.model.generate import sample
 from forge.model.transformer import Transformer
 
@@ -122,3 +123,55 @@ def test_pipeline_text_generation_runs_on_the_export_like_forge(tmp_path):
     ours = ByteTokenizer()
     ids = sample(model, ours.encode("def "), 12, temperature=0, stop_id=257)
     assert out[0]["generated_text"] == ours.decode(ids[4:])
+
+
+MIXTRAL = ModelConfig(
+    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, rope_theta=1e6,
+    moe_num_experts=4, moe_top_k=2, moe_hidden_dim=48,
+)  # fmt: skip
+
+
+@torch.no_grad()
+def test_a_softmax_mixture_of_experts_exports_to_mixtral_with_the_same_logits(tmp_path):
+    torch.manual_seed(0)
+    model = Transformer(MIXTRAL).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    export_model(model.state_dict(), MIXTRAL, tmp_path / "exp", "float32", TOKENS)
+    config = json.loads((tmp_path / "exp" / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"]
+    assert (config["num_local_experts"], config["num_experts_per_tok"]) == (4, 2)
+    hf = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "exp").eval()
+    x = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    logits, _ = model(x)
+    torch.testing.assert_close(hf(x).logits, logits, atol=1e-4, rtol=1e-4)
+    ours = sample(model, [256, 10, 20, 30], 16, temperature=0)
+    theirs = hf.generate(torch.tensor([[256, 10, 20, 30]]), do_sample=False, max_new_tokens=16)
+    assert ours == theirs[0].tolist()
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({"moe_router": MoeRouter.SIGMOID}, "model.moe_router='sigmoid': MixtralForCausalLM"),
+        ({"moe_shared_experts": 1}, "model.moe_shared_experts: MixtralForCausalLM has no shared"),
+        ({"moe_first_dense": 1}, "model.moe_first_dense / model.moe_every: MixtralForCausalLM"),
+        ({"moe_every": 2}, "model.moe_first_dense / model.moe_every: MixtralForCausalLM"),
+    ],
+)
+def test_other_routers_are_refused_by_export_in_one_line(tmp_path, change, fragment):
+    cfg = attrs.evolve(MIXTRAL, **change)
+    model = Transformer(cfg)
+    with pytest.raises(ExportError) as info:
+        export_model(model.state_dict(), cfg, tmp_path / "exp", "float32", TOKENS)
+    assert len(info.value.lines) == 1 and fragment in info.value.lines[0]
+    assert not (tmp_path / "exp").exists() and not (tmp_path / "exp.tmp").exists()
+
+
+def test_a_mixtral_folder_is_refused_by_import(tmp_path):
+    torch.manual_seed(0)
+    model = Transformer(MIXTRAL)
+    export_model(model.state_dict(), MIXTRAL, tmp_path / "exp", "float32", TOKENS)
+    with pytest.raises(ExportError, match="a mixture of experts \\(mixtral\\)"):
+        import_model(tmp_path / "exp")
