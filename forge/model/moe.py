@@ -252,7 +252,7 @@ class MoE(nn.Module):
         routing = route(logits, self.top_k, self.router_kind, bias)
         capacity = expert_capacity(flat.shape[0], self.top_k, self.n_experts, self.capacity_factor)
         chosen = sort_by_expert(routing, self.n_experts, capacity)
-        rows = flat[chosen.tokens]
+        rows = flat.index_select(0, chosen.tokens)  # (its backward is an index_add)
         if self.ep_group is None:
             out = self.experts(rows, chosen.counts)
         else:
