@@ -59,23 +59,51 @@ def init_process_group(
             world_size=world.world_size,
             timeout=datetime.timedelta(seconds=cfg.timeout_s),
         )
-    named = dims.named()
+    split = dims.ep > 1 and dims.dp_shard_mod_ep > 1
+    named = dims.expert_named() if split else dims.named()
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(
+    mesh = init_device_mesh(
         device_type,
         tuple(size for _, size in named),
         mesh_dim_names=tuple(name for name, _ in named),
     )
+    if split:  # dense parameters shard over both parts together, under the usual name
+        mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+    return mesh
+
+
+def has_dim(mesh: DeviceMesh, name: str) -> bool:
+    """Whether ``mesh`` has a dim ``name``, as built or flattened (size-1 dims were dropped)."""
+    if name in (mesh.mesh_dim_names or ()):
+        return True
+    try:
+        mesh[name]
+    except (KeyError, RuntimeError, ValueError):
+        return False
+    return True
 
 
 def submesh(mesh: DeviceMesh | None, *names: str) -> DeviceMesh | None:
     """The sub-mesh over ``names`` that exist in ``mesh`` (size-1 dims were dropped)."""
     if mesh is None or mesh.mesh_dim_names is None:
         return None
-    present = [n for n in names if n in mesh.mesh_dim_names]
+    present = [n for n in names if has_dim(mesh, n)]
     if not present:
         return None
     return mesh[present[0]] if len(present) == 1 else mesh[tuple(present)]
+
+
+def expert_meshes(
+    mesh: DeviceMesh | None, dims: MeshDims
+) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """Expert parallelism's two meshes: the ``ep`` ranks that split the experts between them,
+    and the other data-parallel ranks, over which FSDP2 shards each rank's experts (None where
+    there is none); ``(None, None)`` without expert parallelism."""
+    if mesh is None or dims.ep <= 1:
+        return None, None
+    if dims.dp_shard_mod_ep == 1:  # ep is all of dp_shard
+        return submesh(mesh, "dp_shard"), submesh(mesh, "dp_replicate")
+    return submesh(mesh, "ep"), submesh(mesh, "dp_replicate", "dp_shard_mod_ep")
 
 
 def end_process_group() -> None:

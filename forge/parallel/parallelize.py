@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from forge.config.sections import ActivationCheckpointing, Precision
+from forge.model.moe import MoE
 from forge.model.transformer import Transformer, TransformerBlock
 from forge.parallel.expert import apply_ep
 
@@ -97,14 +98,28 @@ def apply_fsdp(
     dp_mesh: DeviceMesh,
     precision: Precision,
     param_dtype: Precision = Precision.FP32,
+    experts_mesh: DeviceMesh | None = None,
     ignored: set[nn.Parameter] | None = None,
 ) -> None:
-    """FSDP2 per block, then the root, with ``fsdp_policy``'s dtypes; ``ignored`` parameters
-    (expert-parallel experts) stay as they are."""
+    """FSDP2 per block, then the root, with ``fsdp_policy``'s dtypes. Under expert
+    parallelism each block's experts (already split over the ``ep`` ranks) are sharded over
+    ``experts_mesh``, the remaining data-parallel ranks, first; where there are none they are
+    ``ignored``."""
     mp = fsdp_policy(precision, param_dtype)
     for block in model.layers.values():
+        experts = expert_module(block)
+        if experts is not None and experts_mesh is not None:
+            fully_shard(experts, mesh=experts_mesh, mp_policy=mp)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored or None)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored or None)
+
+
+def expert_module(block: nn.Module) -> nn.Module | None:
+    """A block's routed experts, if it is a mixture of experts (through any wrapper)."""
+    for module in block.modules():
+        if isinstance(module, MoE):
+            return module.experts
+    return None
 
 
 def apply_compile(model: Transformer) -> None:
@@ -123,14 +138,17 @@ def parallelize(
     compile_blocks: bool,
     param_dtype: Precision = Precision.FP32,
     ep_mesh: DeviceMesh | None = None,
+    experts_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
-    """The fixed order: TP, EP, activation checkpointing, FSDP2, compile. Returns the model."""
+    """The fixed order: TP, EP, activation checkpointing, FSDP2, compile. Returns the model.
+    ``ep_mesh`` and ``experts_mesh``: ``expert_meshes``'s."""
     if tp_mesh is not None:
         apply_tp(model, tp_mesh)
     experts = apply_ep(model, ep_mesh) if ep_mesh is not None else set()
     apply_activation_checkpointing(model, activation_checkpointing)
     if dp_mesh is not None:
-        apply_fsdp(model, dp_mesh, precision, param_dtype, experts)
+        ignored = experts if experts_mesh is None else set()
+        apply_fsdp(model, dp_mesh, precision, param_dtype, experts_mesh, ignored)
     if compile_blocks:
         apply_compile(model)
     return model

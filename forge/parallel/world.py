@@ -77,10 +77,27 @@ class MeshDims:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    ep: int = 1  # expert parallelism: a split of dp_shard, not a factor of the world size
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        """The ``dp_shard`` ranks that hold the same experts: ``dp_shard / ep``."""
+        return self.dp_shard // self.ep if self.ep > 1 else self.dp_shard
+
+    def expert_named(self) -> tuple[tuple[str, int], ...]:
+        """``named()`` with ``dp_shard`` split into ``dp_shard_mod_ep × ep``, outer first (so
+        that an expert-parallel group is ``ep`` consecutive ``dp_shard`` ranks)."""
+        out: list[tuple[str, int]] = []
+        for name, size in self.named():
+            if name == "dp_shard":
+                out += [("dp_shard_mod_ep", self.dp_shard_mod_ep), ("ep", self.ep)]
+            else:
+                out.append((name, size))
+        return tuple(out)
 
     def named(self) -> tuple[tuple[str, int], ...]:
         """(name, size) of the dims larger than 1, outermost first: the mesh to build."""
@@ -91,7 +108,7 @@ def resolve_dims(cfg: DistributedConfig, world_size: int) -> MeshDims:
     """Fill in ``dp_shard = -1`` as the rest of the world (at least 1)."""
     fixed = cfg.dp_replicate * cfg.tp * cfg.pp
     shard = cfg.dp_shard if cfg.dp_shard != -1 else max(1, world_size // fixed)
-    return MeshDims(pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=shard, tp=cfg.tp)
+    return MeshDims(pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=shard, tp=cfg.tp, ep=cfg.ep)
 
 
 def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
@@ -188,13 +205,12 @@ def expert_problems(config: JobConfig, dims: MeshDims) -> list[Problem]:
     if not m.moe:
         p.append(("distributed.ep", "needs mixture-of-experts blocks (model.moe_num_experts > 0)"))
         return p
-    if ep != dims.dp_shard or dims.dp_replicate > 1:
+    if dims.dp_shard % ep:
         p.append(
             (
                 "distributed.ep",
-                f"must equal distributed.dp_shard (resolved {dims.dp_shard}) with "
-                "dp_replicate=1: the experts are split over the data-parallel ranks, and "
-                "splitting them over part of them only is not supported yet",
+                f"must divide distributed.dp_shard (resolved {dims.dp_shard}): the experts are "
+                "split over groups of ep consecutive dp_shard ranks",
             )
         )
     if m.moe_num_experts % ep:

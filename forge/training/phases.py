@@ -50,6 +50,7 @@ from forge.parallel.mesh import (
     broadcast_from_main,
     device_for,
     end_process_group,
+    expert_meshes,
     init_process_group,
     submesh,
 )
@@ -226,6 +227,7 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
         model = stage_module(model, stage_index, n_stages)
     dp_mesh = submesh(dist.mesh, "dp_replicate", "dp_shard")
     compiled = cfg.train.compile_enabled(dist.device.type, cxx_compiler_found())
+    ep_mesh, experts_mesh = expert_meshes(dist.mesh, dist.dims)
     parallelize(
         model,
         tp_mesh=submesh(dist.mesh, "tp"),
@@ -234,7 +236,8 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
         activation_checkpointing=cfg.train.activation_checkpointing,
         compile_blocks=compiled,
         param_dtype=cfg.train.param_dtype,
-        ep_mesh=submesh(dist.mesh, "dp_shard") if cfg.distributed.ep > 1 else None,
+        ep_mesh=ep_mesh,
+        experts_mesh=experts_mesh,
     )
     model.materialize(dist.device)
     model.init_weights(seed=cfg.train.seed)

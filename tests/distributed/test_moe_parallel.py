@@ -84,19 +84,34 @@ def bias_of(config: pathlib.Path, run_dir: pathlib.Path, step: int) -> torch.Ten
     return torch.stack([v for k, v in state.items() if k.endswith("expert_bias")])
 
 
-@pytest.mark.parametrize("args", [EP, FSDP2, PP], ids=["ep=2", "fsdp2", "pp=2"])
-def test_moe_at_two_ranks_matches_one_rank(moe_reference, tmp_path, small_corpus, args):
+# four ranks: one row and one micro-batch each, 2 eval batches
+FOUR = [*ONE_ROW, "--train.grad_accum_steps=1", "--eval.steps=2", "--distributed.ep=2"]
+EP_OF_FOUR = [*FOUR, "--distributed.dp_shard=4"]  # each expert FSDP-sharded over 2 ranks
+EP_REPLICATED = [*FOUR, "--distributed.dp_replicate=2", "--distributed.dp_shard=2"]
+LAYOUTS = [
+    ("ep=2", EP, 2),
+    ("fsdp2", FSDP2, 2),
+    ("pp=2", PP, 2),
+    ("ep=2 of dp_shard=4", EP_OF_FOUR, 4),
+    ("dp_replicate=2 x ep=2", EP_REPLICATED, 4),
+]
+
+
+@pytest.mark.parametrize(("args", "ranks"), [c[1:] for c in LAYOUTS], ids=[c[0] for c in LAYOUTS])
+def test_moe_at_several_ranks_matches_one_rank(moe_reference, tmp_path, small_corpus, args, ranks):
     config = write_moe_config(tmp_path, small_corpus, "moe_first_dense = 1\n")
-    train(config, tmp_path / "run", *args, ranks=2)
+    train(config, tmp_path / "run", *args, ranks=ranks)
     assert_matches(moe_reference, config, tmp_path / "run")
     assert_moe_metrics_match(moe_reference[1], tmp_path / "run", pipeline=args is PP)
     assert bias_of(config, tmp_path / "run", 5).abs().sum() > 0  # the bias did move
 
 
+# (case, first run's args and ranks, resumed run's args and ranks)
 RESHARD = [
-    ("ep=2 -> ep=1", EP, FSDP2),
-    ("ep=1 -> ep=2", FSDP2, EP),
-    ("ep=2 -> 1 rank", EP, None),
+    ("ep=2 -> ep=1", (EP, 2), (FSDP2, 2)),
+    ("ep=1 -> ep=2", (FSDP2, 2), (EP, 2)),
+    ("ep=2 -> 1 rank", (EP, 2), (ONE_RANK, 1)),
+    ("ep=2 of dp_shard=4 -> 1 rank", (EP_OF_FOUR, 4), (ONE_RANK, 1)),
 ]
 
 
@@ -106,11 +121,8 @@ def test_an_expert_parallel_checkpoint_resumes_under_another_layout(
 ):
     config = write_moe_config(tmp_path, small_corpus, "moe_first_dense = 1\n")
     run_dir = tmp_path / "run"
-    train(config, run_dir, *first, "--train.max_steps=3", ranks=2)
-    if second is None:
-        train(config, run_dir, *ONE_RANK)
-    else:
-        train(config, run_dir, *second, ranks=2)
+    train(config, run_dir, *first[0], "--train.max_steps=3", ranks=first[1])
+    train(config, run_dir, *second[0], ranks=second[1])
     assert [r["step"] for r in records(run_dir)] == [1, 2, 3, 4, 5]
     assert_matches(moe_reference, config, run_dir)
 

@@ -265,7 +265,7 @@ def problems_of(tmp_path, *args: str, world: int = 1) -> list[str]:
         (["--model.moe_num_experts=4", "--model.moe_every=0"], 1, "model.moe_every: must be > 0"),
         (["--distributed.ep=2"], 2, "distributed.ep: needs mixture-of-experts"),
         (["--model.moe_num_experts=3", "--distributed.ep=2"], 2, "must divide model.moe_num"),
-        (["--model.moe_num_experts=4", "--distributed.ep=2"], 4, "must equal distributed.dp_shard"),
+        (["--model.moe_num_experts=6", "--distributed.ep=3"], 4, "must divide distributed.dp_sh"),
         (
             ["--model.moe_num_experts=4", "--distributed.tp=2", "--distributed.dp_shard=1"],
             2,
@@ -278,6 +278,14 @@ def test_moe_config_refusals_name_the_key(tmp_path, args, world, fragment):
     assert any(fragment in line for line in problems), problems
 
 
-def test_a_valid_moe_layout_has_no_problems(tmp_path):
-    args = ["--model.moe_num_experts=4", "--distributed.ep=2", "--distributed.dp_shard=2"]
-    assert problems_of(tmp_path, *args, world=2) == []
+@pytest.mark.parametrize(
+    ("args", "world"),
+    [
+        (["--distributed.ep=2", "--distributed.dp_shard=2"], 2),
+        (["--distributed.ep=2", "--distributed.dp_shard=4"], 4),  # experts FSDP-sharded 2 ways
+        (["--distributed.ep=2", "--distributed.dp_replicate=2", "--distributed.dp_shard=2"], 4),
+        (["--distributed.ep=2", "--distributed.pp=2", "--train.grad_accum_steps=2"], 4),
+    ],
+)
+def test_valid_expert_parallel_layouts_have_no_problems(tmp_path, args, world):
+    assert problems_of(tmp_path, "--model.moe_num_experts=4", *args, world=world) == []
