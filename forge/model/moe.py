@@ -122,9 +122,12 @@ def sort_by_expert(routing: Routing, n_experts: int, capacity: int | None) -> As
 
 def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` takes these operands: 2-D rows against a 3-D weight with
-    16-byte aligned rows, fp32 or bf16 on a CPU, bf16 on a Hopper-class GPU."""
+    16-byte aligned rows, fp32 or bf16 on a CPU (bf16 only under ``torch.compile``), bf16 on
+    a Hopper-class GPU."""
     if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
         return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False  # its compile-time (fake) kernel takes bf16 only
     aligned = all((size * x.element_size()) % 16 == 0 for size in w.shape[1:])
     if x.device.type == "cpu":
         return aligned and x.dtype in (torch.float32, torch.bfloat16)

@@ -141,3 +141,18 @@ def test_a_resumed_run_continues_the_balancing_bias_bit_exactly(tmp_path, small_
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert bias_of(config, whole, 5).abs().sum() > 0
+
+
+OPTIONS = [
+    ("activation checkpointing", ["--train.activation_checkpointing=full"]),
+    ("compile", ["--train.compile=true"]),
+    ("chunked loss off", ["--train.loss_chunk_size=0"]),
+]
+
+
+@pytest.mark.parametrize("option", [o[1] for o in OPTIONS], ids=[o[0] for o in OPTIONS])
+def test_moe_trains_alike_under_each_option(moe_reference, tmp_path, small_corpus, option):
+    """One rank, the reference's layout, with one option changed."""
+    config = write_moe_config(tmp_path, small_corpus, "moe_first_dense = 1\n")
+    train(config, tmp_path / "run", *ONE_RANK, *option)
+    assert_matches(moe_reference, config, tmp_path / "run")

@@ -1,0 +1,135 @@
+"""The text step with a mixture-of-experts model: the auxiliary losses reach the objective,
+their statistics come back in the result, a non-finite one skips the update, and the
+balancing bias moves after an applied step only."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+from forge.checkpoint.slots import Slots
+from forge.config import ModelConfig, OptimizerConfig, Precision, SchedulerConfig
+from forge.config.sections import MoeRouter
+from forge.data.loader import Batch
+from forge.model.chunked_loss import LossSpec
+from forge.model.moe import AUX, MoE
+from forge.model.transformer import Transformer
+from forge.optim import build_optimizer, resolve_schedule
+from forge.training.state import LoopState
+from forge.training.step import finish_step, make_text_step, micro_batch_loss
+
+CFG = ModelConfig(
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    max_seq_len=16,
+    moe_num_experts=4,
+    moe_top_k=2,
+    moe_router=MoeRouter.SIGMOID,
+    moe_bias_update_rate=0.05,
+)
+SPEC = LossSpec(moe_aux_weight=0.5, moe_z_weight=0.1)
+
+
+def batch(seed: int, rows: int = 4) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, 259, (rows, 17), generator=g)
+    return Batch(inputs=t[:, :-1], labels=t[:, 1:])
+
+
+def setup(loss_scale=None):
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
+    sched = resolve_schedule(SchedulerConfig(warmup_steps=0), 100)
+    step = make_text_step(
+        model, opt, sched, 1e-2, Precision.FP32, None, loss_spec=SPEC, balance_rate=0.05
+    )
+    return model, opt, step
+
+
+def biases(model: Transformer) -> list[torch.Tensor]:
+    return [m.router.expert_bias.clone() for m in model.modules() if isinstance(m, MoE)]
+
+
+@pytest.mark.parametrize("chunk", [0, 8], ids=["plain loss", "chunked loss"])
+def test_the_objective_adds_the_weighted_sums_of_the_auxiliary_losses(chunk):
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    spec = LossSpec(chunk, moe_aux_weight=0.5, moe_z_weight=0.1)
+    terms = micro_batch_loss(model, batch(1), contextlib.nullcontext, loss_spec=spec)
+    assert terms.moe is not None and terms.moe.shape == (2, 8)
+    extra = 0.5 * terms.moe[:, AUX].sum() + 0.1 * terms.moe[:, AUX + 1].sum()
+    torch.testing.assert_close(terms.objective.detach(), terms.loss + extra)
+
+
+def test_the_step_reports_the_statistics_and_moves_the_bias_after_the_update():
+    model, _, step = setup()
+    before = biases(model)
+    result = step((batch(1), batch(2)), LoopState())
+    assert result.moe is not None and result.finite
+    assert result.moe.assigned == 2 * 64 * 2 * 2  # 2 micro-batches x 64 tokens x top-2 x 2 layers
+    assert [sum(layer) for layer in result.moe.loads] == [256.0, 256.0]
+    assert 0.9 < result.moe.aux_loss < 2.0  # E x sum f P: 1 when balanced
+    for b0, b1, layer in zip(before, biases(model), result.moe.loads, strict=True):
+        loads = torch.tensor(layer)
+        expected = b0 + 0.05 * torch.sign(loads.mean() - loads)
+        torch.testing.assert_close(b1, expected)
+
+
+def test_a_non_finite_step_moves_neither_weights_nor_bias():
+    model, opt, step = setup(loss_scale=None)
+    step((batch(1),), LoopState())  # some optimizer state and a moved bias
+    weights, state, bias = (
+        copy.deepcopy(model.state_dict()),
+        copy.deepcopy(opt.state_dict()),
+        biases(model),
+    )
+    with torch.no_grad():  # a NaN router: its losses (and everything after it) are not finite
+        model.layers["0"].feed_forward.router.gate.weight[0, 0] = float("nan")  # type: ignore[index]
+    weights["layers.0.feed_forward.router.gate.weight"][0, 0] = float("nan")
+    result = step((batch(2),), LoopState(step=1))
+    assert not result.finite and result.moe is not None
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, weights[name], equal_nan=True, msg=name)
+    assert [torch.equal(a, b) for a, b in zip(bias, biases(model), strict=True)] == [True, True]
+    assert opt.state_dict()["state"][0]["step"] == state["state"][0]["step"]
+
+
+def test_a_non_finite_auxiliary_loss_alone_skips_the_update():
+    """Loss and gradients finite, the balancing loss not: the step is still skipped."""
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([param], lr=0.1)
+    param.grad = torch.ones(3)
+    called = []
+    summary = torch.tensor([float("nan"), 0.5, 0.0, 8.0, 4.0, 4.0])  # aux, z, dropped, assigned
+    result = finish_step(
+        opt,
+        [param],
+        torch.tensor(2.0),
+        torch.tensor(1.0),
+        float("inf"),
+        tokens=8,
+        lr=0.1,
+        moe=summary,
+        moe_layers=1,
+        after_update=lambda: called.append(True),
+    )
+    assert not result.finite and result.moe is not None and result.moe.loads == ((4.0, 4.0),)
+    assert torch.equal(param.detach(), torch.ones(3)) and called == []
+
+
+def test_a_rollback_snapshot_restores_the_balancing_bias():
+    """``resilience.on_nonfinite = "rollback"`` returns the bias with the weights."""
+    model, opt, step = setup()
+    step((batch(1),), LoopState())
+    slots = Slots(model, opt)
+    slots.push("rollback")
+    saved = biases(model)
+    step((batch(2),), LoopState(step=1))
+    assert not all(torch.equal(a, b) for a, b in zip(saved, biases(model), strict=True))
+    slots.load("rollback")
+    assert all(torch.equal(a, b) for a, b in zip(saved, biases(model), strict=True))
