@@ -503,7 +503,7 @@ def test_schedule_free_evaluates_the_averaged_weights(tiny_config, monkeypatch):
     from forge.optim.optimizers import ScheduleFreeAdamW
 
     models, seen = built_models(monkeypatch), []
-    real = effects.evaluate_loss
+    real = effects.evaluate_totals
 
     def spy(model, batches, precision, loss_spec):
         (ctx,) = models
@@ -512,7 +512,7 @@ def test_schedule_free_evaluates_the_averaged_weights(tiny_config, monkeypatch):
         seen.append(all(torch.equal(p, averaged[id(p)]) for p in model.parameters()))
         return real(model, batches, precision, loss_spec)
 
-    monkeypatch.setattr(effects, "evaluate_loss", spy)
+    monkeypatch.setattr(effects, "evaluate_totals", spy)
     real_eval = ScheduleFreeAdamW.averaged
 
     def record(self):

@@ -10,7 +10,11 @@ import torch
 
 from forge.config import ConfigError, load_config
 from forge.config.sections import ModelConfig, MoeRouter
-from forge.metrics.flops import feed_forward_parameters, non_embedding_parameters
+from forge.metrics.flops import (
+    feed_forward_parameters,
+    flops_per_token,
+    non_embedding_parameters,
+)
 from forge.metrics.moe import load_cv, moe_record
 from forge.model.feed_forward import FeedForward
 from forge.model.moe import (
@@ -212,6 +216,10 @@ def test_parameter_counts_match_the_built_model():
     assert feed_forward_parameters(cfg, 1) == 32 * 6 + (6 + 2) * expert
     assert feed_forward_parameters(cfg, 1, active=True) == 32 * 6 + (2 + 2) * expert
     assert feed_forward_parameters(cfg, 0) == 3 * 32 * cfg.hidden_dim
+    # MFU counts what a token passes through: the active parameters, not every expert
+    active = non_embedding_parameters(cfg, active=True)
+    assert active == non_embedding_parameters(cfg) - 2 * (6 - 2) * expert
+    assert flops_per_token(cfg, 16) == 6 * active + 12 * 3 * 32 * 16
 
 
 @pytest.mark.parametrize(
