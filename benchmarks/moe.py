@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import pathlib
 import statistics
 import time
 from collections.abc import Callable
@@ -26,15 +25,7 @@ from forge.config.sections import ModelConfig
 from forge.model import moe as moe_module
 from forge.model.feed_forward import FeedForward
 from forge.model.moe import LOADS, MoE
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+from forge.training.phases import cpu_flags
 
 
 def step_time(run: Callable[[], torch.Tensor], steps: int) -> float:
