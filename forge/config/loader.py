@@ -21,6 +21,7 @@ import tomli
 from cattrs.errors import (
     AttributeValidationNote,
     ClassValidationError,
+    ForbiddenExtraKeysError,
     IterableValidationError,
     IterableValidationNote,
 )
@@ -207,6 +208,16 @@ def leaf_errors(exc: BaseException, path: str) -> list[Problem]:
         return out
     if isinstance(exc, ListItemErrors):
         return [p for index, sub in exc.errors for p in leaf_errors(sub, f"{path}[{index}]")]
+    if isinstance(exc, ForbiddenExtraKeysError):  # an entry of an array of tables
+        names = [f.name for f in attrs.fields(exc.cl)]
+        out = []
+        for key in sorted(exc.extra_fields):
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"did you mean '{path}.{close[0]}'?" if close else f"valid keys: {names}"
+            out.append((f"{path}.{key}", f"unknown key; {hint}"))
+        return out
+    if isinstance(exc, KeyError):  # a required key left out
+        return [(path, "is required")]
     return [(path, str(exc))]
 
 
@@ -242,6 +253,19 @@ def structure_config(raw: Mapping[str, Any]) -> JobConfig:
     sections: dict[str, Any] = {}
     for name, tp in typing.get_type_hints(JobConfig).items():
         if name not in known:
+            continue
+        if typing.get_origin(tp) is tuple:  # an array of tables: [[freeze]]
+            if not isinstance(known[name], list):
+                problems.append(
+                    (name, f"expected an array of tables ([[{name}]]), got {known[name]!r}")
+                )
+                continue
+            entries, type_problems = structure_section(name, known[name], tp)
+            problems += type_problems
+            if entries is not None:
+                sections[name] = entries
+                for i, entry in enumerate(entries):
+                    problems += entry.problems(f"{name}[{i}]")
             continue
         if not isinstance(known[name], Mapping):
             continue  # reported by unknown_key_problems: a scalar where a table belongs

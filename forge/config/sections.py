@@ -1,7 +1,7 @@
 """The whole run configuration, one attribute per TOML table. Each section lives in a module
 named for its concern (``model``, ``train``, ``optim``, ``data``, ``checkpoint``, ``run``,
-``resilience``, ``distributed``); this module composes them and re-exports every name, so
-``from forge.config.sections import ...`` keeps working.
+``resilience``, ``distributed``, ``freeze``); this module composes them and re-exports every
+name, so ``from forge.config.sections import ...`` keeps working.
 
 Each section's ``problems()`` returns every out-of-range value as ``(key, message)`` pairs, so
 that the loader can report all of them at once instead of stopping at the first.
@@ -15,6 +15,7 @@ from forge.config.checkpoint import AsyncMode, CheckpointConfig, DynamicWindow, 
 from forge.config.checks import Problem
 from forge.config.data import DataConfig, DataPhase, DataSource, EvalConfig
 from forge.config.distributed import DistributedConfig, PipelineSchedule
+from forge.config.freeze import FreezeRule
 from forge.config.hooks import HooksConfig
 from forge.config.model import ModelConfig, MoeRouter
 from forge.config.optim import OptimizerConfig, OptimizerName, ScheduleName, SchedulerConfig
@@ -33,6 +34,7 @@ __all__ = [
     "DynamicWindow",
     "EvalConfig",
     "ExportDtype",
+    "FreezeRule",
     "HooksConfig",
     "JobConfig",
     "MetricsConfig",
@@ -70,6 +72,7 @@ class JobConfig:
     distributed: DistributedConfig = attrs.Factory(DistributedConfig)
     hooks: HooksConfig = attrs.Factory(HooksConfig)
     profiler: ProfilerConfig = attrs.Factory(ProfilerConfig)
+    freeze: tuple[FreezeRule, ...] = ()  # [[freeze]]: which parameters train when
 
     @property
     def nonfinite_limit(self) -> int:

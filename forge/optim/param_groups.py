@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -26,16 +27,23 @@ def uses_muon(name: str, param: torch.Tensor) -> bool:
 
 def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict[str, Any]]:
     """Decay and no-decay groups (and, for Muon, a Muon group of hidden matrices, which
-    decay), each listing its parameter names for inspection."""
+    decay) of the trainable parameters, each listing its parameter names for inspection."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return groups_of(trainable, cfg)  # tied weights appear once
+
+
+def groups_of(
+    named: Iterable[tuple[str, torch.Tensor]], cfg: OptimizerConfig
+) -> list[dict[str, Any]]:
+    """``param_groups`` of the given ``(name, parameter)`` pairs (a freeze schedule adds the
+    newly trainable ones as groups of their own)."""
     muon = cfg.name is OptimizerName.MUON
     groups: dict[tuple[bool, bool], dict[str, Any]] = {
         (True, True): {"params": [], "names": [], "weight_decay": cfg.weight_decay},
         (False, True): {"params": [], "names": [], "weight_decay": cfg.weight_decay},
         (False, False): {"params": [], "names": [], "weight_decay": 0.0},
     }
-    for name, p in model.named_parameters():  # tied weights appear once
-        if not p.requires_grad:
-            continue
+    for name, p in named:
         on_muon = muon and uses_muon(name, p)
         group = groups[(on_muon, on_muon or decays(name, p, cfg.decay_embeddings))]
         group["params"].append(p)

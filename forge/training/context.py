@@ -17,6 +17,7 @@ from forge.config.sections import JobConfig
 from forge.data.loader import Batch, TextLoader
 from forge.data.shards import Manifest
 from forge.metrics.sources import SourceStats
+from forge.optim.freezing import Freezer
 from forge.optim.schedules import Schedule
 from forge.parallel.mesh import coordinates
 from forge.parallel.pipeline import StageLoss
@@ -115,6 +116,7 @@ class ModelContext:
     fsdp: bool = False  # FSDP2 applies the compute dtype itself (no autocast)
     pipeline: PipelineContext | None = None  # set when distributed.pp > 1
     compiled: bool = False  # blocks and loss chunks go through torch.compile
+    freezer: Freezer | None = None  # with [[freeze]]: the trainable set follows the schedule
 
 
 @attrs.frozen

@@ -296,6 +296,15 @@ class TrainingEffects:
         return loss, [loads[i : i + width] for i in range(0, len(loads), width)]
 
     def step_end(self, state: LoopState, result: StepResult) -> None:
+        if result.freeze is not None:  # the trainable set changed before this step
+            frozen = result.freeze
+            self._emit(
+                {
+                    "step": state.step,
+                    "params/trainable": frozen.trainable,
+                    "params/frozen": frozen.frozen,
+                }
+            )
         self.hooks.on_step_end(state, result)
 
     def snapshot(self, state: LoopState) -> None:
@@ -304,6 +313,8 @@ class TrainingEffects:
 
     def restore(self, state: LoopState) -> None:
         """Load the rollback slot taken at ``state`` back into the model and optimizer."""
+        if self.model.freezer is not None:  # the optimizer's parameters as at the snapshot
+            self.model.freezer.apply(max(1, state.step))
         self.slots.load(ROLLBACK_SLOT)
         if self.dist.is_main:
             print(f"[forge] non-finite step: rolled back to step {state.step}", file=sys.stderr)

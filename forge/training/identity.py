@@ -21,6 +21,7 @@ from forge.config.sections import JobConfig
 class DifferenceKind(enum.Enum):
     MODEL = "model"  # the architecture or its initialisation
     DATA_ORDER = "data order"  # which tokens each step sees
+    FREEZE = "freeze schedule"  # which parameters train when
 
 
 @attrs.frozen
@@ -77,6 +78,9 @@ def run_identity(
         "data.phases": _plain(data.phases),
         "data.pack_documents": data.pack_documents,
     }
+    # each [[freeze]] entry on its own, so that a refusal names the differing ones
+    identity["freeze (entries)"] = len(config.freeze)
+    identity |= {f"freeze[{i}]": _plain(rule) for i, rule in enumerate(config.freeze)}
     if dp_size is not None:
         identity["global batch (train.batch_size × data-parallel size × grad_accum_steps)"] = (
             train.batch_size * dp_size * train.grad_accum_steps
@@ -94,11 +98,20 @@ def identity_differences(
             key,
             recorded[key],
             value,
-            DifferenceKind.MODEL if key.startswith("model.") else DifferenceKind.DATA_ORDER,
+            difference_kind(key),
         )
         for key, value in current.items()
         if key in recorded and _plain(recorded[key]) != value
     ]
+
+
+def difference_kind(key: str) -> DifferenceKind:
+    """What an identity key is about."""
+    if key.startswith("model."):
+        return DifferenceKind.MODEL
+    if key.startswith("freeze"):
+        return DifferenceKind.FREEZE
+    return DifferenceKind.DATA_ORDER
 
 
 class ResumeVerdict(enum.Enum):

@@ -20,6 +20,7 @@ import shutil
 import sys
 from collections.abc import Callable, Sequence
 
+import attrs
 import numpy as np
 import torch
 from torch import nn
@@ -32,6 +33,7 @@ from forge.checkpoint.store import (
     read_train_state,
     remove_stale_temporaries,
 )
+from forge.config.freeze import schedule_problems
 from forge.config.loader import CONVERTER, ConfigError, load_config, unstructure_config
 from forge.config.sections import JobConfig, ModelConfig, Precision
 from forge.config.toml_writer import dumps_toml
@@ -44,6 +46,7 @@ from forge.metrics.sinks import trim_records_after
 from forge.metrics.sources import SourceStats
 from forge.model.moe import stats_width
 from forge.model.transformer import Transformer, num_parameters
+from forge.optim.freezing import Freezer, freeze_for_step, named_parameters
 from forge.optim.param_groups import build_optimizer
 from forge.optim.schedules import resolve_schedule
 from forge.parallel.mesh import (
@@ -97,6 +100,7 @@ def load_and_validate_config(argv: Sequence[str]) -> RunContext:
     problems = [f"{k}: {m}" for k, m in parallel_problems(config, world.world_size)]
     problems += data_problems(config)
     problems += hook_problems(config.hooks)
+    problems += freeze_problems(config)
     problems += missing_sink_packages(config)
     run = RunContext.of(config, loaded.source)
     for key, folder in run_directories(run):
@@ -116,6 +120,15 @@ def run_directories(run: RunContext) -> list[tuple[str, pathlib.Path]]:
     if run.config.checkpoint.enabled or run.checkpoint_dir.exists():
         dirs.append(("checkpoint.dir", run.checkpoint_dir))
     return dirs
+
+
+def freeze_problems(config: JobConfig) -> list[str]:
+    """What ``[[freeze]]`` cannot do to this model (checked on the meta device: no memory)."""
+    if not config.freeze:
+        return []
+    with torch.device("meta"):
+        names = list(named_parameters(Transformer(config.model)))
+    return schedule_problems(names, config.freeze)
 
 
 def data_problems(config: JobConfig) -> list[str]:
@@ -241,6 +254,9 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
     )
     model.materialize(dist.device)
     model.init_weights(seed=cfg.train.seed)
+    if cfg.freeze:  # the optimizer starts with step 1's trainable parameters only
+        freeze_for_step(model, cfg.freeze, 1)
+    optimizer = build_optimizer(model, cfg.optimizer)
     if pp_mesh is not None:
         group = pp_mesh.get_group()
         spec = loss_spec_of(cfg.train, compiled, cfg.model)
@@ -260,12 +276,13 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
         )
     return ModelContext(
         model=model,
-        optimizer=build_optimizer(model, cfg.optimizer),
+        optimizer=optimizer,
         schedule=resolve_schedule(cfg.scheduler, cfg.train.max_steps),
         num_params=num_params,
         fsdp=dp_mesh is not None,
         pipeline=pipeline,
         compiled=compiled,
+        freezer=Freezer(model, optimizer, cfg.freeze, cfg.optimizer) if cfg.freeze else None,
     )
 
 
@@ -387,6 +404,8 @@ def setup_checkpointing(
             check_loadable(path, model.model)
             train_state = parse_train_state(read_train_state(path), path)
             check_same_run(train_state, identity, path, cfg.allow_config_change, say)
+            if model.freezer is not None:  # the optimizer as it was after the last step run
+                model.freezer.apply(max(1, train_state.step))
             load_checkpoint(path, model.model, model.optimizer, rank=dist.rank)
             return train_state
 
@@ -466,12 +485,42 @@ def make_step_fn(
     hooks: Hooks | None = None,
 ) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
     """The step function the config selects: the pipeline step under ``distributed.pp > 1``,
-    else the text LM step; ``hooks.on_before_optimizer_step`` runs inside it."""
-    cfg = run.config
+    else the text LM step; ``hooks.on_before_optimizer_step`` runs inside it, and with
+    ``[[freeze]]`` the schedule's transitions run before it."""
     before_update: Callable[[PendingStep], None] | None = None
     if hooks is not None:
         before_update = functools.partial(call_before_update, hooks, model.model, model.optimizer)
 
+    step = text_or_pipeline_step(run, dist, model, data, before_update)
+    if model.freezer is None:
+        return step
+    return functools.partial(freezing_step, step, model.freezer)
+
+
+def freezing_step(
+    step: Callable[[tuple[Batch, ...], LoopState], StepResult],
+    freezer: Freezer,
+    batches: tuple[Batch, ...],
+    state: LoopState,
+) -> StepResult:
+    """``step`` after the freeze schedule's transition for it, if any (reported in the
+    result, as is the first step's trainable set)."""
+    transition = freezer.apply(state.step + 1)
+    if transition is None and state.step == 0:
+        transition = freezer.counts(1)
+    result = step(batches, state)
+    return result if transition is None else attrs.evolve(result, freeze=transition)
+
+
+def text_or_pipeline_step(
+    run: RunContext,
+    dist: DistContext,
+    model: ModelContext,
+    data: DataContext | None,
+    before_update: Callable[[PendingStep], None] | None,
+) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
+    """The pipeline step under ``distributed.pp > 1``, else the text LM step."""
+    cfg = run.config
     loss_spec = loss_spec_of(cfg.train, model.compiled, cfg.model)
     balance_rate = cfg.model.moe_bias_update_rate if cfg.model.moe else 0.0
     if model.pipeline is not None:

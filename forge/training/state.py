@@ -71,6 +71,16 @@ def stats_from_flat(values: Sequence[float], n_layers: int, n_experts: int) -> M
 
 
 @attrs.frozen
+class FreezeTransition:
+    """The freeze schedule changed the trainable set at the start of ``step``: the parameter
+    elements that train from then on, and those that stay frozen."""
+
+    step: int
+    trainable: int
+    frozen: int
+
+
+@attrs.frozen
 class StepResult:
     """What one optimizer step reports back (already world-reduced)."""
 
@@ -81,6 +91,7 @@ class StepResult:
     collective_failed: bool = False  # a peer stalled or died during the step
     z_loss: float | None = None  # mean logsumexp² when train.z_loss_weight > 0 (not in ``loss``)
     moe: MoeStepStats | None = None  # a mixture-of-experts model's routing (losses not in ``loss``)
+    freeze: FreezeTransition | None = None  # the trainable set changed before this step
 
     @property
     def finite(self) -> bool:

@@ -165,6 +165,11 @@ def balance_after_update(
     return lambda: balance_experts(model, loads, rate)
 
 
+def trainable_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """The parameters that get gradients this step."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """FSDP2: reduce-scatter gradients only on the last micro-batch of a step."""
     if isinstance(model, FSDPModule):
@@ -261,13 +266,13 @@ def make_text_step(
         if fsdp_mixed_precision
         else autocast_for(precision, device_type_of(model))
     )
-    params = [p for p in model.parameters() if p.requires_grad]
     max_norm = math.inf if grad_clip_norm is None else grad_clip_norm
 
     def text_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
         lr = set_lr(optimizer, lr_at(schedule, peak_lr, state.step) * batches[0].lr_scale)
         model.train()
-        device = params[0].device
+        params = trainable_parameters(model)  # a freeze schedule may change them
+        device = next(model.parameters()).device
         total = torch.zeros((), device=device)  # summed on the device: no sync here
         total_z = torch.zeros((), device=device) if loss_spec.z_weight > 0 else None
         scale = loss_scale(state.step + 1) if loss_scale is not None else 1.0
@@ -331,12 +336,12 @@ def make_pipeline_step(
     A mixture-of-experts model's statistics (``moe_shape``: MoE layers × columns) travel
     through the stages with the hidden states and reach every stage the same way.
     """
-    params = [p for p in stage.parameters() if p.requires_grad]
     max_norm = math.inf if grad_clip_norm is None else grad_clip_norm
 
     def pipeline_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
         lr = set_lr(optimizer, lr_at(schedule, peak_lr, state.step) * batches[0].lr_scale)
         stage.train()
+        params = trainable_parameters(stage)  # a freeze schedule may change them
         inputs = torch.cat([b.inputs for b in batches])
         labels = torch.cat([b.labels for b in batches])
         if pipeline.is_first:
@@ -351,7 +356,7 @@ def make_pipeline_step(
         else:
             pipeline.schedule.step()
         n = len(batches)
-        loss, moe = stage_totals(pipeline, n, params[0].device, moe_shape)
+        loss, moe = stage_totals(pipeline, n, next(stage.parameters()).device, moe_shape)
         grad_norm = global_grad_norm(params, pipeline.group)
         tokens = sum(b.num_tokens for b in batches) * dp_size
         return finish_step(
