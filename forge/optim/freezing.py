@@ -47,9 +47,15 @@ class Freezer:
 
     def apply(self, step: int) -> FreezeTransition | None:
         """Make the model and optimizer train exactly ``step``'s set; the transition if it
-        changed. New parameters join the optimizer with fresh state; a set that is not a
-        superset of the current one (an older checkpoint) rebuilds the groups from scratch."""
-        want = self.trainable_at(step)
+        changed (``hold``)."""
+        return self.hold(self.trainable_at(step), step)
+
+    def hold(self, want: frozenset[str], step: int) -> FreezeTransition | None:
+        """Make the model and optimizer train exactly the parameters ``want``; the
+        transition, reported at ``step``, if that changed anything. New parameters join the
+        optimizer with fresh state; a set that is not a superset of the current one (an older
+        checkpoint's) rebuilds the groups from scratch."""
+        want = want & self.params.keys()
         if want == self.current:
             return None
         self._mark(want)
@@ -67,8 +73,9 @@ class Freezer:
         return self.counts(step)
 
     def counts(self, step: int) -> FreezeTransition:
-        """How many parameter elements train in ``step`` and how many are frozen."""
-        want = self.trainable_at(step)
+        """How many parameter elements train now (reported at ``step``), how many are
+        frozen."""
+        want = self.current if self.current is not None else self.trainable_at(step)
         trainable = sum(p.numel() for n, p in self.params.items() if n in want)
         total = sum(p.numel() for p in self.params.values())
         return FreezeTransition(step, trainable, total - trainable)

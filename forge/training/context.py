@@ -116,7 +116,7 @@ class ModelContext:
     fsdp: bool = False  # FSDP2 applies the compute dtype itself (no autocast)
     pipeline: PipelineContext | None = None  # set when distributed.pp > 1
     compiled: bool = False  # blocks and loss chunks go through torch.compile
-    freezer: Freezer | None = None  # with [[freeze]]: the trainable set follows the schedule
+    freezer: Freezer | None = None  # the trainable set, following [[freeze]] (all without)
 
 
 @attrs.frozen

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from forge.config.sections import JobConfig
+from forge.config.sections import FreezeRule, JobConfig
 
 
 class DifferenceKind(enum.Enum):
@@ -86,6 +86,15 @@ def run_identity(
             train.batch_size * dp_size * train.grad_accum_steps
         )
     return identity
+
+
+def recorded_freeze(recorded: Mapping[str, Any]) -> tuple[FreezeRule, ...] | None:
+    """The ``[[freeze]]`` entries a checkpoint's identity recorded (None when it predates
+    them)."""
+    count = recorded.get("freeze (entries)")
+    if not isinstance(count, int):
+        return None
+    return tuple(FreezeRule(**recorded[f"freeze[{i}]"]) for i in range(count))
 
 
 def identity_differences(

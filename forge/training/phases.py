@@ -33,9 +33,9 @@ from forge.checkpoint.store import (
     read_train_state,
     remove_stale_temporaries,
 )
-from forge.config.freeze import schedule_problems
+from forge.config.freeze import schedule_problems, trainable_names
 from forge.config.loader import CONVERTER, ConfigError, load_config, unstructure_config
-from forge.config.sections import JobConfig, ModelConfig, Precision
+from forge.config.sections import FreezeRule, JobConfig, ModelConfig, Precision
 from forge.config.toml_writer import dumps_toml
 from forge.data.dataset import open_windows
 from forge.data.loader import Batch, Sampling, TextLoader, single_source, step_batches
@@ -74,6 +74,7 @@ from forge.training.hooks import Hooks, hook_problems
 from forge.training.identity import (
     ResumeVerdict,
     identity_differences,
+    recorded_freeze,
     resume_verdict,
     run_identity,
 )
@@ -282,7 +283,7 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
         fsdp=dp_mesh is not None,
         pipeline=pipeline,
         compiled=compiled,
-        freezer=Freezer(model, optimizer, cfg.freeze, cfg.optimizer) if cfg.freeze else None,
+        freezer=Freezer(model, optimizer, cfg.freeze, cfg.optimizer),
     )
 
 
@@ -404,8 +405,8 @@ def setup_checkpointing(
             check_loadable(path, model.model)
             train_state = parse_train_state(read_train_state(path), path)
             check_same_run(train_state, identity, path, cfg.allow_config_change, say)
-            if model.freezer is not None:  # the optimizer as it was after the last step run
-                model.freezer.apply(max(1, train_state.step))
+            if model.freezer is not None:  # the optimizer as in the last step run
+                hold_checkpoint_stage(model.freezer, train_state, run.config.freeze)
             load_checkpoint(path, model.model, model.optimizer, rank=dist.rank)
             return train_state
 
@@ -429,6 +430,18 @@ def setup_checkpointing(
         for difference in differences:
             say(f"  differs from the run that wrote it: {difference.describe()}")
     return CheckpointContext(plan=plan, initial_state=state)
+
+
+def hold_checkpoint_stage(
+    freezer: Freezer, train_state: TrainState, rules: Sequence[FreezeRule]
+) -> None:
+    """Put the optimizer in the stage of the checkpoint's last step, under the freeze
+    schedule that run recorded (``rules`` when it predates them), so its state loads; the
+    current schedule takes over at the next step."""
+    recorded = recorded_freeze(train_state.identity or {})
+    last = max(1, train_state.step)
+    schedule = recorded if recorded is not None else rules
+    freezer.hold(trainable_names(freezer.params, schedule, last), last)
 
 
 def report_on_main(dist: DistContext) -> Callable[[str], None]:
@@ -506,7 +519,7 @@ def freezing_step(
     """``step`` after the freeze schedule's transition for it, if any (reported in the
     result, as is the first step's trainable set)."""
     transition = freezer.apply(state.step + 1)
-    if transition is None and state.step == 0:
+    if transition is None and state.step == 0 and freezer.rules:
         transition = freezer.counts(1)
     result = step(batches, state)
     return result if transition is None else attrs.evolve(result, freeze=transition)

@@ -120,3 +120,20 @@ def test_a_different_schedule_is_refused_naming_the_entries(uninterrupted, tmp_p
         in out.stderr
     )
     assert "until_step': 4} now" in out.stderr
+
+
+def test_with_the_override_a_changed_schedule_loads_the_checkpoints_stage(tmp_path, small_corpus):
+    """The checkpoint's optimizer holds the head only (blocks frozen under its schedule); the
+    new schedule, without that entry, adds the blocks at the next step."""
+    config = freeze_config(tmp_path, small_corpus)
+    run_dir = tmp_path / "run"
+    train(config, run_dir, *ONE, "--train.max_steps=2")
+    changed = tmp_path / "changed.toml"
+    text = config.read_text()
+    changed.write_text(
+        text[: text.index("[[freeze]]")] + FREEZE[FREEZE.index('[[freeze]]\nmodule = "tok') :]
+    )
+    train(config.with_name("changed.toml"), run_dir, *ONE, "--checkpoint.allow_config_change=true")
+    logged = {r["step"]: r["params/frozen"] for r in records(run_dir, "params/trainable")}
+    assert logged == {1: logged[1], 3: 259 * 32, 4: 0}  # blocks join at 3, the embedding at 4
+    assert [r["step"] for r in records(run_dir)] == [1, 2, 3, 4, 5]
