@@ -27,6 +27,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor
 
 from forge.config.model import ModelConfig, MoeRouter
+from forge.model.feed_forward import FeedForward
 
 # the columns of one MoE layer's statistics row; the per-expert loads follow them
 AUX, Z, DROPPED, ASSIGNED, LOADS = 0, 1, 2, 3, 4
@@ -156,6 +157,21 @@ def grouped_swiglu(
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
 
 
+def layer_stats(logits: torch.Tensor, routing: Routing, chosen: Assignments) -> torch.Tensor:
+    """One MoE layer's statistics row (``stats_width`` columns): the balancing loss and the
+    z-loss (differentiable), the assignments dropped and made, the tokens routed to each
+    expert."""
+    counts = torch.stack(
+        [
+            balance_loss(routing.probs, chosen.routed),
+            router_z_loss(logits),
+            (chosen.routed - chosen.counts).sum().float(),
+            chosen.routed.sum().float(),
+        ]
+    )
+    return torch.cat([counts, chosen.routed.float()])
+
+
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; backward multiplies the gradient by a constant."""
 
@@ -232,8 +248,6 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        from forge.model.transformer import FeedForward  # the dense SwiGLU
-
         self.layer = layer
         self.n_experts = cfg.moe_num_experts
         self.top_k = cfg.moe_top_k
@@ -264,19 +278,7 @@ class MoE(nn.Module):
         y = torch.zeros_like(flat).index_add(0, chosen.tokens, weighted)
         if self.shared is not None:
             y = y + self.shared(flat)
-        row = torch.cat(
-            [
-                torch.stack(
-                    [
-                        balance_loss(routing.probs, chosen.routed),
-                        router_z_loss(logits),
-                        (chosen.routed - chosen.counts).sum().float(),
-                        chosen.routed.sum().float(),
-                    ]
-                ),
-                chosen.routed.float(),
-            ]
-        )
+        row = layer_stats(logits, routing, chosen)
         mine = F.one_hot(torch.tensor(self.layer, device=x.device), stats.shape[0])
         return y.reshape(shape), stats + mine.to(stats.dtype)[:, None] * row[None, :]
 
