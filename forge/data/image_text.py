@@ -1,0 +1,141 @@
+"""Image–caption datasets: a token dataset of the captions (forge's usual shards and
+manifest, one caption per document, so a text-only model can train on the same captions) plus,
+per split, one file of ``uint8`` images ``(N, size, size, 3)`` and one of caption offsets,
+listed in the manifest under ``images`` with their checksums.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+from collections.abc import Iterable
+
+import attrs
+import numpy as np
+
+from forge.data.shards import (
+    MANIFEST,
+    DataError,
+    Manifest,
+    ShardWriter,
+    SplitInfo,
+    publish,
+    read_manifest,
+    sha256_of,
+    token_dtype,
+)
+from forge.data.tokenizer import ByteTokenizer
+
+IMAGES_KEY = "images"
+
+
+@attrs.frozen
+class ImageSplit:
+    """One split's images ``(N, size, size, 3)`` (memory-mapped) and the token offset of
+    each example's caption in the split's token stream ``(N + 1,)``."""
+
+    images: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+
+def write_image_text_dataset(
+    out: pathlib.Path,
+    splits: dict[str, Iterable[tuple[np.ndarray, str]]],
+    tokenizer: ByteTokenizer,
+    image_size: int,
+    source: str,
+) -> Manifest:
+    """Write ``(image, caption)`` pairs under ``out`` (via a temporary folder, renamed at the
+    end: a crash leaves nothing half-written). Each caption is framed BOS + bytes + EOS."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    infos: dict[str, SplitInfo] = {}
+    images: dict[str, dict[str, object]] = {}
+    for split, pairs in splits.items():
+        writer = ShardWriter(tmp, split, dtype, 1 << 24)
+        offsets = [0]
+        image_file = tmp / f"{split}_images.bin"
+        with image_file.open("wb") as f:
+            for image, text in pairs:
+                if image.shape != (image_size, image_size, 3) or image.dtype != np.uint8:
+                    raise DataError(
+                        f"image {len(offsets) - 1} of split '{split}': {image.dtype} "
+                        f"{tuple(image.shape)}, expected uint8 ({image_size}, {image_size}, 3)"
+                    )
+                f.write(np.ascontiguousarray(image).tobytes())
+                tokens = tokenizer.frame(text.encode(), dtype)
+                writer.append(tokens, documents=1)
+                offsets.append(offsets[-1] + len(tokens))
+        offset_file = tmp / f"{split}_offsets.bin"
+        np.asarray(offsets, dtype=np.int64).tofile(offset_file)
+        infos[split] = writer.close()
+        images[split] = {
+            "file": image_file.name,
+            "num_images": len(offsets) - 1,
+            "sha256": sha256_of(image_file),
+            "offsets": offset_file.name,
+            "offsets_sha256": sha256_of(offset_file),
+        }
+    manifest = Manifest(
+        dtype=dtype.name,
+        vocab_size=tokenizer.vocab_size,
+        tokenizer=tokenizer.describe(),
+        splits=infos,
+        source=source,
+    )
+    publish(tmp, out, manifest, {"image_size": image_size, IMAGES_KEY: images})
+    return manifest
+
+
+def image_size_of(folder: pathlib.Path) -> int:
+    """The image side length an image–caption dataset was written with."""
+    raw = _raw_manifest(folder)
+    size = raw.get("image_size")
+    if not isinstance(size, int) or size <= 0:
+        raise DataError(
+            f"{folder / MANIFEST}: not an image–caption dataset (no image_size); prepare one "
+            "with scripts/prepare_vlm_data.py"
+        )
+    return size
+
+
+def open_images(folder: pathlib.Path, split: str, verify: bool = True) -> ImageSplit:
+    """Memory-map ``split``'s images and read its caption offsets, checking sizes (and, with
+    ``verify``, checksums) against the manifest."""
+    raw = _raw_manifest(folder)
+    size = image_size_of(folder)
+    info = raw.get(IMAGES_KEY, {}).get(split)
+    if not isinstance(info, dict):
+        raise DataError(f"{folder / MANIFEST}: no images for split '{split}'")
+    path, offsets_path = folder / str(info["file"]), folder / str(info["offsets"])
+    count = int(info["num_images"])
+    for file, expected in ((path, count * size * size * 3), (offsets_path, (count + 1) * 8)):
+        if not file.is_file() or file.stat().st_size != expected:
+            raise DataError(
+                f"{file}: missing or not {expected} bytes as the manifest says (truncated?); "
+                "re-prepare the data with scripts/prepare_vlm_data.py"
+            )
+    if verify:
+        for file, key in ((path, "sha256"), (offsets_path, "offsets_sha256")):
+            if sha256_of(file) != info[key]:
+                raise DataError(
+                    f"{file}: checksum differs from the manifest (modified or corrupt); "
+                    "re-prepare the data with scripts/prepare_vlm_data.py"
+                )
+    images = np.memmap(path, dtype=np.uint8, mode="r", shape=(count, size, size, 3))
+    offsets = np.fromfile(offsets_path, dtype=np.int64)
+    tokens = read_manifest(folder).splits[split].num_tokens
+    if offsets[0] != 0 or offsets[-1] != tokens or np.any(np.diff(offsets) <= 0):
+        raise DataError(f"{offsets_path}: offsets do not match the captions; re-prepare the data")
+    return ImageSplit(images, offsets)
+
+
+def _raw_manifest(folder: pathlib.Path) -> dict:
+    read_manifest(folder)  # the token part: a missing or malformed manifest fails here
+    return json.loads((folder / MANIFEST).read_text())

@@ -1,0 +1,164 @@
+"""Write an image–caption dataset: procedural shapes (no download), or your own pairs.
+
+Default: ``--n`` images of coloured shapes with captions that describe them, deterministic
+from ``--seed`` (``forge/data/scenes.py``), a held-out ``validation`` split beside ``train``::
+
+    python scripts/prepare_vlm_data.py --out data/shapes [--n 20000] [--image-size 32]
+
+Your own: a folder of ``<name>.<png|jpg|...>`` + ``<name>.txt`` pairs, or a JSONL file of
+``{"image_path": ..., "caption": ...}`` lines (paths relative to the file); each image is
+centre-cropped to a square and resized. Needs Pillow (``pip install -e '.[vision]'``)::
+
+    python scripts/prepare_vlm_data.py --input pairs/ --out data/mine --image-size 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pathlib
+import sys
+import zlib
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from forge.data.image_text import write_image_text_dataset
+from forge.data.scenes import caption, random_scene, render
+from forge.data.tokenizer import ByteTokenizer
+from forge.errors import UserInputError, print_errors
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
+
+
+def option_problems(args: argparse.Namespace) -> list[str]:
+    """Out-of-range options, one line each."""
+    problems = []
+    if args.n <= 0:
+        problems.append(f"--n: must be > 0, got {args.n}")
+    if not 4 <= args.image_size <= 1024:
+        problems.append(f"--image-size: must be in [4, 1024], got {args.image_size}")
+    if not 0.0 < args.validation_percent < 100.0:  # NaN fails too
+        problems.append(
+            f"--validation-percent: must be in (0, 100) (both splits hold examples), got "
+            f"{args.validation_percent}"
+        )
+    return problems
+
+
+def procedural_pairs(n: int, size: int, seed: int) -> Iterator[tuple[np.ndarray, str]]:
+    """``n`` scenes from one generator seeded with ``seed``, rendered and captioned."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        scene = random_scene(rng)
+        yield render(scene, size), caption(scene)
+
+
+def split_of(key: str, validation_percent: float) -> str:
+    """``validation`` for a stable ``validation_percent`` share of keys, else ``train``."""
+    bucket = zlib.crc32(key.encode()) % 10_000
+    return "validation" if bucket < validation_percent * 100 else "train"
+
+
+def listed_pairs(path: pathlib.Path) -> list[tuple[pathlib.Path, str, str]]:
+    """``(image, caption, key)`` of a folder of image + ``.txt`` pairs or a JSONL file."""
+    if path.is_file():
+        pairs = []
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                image, text = path.parent / row["image_path"], row["caption"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise UserInputError(
+                    f"{path}:{number}: expected a JSON object with image_path and caption"
+                ) from None
+            if not isinstance(text, str):
+                raise UserInputError(f"{path}:{number}: caption must be a string")
+            pairs.append((image, text, str(row["image_path"])))
+        return pairs
+    if not path.is_dir():
+        raise UserInputError(f"--input {path}: no such file or folder")
+    pairs = []
+    for image in sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES):
+        text_file = image.with_suffix(".txt")
+        if not text_file.is_file():
+            raise UserInputError(f"{image}: no caption file {text_file.name} beside it")
+        pairs.append((image, text_file.read_text().strip(), image.relative_to(path).as_posix()))
+    if not pairs:
+        raise UserInputError(f"--input {path}: no images ({', '.join(IMAGE_SUFFIXES)}) found")
+    return pairs
+
+
+def load_image(path: pathlib.Path, size: int) -> np.ndarray:
+    """An image file as RGB ``uint8`` ``(size, size, 3)``: centre square, resized."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            img = img.convert("RGB")
+            side = min(img.size)
+            left, top = (img.width - side) // 2, (img.height - side) // 2
+            img = img.crop((left, top, left + side, top + side)).resize((size, size))
+            return np.asarray(img, dtype=np.uint8)
+    except FileNotFoundError:
+        raise UserInputError(f"{path}: image file not found") from None
+    except (UnidentifiedImageError, OSError) as exc:
+        raise UserInputError(f"{path}: not a readable image ({exc})") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("data/shapes"))
+    parser.add_argument(
+        "--input", type=pathlib.Path, default=None, help="your pairs (unset: procedural shapes)"
+    )
+    parser.add_argument("--n", type=int, default=20000, help="procedural images")
+    parser.add_argument("--image-size", type=int, default=32, help="side length in pixels")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--validation-percent", type=float, default=5.0, help="share held out, 0 to 100"
+    )
+    args = parser.parse_args(argv)
+    try:
+        problems = option_problems(args)
+        if problems:
+            raise UserInputError(problems)
+        size = args.image_size
+        if args.input is None:
+            n_val = max(1, round(args.n * args.validation_percent / 100))
+            splits = {  # separate generators: the held-out scenes are drawn independently
+                "train": procedural_pairs(args.n - n_val, size, args.seed),
+                "validation": procedural_pairs(n_val, size, args.seed + 1_000_003),
+            }
+            source = f"procedural shapes, seed {args.seed}, {args.n} images"
+        else:
+            if importlib.util.find_spec("PIL") is None:
+                raise UserInputError(
+                    "--input: reading images needs Pillow; pip install -e '.[vision]'"
+                )
+            pairs = listed_pairs(args.input)
+            splits = {
+                name: [
+                    (load_image(image, size), text)
+                    for image, text, key in pairs
+                    if split_of(key, args.validation_percent) == name
+                ]
+                for name in ("train", "validation")
+            }
+            source = str(args.input.resolve())
+        manifest = write_image_text_dataset(args.out, splits, ByteTokenizer(), size, source)
+    except UserInputError as exc:
+        print_errors(exc.lines)
+        return 2
+    counts = {name: info.num_documents for name, info in manifest.splits.items()}
+    print(f"[forge] wrote {args.out}: {counts} image-caption pairs, {size}x{size}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
