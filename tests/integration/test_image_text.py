@@ -142,3 +142,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, setup, args, line):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and line in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_reading_images_without_pillow_names_the_extra(tmp_path, capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "PIL" else real(name, *a)
+    )
+    (tmp_path / "in").mkdir()
+    assert prepare("--input", str(tmp_path / "in"), "--out", str(tmp_path / "out")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --input: reading images needs Pillow; pip install -e '.[vision]'"]
