@@ -219,6 +219,14 @@ class TextLoader:
         self.state = LoaderState(int(state["micro_batch"]), cursors)
         self._stream = None
 
+    def close(self) -> None:
+        """Stop the worker processes now (else they stop whenever the iterator is garbage
+        collected, possibly in the middle of a later run in the same process)."""
+        stream, self._stream = self._stream, None
+        shutdown = getattr(stream, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
     def rewind(self) -> None:
         """Back to the first micro-batch (the held-out loader, before each evaluation)."""
         self.load_state_dict({"micro_batch": 0, "cursors": [0] * len(self.sampling.sizes)})

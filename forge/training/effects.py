@@ -206,6 +206,7 @@ class TrainingEffects:
         self.checkpointer.stager.close()
         for sink in self.sinks:
             sink.close()
+        self.close_loaders()
 
     def log(self, state: LoopState, result: StepResult) -> None:
         """Every rank calls this (a logging step is decided the same everywhere): the loss is
@@ -320,11 +321,21 @@ class TrainingEffects:
             print(f"[forge] non-finite step: rolled back to step {state.step}", file=sys.stderr)
 
     def end(self, outcome: LoopOutcome, state: LoopState) -> None:
-        """Call ``on_train_end``, close the checkpointer and the sinks."""
+        """Call ``on_train_end``, close the checkpointer, the sinks and the loaders' worker
+        processes."""
         self.hooks.on_train_end(outcome, state)
         self.checkpointer.close()
         for sink in self.sinks:
             sink.close()
+        self.close_loaders()
+
+    def close_loaders(self) -> None:
+        """Stop the loaders' worker processes now, not when the garbage collector reaches
+        them (in a notebook or a test process, that was during the next run's save, and
+        each worker's exit then waited out a 5 s timeout)."""
+        self.data.train_loader.close()
+        if self.data.eval_loader is not None:
+            self.data.eval_loader.close()
 
     def _emit(self, record: dict[str, Any]) -> None:
         for sink in self.sinks:

@@ -169,3 +169,18 @@ def test_a_foreign_loader_state_is_refused(state, message):
 
     with pytest.raises(DataError, match=message):
         mixture().load_state_dict(state)
+
+
+def test_close_stops_the_worker_processes_and_reading_goes_on_after_it():
+    loader = mixture(workers=2)
+    first = [next(loader) for _ in range(3)]
+    workers = list(loader._stream._workers)  # type: ignore[union-attr]
+    assert len(workers) == 2 and all(w.is_alive() for w in workers)
+    loader.close()
+    assert not any(w.is_alive() for w in workers)
+    after = next(loader)  # new workers, from the same position
+    reference = mixture()
+    assert [torch.equal(a.inputs, next(reference).inputs) for a in first] == [True] * 3
+    assert torch.equal(after.inputs, next(reference).inputs)
+    loader.close()
+    one_source().close()  # no workers: nothing to stop
