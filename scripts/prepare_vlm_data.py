@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import pathlib
+import shutil
 import sys
 import zlib
 from collections.abc import Iterator, Sequence
@@ -151,7 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for name in ("train", "validation")
             }
             source = str(args.input.resolve())
-        manifest = write_image_text_dataset(args.out, splits, ByteTokenizer(), size, source)
+        try:
+            manifest = write_image_text_dataset(args.out, splits, ByteTokenizer(), size, source)
+        except OSError as exc:  # a full disk, a file where the folder should be, no permission
+            shutil.rmtree(args.out.with_name(args.out.name + ".tmp"), ignore_errors=True)
+            raise UserInputError(f"--out {args.out}: cannot write the dataset ({exc})") from None
     except UserInputError as exc:
         print_errors(exc.lines)
         return 2

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from forge.config.freeze import FreezeRule, trainable_names
+from forge.config.freeze import FreezeRule, trainable_names, transition_steps
 from forge.config.sections import OptimizerConfig
 from forge.model.transformer import canonical_name
 from forge.optim.param_groups import groups_of
@@ -40,6 +40,8 @@ class Freezer:
         self.cfg = cfg
         self.params = named_parameters(model)
         self.current: frozenset[str] | None = self.trainable_at(holds_step)
+        self.transitions = frozenset(transition_steps(self.rules))
+        self.settled = True  # the current set is the schedule's: only transitions change it
 
     def trainable_at(self, step: int) -> frozenset[str]:
         """The parameters (of this model or pipeline stage) that train in ``step``."""
@@ -47,8 +49,13 @@ class Freezer:
 
     def apply(self, step: int) -> FreezeTransition | None:
         """Make the model and optimizer train exactly ``step``'s set; the transition if it
-        changed (``hold``)."""
-        return self.hold(self.trainable_at(step), step)
+        changed (``hold``). Cheap on every other step: the set can change only at a
+        transition step, or after ``hold`` put in another schedule's set."""
+        if self.settled and step not in self.transitions:
+            return None
+        transition = self.hold(self.trainable_at(step), step)
+        self.settled = True
+        return transition
 
     def hold(self, want: frozenset[str], step: int) -> FreezeTransition | None:
         """Make the model and optimizer train exactly the parameters ``want``; the
@@ -56,6 +63,7 @@ class Freezer:
         optimizer with fresh state; a set that is not a superset of the current one (an older
         checkpoint's) rebuilds the groups from scratch."""
         want = want & self.params.keys()
+        self.settled = False  # until ``apply`` checks the schedule's own set again
         if want == self.current:
             return None
         self._mark(want)

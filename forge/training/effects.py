@@ -314,8 +314,10 @@ class TrainingEffects:
 
     def restore(self, state: LoopState) -> None:
         """Load the rollback slot taken at ``state`` back into the model and optimizer."""
-        if self.model.freezer is not None:  # the optimizer's parameters as at the snapshot
-            self.model.freezer.apply(max(1, state.step))
+        freezer = self.model.freezer
+        if freezer is not None:  # the optimizer's parameters as at the snapshot
+            step = max(1, state.step)
+            freezer.hold(freezer.trainable_at(step), step)
         self.slots.load(ROLLBACK_SLOT)
         if self.dist.is_main:
             print(f"[forge] non-finite step: rolled back to step {state.step}", file=sys.stderr)

@@ -90,11 +90,14 @@ def run_identity(
 
 def recorded_freeze(recorded: Mapping[str, Any]) -> tuple[FreezeRule, ...] | None:
     """The ``[[freeze]]`` entries a checkpoint's identity recorded (None when it predates
-    them)."""
+    them, or when they do not read back as entries)."""
     count = recorded.get("freeze (entries)")
     if not isinstance(count, int):
         return None
-    return tuple(FreezeRule(**recorded[f"freeze[{i}]"]) for i in range(count))
+    try:
+        return tuple(FreezeRule(**recorded[f"freeze[{i}]"]) for i in range(count))
+    except (KeyError, TypeError):  # a hand-edited train state: the config's schedule is used
+        return None
 
 
 def identity_differences(

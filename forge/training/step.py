@@ -196,27 +196,28 @@ def finish_step(
     step: int = 0,
     before_update: Callable[[PendingStep], None] | None = None,
     moe: torch.Tensor | None = None,
-    moe_layers: int = 0,
+    micro_batches: int = 1,
     after_update: Callable[[], None] | None = None,
 ) -> StepResult:
     """Clip by the global norm and step, only if loss, norm (and z-loss, and a MoE model's
     auxiliary losses) are finite; report the step.
 
-    Reads them in one host sync (one device-to-host copy of all; ``moe`` is
-    ``moe_summary``'s tensor over ``moe_layers`` layers). ``before_update`` sees step
-    ``step`` after that read, before clipping; ``after_update`` runs right after an applied
-    ``optimizer.step()`` (the experts' balancing bias). A non-finite step zeroes the gradients
-    and never touches the optimizer state.
+    Reads them in one host sync (one device-to-host copy of all; ``moe`` is a MoE model's
+    statistics summed over the step's ``micro_batches``, read as ``moe_summary``).
+    ``before_update`` sees step ``step`` after that read, before clipping; ``after_update``
+    runs right after an applied ``optimizer.step()`` (the experts' balancing bias). A
+    non-finite step zeroes the gradients and never touches the optimizer state.
     """
     read = [loss.float(), grad_norm.float(), *([z_loss.float()] if z_loss is not None else [])]
-    values = torch.cat([torch.stack(read), *([moe.float()] if moe is not None else [])]).tolist()
+    summary = [moe_summary(moe, micro_batches)] if moe is not None else []
+    values = torch.cat([torch.stack(read), *summary]).tolist()
     result = StepResult(
         loss=values[0],
         grad_norm=values[1],
         tokens=tokens,
         lr=lr,
         z_loss=values[2] if z_loss is not None else None,
-        moe=moe_step_stats(values[len(read) :], moe_layers) if moe is not None else None,
+        moe=moe_step_stats(values[len(read) :], moe.shape[0]) if moe is not None else None,
     )
     if before_update is not None:
         before_update(PendingStep(step, result))
@@ -304,8 +305,8 @@ def make_text_step(
             z_loss=mean_z,
             step=state.step + 1,
             before_update=before_update,
-            moe=moe_summary(moe, n) if moe is not None else None,
-            moe_layers=moe.shape[0] if moe is not None else 0,
+            moe=moe,
+            micro_batches=n,
             after_update=balance_after_update(model, moe, balance_rate, world_size),
         )
 
@@ -369,8 +370,8 @@ def make_pipeline_step(
             lr=lr,
             step=state.step + 1,
             before_update=before_update,
-            moe=moe_summary(moe, n) if moe is not None else None,
-            moe_layers=moe.shape[0] if moe is not None else 0,
+            moe=moe,
+            micro_batches=n,
             after_update=balance_after_update(stage, moe, balance_rate, world_size),
         )
 
@@ -390,13 +391,15 @@ def stage_totals(
     loss = torch.zeros((), device=device)
     if records:
         loss = torch.stack([ce for ce, _ in records]).mean().float()
-    moe = None
-    if moe_shape is not None:
-        moe = torch.zeros(moe_shape, device=device)
-        for _, stats in records:
-            moe = moe + stats if stats is not None else moe
-        torch_dist.all_reduce(moe, group=pipeline.group)
-    torch_dist.all_reduce(loss, group=pipeline.group)
+    moe = torch.zeros(moe_shape or (0, 0), device=device)
+    for _, stats in records:
+        moe = moe + stats if stats is not None else moe
+    totals = torch.cat([loss.reshape(1), moe.flatten()])  # one all-reduce for both
+    torch_dist.all_reduce(totals, group=pipeline.group)
+    loss = totals[0]
+    if moe_shape is None:
+        return loss, None
+    moe = totals[1:].view(moe_shape)
     return loss, moe
 
 

@@ -153,3 +153,12 @@ def test_reading_images_without_pillow_names_the_extra(tmp_path, capsys, monkeyp
     assert prepare("--input", str(tmp_path / "in"), "--out", str(tmp_path / "out")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --input: reading images needs Pillow; pip install -e '.[vision]'"]
+
+
+def test_an_unwritable_out_is_one_line_and_leaves_nothing(tmp_path, capsys):
+    (tmp_path / "taken").write_text("a file where the dataset folder would go")
+    assert prepare("--out", str(tmp_path / "taken"), "--n", "20") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--out" in err[0] and "cannot write the dataset" in err[0], err
+    assert (tmp_path / "taken").read_text().startswith("a file")  # not replaced
+    assert not (tmp_path / "taken.tmp").exists()

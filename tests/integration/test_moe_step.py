@@ -105,7 +105,7 @@ def test_a_non_finite_auxiliary_loss_alone_skips_the_update():
     opt = torch.optim.SGD([param], lr=0.1)
     param.grad = torch.ones(3)
     called = []
-    summary = torch.tensor([float("nan"), 0.5, 0.0, 8.0, 4.0, 4.0])  # aux, z, dropped, assigned
+    stats = torch.tensor([[float("nan"), 0.5, 0.0, 8.0, 4.0, 4.0]])  # aux, z, dropped, assigned
     result = finish_step(
         opt,
         [param],
@@ -114,8 +114,7 @@ def test_a_non_finite_auxiliary_loss_alone_skips_the_update():
         float("inf"),
         tokens=8,
         lr=0.1,
-        moe=summary,
-        moe_layers=1,
+        moe=stats,
         after_update=lambda: called.append(True),
     )
     assert not result.finite and result.moe is not None and result.moe.loads == ((4.0, 4.0),)
