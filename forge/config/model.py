@@ -8,6 +8,7 @@ import math
 import attrs
 
 from forge.config.checks import Problem, non_negative, positive
+from forge.config.vision import VisionConfig, VlmArch
 
 
 class MoeRouter(enum.Enum):
@@ -48,6 +49,14 @@ class ModelConfig:
     moe_aux_loss_weight: float = 0.01  # load-balancing loss (Switch form), summed over layers
     moe_z_loss_weight: float = 0.0  # router z-loss, summed over layers
     moe_bias_update_rate: float = 0.0  # sigmoid router: aux-loss-free balancing (DeepSeek-V3)
+    # Vision-language (docs/vlm.md): None = a text-only decoder
+    vlm: VlmArch | None = None
+    vision: VisionConfig | None = None  # [model.vision]; None: its defaults when vlm is set
+
+    @property
+    def vision_config(self) -> VisionConfig:
+        """``[model.vision]`` as given, or its defaults."""
+        return self.vision if self.vision is not None else VisionConfig()
 
     @property
     def kv_heads(self) -> int:
@@ -85,6 +94,7 @@ class ModelConfig:
     def problems(self) -> list[Problem]:
         p: list[Problem] = []
         p += self.moe_problems()
+        p += self.vlm_problems()
         for key in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
             positive(p, f"model.{key}", getattr(self, key))
         positive(p, "model.norm_eps", self.norm_eps)
@@ -100,6 +110,29 @@ class ModelConfig:
             p.append(("model.dim", "dim / n_heads (the head size) must be even for RoPE"))
         if self.n_heads > 0 and self.kv_heads > 0 and self.n_heads % self.kv_heads:
             p.append(("model.n_kv_heads", f"must divide model.n_heads={self.n_heads}"))
+        return p
+
+    def vlm_problems(self) -> list[Problem]:
+        """The vision-language keys: ``[model.vision]`` only with ``model.vlm``, no experts."""
+        if self.vlm is None:
+            if self.vision is not None:
+                return [
+                    (
+                        "model.vlm",
+                        "[model.vision] is set but model.vlm is not; set model.vlm to "
+                        "'joint_decoder' or 'cross_attention', or drop [model.vision]",
+                    )
+                ]
+            return []
+        p = self.vision_config.problems()
+        if self.moe_num_experts > 0:
+            p.append(
+                (
+                    "model.vlm",
+                    "a vision-language model with mixture-of-experts blocks is not supported "
+                    "yet; set model.moe_num_experts=0",
+                )
+            )
         return p
 
     def moe_problems(self) -> list[Problem]:

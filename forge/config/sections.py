@@ -1,7 +1,7 @@
 """The whole run configuration, one attribute per TOML table. Each section lives in a module
-named for its concern (``model``, ``train``, ``optim``, ``data``, ``checkpoint``, ``run``,
-``resilience``, ``distributed``, ``freeze``); this module composes them and re-exports every
-name, so ``from forge.config.sections import ...`` keeps working.
+named for its concern (``model``, ``vision``, ``train``, ``optim``, ``data``, ``checkpoint``,
+``run``, ``resilience``, ``distributed``, ``freeze``); this module composes them and
+re-exports every name, so ``from forge.config.sections import ...`` keeps working.
 
 Each section's ``problems()`` returns every out-of-range value as ``(key, message)`` pairs, so
 that the loader can report all of them at once instead of stopping at the first.
@@ -22,6 +22,7 @@ from forge.config.optim import OptimizerConfig, OptimizerName, ScheduleName, Sch
 from forge.config.resilience import NonFinitePolicy, ResilienceConfig
 from forge.config.run import MetricsConfig, ProfilerConfig, RunConfig
 from forge.config.train import ActivationCheckpointing, Precision, TrainConfig
+from forge.config.vision import VisionConfig, VisionEncoderKind, VlmArch
 
 __all__ = [
     "ActivationCheckpointing",
@@ -52,6 +53,9 @@ __all__ = [
     "ScheduleName",
     "SchedulerConfig",
     "TrainConfig",
+    "VisionConfig",
+    "VisionEncoderKind",
+    "VlmArch",
 ]
 
 

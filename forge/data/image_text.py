@@ -9,16 +9,18 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
 
+from forge.data.packing import IGNORE_INDEX
 from forge.data.shards import (
     MANIFEST,
     DataError,
     Manifest,
     ShardWriter,
+    open_split,
     SplitInfo,
     publish,
     read_manifest,
@@ -139,3 +141,48 @@ def open_images(folder: pathlib.Path, split: str, verify: bool = True) -> ImageS
 def _raw_manifest(folder: pathlib.Path) -> dict:
     read_manifest(folder)  # the token part: a missing or malformed manifest fails here
     return json.loads((folder / MANIFEST).read_text())
+
+
+class ImageCaptions:
+    """One split's examples for training: example ``i`` is image ``i`` and its caption as
+    ``seq_len + 1`` tokens, cut there if longer (the EOS is then lost) and padded after it
+    with labels that count for nothing."""
+
+    def __init__(self, split: ImageSplit, tokens: np.ndarray, seq_len: int) -> None:
+        self.images = split.images
+        self.offsets = split.offsets
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    @property
+    def longest_caption(self) -> int:
+        """The longest caption's length in tokens (BOS and EOS included)."""
+        return int(np.diff(self.offsets).max())
+
+    def rows(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Inputs and labels ``(len(indices), seq_len)`` of those examples (``int64``):
+        labels are the inputs shifted by one, ``IGNORE_INDEX`` past the caption; inputs past
+        it are 0."""
+        width = self.seq_len + 1
+        tokens = np.zeros((len(indices), width), dtype=np.int64)
+        counted = np.zeros((len(indices), width), dtype=bool)
+        for row, i in enumerate(indices):
+            start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+            caption = self.tokens[start : min(end, start + width)]
+            tokens[row, : len(caption)] = caption
+            counted[row, : len(caption)] = True
+        labels = np.where(counted[:, 1:], tokens[:, 1:], IGNORE_INDEX)
+        return tokens[:, :-1], labels
+
+
+def open_image_captions(
+    folder: pathlib.Path, manifest: Manifest, split: str, seq_len: int, verify: bool
+) -> ImageCaptions:
+    """``split``'s images and captions, checked against the manifest (see ``open_images``)."""
+    images = open_images(folder, split, verify)
+    shards = open_split(folder, manifest, split, verify)
+    tokens = np.concatenate(shards) if shards else np.zeros(0, dtype=np.int64)
+    return ImageCaptions(images, tokens, seq_len)

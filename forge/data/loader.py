@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from forge.data.dataset import TokenWindows
+from forge.data.image_text import ImageCaptions
 from forge.data.mixture import (
     Phase,
     active_phase,
@@ -36,7 +37,8 @@ class Batch:
 
     Packed batches also carry per-token ``positions`` and ``document_ids`` (and labels that
     would cross a document boundary are masked). ``sources`` is each row's source index;
-    ``lr_scale`` the active data phase's LR multiplier.
+    ``lr_scale`` the active data phase's LR multiplier. An image–caption batch carries each
+    row's image, ``uint8`` ``(B, H, W, 3)``.
     """
 
     inputs: torch.Tensor
@@ -45,10 +47,15 @@ class Batch:
     document_ids: torch.Tensor | None = None
     sources: torch.Tensor | None = None
     lr_scale: float = 1.0
+    images: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.labels.numel()
+
+    @property
+    def num_images(self) -> int:
+        return 0 if self.images is None else self.images.shape[0]
 
     def to(self, device: torch.device) -> Batch:
         """The same batch with every tensor on ``device``."""
@@ -147,6 +154,26 @@ class WindowReader(Dataset):
         return batch, plan.after
 
 
+class ImageCaptionReader(Dataset):
+    """Reads a plan's examples (image and caption) into a CPU ``Batch`` with images."""
+
+    def __init__(self, captions: ImageCaptions) -> None:
+        self.captions = captions
+
+    def __getitem__(self, plan: Plan) -> tuple[Batch, LoaderState]:  # type: ignore[override]
+        indices = [index for _, index in plan.rows]
+        inputs, labels = self.captions.rows(indices)
+        images = np.stack([self.captions.images[i] for i in indices])
+        batch = Batch(
+            torch.from_numpy(inputs),
+            torch.from_numpy(labels),
+            sources=torch.zeros(len(indices), dtype=torch.int64),
+            lr_scale=plan.lr_scale,
+            images=torch.from_numpy(images),
+        )
+        return batch, plan.after
+
+
 def _as_is(item: Any) -> Any:
     return item
 
@@ -154,27 +181,32 @@ def _as_is(item: Any) -> Any:
 class TextLoader:
     """Yields micro-batches; each data-parallel rank reads its own rows of every micro-batch.
 
-    Its whole state is a ``LoaderState``: ``load_state_dict`` seeks there in O(1). With
+    ``sources``: token windows, one per source, or one split of image–caption examples
+    (batches then carry the images). Its whole state is a ``LoaderState``: ``load_state_dict`` seeks there in O(1). With
     ``max_epochs`` set, iteration stops before any source starts epoch ``max_epochs``. Batches
     are placed on ``device`` (the training device).
     """
 
     def __init__(
         self,
-        sources: Sequence[TokenWindows],
+        sources: Sequence[TokenWindows] | ImageCaptions,
         sampling: Sampling,
         *,
         bos_id: int | None = None,
         num_workers: int = 0,
         device: torch.device | str = "cpu",
     ) -> None:
-        if len(sources) != len(sampling.sizes):
+        self.reader: WindowReader | ImageCaptionReader
+        if isinstance(sources, ImageCaptions):
+            self.reader = ImageCaptionReader(sources)
+        else:
+            self.reader = WindowReader(sources, bos_id)
+        if (1 if isinstance(sources, ImageCaptions) else len(sources)) != len(sampling.sizes):
             raise ValueError("one TokenWindows per source")
-        self.reader = WindowReader(sources, bos_id)
         self.sampling = sampling
         self.num_workers = num_workers
         self.device = torch.device(device)
-        self.state = LoaderState(cursors=(0,) * len(sources))
+        self.state = LoaderState(cursors=(0,) * len(sampling.sizes))
         self._stream: Iterator[tuple[Batch, LoaderState]] | None = None
 
     def __iter__(self) -> Iterator[Batch]:

@@ -232,12 +232,7 @@ class Transformer(nn.Module):
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         for name, p in self.named_parameters():
-            full = initial_value(canonical_name(name), tuple(p.shape), self.cfg, seed)
-            if isinstance(p, DTensor):
-                local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
-                p.to_local().copy_(local.to_local())
-            else:
-                p.copy_(full)
+            copy_full_(p, initial_value(canonical_name(name), tuple(p.shape), self.cfg, seed))
 
     def materialize(self, device: torch.device | str) -> None:
         """Allocate a model built on the meta device: storage, tied weights, RoPE tables.
@@ -327,6 +322,17 @@ class Transformer(nn.Module):
         return self.output(h)
 
 
+@torch.no_grad()
+def copy_full_(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Set parameter ``p`` to the full value ``full``; a sharded (DTensor) ``p`` keeps only
+    its own shard of it."""
+    if isinstance(p, DTensor):
+        local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+        p.to_local().copy_(local.to_local())
+    else:
+        p.copy_(full)
+
+
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
@@ -360,6 +366,11 @@ def initial_value(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int
     std = cfg.init_std
     if name.endswith(RESIDUAL_OUTPUTS):
         std = std / math.sqrt(2 * cfg.n_layers)
+    return seeded_normal(name, shape, std, seed)
+
+
+def seeded_normal(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
+    """Normal(0, ``std``) values from a generator of their own, seeded by (seed, name)."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
     return torch.empty(shape).normal_(0.0, std, generator=gen)

@@ -28,7 +28,31 @@ from torch.distributed.tensor.parallel import (
 from forge.config.sections import ActivationCheckpointing, Precision
 from forge.model.moe import MoE
 from forge.model.transformer import Transformer, TransformerBlock
+from forge.model.vlm import VisionLanguageModel
 from forge.parallel.expert import apply_ep
+
+
+def decoder_of(model: nn.Module) -> Transformer:
+    """The text decoder: the model itself, or a vision-language model's ``decoder``."""
+    if isinstance(model, VisionLanguageModel):
+        return model.decoder
+    assert isinstance(model, Transformer)
+    return model
+
+
+def sharding_units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards one by one before the root: the decoder's blocks and, in a
+    vision-language model, each cross-attention layer and the encoder's blocks (a Hugging
+    Face tower as one unit)."""
+    units: list[nn.Module] = list(decoder_of(model).layers.values())
+    if isinstance(model, VisionLanguageModel):
+        if model.cross_attention is not None:
+            units += list(model.cross_attention.values())
+        blocks = getattr(model.vision_encoder, "blocks", None)
+        units += (
+            list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else [model.vision_encoder]
+        )
+    return units
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
@@ -72,10 +96,11 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
         parallelize_module(block, tp_mesh, qk_norms | plan)
 
 
-def apply_activation_checkpointing(model: Transformer, mode: ActivationCheckpointing) -> None:
-    """Wrap blocks so that their activations are recomputed in backward."""
+def apply_activation_checkpointing(model: nn.Module, mode: ActivationCheckpointing) -> None:
+    """Wrap the decoder's blocks so that their activations are recomputed in backward."""
     if mode is ActivationCheckpointing.NONE:
         return
+    model = decoder_of(model)
     for i, (name, block) in enumerate(list(model.layers.items())):
         if mode is ActivationCheckpointing.FULL or i % 2 == 0:
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
@@ -94,19 +119,19 @@ def fsdp_policy(precision: Precision, param_dtype: Precision) -> MixedPrecisionP
 
 
 def apply_fsdp(
-    model: Transformer,
+    model: nn.Module,
     dp_mesh: DeviceMesh,
     precision: Precision,
     param_dtype: Precision = Precision.FP32,
     experts_mesh: DeviceMesh | None = None,
     ignored: set[nn.Parameter] | None = None,
 ) -> None:
-    """FSDP2 per block, then the root, with ``fsdp_policy``'s dtypes. Under expert
-    parallelism each block's experts (already split over the ``ep`` ranks) are sharded over
-    ``experts_mesh``, the remaining data-parallel ranks, first; where there are none they are
-    ``ignored``."""
+    """FSDP2 per block (``sharding_units``), then the root, with ``fsdp_policy``'s dtypes.
+    Under expert parallelism each block's experts (already split over the ``ep`` ranks) are
+    sharded over ``experts_mesh``, the remaining data-parallel ranks, first; where there are
+    none they are ``ignored``."""
     mp = fsdp_policy(precision, param_dtype)
-    for block in model.layers.values():
+    for block in sharding_units(model):
         experts = expert_module(block)
         if experts is not None and experts_mesh is not None:
             fully_shard(experts, mesh=experts_mesh, mp_policy=mp)
@@ -122,14 +147,14 @@ def expert_module(block: nn.Module) -> nn.Module | None:
     return None
 
 
-def apply_compile(model: Transformer) -> None:
-    """Compile each block (one graph reused by every block of the same shape)."""
-    for block in model.layers.values():
+def apply_compile(model: nn.Module) -> None:
+    """Compile each decoder block (one graph reused by every block of the same shape)."""
+    for block in decoder_of(model).layers.values():
         block.compile()
 
 
 def parallelize(
-    model: Transformer,
+    model: nn.Module,
     *,
     tp_mesh: DeviceMesh | None,
     dp_mesh: DeviceMesh | None,
@@ -143,7 +168,7 @@ def parallelize(
     """The fixed order: TP, EP, activation checkpointing, FSDP2, compile. Returns the model.
     ``ep_mesh`` and ``experts_mesh``: ``expert_meshes``'s."""
     if tp_mesh is not None:
-        apply_tp(model, tp_mesh)
+        apply_tp(decoder_of(model), tp_mesh)
     experts = apply_ep(model, ep_mesh) if ep_mesh is not None else set()
     apply_activation_checkpointing(model, activation_checkpointing)
     if dp_mesh is not None:

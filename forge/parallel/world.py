@@ -147,6 +147,16 @@ def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
                 )
             )
     p += expert_problems(config, dims)
+    if m.vlm is not None:
+        for key, size in (("distributed.tp", dims.tp), ("distributed.pp", dims.pp)):
+            if size > 1:
+                p.append(
+                    (
+                        key,
+                        "is not supported with a vision-language model (model.vlm) yet; "
+                        "use distributed.dp_shard / dp_replicate (FSDP2, HSDP)",
+                    )
+                )
     if dims.pp > 1 and config.checkpoint.export_final:
         p.append(
             (

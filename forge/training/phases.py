@@ -46,6 +46,7 @@ from forge.metrics.sinks import trim_records_after
 from forge.metrics.sources import SourceStats
 from forge.model.moe import stats_width
 from forge.model.transformer import Transformer, num_parameters
+from forge.model.vlm import build_model
 from forge.optim.freezing import Freezer, freeze_for_step, named_parameters
 from forge.optim.param_groups import build_optimizer
 from forge.optim.schedules import resolve_schedule
@@ -86,8 +87,9 @@ from forge.training.run_dir import (
     path_problem,
 )
 from forge.training.state import LoopPolicy, LoopState, PendingStep, StepResult, starting_outcome
-from forge.training.step import loss_spec_of, make_pipeline_step, make_text_step
+from forge.training.step import loss_spec_of, make_pipeline_step, make_text_step, make_vlm_step
 from forge.training.train_state import TrainState, parse_train_state
+from forge.training.vlm import image_caption_loaders, vlm_problems
 
 
 def load_and_validate_config(argv: Sequence[str]) -> RunContext:
@@ -102,6 +104,7 @@ def load_and_validate_config(argv: Sequence[str]) -> RunContext:
     problems += data_problems(config)
     problems += hook_problems(config.hooks)
     problems += freeze_problems(config)
+    problems += vlm_problems(config)
     problems += missing_sink_packages(config)
     run = RunContext.of(config, loaded.source)
     for key, folder in run_directories(run):
@@ -128,7 +131,7 @@ def freeze_problems(config: JobConfig) -> list[str]:
     if not config.freeze:
         return []
     with torch.device("meta"):
-        names = list(named_parameters(Transformer(config.model)))
+        names = list(named_parameters(build_model(config.model)))
     return schedule_problems(names, config.freeze)
 
 
@@ -230,7 +233,7 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
     """
     cfg = run.config
     with torch.device("meta"):  # no memory until sharded: each rank materializes its part
-        model = Transformer(cfg.model)
+        model = build_model(cfg.model)
     if cfg.train.param_dtype is Precision.BF16:  # pure bf16: allocated (and sharded) as bf16
         model.to(dtype=torch.bfloat16)
     num_params = num_parameters(model)
@@ -238,6 +241,7 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
     pp_mesh = submesh(dist.mesh, "pp")
     if pp_mesh is not None:
         stage_index, n_stages = pp_mesh.get_local_rank(), pp_mesh.size()
+        assert isinstance(model, Transformer), "a vision-language model has no pipeline stages"
         model = stage_module(model, stage_index, n_stages)
     dp_mesh = submesh(dist.mesh, "dp_replicate", "dp_shard")
     compiled = cfg.train.compile_enabled(dist.device.type, cxx_compiler_found())
@@ -259,6 +263,7 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
         freeze_for_step(model, cfg.freeze, 1)
     optimizer = build_optimizer(model, cfg.optimizer)
     if pp_mesh is not None:
+        assert isinstance(model, Transformer)
         group = pp_mesh.get_group()
         spec = loss_spec_of(cfg.train, compiled, cfg.model)
         stage_loss = StageLoss(cfg.model.moe, spec.moe_aux_weight, spec.moe_z_weight)
@@ -299,6 +304,21 @@ def setup_data(run: RunContext, dist: DistContext) -> DataContext:
     sources = cfg.data.source_list
     folders = [pathlib.Path(s.path) for s in sources]
     manifests = [read_manifest(folder) for folder in folders]
+    if cfg.model.vlm is not None:
+        train_loader, held_out_loader = image_caption_loaders(
+            cfg,
+            folders[0],
+            manifests[0],
+            dp_rank=dist.dp_rank,
+            dp_size=dist.dp_size,
+            device=dist.device,
+        )
+        return DataContext(
+            fingerprints=(dataset_fingerprint(manifests[0]),),
+            manifest=manifests[0],
+            train_loader=train_loader,
+            eval_loader=held_out_loader,
+        )
     seq_len, verify = cfg.train.seq_len, cfg.data.verify_checksum
     train = [
         open_windows(folder, manifest, cfg.data.train_split, seq_len, verify)
@@ -497,9 +517,10 @@ def make_step_fn(
     data: DataContext | None = None,
     hooks: Hooks | None = None,
 ) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
-    """The step function the config selects: the pipeline step under ``distributed.pp > 1``,
-    else the text LM step; ``hooks.on_before_optimizer_step`` runs inside it, and with
-    ``[[freeze]]`` the schedule's transitions run before it."""
+    """The step function the config selects: the vision-language step under ``model.vlm``,
+    the pipeline step under ``distributed.pp > 1``, else the text LM step;
+    ``hooks.on_before_optimizer_step`` runs inside it, and with ``[[freeze]]`` the
+    schedule's transitions run before it."""
     before_update: Callable[[PendingStep], None] | None = None
     if hooks is not None:
         before_update = functools.partial(call_before_update, hooks, model.model, model.optimizer)
@@ -532,10 +553,26 @@ def text_or_pipeline_step(
     data: DataContext | None,
     before_update: Callable[[PendingStep], None] | None,
 ) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
-    """The pipeline step under ``distributed.pp > 1``, else the text LM step."""
+    """The vision-language step (``model.vlm``), the pipeline step (``distributed.pp >
+    1``), else the text LM step."""
     cfg = run.config
     loss_spec = loss_spec_of(cfg.train, model.compiled, cfg.model)
     balance_rate = cfg.model.moe_bias_update_rate if cfg.model.moe else 0.0
+    if cfg.model.vlm is not None:
+        return make_vlm_step(
+            model.model,
+            model.optimizer,
+            model.schedule,
+            cfg.optimizer.lr,
+            cfg.train.mixed_precision,
+            cfg.train.grad_clip_norm,
+            arch=cfg.model.vlm,
+            fsdp_mixed_precision=model.fsdp,
+            dp_size=dist.dp_size,
+            loss_scale=NanInjector(faults_from_env(os.environ), dist.rank),
+            loss_spec=loss_spec,
+            before_update=before_update,
+        )
     if model.pipeline is not None:
         return make_pipeline_step(
             model.model,

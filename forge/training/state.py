@@ -92,6 +92,7 @@ class StepResult:
     z_loss: float | None = None  # mean logsumexp² when train.z_loss_weight > 0 (not in ``loss``)
     moe: MoeStepStats | None = None  # a mixture-of-experts model's routing (losses not in ``loss``)
     freeze: FreezeTransition | None = None  # the trainable set changed before this step
+    images: int = 0  # images the step trained on, over every data-parallel rank (VLM)
 
     @property
     def finite(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from forge.config.sections import ModelConfig, Precision, TrainConfig
+from forge.config.sections import ModelConfig, Precision, TrainConfig, VlmArch
 from forge.data.loader import Batch
 from forge.data.packing import IGNORE_INDEX
 from forge.metrics.sources import SourceStats
@@ -73,16 +74,20 @@ def logits_and_stats(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fp32 logits and, for a mixture-of-experts model, its MoE statistics."""
     with autocast():
-        output = model(batch.inputs, **document_kwargs(batch))
+        output = model(batch.inputs, **input_kwargs(batch))
     logits, stats = split_moe_output(output, is_moe(model))
     return logits.float(), stats
 
 
-def document_kwargs(batch: Batch) -> dict[str, torch.Tensor | None]:
-    """The model's keyword inputs for packed rows (per-token positions and documents)."""
-    if batch.document_ids is None:
-        return {}
-    return {"positions": batch.positions, "document_ids": batch.document_ids}
+def input_kwargs(batch: Batch) -> dict[str, torch.Tensor | None]:
+    """The model's keyword inputs beside the tokens: per-token positions and documents of
+    packed rows, the images of image–caption rows."""
+    kwargs: dict[str, torch.Tensor | None] = {}
+    if batch.document_ids is not None:
+        kwargs |= {"positions": batch.positions, "document_ids": batch.document_ids}
+    if batch.images is not None:
+        kwargs["images"] = batch.images
+    return kwargs
 
 
 @attrs.frozen
@@ -117,9 +122,7 @@ def micro_batch_loss(
     z_weight = loss_spec.z_weight
     if loss_spec.chunked:
         with autocast():
-            output = model(
-                batch.inputs, labels=batch.labels, loss=loss_spec, **document_kwargs(batch)
-            )
+            output = model(batch.inputs, labels=batch.labels, loss=loss_spec, **input_kwargs(batch))
         (objective, per_token, z), moe = split_moe_output(output, is_moe(model))
     else:
         logits, moe = logits_and_stats(model, batch, autocast)
@@ -311,6 +314,44 @@ def make_text_step(
         )
 
     return text_step
+
+
+def make_vlm_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    schedule: Schedule,
+    peak_lr: float,
+    precision: Precision,
+    grad_clip_norm: float | None,
+    *,
+    arch: VlmArch,
+    dp_size: int = 1,
+    **text_options: Any,
+) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
+    """The vision-language step (``joint_decoder_step`` or ``cross_attention_step``, by
+    ``arch``): the text step's accumulate, clip and update over micro-batches that carry
+    images, which the model takes beside the caption tokens; the loss counts caption tokens
+    only. Reports the step's images (over ``dp_size`` ranks) for images/s.
+    ``text_options``: ``make_text_step``'s keywords."""
+    text_step = make_text_step(
+        model,
+        optimizer,
+        schedule,
+        peak_lr,
+        precision,
+        grad_clip_norm,
+        dp_size=dp_size,
+        **text_options,
+    )
+
+    def vlm_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
+        if any(b.images is None for b in batches):
+            raise ValueError(f"{arch.value}: a vision-language step needs batches with images")
+        result = text_step(batches, state)
+        return attrs.evolve(result, images=sum(b.num_images for b in batches) * dp_size)
+
+    vlm_step.__name__ = vlm_step.__qualname__ = f"{arch.value}_step"
+    return vlm_step
 
 
 def make_pipeline_step(
