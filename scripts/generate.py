@@ -3,11 +3,17 @@
 Loads the run's resolved ``config.toml`` and its newest complete checkpoint (the same resolver
 training uses), then samples — greedy at temperature 0, else with temperature, top-k and top-p
 — with a KV cache, until the tokenizer's EOS or the model's context is full.
+
+A vision-language run (``model.vlm``) captions an image instead (greedy unless
+``--temperature`` is given; the prompt, if any, starts the caption)::
+
+    python scripts/generate.py runs/vlm_debug --image shape.png
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import pathlib
 import sys
@@ -17,11 +23,12 @@ import torch
 
 from forge.checkpoint.resume import load_newest_weights
 from forge.config import JobConfig
+from forge.data.image_text import load_image
 from forge.data.shards import MANIFEST, read_manifest
 from forge.data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_from_manifest
 from forge.errors import UserInputError, print_errors
-from forge.model.generate import sample
-from forge.model.transformer import Transformer
+from forge.model.generate import caption, sample
+from forge.model.vlm import VisionLanguageModel, build_model
 from forge.optim.optimizers import evaluation_weights
 from forge.optim.param_groups import inference_optimizer
 from forge.training.run_dir import checkpoint_dir_of, load_run_config
@@ -51,6 +58,25 @@ def sampling_problems(args: argparse.Namespace) -> list[str]:
     return problems
 
 
+def image_problem_or_pixels(path: pathlib.Path | None, config: JobConfig) -> torch.Tensor | None:
+    """The ``--image`` as the model's ``uint8`` ``(H, W, 3)`` input (None without one);
+    ``UserInputError`` when it does not fit the run: a text run, a missing image, no Pillow."""
+    if config.model.vlm is None:
+        if path is not None:
+            raise UserInputError(
+                ["--image: the run is a text model (model.vlm is unset); drop --image"]
+            )
+        return None
+    if path is None:
+        raise UserInputError(
+            ["--image: the run is a vision-language model; pass --image PATH to caption"]
+        )
+    if importlib.util.find_spec("PIL") is None:
+        raise UserInputError(["--image: reading an image needs Pillow; pip install -e '.[vision]'"])
+    size = config.model.vision_config.image_size
+    return torch.from_numpy(load_image(path, size).copy())
+
+
 def report(line: str) -> None:
     print(line, file=sys.stderr)
 
@@ -60,7 +86,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("run_dir", type=pathlib.Path, help="a run folder holding config.toml")
-    parser.add_argument("--prompt", default="def ", help="text to continue")
+    parser.add_argument(
+        "--prompt", default=None, help="text to continue (default: 'def ', or '' with --image)"
+    )
+    parser.add_argument(
+        "--image",
+        type=pathlib.Path,
+        default=None,
+        help="a vision-language run: the image to caption (PNG, JPEG...; needs Pillow)",
+    )
     parser.add_argument(
         "--max-new-tokens",
         type=int,
@@ -68,7 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="tokens to sample (default: up to the model's max_seq_len)",
     )
     parser.add_argument(
-        "--temperature", type=float, default=0.8, help="softmax temperature (0: greedy)"
+        "--temperature",
+        type=float,
+        default=None,
+        help="softmax temperature, 0: greedy (default: 0.8, or 0 with --image)",
     )
     parser.add_argument(
         "--top-k", type=int, default=40, help="sample among the k likeliest tokens (0: all)"
@@ -78,6 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     args = parser.parse_args(argv)
+    if args.temperature is None:
+        args.temperature = 0.0 if args.image is not None else 0.8
+    if args.prompt is None:
+        args.prompt = "" if args.image is not None else "def "
     try:
         problems = sampling_problems(args)
         if problems:
@@ -86,7 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         load_path = (
             pathlib.Path(config.checkpoint.load_path) if config.checkpoint.load_path else None
         )
-        model = Transformer(config.model)
+        image = image_problem_or_pixels(args.image, config)
+        model = build_model(config.model)
         optimizer = inference_optimizer(model, config.optimizer)
         path = load_newest_weights(
             checkpoint_dir_of(config, args.run_dir), load_path, model, report, optimizer
@@ -107,6 +149,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_errors(exc.lines)
         return 2
     with evaluation_weights(optimizer):
+        if isinstance(model, VisionLanguageModel):
+            assert image is not None
+            ids = caption(
+                model,
+                image,
+                prompt,
+                new_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                stop_id=tok.eos_id,
+                generator=torch.Generator().manual_seed(args.seed),
+            )
+            print(f"# captioned {args.image} with {path}", file=sys.stderr)
+            print(tok.decode(ids))
+            return 0
         ids = sample(
             model,
             prompt,

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from forge.data.image_text import write_image_text_dataset
+from forge.data.image_text import load_image, write_image_text_dataset
 from forge.data.scenes import caption, random_scene, render
 from forge.data.tokenizer import ByteTokenizer
 from forge.errors import UserInputError, print_errors
@@ -91,23 +91,6 @@ def listed_pairs(path: pathlib.Path) -> list[tuple[pathlib.Path, str, str]]:
     if not pairs:
         raise UserInputError(f"--input {path}: no images ({', '.join(IMAGE_SUFFIXES)}) found")
     return pairs
-
-
-def load_image(path: pathlib.Path, size: int) -> np.ndarray:
-    """An image file as RGB ``uint8`` ``(size, size, 3)``: centre square, resized."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as img:
-            img = img.convert("RGB")
-            side = min(img.size)
-            left, top = (img.width - side) // 2, (img.height - side) // 2
-            img = img.crop((left, top, left + side, top + side)).resize((size, size))
-            return np.asarray(img, dtype=np.uint8)
-    except FileNotFoundError:
-        raise UserInputError(f"{path}: image file not found") from None
-    except (UnidentifiedImageError, OSError) as exc:
-        raise UserInputError(f"{path}: not a readable image ({exc})") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
+import numpy as np
 import pytest
 
 from forge.data.corpus import Document, iter_documents, split_of, stdlib_files, stdlib_root
@@ -80,4 +81,79 @@ def tiny_config(tmp_path: pathlib.Path, small_corpus: pathlib.Path) -> pathlib.P
     """A config for a ~30k-parameter model on the small corpus, its run dir under tmp_path."""
     path = tmp_path / "tiny.toml"
     path.write_text(TINY.format(data=small_corpus) + f'\n[run]\ndir = "{tmp_path / "run"}"\n')
+    return path
+
+
+def write_shapes(out: pathlib.Path, n: int, size: int = 16, seed: int = 0) -> pathlib.Path:
+    """A procedural image–caption dataset (``scripts/prepare_vlm_data.py``'s), 10% held out."""
+    from forge.data.image_text import write_image_text_dataset
+    from forge.data.scenes import caption as caption_of
+    from forge.data.scenes import random_scene, render
+
+    def pairs(count: int, generator_seed: int):
+        rng = np.random.default_rng(generator_seed)
+        for _ in range(count):
+            scene = random_scene(rng)
+            yield render(scene, size), caption_of(scene)
+
+    n_val = max(1, n // 10)
+    splits = {"train": pairs(n - n_val, seed), "validation": pairs(n_val, seed + 1)}
+    write_image_text_dataset(out, splits, ByteTokenizer(), size, source="test shapes")
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_shapes(tmp_path_factory) -> pathlib.Path:
+    """440 shapes images of 16 x 16 with their captions (400 train, 40 validation)."""
+    return write_shapes(tmp_path_factory.mktemp("data") / "shapes", 440)
+
+
+TINY_VLM = """\
+[model]
+dim = 32
+n_layers = 2
+n_heads = 4
+n_kv_heads = 2
+vocab_size = 259
+max_seq_len = 112
+vlm = "{arch}"
+
+[model.vision]
+image_size = 16
+patch_size = 4
+dim = 16
+n_layers = 1
+n_heads = 2
+cross_attention_every = 1
+
+[train]
+batch_size = 4
+seq_len = 96
+max_steps = 12
+mixed_precision = "fp32"
+seed = 3
+
+[optimizer]
+lr = 3e-3
+
+[scheduler]
+warmup_steps = 2
+
+[data]
+path = "{data}"
+
+[checkpoint]
+interval = 5
+
+[metrics]
+log_interval = 1
+"""
+
+
+def tiny_vlm_config(
+    folder: pathlib.Path, data: pathlib.Path, arch: str = "joint_decoder"
+) -> pathlib.Path:
+    """A ~60k-parameter vision-language config on ``data``, its run dir under ``folder``."""
+    path = folder / "tiny_vlm.toml"
+    path.write_text(TINY_VLM.format(arch=arch, data=data) + f'\n[run]\ndir = "{folder / "run"}"\n')
     return path

@@ -28,6 +28,7 @@ from forge.data.shards import (
     token_dtype,
 )
 from forge.data.tokenizer import ByteTokenizer
+from forge.errors import UserInputError
 
 IMAGES_KEY = "images"
 
@@ -186,3 +187,20 @@ def open_image_captions(
     shards = open_split(folder, manifest, split, verify)
     tokens = np.concatenate(shards) if shards else np.zeros(0, dtype=np.int64)
     return ImageCaptions(images, tokens, seq_len)
+
+
+def load_image(path: pathlib.Path, size: int) -> np.ndarray:
+    """An image file as RGB ``uint8`` ``(size, size, 3)``: centre square, resized."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            img = img.convert("RGB")
+            side = min(img.size)
+            left, top = (img.width - side) // 2, (img.height - side) // 2
+            img = img.crop((left, top, left + side, top + side)).resize((size, size))
+            return np.asarray(img, dtype=np.uint8)
+    except FileNotFoundError:
+        raise UserInputError(f"{path}: image file not found") from None
+    except (UnidentifiedImageError, OSError) as exc:
+        raise UserInputError(f"{path}: not a readable image ({exc})") from None

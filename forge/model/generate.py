@@ -1,10 +1,12 @@
-"""Autoregressive sampling from a ``Transformer``: prefill, then cached decoding."""
+"""Autoregressive sampling from a ``Transformer`` (prefill, then cached decoding), and
+captions from a vision-language model."""
 
 from __future__ import annotations
 
 import torch
 
 from forge.model.transformer import KVCache, Transformer, split_moe_output
+from forge.model.vlm import VisionLanguageModel
 
 
 def filter_logits(
@@ -80,6 +82,37 @@ def sample(
         nxt = next_token(logits.float(), temperature, top_k, top_p, generator)
         ids.append(nxt)
         pending = [nxt]
+        if stop_id is not None and nxt == stop_id:
+            break
+    return ids
+
+
+@torch.no_grad()
+def caption(
+    model: VisionLanguageModel,
+    image: torch.Tensor,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """Prompt plus up to ``max_new_tokens`` ids continuing it about ``image`` (``uint8``
+    ``(H, W, 3)``), stopping after ``stop_id``; greedy at temperature 0. Each token reruns
+    the whole caption (captions are short; the image tokens are encoded once)."""
+    if not prompt:
+        raise ValueError("the prompt is empty: a caption starts from at least the BOS token")
+    model.eval()
+    device = next(model.parameters()).device
+    image_tokens = model.image_tokens(image.unsqueeze(0).to(device))
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        logits = model.decode(torch.tensor([ids], device=device), image_tokens)[0, -1]
+        nxt = next_token(logits.float(), temperature, top_k, top_p, generator)
+        ids.append(nxt)
         if stop_id is not None and nxt == stop_id:
             break
     return ids

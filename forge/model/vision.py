@@ -116,10 +116,10 @@ class HFVisionTower(nn.Module):
 
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
+        self.path = pathlib.Path(cfg.path)
+        config = hf_vision_config(self.path)  # first: names a missing transformers in one line
         import transformers
 
-        self.path = pathlib.Path(cfg.path)
-        config = hf_vision_config(self.path)
         self.model = getattr(transformers, HF_TOWERS[config.model_type])(config)
         self.image_size = int(config.image_size)
         self.out_dim = int(config.hidden_size)
@@ -141,11 +141,16 @@ class HFVisionTower(nn.Module):
         return self.model(pixel_values=x).last_hidden_state
 
     def pretrained_state(self) -> dict[str, torch.Tensor]:
-        """The folder's weights by this module's parameter names (``model.…``)."""
+        """The folder's weights by this module's parameter names (``model.…``); its buffers
+        (position ids, which ``to_empty`` leaves undefined) are copied in place here."""
         import transformers
 
         cls = getattr(transformers, type(self.model).__name__)
         loaded = cls.from_pretrained(self.path, config=self.model.config)
+        buffers = dict(loaded.named_buffers())
+        with torch.no_grad():
+            for name, buffer in self.model.named_buffers():
+                buffer.copy_(buffers[name])
         return {f"model.{k}": v for k, v in loaded.state_dict().items()}
 
     @torch.no_grad()

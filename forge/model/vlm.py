@@ -132,7 +132,16 @@ class VisionLanguageModel(nn.Module):
         terms, as ``Transformer.forward``)."""
         if images is None:
             raise ValueError("a vision-language model needs images beside the tokens")
-        image = self.image_tokens(images)
+        return self.decode(tokens, self.image_tokens(images), labels, loss)
+
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        image: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss: LossSpec | None = None,
+    ) -> Any:
+        """``forward`` from the adapter's image tokens ``(B, N, dim)`` on."""
         decoder = self.decoder
         assert decoder.tok_embeddings is not None
         h = decoder.tok_embeddings(tokens)
