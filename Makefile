@@ -3,12 +3,13 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 DATA   ?= data/stdlib
+VLM_DATA ?= data/shapes
 CONFIG ?= configs/train/debug.toml
 # Where torch comes from. Unset: pip's default index; on Linux that is the CUDA build from PyPI.
 # CPU-only machine: make train TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 TORCH_INDEX_URL ?=
 
-.PHONY: train test lint prepare-data clean
+.PHONY: train test lint prepare-data prepare-vlm-data clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +23,12 @@ $(DATA)/manifest.json: | $(VENV)/.installed
 	$(PY) scripts/prepare_data.py --out $(DATA)
 
 prepare-data: $(DATA)/manifest.json
+
+$(VLM_DATA)/manifest.json: | $(VENV)/.installed
+	$(PY) scripts/prepare_vlm_data.py --out $(VLM_DATA)
+
+# the image–caption set configs/train/vlm_debug.toml trains on
+prepare-vlm-data: $(VLM_DATA)/manifest.json
 
 train: $(VENV)/.installed $(DATA)/manifest.json
 	$(PY) scripts/train.py $(CONFIG) $(ARGS)

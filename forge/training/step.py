@@ -168,6 +168,21 @@ def balance_after_update(
     return lambda: balance_experts(model, loads, rate)
 
 
+def label_shares(batches: Sequence[Batch], dp_size: int) -> list[torch.Tensor]:
+    """Each micro-batch's weight when every labelled token of the step counts the same, on
+    this rank and every other data-parallel one: its labels over the step's labels on all
+    ``dp_size`` ranks (one all-reduce), times ``dp_size`` (the gradient reduction averages
+    over ranks). Rows of unequal length (captions, packed documents) need it for a gradient
+    that does not depend on how the batch is split. The sum runs over the default group:
+    only for steps whose ranks are all data-parallel (the vision-language step)."""
+    counts = torch.stack([(b.labels != IGNORE_INDEX).sum() for b in batches]).float()
+    total = counts.sum()
+    if dp_size > 1:
+        torch_dist.all_reduce(total)
+    shares = counts * dp_size / total
+    return list(shares.unbind())
+
+
 def trainable_parameters(model: nn.Module) -> list[torch.Tensor]:
     """The parameters that get gradients this step."""
     return [p for p in model.parameters() if p.requires_grad]
@@ -250,6 +265,7 @@ def make_text_step(
     before_update: Callable[[PendingStep], None] | None = None,
     balance_rate: float = 0.0,
     world_size: int = 1,
+    token_weighted: bool = False,
 ) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
     """The language-model step: accumulate gradients, clip, and update only if all is finite.
 
@@ -263,7 +279,9 @@ def make_text_step(
     cross-entropy, ``z_loss`` the mean term. ``before_update`` sees each step before its
     gradients are clipped and applied. A mixture-of-experts model's statistics are summed
     over micro-batches and reported; with ``balance_rate`` its routers' biases move after the
-    update (``balance_experts``, loads summed over ``world_size`` ranks).
+    update (``balance_experts``, loads summed over ``world_size`` ranks). With
+    ``token_weighted`` every labelled token of the step weighs the same wherever it sits
+    (``label_shares``); else each micro-batch's mean counts ``1 / micro-batches``.
     """
     autocast = (
         contextlib.nullcontext
@@ -281,31 +299,31 @@ def make_text_step(
         total_z = torch.zeros((), device=device) if loss_spec.z_weight > 0 else None
         scale = loss_scale(state.step + 1) if loss_scale is not None else 1.0
         moe: torch.Tensor | None = None
+        n = len(batches)
+        shares = label_shares(batches, dp_size) if token_weighted else [1.0 / n] * n
         for i, batch in enumerate(batches):
-            set_gradient_sync(model, i == len(batches) - 1)
+            set_gradient_sync(model, i == n - 1)
             terms = micro_batch_loss(model, batch, autocast, stats, loss_spec)
             objective = terms.objective
             if scale != 1.0:  # fault injection (tests only)
                 objective = objective * scale
-            (objective / len(batches)).backward()
-            total += terms.loss.float() * scale
+            (objective * shares[i]).backward()
+            total += terms.loss.float() * shares[i] * scale
             if total_z is not None and terms.z is not None:
-                total_z += terms.z
+                total_z += terms.z * shares[i]
             if terms.moe is not None:
                 moe = terms.moe if moe is None else moe + terms.moe
         grad_norm = global_grad_norm(params)
         tokens = sum(b.num_tokens for b in batches) * dp_size
-        n = len(batches)
-        mean_z = total_z / n if total_z is not None else None
         return finish_step(
             optimizer,
             params,
-            total / n,
+            total,
             grad_norm,
             max_norm,
             tokens=tokens,
             lr=lr,
-            z_loss=mean_z,
+            z_loss=total_z,
             step=state.step + 1,
             before_update=before_update,
             moe=moe,
@@ -341,6 +359,7 @@ def make_vlm_step(
         precision,
         grad_clip_norm,
         dp_size=dp_size,
+        token_weighted=True,  # captions differ in length: every caption token counts alike
         **text_options,
     )
 

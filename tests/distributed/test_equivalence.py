@@ -22,6 +22,7 @@ from forge.data.dataset import open_windows
 from forge.data.loader import TextLoader, single_source
 from forge.data.shards import read_manifest
 from forge.model.transformer import Transformer
+from forge.model.vlm import build_model
 from forge.training.step import evaluate_loss
 from tests.conftest import REPO, TINY
 
@@ -73,7 +74,7 @@ def records(run_dir: pathlib.Path, key: str = "loss") -> list[dict]:
 
 
 def weights(config: pathlib.Path, run_dir: pathlib.Path, step: int) -> dict[str, torch.Tensor]:
-    model = Transformer(load_config([str(config)]).config.model)
+    model = build_model(load_config([str(config)]).config.model)
     load_checkpoint(run_dir / "checkpoints" / f"step_{step}", model, None, restore_rng_state=False)
     return model.state_dict()
 
