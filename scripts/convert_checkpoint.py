@@ -36,6 +36,13 @@ from forge.training.run_dir import checkpoint_dir_of, load_run_config
 
 def export(run_dir: pathlib.Path, out: pathlib.Path, dtype: str) -> None:
     config = load_run_config(run_dir)
+    if config.model.vlm is not None:
+        raise UserInputError(
+            [
+                f"{run_dir}: a vision-language run (model.vlm) has no Hugging Face export; "
+                "its checkpoints serve scripts/generate.py --image and scripts/eval.py"
+            ]
+        )
     model = Transformer(config.model)
     optimizer = inference_optimizer(model, config.optimizer)
     path = load_newest_weights(checkpoint_dir_of(config, run_dir), None, model, report, optimizer)

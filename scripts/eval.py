@@ -3,8 +3,10 @@
 Takes a run directory (the checkpoint training would resume from, found by the same resolver)
 or one checkpoint directory (``runs/debug/checkpoints/step_400``), and computes the mean loss
 and perplexity over every window of a prepared split (``--split validation`` of ``--data``,
-by default the run's own data). Under ``torchrun --nproc_per_node=N`` each rank evaluates
-every N-th window and the sums are combined, so the result is the same at any rank count.
+by default the run's own data); for a vision-language run, over every caption of the split
+with its image (``--mismatched-images``: with the next example's image instead). Under
+``torchrun --nproc_per_node=N`` each rank evaluates every N-th window (or caption) and the
+sums are combined, so the result is the same at any rank count.
 """
 
 from __future__ import annotations
@@ -17,21 +19,24 @@ import pathlib
 import sys
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from forge.checkpoint.resume import first_loadable, load_newest_weights
 from forge.checkpoint.store import load_checkpoint
 from forge.data.dataset import open_windows
+from forge.data.image_text import ImageCaptions, open_image_captions
 from forge.data.loader import Batch
 from forge.data.shards import read_manifest
 from forge.errors import UserInputError, print_errors
-from forge.model.transformer import Transformer
+from forge.model.vlm import build_model
 from forge.optim.optimizers import evaluation_weights
 from forge.optim.param_groups import inference_optimizer
 from forge.parallel.world import world_info
 from forge.training.run_dir import checkpoint_dir_of, load_run_config
 from forge.training.step import evaluate_loss, loss_spec_of
+from forge.training.vlm import mismatched_images
 
 
 def run_dir_of(path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path | None]:
@@ -60,6 +65,21 @@ def batches_of(windows, rank: int, world: int, batch_size: int) -> list[Batch]:
     return out
 
 
+def caption_batches_of(
+    captions: ImageCaptions, rank: int, world: int, batch_size: int
+) -> list[Batch]:
+    """This rank's image–caption examples (every ``world``-th from ``rank``) with their
+    images, in batches of ``batch_size``."""
+    mine = list(range(rank, len(captions), world))
+    out = []
+    for start in range(0, len(mine), batch_size):
+        indices = mine[start : start + batch_size]
+        inputs, labels = captions.rows(indices)
+        images = torch.from_numpy(np.stack([captions.images[i] for i in indices]))
+        out.append(Batch(torch.from_numpy(inputs), torch.from_numpy(labels), images=images))
+    return out
+
+
 def report(line: str) -> None:
     print(line, file=sys.stderr)
 
@@ -73,6 +93,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--split", default="validation", help="which split of --data")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--mismatched-images",
+        action="store_true",
+        help="a vision-language run: give each caption the next example's image",
+    )
     args = parser.parse_args(argv)
     world = world_info(os.environ)
     if world.world_size > 1:
@@ -87,13 +112,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.split not in manifest.splits:
             splits = sorted(manifest.splits)
             raise UserInputError([f"{data}: no split {args.split!r}; it has {splits}"])
-        windows = open_windows(data, manifest, args.split, config.train.seq_len, True)
+        if config.model.vlm is not None:
+            examples = open_image_captions(data, manifest, args.split, config.train.seq_len, True)
+        else:
+            if args.mismatched_images:
+                raise UserInputError(["--mismatched-images: the run is a text model (no images)"])
+            examples = open_windows(data, manifest, args.split, config.train.seq_len, True)
         if manifest.vocab_size > config.model.vocab_size:
             raise UserInputError(
                 [f"{data}: vocab size {manifest.vocab_size} is larger than the model's "
                  f"{config.model.vocab_size}; evaluate on data prepared with its tokenizer"]
             )  # fmt: skip
-        model = Transformer(config.model)
+        model = build_model(config.model)
         optimizer = inference_optimizer(model, config.optimizer)
         if checkpoint is None:
             load_path = (
@@ -112,7 +142,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if world.rank == 0:
             print_errors(exc.lines)
         return 2
-    batches = batches_of(windows, world.rank, world.world_size, args.batch_size)
+    if isinstance(examples, ImageCaptions):
+        batches = caption_batches_of(examples, world.rank, world.world_size, args.batch_size)
+        if args.mismatched_images:
+            batches = [mismatched_images(b) for b in batches]
+    else:
+        batches = batches_of(examples, world.rank, world.world_size, args.batch_size)
     with evaluation_weights(optimizer):
         total, count = evaluate_loss(
             model, batches, config.train.mixed_precision, loss_spec_of(config.train)

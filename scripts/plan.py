@@ -16,7 +16,14 @@ from collections.abc import Sequence
 from forge.config import load_config
 from forge.errors import UserInputError, print_errors
 from forge.metrics.flops import flops_per_token, non_embedding_parameters
-from forge.parallel.memory_plan import GIB, HEADROOM, MemoryPlan, memory_plan, stage_parameters
+from forge.parallel.memory_plan import (
+    GIB,
+    HEADROOM,
+    MemoryPlan,
+    memory_plan,
+    stage_parameters,
+    vision_parameters,
+)
 from forge.parallel.world import parallel_problems, resolve_dims
 
 
@@ -62,8 +69,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     m, t = config.model, config.train
     dims = resolve_dims(config.distributed, args.nproc)
+    vision = vision_parameters(m)
     total = non_embedding_parameters(m) + (0 if m.tie_embeddings else m.vocab_size * m.dim)
-    print(f"parameters: {total:,} total, {non_embedding_parameters(m):,} non-embedding")
+    total += vision
+    print(
+        f"parameters: {total:,} total, {non_embedding_parameters(m):,} non-embedding in the decoder"
+    )
+    if m.vlm is not None:
+        print(f"vision-language: {vision:,} in the encoder, adapter and cross-attention layers")
     if m.moe:
         active = non_embedding_parameters(m, active=True)
         print(f"mixture of experts: {active:,} non-embedding parameters active per token")

@@ -26,15 +26,19 @@ check keeps ``HEADROOM`` of the device free for them.
 from __future__ import annotations
 
 import attrs
+import torch
 
 from forge.config.sections import (
     ActivationCheckpointing,
     JobConfig,
+    ModelConfig,
     OptimizerName,
     PipelineSchedule,
     Precision,
 )
 from forge.metrics.flops import largest_block_parameters
+from forge.model.transformer import Transformer, num_parameters
+from forge.model.vlm import VisionLanguageModel
 from forge.parallel.world import MeshDims
 
 HEADROOM = 0.1  # of the device's memory, for what the estimate leaves out
@@ -83,7 +87,17 @@ def stage_parameters(config: JobConfig, pp: int) -> tuple[int, int]:
     ends += m.dim
     norms = 2 * m.dim + (2 * (m.dim // m.n_heads) if m.qk_norm else 0)
     block = largest_block_parameters(m)  # an upper bound where blocks differ (MoE)
-    return layers * block + ends, layers * (block - norms)
+    vision = vision_parameters(m)  # a vision-language model has one stage
+    return layers * block + ends + vision, layers * (block - norms) + vision
+
+
+def vision_parameters(m: ModelConfig) -> int:
+    """A vision-language model's parameters beside its decoder (encoder, adapter,
+    cross-attention layers), counted on the meta device; 0 for a text model."""
+    if m.vlm is None:
+        return 0
+    with torch.device("meta"):
+        return num_parameters(VisionLanguageModel(m)) - num_parameters(Transformer(m))
 
 
 def optimizer_tensors(name: OptimizerName, total: int, hidden_matrices: int) -> float:

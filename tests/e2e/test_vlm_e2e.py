@@ -19,6 +19,8 @@ from tests.conftest import tiny_vlm_config
 from tests.e2e.test_train_script import TRAIN, load_script, run_dir
 
 GENERATE = load_script("generate")
+EVAL = load_script("eval")
+CONVERT = load_script("convert_checkpoint")
 
 # the adapter (and cross-attention layers) alone for steps 1-2, the decoder too from step 3,
 # the encoder as well from step 5
@@ -111,6 +113,23 @@ def test_generate_captions_an_image_and_refuses_what_does_not_fit(tmp_path, smal
     missing = tmp_path / "missing.png"
     assert GENERATE.main([str(run_dir(config)), "--image", str(missing)]) == 2
     assert f"{missing}: image file not found" in capsys.readouterr().err
+    out_dir = tmp_path / "export"
+    assert CONVERT.main(["export", str(run_dir(config)), "--out", str(out_dir)]) == 2
+    assert "has no Hugging Face export" in capsys.readouterr().err and not out_dir.exists()
+
+
+def test_eval_takes_every_held_out_caption_with_its_image(tmp_path, small_shapes, capsys):
+    config = vlm_run(tmp_path, small_shapes)
+    assert TRAIN.main([str(config), "--eval.interval=2"]) == 0
+    logged = metrics(config, "eval/loss")[-1]["eval/loss"]  # 2 batches of 4 of the 40 captions
+    capsys.readouterr()
+    assert EVAL.main([str(run_dir(config)), "--json"]) == 0
+    matched = json.loads(capsys.readouterr().out)
+    assert matched["tokens"] > 0 and abs(matched["loss"] - logged) < 0.5
+    assert EVAL.main([str(run_dir(config)), "--json", "--mismatched-images"]) == 0
+    mismatched = json.loads(capsys.readouterr().out)
+    assert mismatched["tokens"] == matched["tokens"]
+    assert mismatched["loss"] != matched["loss"]  # the images reach the model
 
 
 def test_a_text_run_refuses_an_image(tiny_config, tmp_path, capsys):

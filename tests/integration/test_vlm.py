@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from forge.config.sections import (
+    JobConfig,
     ModelConfig,
     OptimizerConfig,
     Precision,
@@ -27,10 +28,11 @@ from forge.data.shards import read_manifest
 from forge.errors import UserInputError
 from forge.model.chunked_loss import LossSpec
 from forge.model.generate import caption
-from forge.model.transformer import Transformer
+from forge.model.transformer import Transformer, num_parameters
 from forge.model.vlm import VisionLanguageModel, build_model
 from forge.optim.param_groups import build_optimizer
 from forge.optim.schedules import Schedule, resolve_schedule
+from forge.parallel.memory_plan import stage_parameters, vision_parameters
 from forge.training.state import LoopState
 from forge.training.step import make_vlm_step, micro_batch_loss
 
@@ -261,3 +263,12 @@ def test_a_tower_that_cannot_be_used_is_named(tmp_path, setup, message):
     assert len(exc.value.lines) == 1
     assert message in exc.value.lines[0]
     assert exc.value.lines[0].startswith("model.vision.")
+
+
+@pytest.mark.parametrize("arch", list(VlmArch))
+def test_the_memory_plan_counts_every_parameter_of_the_vlm(arch):
+    cfg = vlm_config(arch)
+    built = num_parameters(VisionLanguageModel(cfg))
+    assert stage_parameters(JobConfig(model=cfg), 1)[0] == built
+    assert vision_parameters(cfg) == built - num_parameters(Transformer(cfg))
+    assert vision_parameters(attrs.evolve(cfg, vlm=None, vision=None)) == 0
