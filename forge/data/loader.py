@@ -182,9 +182,10 @@ class TextLoader:
     """Yields micro-batches; each data-parallel rank reads its own rows of every micro-batch.
 
     ``sources``: token windows, one per source, or one split of image–caption examples
-    (batches then carry the images). Its whole state is a ``LoaderState``: ``load_state_dict`` seeks there in O(1). With
-    ``max_epochs`` set, iteration stops before any source starts epoch ``max_epochs``. Batches
-    are placed on ``device`` (the training device).
+    (batches then carry the images). Its whole state is a ``LoaderState``:
+    ``load_state_dict`` seeks there in O(1). With ``max_epochs`` set, iteration stops before
+    any source starts epoch ``max_epochs``. Batches are placed on ``device`` (the training
+    device).
     """
 
     def __init__(
@@ -198,11 +199,11 @@ class TextLoader:
     ) -> None:
         self.reader: WindowReader | ImageCaptionReader
         if isinstance(sources, ImageCaptions):
-            self.reader = ImageCaptionReader(sources)
+            self.reader, count = ImageCaptionReader(sources), 1
         else:
-            self.reader = WindowReader(sources, bos_id)
-        if (1 if isinstance(sources, ImageCaptions) else len(sources)) != len(sampling.sizes):
-            raise ValueError("one TokenWindows per source")
+            self.reader, count = WindowReader(sources, bos_id), len(sources)
+        if count != len(sampling.sizes):
+            raise ValueError("one TokenWindows per source (image–caption data is one source)")
         self.sampling = sampling
         self.num_workers = num_workers
         self.device = torch.device(device)

@@ -525,7 +525,7 @@ def make_step_fn(
     if hooks is not None:
         before_update = functools.partial(call_before_update, hooks, model.model, model.optimizer)
 
-    step = text_or_pipeline_step(run, dist, model, data, before_update)
+    step = configured_step(run, dist, model, data, before_update)
     if model.freezer is None:
         return step
     return functools.partial(freezing_step, step, model.freezer)
@@ -546,7 +546,7 @@ def freezing_step(
     return result if transition is None else attrs.evolve(result, freeze=transition)
 
 
-def text_or_pipeline_step(
+def configured_step(
     run: RunContext,
     dist: DistContext,
     model: ModelContext,
