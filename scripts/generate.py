@@ -148,34 +148,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserInputError as exc:
         print_errors(exc.lines)
         return 2
+    sampling = {
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "stop_id": tok.eos_id,
+        "generator": torch.Generator().manual_seed(args.seed),
+    }
     with evaluation_weights(optimizer):
         if isinstance(model, VisionLanguageModel):
             assert image is not None
-            ids = caption(
-                model,
-                image,
-                prompt,
-                new_tokens,
-                temperature=args.temperature,
-                top_k=args.top_k,
-                top_p=args.top_p,
-                stop_id=tok.eos_id,
-                generator=torch.Generator().manual_seed(args.seed),
-            )
+            ids = caption(model, image, prompt, new_tokens, **sampling)
             print(f"# captioned {args.image} with {path}", file=sys.stderr)
-            print(tok.decode(ids))
-            return 0
-        ids = sample(
-            model,
-            prompt,
-            new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            stop_id=tok.eos_id,
-            generator=torch.Generator().manual_seed(args.seed),
-        )
-    print(f"# sampled from {path}", file=sys.stderr)
+        else:
+            ids = sample(model, prompt, new_tokens, **sampling)
+            print(f"# sampled from {path}", file=sys.stderr)
     print(tok.decode(ids))
     return 0
 

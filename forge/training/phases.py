@@ -558,21 +558,23 @@ def configured_step(
     cfg = run.config
     loss_spec = loss_spec_of(cfg.train, model.compiled, cfg.model)
     balance_rate = cfg.model.moe_bias_update_rate if cfg.model.moe else 0.0
+    essentials = (
+        model.model,
+        model.optimizer,
+        model.schedule,
+        cfg.optimizer.lr,
+        cfg.train.mixed_precision,
+        cfg.train.grad_clip_norm,
+    )
+    options = {
+        "fsdp_mixed_precision": model.fsdp,
+        "dp_size": dist.dp_size,
+        "loss_scale": NanInjector(faults_from_env(os.environ), dist.rank),
+        "loss_spec": loss_spec,
+        "before_update": before_update,
+    }
     if cfg.model.vlm is not None:
-        return make_vlm_step(
-            model.model,
-            model.optimizer,
-            model.schedule,
-            cfg.optimizer.lr,
-            cfg.train.mixed_precision,
-            cfg.train.grad_clip_norm,
-            arch=cfg.model.vlm,
-            fsdp_mixed_precision=model.fsdp,
-            dp_size=dist.dp_size,
-            loss_scale=NanInjector(faults_from_env(os.environ), dist.rank),
-            loss_spec=loss_spec,
-            before_update=before_update,
-        )
+        return make_vlm_step(*essentials, arch=cfg.model.vlm, **options)
     if model.pipeline is not None:
         return make_pipeline_step(
             model.model,
@@ -589,18 +591,9 @@ def configured_step(
             world_size=dist.world_size,
         )
     return make_text_step(
-        model.model,
-        model.optimizer,
-        model.schedule,
-        cfg.optimizer.lr,
-        cfg.train.mixed_precision,
-        cfg.train.grad_clip_norm,
-        fsdp_mixed_precision=model.fsdp,
-        dp_size=dist.dp_size,
-        loss_scale=NanInjector(faults_from_env(os.environ), dist.rank),
+        *essentials,
+        **options,
         stats=data.source_stats if data is not None else None,
-        loss_spec=loss_spec,
-        before_update=before_update,
         balance_rate=balance_rate,
         world_size=dist.world_size,
     )
