@@ -86,8 +86,8 @@ def hf_vision_config(path: pathlib.Path) -> Any:
     except ImportError:
         raise UserInputError(
             [
-                "model.vision.encoder: 'hf' needs transformers; pip install 'forge[hf]' "
-                "(or use encoder='vit')"
+                "model.vision.encoder: 'hf' needs transformers; pip install -e "
+                "'.[transformers]' (or use encoder='vit')"
             ]
         ) from None
     if not (path / "config.json").is_file():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -113,6 +114,11 @@ def test_generate_captions_an_image_and_refuses_what_does_not_fit(tmp_path, smal
     missing = tmp_path / "missing.png"
     assert GENERATE.main([str(run_dir(config)), "--image", str(missing)]) == 2
     assert f"{missing}: image file not found" in capsys.readouterr().err
+    with mock.patch("importlib.util.find_spec", return_value=None):  # Pillow not installed
+        assert GENERATE.main([str(run_dir(config)), "--image", str(png)]) == 2
+    assert "--image: reading an image needs Pillow; pip install -e '.[vision]'" in (
+        capsys.readouterr().err
+    )
     out_dir = tmp_path / "export"
     assert CONVERT.main(["export", str(run_dir(config)), "--out", str(out_dir)]) == 2
     assert "has no Hugging Face export" in capsys.readouterr().err and not out_dir.exists()

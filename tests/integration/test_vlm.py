@@ -145,11 +145,29 @@ def test_the_vlm_step_trains_and_reports_its_images():
     assert step.__name__ == "joint_decoder_step"
     batch = image_caption_batch()
     losses = []
-    for i in range(8):
-        result = step((batch, batch), LoopState(step=i))
-        losses.append(result.loss)
-        assert result.images == 2 * 4 * 2  # micro-batches × rows × data-parallel ranks
+
+    def peer_with_the_same_batches(total: torch.Tensor) -> None:
+        total.mul_(2)  # the step's label count summed with one identical data-parallel peer
+
+    with mock.patch("forge.training.step.torch_dist.all_reduce", peer_with_the_same_batches):
+        for i in range(8):
+            result = step((batch, batch), LoopState(step=i))
+            losses.append(result.loss)
+            assert result.images == 2 * 4 * 2  # micro-batches × rows × data-parallel ranks
     assert losses[-1] < 0.9 * losses[0]
+    # an identical peer leaves each token's weight as one rank alone would
+    torch.manual_seed(0)
+    alone = VisionLanguageModel(vlm_config(VlmArch.JOINT_DECODER))
+    one_rank = make_vlm_step(
+        alone,
+        build_optimizer(alone, OptimizerConfig(lr=3e-3)),
+        resolve_schedule_for(20),
+        3e-3,
+        Precision.FP32,
+        1.0,
+        arch=VlmArch.JOINT_DECODER,
+    )
+    assert one_rank((batch, batch), LoopState()).loss == pytest.approx(losses[0], rel=1e-6)
     with pytest.raises(ValueError, match="needs batches with images"):
         step((Batch(batch.inputs, batch.labels),), LoopState())
 
