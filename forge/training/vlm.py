@@ -4,6 +4,7 @@ built), and its image–caption loaders."""
 from __future__ import annotations
 
 import pathlib
+import sys
 
 import attrs
 import torch
@@ -80,6 +81,9 @@ def image_caption_loaders(
         return open_image_captions(folder, manifest, split, train_cfg.seq_len, data.verify_checksum)
 
     train = open_split(data.train_split)
+    warning = caption_cut_warning(train.longest_caption, train_cfg.seq_len, folder)
+    if warning is not None and dp_rank == 0:
+        print(f"[forge] warning: {warning}", file=sys.stderr)
     needed = train_cfg.batch_size * dp_size
     if len(train) < needed:
         raise DataError(
@@ -113,6 +117,18 @@ def image_caption_loaders(
         len(held_out), train_cfg.batch_size, seed=0, rank=dp_rank, world_size=dp_size
     )
     return loader, TextLoader(held_out, sampling, device=device)
+
+
+def caption_cut_warning(longest: int, seq_len: int, folder: pathlib.Path) -> str | None:
+    """A warning when the longest caption (in tokens, BOS and EOS included) does not fit in
+    ``seq_len + 1`` and so loses its end; None when every caption fits."""
+    if longest <= seq_len + 1:
+        return None
+    return (
+        f"{folder}'s longest caption has {longest} tokens; captions are cut at "
+        f"train.seq_len + 1 = {seq_len + 1} (their end is not learned); set "
+        f"train.seq_len >= {longest - 1} to keep them whole"
+    )
 
 
 def mismatched_images(batch: Batch) -> Batch:

@@ -4,6 +4,8 @@ how captions become rows, and what a freeze schedule over the three parts trains
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
 import torch
@@ -19,7 +21,7 @@ from forge.model.vlm import (
     prefix_causal_mask,
     vlm_initial_value,
 )
-from forge.training.vlm import mismatched_images
+from forge.training.vlm import caption_cut_warning, mismatched_images
 
 
 def config_lines(tmp_path, *overrides: str) -> list[str]:
@@ -200,3 +202,15 @@ DECODER = {n for n in VLM_NAMES if n.startswith("decoder.")}
 def test_the_three_parts_unfreeze_by_the_schedule(step, trainable):
     assert schedule_problems(VLM_NAMES, PRESET) == []
     assert trainable_names(VLM_NAMES, PRESET, step) == trainable
+
+
+@pytest.mark.parametrize(
+    ("longest", "seq_len", "warned"),
+    [(92, 96, False), (97, 96, False), (98, 96, True), (500, 96, True)],
+)
+def test_captions_longer_than_a_row_are_warned_about(longest, seq_len, warned):
+    warning = caption_cut_warning(longest, seq_len, pathlib.Path("data/x"))
+    assert (warning is not None) == warned
+    if warning is not None:
+        assert f"set train.seq_len >= {longest - 1}" in warning
+        assert f"data/x's longest caption has {longest} tokens" in warning
