@@ -22,9 +22,9 @@ from forge.parallel.memory_plan import (
     MemoryPlan,
     memory_plan,
     stage_parameters,
-    vision_parameters,
 )
 from forge.parallel.world import parallel_problems, resolve_dims
+from forge.training.vlm import vision_footprint
 
 
 def report(plan: MemoryPlan, device_gb: float) -> list[str]:
@@ -69,30 +69,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     m, t = config.model, config.train
     dims = resolve_dims(config.distributed, args.nproc)
-    vision = vision_parameters(m)
+    vision = vision_footprint(m)
     total = non_embedding_parameters(m) + (0 if m.tie_embeddings else m.vocab_size * m.dim)
-    total += vision
+    total += vision.parameters
     print(
         f"parameters: {total:,} total, {non_embedding_parameters(m):,} non-embedding in the decoder"
     )
     if m.vlm is not None:
-        print(f"vision-language: {vision:,} in the encoder, adapter and cross-attention layers")
+        print(
+            f"vision-language: {vision.parameters:,} in the encoder, adapter and cross-attention "
+            f"layers; {vision.decoder_tokens} image tokens per row in the decoder"
+        )
     if m.moe:
         active = non_embedding_parameters(m, active=True)
         print(f"mixture of experts: {active:,} non-embedding parameters active per token")
     print(
         f"FLOPs per token: {flops_per_token(m, t.seq_len) / 1e9:.2f} GFLOP at seq_len {t.seq_len}"
     )
+    stage = stage_parameters(config, dims.pp, vision)[0]
     print(
         f"layout at {args.nproc} ranks: dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} "
-        f"tp={dims.tp} pp={dims.pp}; largest stage {stage_parameters(config, dims.pp)[0]:,} params"
+        f"tp={dims.tp} pp={dims.pp}; largest stage {stage:,} params"
     )
     print(
         f"per rank: micro-batch {t.batch_size} x {t.seq_len}, {t.mixed_precision.value} compute, "
         f"{t.param_dtype.value} weights, {config.optimizer.name.value}, "
         f"activation checkpointing {t.activation_checkpointing.value}"
     )
-    for line in report(memory_plan(config, dims), args.gpu_memory_gb):
+    for line in report(memory_plan(config, dims, vision), args.gpu_memory_gb):
         print(line)
     return 0
 

@@ -26,19 +26,15 @@ check keeps ``HEADROOM`` of the device free for them.
 from __future__ import annotations
 
 import attrs
-import torch
 
 from forge.config.sections import (
     ActivationCheckpointing,
     JobConfig,
-    ModelConfig,
     OptimizerName,
     PipelineSchedule,
     Precision,
 )
 from forge.metrics.flops import largest_block_parameters
-from forge.model.transformer import Transformer, num_parameters
-from forge.model.vlm import VisionLanguageModel
 from forge.parallel.world import MeshDims
 
 HEADROOM = 0.1  # of the device's memory, for what the estimate leaves out
@@ -77,7 +73,22 @@ def dtype_bytes(precision: Precision) -> int:
     return 2 if precision is Precision.BF16 else 4
 
 
-def stage_parameters(config: JobConfig, pp: int) -> tuple[int, int]:
+@attrs.frozen
+class VisionFootprint:
+    """What a vision-language model adds to its decoder: the parameters of its encoder,
+    adapter and cross-attention layers, and the image tokens the decoder runs beside each
+    caption (the joint decoder's; 0 for cross-attention)."""
+
+    parameters: int = 0
+    decoder_tokens: int = 0
+
+
+TEXT_ONLY = VisionFootprint()
+
+
+def stage_parameters(
+    config: JobConfig, pp: int, vision: VisionFootprint = TEXT_ONLY
+) -> tuple[int, int]:
     """(parameters of the largest pipeline stage, of which in 2-D hidden matrices)."""
     m = config.model
     layers = -(-m.n_layers // pp)  # earlier stages take the remainder
@@ -87,17 +98,8 @@ def stage_parameters(config: JobConfig, pp: int) -> tuple[int, int]:
     ends += m.dim
     norms = 2 * m.dim + (2 * (m.dim // m.n_heads) if m.qk_norm else 0)
     block = largest_block_parameters(m)  # an upper bound where blocks differ (MoE)
-    vision = vision_parameters(m)  # a vision-language model has one stage
-    return layers * block + ends + vision, layers * (block - norms) + vision
-
-
-def vision_parameters(m: ModelConfig) -> int:
-    """A vision-language model's parameters beside its decoder (encoder, adapter,
-    cross-attention layers), counted on the meta device; 0 for a text model."""
-    if m.vlm is None:
-        return 0
-    with torch.device("meta"):
-        return num_parameters(VisionLanguageModel(m)) - num_parameters(Transformer(m))
+    extra = vision.parameters  # a vision-language model is one stage
+    return layers * block + ends + extra, layers * (block - norms) + extra
 
 
 def optimizer_tensors(name: OptimizerName, total: int, hidden_matrices: int) -> float:
@@ -117,17 +119,21 @@ def activation_bytes_per_layer(config: JobConfig, tokens: int, tp: int) -> int:
     return tokens * elements * dtype_bytes(config.train.mixed_precision) // tp
 
 
-def memory_plan(config: JobConfig, dims: MeshDims) -> MemoryPlan:
-    """This config's per-rank peak under the mesh ``dims`` (a pure function: no torch)."""
+def memory_plan(
+    config: JobConfig, dims: MeshDims, vision: VisionFootprint = TEXT_ONLY
+) -> MemoryPlan:
+    """This config's per-rank peak under the mesh ``dims`` (a pure function: no torch); a
+    vision-language model's ``vision`` adds its parameters and the decoder's image tokens
+    (the encoder's own activations are left out)."""
     m, t = config.model, config.train
-    stage, hidden = stage_parameters(config, dims.pp)
+    stage, hidden = stage_parameters(config, dims.pp, vision)
     owned = stage / (dims.tp * dims.dp_shard)
     param_bytes = dtype_bytes(t.param_dtype)
     compute_bytes = dtype_bytes(t.mixed_precision)
     gathered = 0
     if dims.dp_shard > 1:
         gathered = 2 * largest_block_parameters(m) * compute_bytes // dims.tp
-    tokens = t.batch_size * t.seq_len
+    tokens = t.batch_size * (t.seq_len + vision.decoder_tokens)
     layers = -(-m.n_layers // dims.pp)
     per_layer = activation_bytes_per_layer(config, tokens, dims.tp)
     in_flight = 1
@@ -146,10 +152,11 @@ def memory_plan(config: JobConfig, dims: MeshDims) -> MemoryPlan:
     else:
         kept = without_ac
     vocab_rows = m.vocab_size // dims.tp
+    labelled = t.batch_size * t.seq_len  # image tokens have no logits
     if t.loss_chunk_size > 0:
-        loss = 3 * min(t.loss_chunk_size, tokens) * vocab_rows * 4
+        loss = 3 * min(t.loss_chunk_size, labelled) * vocab_rows * 4
     else:
-        loss = 3 * tokens * vocab_rows * 4
+        loss = 3 * labelled * vocab_rows * 4
     return MemoryPlan(
         parameters=round(owned * param_bytes),
         gradients=round(owned * param_bytes),

@@ -9,13 +9,15 @@ import sys
 import attrs
 import torch
 
-from forge.config.sections import JobConfig, VisionEncoderKind, VlmArch
+from forge.config.sections import JobConfig, ModelConfig, VisionEncoderKind, VlmArch
 from forge.data.image_text import ImageCaptions, image_size_of, open_image_captions
 from forge.data.loader import Batch, Sampling, TextLoader, single_source
 from forge.data.mixture import resolve_phases
 from forge.data.shards import DataError, Manifest
 from forge.errors import UserInputError
+from forge.model.transformer import Transformer, num_parameters
 from forge.model.vlm import VisionLanguageModel
+from forge.parallel.memory_plan import TEXT_ONLY, VisionFootprint
 
 
 def vlm_problems(config: JobConfig) -> list[str]:
@@ -62,6 +64,18 @@ def vlm_problems(config: JobConfig) -> list[str]:
             f"{size}x{size}; set model.vision.image_size={size}"
         )
     return problems
+
+
+def vision_footprint(m: ModelConfig) -> VisionFootprint:
+    """What ``m``'s vision-language parts add to its decoder, counted on the meta device
+    (``TEXT_ONLY`` for a text model), for ``memory_plan``."""
+    if m.vlm is None:
+        return TEXT_ONLY
+    with torch.device("meta"):
+        model = VisionLanguageModel(m)
+        parameters = num_parameters(model) - num_parameters(Transformer(m))
+    joint = m.vlm is VlmArch.JOINT_DECODER
+    return VisionFootprint(parameters, model.num_image_tokens if joint else 0)
 
 
 def image_caption_loaders(

@@ -32,9 +32,11 @@ from forge.model.transformer import Transformer, num_parameters
 from forge.model.vlm import VisionLanguageModel, build_model
 from forge.optim.param_groups import build_optimizer
 from forge.optim.schedules import Schedule, resolve_schedule
-from forge.parallel.memory_plan import stage_parameters, vision_parameters
+from forge.parallel.memory_plan import TEXT_ONLY, VisionFootprint, memory_plan, stage_parameters
+from forge.parallel.world import MeshDims
 from forge.training.state import LoopState
 from forge.training.step import make_vlm_step, micro_batch_loss
+from forge.training.vlm import vision_footprint
 
 VISION = VisionConfig(image_size=16, patch_size=4, dim=16, n_layers=1, n_heads=2)
 
@@ -283,10 +285,18 @@ def test_a_tower_that_cannot_be_used_is_named(tmp_path, setup, message):
     assert exc.value.lines[0].startswith("model.vision.")
 
 
-@pytest.mark.parametrize("arch", list(VlmArch))
-def test_the_memory_plan_counts_every_parameter_of_the_vlm(arch):
+@pytest.mark.parametrize(
+    ("arch", "decoder_tokens"), [(VlmArch.JOINT_DECODER, 16), (VlmArch.CROSS_ATTENTION, 0)]
+)
+def test_the_memory_plan_counts_every_parameter_and_image_token_of_the_vlm(arch, decoder_tokens):
     cfg = vlm_config(arch)
     built = num_parameters(VisionLanguageModel(cfg))
-    assert stage_parameters(JobConfig(model=cfg), 1)[0] == built
-    assert vision_parameters(cfg) == built - num_parameters(Transformer(cfg))
-    assert vision_parameters(attrs.evolve(cfg, vlm=None, vision=None)) == 0
+    vision = vision_footprint(cfg)
+    assert vision == VisionFootprint(built - num_parameters(Transformer(cfg)), decoder_tokens)
+    job = JobConfig(model=cfg)
+    assert stage_parameters(job, 1, vision)[0] == built
+    text = memory_plan(job, MeshDims())
+    with_images = memory_plan(job, MeshDims(), vision)
+    assert with_images.parameters > text.parameters
+    assert (with_images.activations > text.activations) == (decoder_tokens > 0)
+    assert vision_footprint(attrs.evolve(cfg, vlm=None, vision=None)) == TEXT_ONLY
