@@ -19,7 +19,6 @@ import pathlib
 import sys
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -27,7 +26,7 @@ from forge.checkpoint.resume import first_loadable, load_newest_weights
 from forge.checkpoint.store import load_checkpoint
 from forge.data.dataset import open_windows
 from forge.data.image_text import ImageCaptions, open_image_captions
-from forge.data.loader import Batch
+from forge.data.loader import Batch, caption_batch
 from forge.data.shards import read_manifest
 from forge.errors import UserInputError, print_errors
 from forge.model.vlm import build_model
@@ -71,13 +70,10 @@ def caption_batches_of(
     """This rank's image–caption examples (every ``world``-th from ``rank``) with their
     images, in batches of ``batch_size``."""
     mine = list(range(rank, len(captions), world))
-    out = []
-    for start in range(0, len(mine), batch_size):
-        indices = mine[start : start + batch_size]
-        inputs, labels = captions.rows(indices)
-        images = torch.from_numpy(np.stack([captions.images[i] for i in indices]))
-        out.append(Batch(torch.from_numpy(inputs), torch.from_numpy(labels), images=images))
-    return out
+    return [
+        caption_batch(captions, mine[start : start + batch_size])
+        for start in range(0, len(mine), batch_size)
+    ]
 
 
 def report(line: str) -> None:

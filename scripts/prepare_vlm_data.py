@@ -21,12 +21,10 @@ import pathlib
 import shutil
 import sys
 import zlib
-from collections.abc import Iterator, Sequence
-
-import numpy as np
+from collections.abc import Sequence
 
 from forge.data.image_text import load_image, write_image_text_dataset
-from forge.data.scenes import caption, random_scene, render
+from forge.data.scenes import procedural_pairs
 from forge.data.tokenizer import ByteTokenizer
 from forge.errors import UserInputError, print_errors
 
@@ -46,14 +44,6 @@ def option_problems(args: argparse.Namespace) -> list[str]:
             f"{args.validation_percent}"
         )
     return problems
-
-
-def procedural_pairs(n: int, size: int, seed: int) -> Iterator[tuple[np.ndarray, str]]:
-    """``n`` scenes from one generator seeded with ``seed``, rendered and captioned."""
-    rng = np.random.default_rng(seed)
-    for _ in range(n):
-        scene = random_scene(rng)
-        yield render(scene, size), caption(scene)
 
 
 def split_of(key: str, validation_percent: float) -> str:

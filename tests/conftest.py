@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pathlib
 
-import numpy as np
 import pytest
 
 from forge.data.corpus import Document, iter_documents, split_of, stdlib_files, stdlib_root
@@ -87,17 +86,13 @@ def tiny_config(tmp_path: pathlib.Path, small_corpus: pathlib.Path) -> pathlib.P
 def write_shapes(out: pathlib.Path, n: int, size: int = 16, seed: int = 0) -> pathlib.Path:
     """A procedural image–caption dataset (``scripts/prepare_vlm_data.py``'s), 10% held out."""
     from forge.data.image_text import write_image_text_dataset
-    from forge.data.scenes import caption as caption_of
-    from forge.data.scenes import random_scene, render
-
-    def pairs(count: int, generator_seed: int):
-        rng = np.random.default_rng(generator_seed)
-        for _ in range(count):
-            scene = random_scene(rng)
-            yield render(scene, size), caption_of(scene)
+    from forge.data.scenes import procedural_pairs
 
     n_val = max(1, n // 10)
-    splits = {"train": pairs(n - n_val, seed), "validation": pairs(n_val, seed + 1)}
+    splits = {
+        "train": procedural_pairs(n - n_val, size, seed),
+        "validation": procedural_pairs(n_val, size, seed + 1),
+    }
     write_image_text_dataset(out, splits, ByteTokenizer(), size, source="test shapes")
     return out
 

@@ -98,7 +98,10 @@ def write_image_text_dataset(
 
 def image_size_of(folder: pathlib.Path) -> int:
     """The image side length an image–caption dataset was written with."""
-    raw = _raw_manifest(folder)
+    return _image_size(_raw_manifest(folder)[1], folder)
+
+
+def _image_size(raw: dict, folder: pathlib.Path) -> int:
     size = raw.get("image_size")
     if not isinstance(size, int) or size <= 0:
         raise DataError(
@@ -111,8 +114,8 @@ def image_size_of(folder: pathlib.Path) -> int:
 def open_images(folder: pathlib.Path, split: str, verify: bool = True) -> ImageSplit:
     """Memory-map ``split``'s images and read its caption offsets, checking sizes (and, with
     ``verify``, checksums) against the manifest."""
-    raw = _raw_manifest(folder)
-    size = image_size_of(folder)
+    manifest, raw = _raw_manifest(folder)
+    size = _image_size(raw, folder)
     info = raw.get(IMAGES_KEY, {}).get(split)
     if not isinstance(info, dict):
         raise DataError(f"{folder / MANIFEST}: no images for split '{split}'")
@@ -133,15 +136,16 @@ def open_images(folder: pathlib.Path, split: str, verify: bool = True) -> ImageS
                 )
     images = np.memmap(path, dtype=np.uint8, mode="r", shape=(count, size, size, 3))
     offsets = np.fromfile(offsets_path, dtype=np.int64)
-    tokens = read_manifest(folder).splits[split].num_tokens
+    tokens = manifest.splits[split].num_tokens
     if offsets[0] != 0 or offsets[-1] != tokens or np.any(np.diff(offsets) <= 0):
         raise DataError(f"{offsets_path}: offsets do not match the captions; re-prepare the data")
     return ImageSplit(images, offsets)
 
 
-def _raw_manifest(folder: pathlib.Path) -> dict:
-    read_manifest(folder)  # the token part: a missing or malformed manifest fails here
-    return json.loads((folder / MANIFEST).read_text())
+def _raw_manifest(folder: pathlib.Path) -> tuple[Manifest, dict]:
+    """The token manifest (a missing or malformed one fails here) and the raw JSON beside it."""
+    manifest = read_manifest(folder)
+    return manifest, json.loads((folder / MANIFEST).read_text())
 
 
 class ImageCaptions:

@@ -154,6 +154,19 @@ class WindowReader(Dataset):
         return batch, plan.after
 
 
+def caption_batch(captions: ImageCaptions, indices: Sequence[int], lr_scale: float = 1.0) -> Batch:
+    """Examples ``indices`` of ``captions`` as a CPU ``Batch``: caption rows and images."""
+    inputs, labels = captions.rows(indices)
+    images = np.stack([captions.images[i] for i in indices])
+    return Batch(
+        torch.from_numpy(inputs),
+        torch.from_numpy(labels),
+        sources=torch.zeros(len(indices), dtype=torch.int64),
+        lr_scale=lr_scale,
+        images=torch.from_numpy(images),
+    )
+
+
 class ImageCaptionReader(Dataset):
     """Reads a plan's examples (image and caption) into a CPU ``Batch`` with images."""
 
@@ -162,16 +175,7 @@ class ImageCaptionReader(Dataset):
 
     def __getitem__(self, plan: Plan) -> tuple[Batch, LoaderState]:  # type: ignore[override]
         indices = [index for _, index in plan.rows]
-        inputs, labels = self.captions.rows(indices)
-        images = np.stack([self.captions.images[i] for i in indices])
-        batch = Batch(
-            torch.from_numpy(inputs),
-            torch.from_numpy(labels),
-            sources=torch.zeros(len(indices), dtype=torch.int64),
-            lr_scale=plan.lr_scale,
-            images=torch.from_numpy(images),
-        )
-        return batch, plan.after
+        return caption_batch(self.captions, indices, plan.lr_scale), plan.after
 
 
 def _as_is(item: Any) -> Any:

@@ -9,6 +9,8 @@ scene and the image size.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import attrs
 import numpy as np
 
@@ -90,3 +92,11 @@ def render(scene: Scene, size: int) -> np.ndarray:
     for shape in scene.shapes:
         image[shape_mask(shape, size)] = COLORS[shape.color]
     return image
+
+
+def procedural_pairs(n: int, size: int, seed: int) -> Iterator[tuple[np.ndarray, str]]:
+    """``n`` scenes from one generator seeded with ``seed``, rendered and captioned."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        scene = random_scene(rng)
+        yield render(scene, size), caption(scene)

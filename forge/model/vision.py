@@ -141,17 +141,14 @@ class HFVisionTower(nn.Module):
         return self.model(pixel_values=x).last_hidden_state
 
     def pretrained_state(self) -> dict[str, torch.Tensor]:
-        """The folder's weights by this module's parameter names (``model.…``); its buffers
-        (position ids, which ``to_empty`` leaves undefined) are copied in place here."""
+        """The folder's weights and buffers (its position ids too, which ``to_empty`` leaves
+        undefined) by this module's names (``model.…``)."""
         import transformers
 
         cls = getattr(transformers, type(self.model).__name__)
         loaded = cls.from_pretrained(self.path, config=self.model.config)
-        buffers = dict(loaded.named_buffers())
-        with torch.no_grad():
-            for name, buffer in self.model.named_buffers():
-                buffer.copy_(buffers[name])
-        return {f"model.{k}": v for k, v in loaded.state_dict().items()}
+        tensors = {**dict(loaded.named_buffers()), **dict(loaded.named_parameters())}
+        return {f"model.{k}": v.detach() for k, v in tensors.items()}
 
     @torch.no_grad()
     def reset_buffers(self) -> None:

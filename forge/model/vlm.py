@@ -184,6 +184,9 @@ class VisionLanguageModel(nn.Module):
             if full is None:
                 full = vlm_initial_value(key, tuple(p.shape), self.cfg, seed)
             copy_full_(p, full.to(p.dtype))
+        for name, buffer in self.vision_encoder.named_buffers():
+            if (value := pretrained.get(f"vision_encoder.{name}")) is not None:
+                buffer.copy_(value)  # the tower's own (position ids); buffers are not sharded
 
 
 def vlm_initial_value(

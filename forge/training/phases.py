@@ -305,7 +305,7 @@ def setup_data(run: RunContext, dist: DistContext) -> DataContext:
     folders = [pathlib.Path(s.path) for s in sources]
     manifests = [read_manifest(folder) for folder in folders]
     if cfg.model.vlm is not None:
-        train_loader, held_out_loader = image_caption_loaders(
+        loaders = image_caption_loaders(
             cfg,
             folders[0],
             manifests[0],
@@ -313,11 +313,13 @@ def setup_data(run: RunContext, dist: DistContext) -> DataContext:
             dp_size=dist.dp_size,
             device=dist.device,
         )
+        if loaders.warning is not None:
+            report_on_main(dist)(f"warning: {loaders.warning}")
         return DataContext(
             fingerprints=(dataset_fingerprint(manifests[0]),),
             manifest=manifests[0],
-            train_loader=train_loader,
-            eval_loader=held_out_loader,
+            train_loader=loaders.train,
+            eval_loader=loaders.held_out,
         )
     seq_len, verify = cfg.train.seq_len, cfg.data.verify_checksum
     train = [

@@ -4,7 +4,6 @@ built), and its image–caption loaders."""
 from __future__ import annotations
 
 import pathlib
-import sys
 
 import attrs
 import torch
@@ -23,18 +22,17 @@ from forge.parallel.memory_plan import TEXT_ONLY, VisionFootprint
 def vlm_problems(config: JobConfig) -> list[str]:
     """What a ``model.vlm`` run cannot do with this config and data: one line per problem,
     each naming its key. The model is built on the meta device (no memory) to count its
-    image tokens; a Hugging Face tower's folder is read here."""
+    image tokens (``vision_footprint``); a Hugging Face tower's folder is read here."""
     m = config.model
     if m.vlm is None:
         return []
     try:
-        with torch.device("meta"):
-            model = VisionLanguageModel(m)
+        n_image = vision_footprint(m).decoder_tokens
     except UserInputError as exc:
         return exc.lines
     problems: list[str] = []
-    n_image, seq_len = model.num_image_tokens, config.train.seq_len
-    if m.vlm is VlmArch.JOINT_DECODER and n_image + seq_len > m.max_seq_len:
+    seq_len = config.train.seq_len
+    if n_image + seq_len > m.max_seq_len:  # 0 image tokens in a cross-attention decoder
         problems.append(
             f"model.max_seq_len: the joint decoder runs {n_image} image tokens + "
             f"train.seq_len={seq_len} caption tokens; set it >= {n_image + seq_len}"
@@ -78,6 +76,16 @@ def vision_footprint(m: ModelConfig) -> VisionFootprint:
     return VisionFootprint(parameters, model.num_image_tokens if joint else 0)
 
 
+@attrs.frozen
+class CaptionLoaders:
+    """A vision-language run's loaders, and a start-up warning for the main rank to print
+    (``caption_cut_warning``), if any."""
+
+    train: TextLoader
+    held_out: TextLoader | None
+    warning: str | None
+
+
 def image_caption_loaders(
     config: JobConfig,
     folder: pathlib.Path,
@@ -86,7 +94,7 @@ def image_caption_loaders(
     dp_rank: int,
     dp_size: int,
     device: torch.device,
-) -> tuple[TextLoader, TextLoader | None]:
+) -> CaptionLoaders:
     """The train loader over ``data.train_split``'s examples and, when evaluating, the
     held-out one over ``data.eval_split``'s: each batch carries its images."""
     train_cfg, data = config.train, config.data
@@ -96,8 +104,6 @@ def image_caption_loaders(
 
     train = open_split(data.train_split)
     warning = caption_cut_warning(train.longest_caption, train_cfg.seq_len, folder)
-    if warning is not None and dp_rank == 0:
-        print(f"[forge] warning: {warning}", file=sys.stderr)
     needed = train_cfg.batch_size * dp_size
     if len(train) < needed:
         raise DataError(
@@ -120,7 +126,7 @@ def image_caption_loaders(
         device=device,
     )
     if config.eval.interval <= 0:
-        return loader, None
+        return CaptionLoaders(loader, None, warning)
     held_out = open_split(data.eval_split)
     if len(held_out) < needed:
         raise DataError(
@@ -130,7 +136,7 @@ def image_caption_loaders(
     sampling = single_source(
         len(held_out), train_cfg.batch_size, seed=0, rank=dp_rank, world_size=dp_size
     )
-    return loader, TextLoader(held_out, sampling, device=device)
+    return CaptionLoaders(loader, TextLoader(held_out, sampling, device=device), warning)
 
 
 def caption_cut_warning(longest: int, seq_len: int, folder: pathlib.Path) -> str | None:
