@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 from unittest import mock
 
 import numpy as np
@@ -168,5 +169,35 @@ def test_what_a_vlm_run_cannot_do_is_one_line_and_leaves_no_run_dir(
     assert TRAIN.main([str(config), *args]) == 2
     err = capsys.readouterr().err
     assert message in err
+    assert "Traceback" not in err
+    assert not run_dir(config).exists()
+
+
+def test_a_nan_at_a_freeze_transition_is_skipped_and_the_weights_stay(
+    tmp_path, small_shapes, monkeypatch
+):
+    """Step 3 adds the decoder to the optimizer; a NaN loss there skips the update (every
+    weight stays as after step 2) and the run goes on, the decoder training from step 4."""
+    monkeypatch.setenv("FORGE_FAULTS", "nan:step=3")
+    config = vlm_run(tmp_path, small_shapes)
+    keep = ["--checkpoint.interval=1", "--checkpoint.keep_last_n=10"]
+    assert TRAIN.main([str(config), *keep]) == 0
+    losses = [r["loss"] for r in metrics(config, "loss")]
+    assert len(losses) == 6 and np.isnan(losses[2])
+    assert all(np.isfinite(x) for i, x in enumerate(losses) if i != 2)
+    second, third, fourth = (final_weights(config, s) for s in (2, 3, 4))
+    assert all(torch.equal(second[n], third[n]) for n in second)
+    assert any(not torch.equal(third[n], fourth[n]) for n in third if n.startswith("decoder."))
+
+
+def test_a_truncated_image_file_is_named_and_nothing_is_written(tmp_path, small_shapes, capsys):
+    data = tmp_path / "shapes"
+    shutil.copytree(small_shapes, data)
+    images = data / "train_images.bin"
+    images.write_bytes(images.read_bytes()[:-100])
+    config = tiny_vlm_config(tmp_path, data)
+    assert TRAIN.main([str(config)]) == 2
+    err = capsys.readouterr().err
+    assert f"{images}: missing or not" in err and "truncated" in err
     assert "Traceback" not in err
     assert not run_dir(config).exists()
