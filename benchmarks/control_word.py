@@ -22,7 +22,7 @@ import torch.distributed as dist
 from forge.config import ModelConfig
 from forge.model.transformer import Transformer
 from forge.resilience.control import ControlChannel
-from forge.training.state import Signals
+from forge.types import Signals
 
 
 def worker(exchanges: int) -> None:

@@ -26,8 +26,9 @@ from forge.data.sampler import epoch_permutation
 from forge.data.shards import read_manifest
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer, resolve_schedule
-from forge.training.state import LoopState
-from forge.training.step import make_text_step
+from forge.training.steps.spec import StepSpec
+from forge.training.steps.text import make_text_step
+from forge.types import LoopState
 
 
 def training_tokens_per_s(config: JobConfig, steps: int) -> float:
@@ -36,14 +37,9 @@ def training_tokens_per_s(config: JobConfig, steps: int) -> float:
     model = Transformer(config.model)
     opt = build_optimizer(model, config.optimizer)
     t = config.train
-    step = make_text_step(
-        model,
-        opt,
-        resolve_schedule(config.scheduler, t.max_steps),
-        config.optimizer.lr,
-        t.mixed_precision,
-        t.grad_clip_norm,
-    )
+    schedule = resolve_schedule(config.scheduler, t.max_steps)
+    spec = StepSpec(model, opt, schedule, config.optimizer.lr, t.mixed_precision, t.grad_clip_norm)
+    step = make_text_step(spec)
     tokens = torch.randint(0, config.model.vocab_size, (t.batch_size, t.seq_len + 1))
     group = tuple(Batch(tokens[:, :-1], tokens[:, 1:]) for _ in range(t.grad_accum_steps))
     step(group, LoopState())  # warm-up

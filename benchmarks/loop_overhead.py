@@ -29,9 +29,9 @@ from forge.optim import build_optimizer, lr_at, resolve_schedule
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
 from forge.training.effects import TrainingEffects
 from forge.training.loop import run_training_loop
-from forge.training.outcome import LoopOutcome
-from forge.training.phases import loop_policy, make_step_fn
-from forge.training.state import LoopState
+from forge.training.plan import loop_policy
+from forge.training.steps.select import make_step_fn
+from forge.types import LoopOutcome, LoopState
 
 
 def fresh(config, seed: int = 0):

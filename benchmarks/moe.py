@@ -25,7 +25,7 @@ from forge.config.sections import ModelConfig
 from forge.model import moe as moe_module
 from forge.model.feed_forward import FeedForward
 from forge.model.moe import LOADS, MoE
-from forge.training.phases import cpu_flags
+from forge.training.problems import cpu_flags
 
 
 def step_time(run: Callable[[], torch.Tensor], steps: int) -> float:

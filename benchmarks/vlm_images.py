@@ -21,17 +21,17 @@ from collections.abc import Iterator, Sequence
 import attrs
 
 from forge.data.loader import Batch
+from forge.training.evaluate import evaluate_loss
+from forge.training.loaders import train_batches
 from forge.training.phases import (
     build_model_and_optim,
     load_and_validate_config,
-    make_step_fn,
     setup_data,
     setup_distributed,
-    train_batches,
 )
-from forge.training.state import LoopState
-from forge.training.step import evaluate_loss
+from forge.training.steps.select import make_step_fn
 from forge.training.vlm import mismatched_images
+from forge.types import LoopState
 
 DEFAULT_CONFIG = "configs/train/vlm_debug.toml"
 
@@ -53,7 +53,7 @@ def train_and_evaluate(argv: Sequence[str], mismatch_training: bool) -> CaptionL
     model = build_model_and_optim(run, dist)
     data = setup_data(run, dist)
     step_fn = make_step_fn(run, dist, model, data)
-    steps: Iterator[tuple[Batch, ...]] = train_batches(run, data)
+    steps: Iterator[tuple[Batch, ...]] = train_batches(data, run.config.train.grad_accum_steps)
     state = LoopState()
     start = time.perf_counter()
     for batches in steps:

@@ -29,12 +29,13 @@ from forge.data.image_text import ImageCaptions, open_image_captions
 from forge.data.loader import Batch, caption_batch
 from forge.data.shards import read_manifest
 from forge.errors import UserInputError, print_errors
+from forge.model.chunked_loss import loss_spec_of
 from forge.model.vlm import build_model
 from forge.optim.optimizers import evaluation_weights
 from forge.optim.param_groups import inference_optimizer
 from forge.parallel.world import world_info
+from forge.training.evaluate import evaluate_totals, totals_over_ranks
 from forge.training.run_dir import checkpoint_dir_of, load_run_config
-from forge.training.step import evaluate_loss, loss_spec_of
 from forge.training.vlm import mismatched_images
 
 
@@ -145,15 +146,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         batches = batches_of(examples, world.rank, world.world_size, args.batch_size)
     with evaluation_weights(optimizer):
-        total, count = evaluate_loss(
-            model, batches, config.train.mixed_precision, loss_spec_of(config.train)
-        )
+        totals = evaluate_totals(model, batches, config.train.mixed_precision, loss_spec_of(config))
+    totals = totals_over_ranks(totals, world.world_size)
     if world.world_size > 1:
-        sums = torch.tensor([total, float(count)], dtype=torch.float64)
-        dist.all_reduce(sums)
-        total, count = sums.tolist()
         dist.destroy_process_group()
-    loss = total / count
+    loss, count = totals.loss_sum / totals.count, totals.count
     if world.rank == 0:
         result = {
             "checkpoint": str(used),

@@ -10,11 +10,11 @@ import os
 import sys
 from collections.abc import Sequence
 
-from forge.config.loader import help_text
+from forge.config.help import help_text
 from forge.errors import CheckpointSaveError, UserInputError, print_errors
 from forge.metrics.profiler import profiler_hooks
 from forge.resilience.control import ControlChannel, StepMonitor
-from forge.resilience.faults import FaultHooks, faults_from_env
+from forge.resilience.faults import FaultHooks, faults_from_env, with_nan_faults
 from forge.resilience.health import guard_collectives
 from forge.resilience.signals import ShutdownFlag
 from forge.training.context import (
@@ -26,27 +26,21 @@ from forge.training.context import (
 )
 from forge.training.effects import TrainingEffects
 from forge.training.hooks import Hooks, configured_hooks
+from forge.training.loaders import train_batches
 from forge.training.loop import conclude, run_training_loop
-from forge.training.outcome import (
-    CONFIG_ERROR_EXIT,
-    SAVE_FAILED_EXIT,
-    LoopOutcome,
-    exit_code,
-    outcome_message,
-)
+from forge.training.outcome import exit_code, outcome_message
 from forge.training.phases import (
     build_model_and_optim,
     claim_run_dir,
     load_and_validate_config,
-    loop_policy,
-    make_step_fn,
     prepare_run_dir,
     setup_checkpointing,
     setup_data,
     setup_distributed,
     teardown,
-    train_batches,
 )
+from forge.training.steps.select import make_step_fn
+from forge.types import ExitCode, LoopOutcome
 
 
 def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
@@ -70,7 +64,7 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
             lock.release(discard=True)  # a run that never started leaves no directory
         print_errors(exc.lines)
         flag.uninstall()
-        return CONFIG_ERROR_EXIT
+        return ExitCode.CONFIG_ERROR
     try:
         return train(run, dist, model, data, ckpt, flag, hooks)
     finally:
@@ -91,13 +85,16 @@ def train(
     prepare_run_dir(run, dist, ckpt)
     if dist.is_main:
         print(f"[forge] {model.num_params:,} parameters; run dir {run.run_dir}", file=sys.stderr)
-    policy = loop_policy(run.config)
+    policy = run.policy
+    faults = faults_from_env(os.environ)  # test-only fault injection; none in production
     hooks = [
         *hooks,
         *profiler_hooks(run.config.profiler, run.run_dir, dist.rank),
-        FaultHooks(faults_from_env(os.environ), dist.rank),
+        FaultHooks(faults, dist.rank),
     ]
     effects = TrainingEffects(run, dist, model, data, hooks=hooks)
+    step = make_step_fn(run, dist, model, data, effects.hooks)
+    step = with_nan_faults(step, model.model, faults, dist.rank)
     res = run.config.resilience
     monitor = StepMonitor(
         ControlChannel(dist.world_size, res.health_timeout_s),
@@ -108,8 +105,8 @@ def train(
     try:
         outcome, state = run_training_loop(
             ckpt.initial_state,
-            train_batches(run, data),
-            guard_collectives(make_step_fn(run, dist, model, data, effects.hooks)),
+            train_batches(data, run.config.train.grad_accum_steps),
+            guard_collectives(step),
             policy,
             effects,
             monitor,
@@ -120,7 +117,7 @@ def train(
         print_errors([str(exc)])
         flag.uninstall()
         teardown(dist)
-        return SAVE_FAILED_EXIT
+        return ExitCode.SAVE_FAILED
     effects.end(outcome, state)
     if dist.is_main:
         print(f"[forge] {outcome.name} at step {state.step}; final save: {decision.reason.value}")

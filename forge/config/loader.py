@@ -26,6 +26,7 @@ from cattrs.errors import (
     IterableValidationNote,
 )
 
+from forge.config.help import USAGE
 from forge.config.sections import JobConfig, Problem
 from forge.config.validate import cross_section_problems
 from forge.errors import UserInputError
@@ -375,39 +376,3 @@ def _drop_none(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_drop_none(v) for v in value]
     return value
-
-
-USAGE = "usage: train.py CONFIG.toml [--section.key=value ...]"
-
-
-def _shown(value: Any) -> str:
-    if isinstance(value, enum.Enum):
-        return repr(value.value)
-    if isinstance(value, str):
-        return repr(value)
-    if isinstance(value, tuple):
-        return "[" + ", ".join(_shown(v) for v in value) + "]"
-    if value is None:
-        return "unset"
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def help_text() -> str:
-    """``train.py --help``: usage, how overrides work, and every key with its default."""
-    lines = [
-        USAGE,
-        "",
-        "Train from a TOML config (e.g. configs/train/debug.toml). Any key can be overridden on",
-        "the command line, the value in TOML syntax: --train.max_steps=600,",
-        "--optimizer.betas=[0.9,0.95], --train.mixed_precision=fp32. Exit codes: 0 done,",
-        "2 bad config/data/checkpoint, 3 non-finite abort, 4 health failure, 5 a final or",
-        "emergency save failed, 75 preempted (resume by running again), 130 interrupted twice.",
-        "Every key is documented in docs/configuration.md. Keys and defaults:",
-    ]
-    defaults = JobConfig()
-    for section in attrs.fields(JobConfig):
-        value = getattr(defaults, section.name)
-        lines.append(f"  [{section.name}]")
-        for field in attrs.fields(type(value)):
-            lines.append(f"    {field.name} = {_shown(getattr(value, field.name))}")
-    return "\n".join(lines)

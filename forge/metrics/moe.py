@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from forge.training.state import MoeStepStats
+from forge.types import MoeStepStats
 
 
 def load_cv(loads: Sequence[float]) -> float:

@@ -9,9 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from forge.config.sections import ProfilerConfig
-from forge.training.hooks import Hooks
-from forge.training.outcome import LoopOutcome
-from forge.training.state import LoopState, StepResult
+from forge.types import Hooks, LoopOutcome, LoopState, StepResult
 
 TOP_OPS = 15
 

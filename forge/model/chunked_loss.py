@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from forge.config.sections import JobConfig
 from forge.data.packing import IGNORE_INDEX
 
 
@@ -43,6 +44,18 @@ class LossSpec:
     @property
     def chunked(self) -> bool:
         return self.chunk_size > 0
+
+
+PLAIN_LOSS = LossSpec()  # the full fp32 logits, then F.cross_entropy
+
+
+def loss_spec_of(config: JobConfig, compiled: bool = False) -> LossSpec:
+    """The loss a run's config asks for: chunked by ``train.loss_chunk_size``, with the
+    z-loss weight, each chunk compiled when the model is; a mixture-of-experts model's
+    auxiliary-loss weights."""
+    train, model = config.train, config.model
+    aux, z = (model.moe_aux_loss_weight, model.moe_z_loss_weight) if model.moe else (0.0, 0.0)
+    return LossSpec(train.loss_chunk_size, train.z_loss_weight, compiled, aux, z)
 
 
 def compute_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:

@@ -19,7 +19,7 @@ from forge.config.freeze import FreezeRule, trainable_names, transition_steps
 from forge.config.sections import OptimizerConfig
 from forge.model.transformer import canonical_name
 from forge.optim.param_groups import groups_of
-from forge.training.state import FreezeTransition
+from forge.types import FreezeTransition
 
 
 class Freezer:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from forge.training.state import Signals, StepResult
+from forge.types import Signals, StepResult
 
 FIELDS = ("nonfinite", "shutdown_requested", "health_failed")
 

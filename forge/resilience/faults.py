@@ -3,7 +3,8 @@
 Set ``FORGE_FAULTS`` (test-only; never in production) to a comma-separated list of
 ``kind:step=K[:rank=R][:key=value...]``:
 
-- ``nan:step=3:rank=1`` — the loss of step 3 on rank 1 is multiplied by NaN before backward;
+- ``nan:step=3:rank=1`` — the model's outputs in step 3 on rank 1 are multiplied by NaN, and
+  so its loss and gradients (``with_nan_faults``, composed around the step by the driver);
 - ``signal:step=5:rank=0:sig=TERM`` — rank 0 sends itself SIGTERM after step 5;
 - ``stall:step=4:rank=1:seconds=30`` — rank 1 sleeps 30 s after step 4.
 
@@ -16,12 +17,17 @@ import enum
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import attrs
+import torch
+from torch import nn
 
-from forge.training.hooks import Hooks
-from forge.training.state import LoopState, StepResult
+from forge.model.transformer import is_moe, split_moe_output
+from forge.types import Hooks, LoopState, StepResult
+
+BatchT = TypeVar("BatchT")
 
 ENV = "FORGE_FAULTS"
 
@@ -72,8 +78,8 @@ def faults_from_env(env: Mapping[str, str]) -> tuple[Fault, ...]:
 
 
 class NanInjector:
-    """Loss multipliers for the step function: NaN once for each ``nan`` fault that hits this
-    rank, 1.0 otherwise. One-shot, so a rolled-back step number does not fail again."""
+    """Output multipliers by step: NaN once for each ``nan`` fault that hits this rank, 1.0
+    otherwise. One-shot, so a rolled-back step number does not fail again."""
 
     def __init__(self, faults: tuple[Fault, ...], rank: int) -> None:
         self.pending = [f for f in faults if f.kind is FaultKind.NAN]
@@ -86,6 +92,49 @@ class NanInjector:
                 self.pending.remove(f)
                 return float("nan")
         return 1.0
+
+
+def with_nan_faults(
+    step_fn: Callable[[BatchT, LoopState], StepResult],
+    model: nn.Module,
+    faults: tuple[Fault, ...],
+    rank: int,
+) -> Callable[[BatchT, LoopState], StepResult]:
+    """``step_fn`` itself when no ``nan`` fault hits this rank; else a step that, on each
+    faulted step, runs ``step_fn`` with the model's outputs multiplied by NaN (a forward hook
+    for that step only): its loss and gradients are NaN, as in a diverged step."""
+    injector = NanInjector(faults, rank)
+    if not any(f.rank in (None, rank) for f in injector.pending):
+        return step_fn
+    moe = is_moe(model)
+
+    def poison(_module: nn.Module, _inputs: Any, output: Any) -> Any:
+        out, stats = split_moe_output(output, moe)  # routing statistics stay as they are
+        out = times_nan(out)
+        if stats is None:
+            return out
+        return (*out, stats) if isinstance(out, tuple) else (out, stats)
+
+    def faulty_step(batches: BatchT, state: LoopState) -> StepResult:
+        if injector(state.step + 1) == 1.0:
+            return step_fn(batches, state)
+        handle = model.register_forward_hook(poison)
+        try:
+            return step_fn(batches, state)
+        finally:
+            handle.remove()
+
+    return faulty_step
+
+
+def times_nan(value: Any) -> Any:
+    """Every floating-point tensor in ``value`` (a tensor, or a tuple of them and None)
+    multiplied by NaN."""
+    if isinstance(value, tuple):
+        return tuple(times_nan(v) for v in value)
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value * float("nan")
+    return value
 
 
 class FaultHooks(Hooks):

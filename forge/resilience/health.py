@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from forge.training.state import LoopState, StepResult
+from forge.types import LoopState, StepResult
 
 _MARKERS = ("Timed out", "Connection closed by peer", "Connection reset", "gloo", "NCCL")
 

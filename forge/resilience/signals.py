@@ -8,6 +8,8 @@ import sys
 import threading
 from types import FrameType
 
+from forge.types import ExitCode
+
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
@@ -23,7 +25,10 @@ class ShutdownFlag:
     """
 
     def __init__(
-        self, timeout_s: float | None = None, exit_code: int = 75, interrupt_exit_code: int = 130
+        self,
+        timeout_s: float | None = None,
+        exit_code: int = ExitCode.SHUTDOWN,
+        interrupt_exit_code: int = ExitCode.INTERRUPTED,
     ) -> None:
         self.received: int | None = None
         self.timeout_s = timeout_s

@@ -16,24 +16,28 @@ from forge.checkpoint.resume import ResumePlan
 from forge.config.sections import JobConfig
 from forge.data.loader import Batch, TextLoader
 from forge.data.shards import Manifest
-from forge.metrics.sources import SourceStats
+from forge.model.chunked_loss import PLAIN_LOSS, LossSpec
 from forge.optim.freezing import Freezer
 from forge.optim.schedules import Schedule
 from forge.parallel.mesh import coordinates
 from forge.parallel.pipeline import StageLoss
 from forge.parallel.world import MeshDims, WorldInfo
+from forge.training.plan import LoopPolicy, loop_policy
 from forge.training.run_dir import checkpoint_dir_of
-from forge.training.state import LoopState
+from forge.types import LoopState
 
 
 @attrs.frozen
 class RunContext:
-    """A validated config and where the run writes."""
+    """A validated config, where the run writes, and the loop's policy (from the config)."""
 
     config: JobConfig
     config_source: pathlib.Path
     run_dir: pathlib.Path
     checkpoint_dir: pathlib.Path
+    policy: LoopPolicy = attrs.field(
+        default=attrs.Factory(lambda self: loop_policy(self.config), takes_self=True)
+    )
 
     @classmethod
     def of(cls, config: JobConfig, source: pathlib.Path) -> RunContext:
@@ -117,14 +121,17 @@ class ModelContext:
     pipeline: PipelineContext | None = None  # set when distributed.pp > 1
     compiled: bool = False  # blocks and loss chunks go through torch.compile
     freezer: Freezer | None = None  # the trainable set, following [[freeze]] (all without)
+    loss: LossSpec = PLAIN_LOSS  # how the loss is computed (``loss_spec_of``), train and eval
 
 
 @attrs.frozen
 class DataContext:
+    """The run's loaders and what the checkpoint records of its data."""
+
     manifest: Manifest  # the first source's
     train_loader: TextLoader
     eval_loader: TextLoader | None
-    source_stats: SourceStats | None = None  # a mixture's per-source loss and tokens
+    source_names: tuple[str, ...] = ()  # a mixture's sources, whose losses the step reports
     fingerprints: tuple[str, ...] = ()  # each source's dataset_fingerprint, in source order
 
 

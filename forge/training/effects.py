@@ -14,7 +14,6 @@ from typing import Any
 
 import attrs
 import torch
-import torch.distributed as torch_dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from forge.checkpoint.checkpointer import Checkpointer, stop_checkpoint_process
@@ -22,7 +21,6 @@ from forge.checkpoint.export import export_model, tokenizer_info
 from forge.checkpoint.slots import Slots
 from forge.checkpoint.store import apply_retention
 from forge.config.sections import AsyncMode
-from forge.data.loader import Batch
 from forge.errors import CheckpointSaveError
 from forge.metrics.backends import TensorBoardSink, WandbSink
 from forge.metrics.flops import device_peak_flops, flops_per_token, throughput_record
@@ -31,19 +29,12 @@ from forge.metrics.moe import moe_record
 from forge.metrics.sinks import JsonlSink, MetricsSink, console_sink
 from forge.metrics.sources import source_record
 from forge.optim.optimizers import evaluation_weights
+from forge.parallel.reduce import mean_over_ranks, sum_over_ranks
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
+from forge.training.evaluate import held_out_loss
 from forge.training.hooks import HookList, Hooks
 from forge.training.identity import run_identity
-from forge.training.outcome import LoopOutcome
-from forge.training.phases import config_fingerprint, loop_policy
-from forge.training.state import (
-    LoopState,
-    SaveReason,
-    StepResult,
-    save_failure_is_fatal,
-    stats_from_flat,
-)
-from forge.training.step import evaluate_pipeline_loss, evaluate_totals, loss_spec_of
+from forge.training.plan import SaveReason, save_failure_is_fatal
 from forge.training.train_state import (
     TRAIN_STATE_VERSION,
     LoaderRecord,
@@ -51,6 +42,7 @@ from forge.training.train_state import (
     TrainState,
     train_state_to_json,
 )
+from forge.types import LoopOutcome, LoopState, SourceTotals, StepResult, stats_from_flat
 
 ROLLBACK_SLOT = "rollback"
 
@@ -102,7 +94,9 @@ class TrainingEffects:
         self._mark_step = 0
         self._flops_per_token = flops_per_token(run.config.model, run.config.train.seq_len)
         self._peak_flops: tuple[float | None] | None = None  # (peak,) after the first log
-        self._schedule = loop_policy(run.config).schedule
+        self._schedule = run.policy.schedule
+        self._sources: SourceTotals | None = None  # a mixture's sums since the last log
+        self._logged: StepResult | None = None  # the step whose sums the last log took
         self.slots = Slots(model.model, model.optimizer)
         self._save_reasons: dict[int, SaveReason] = {}
         self.checkpointer = Checkpointer(
@@ -140,7 +134,6 @@ class TrainingEffects:
                     schedule.decay_steps,
                     schedule.total_steps,
                 ),
-                model_fingerprint=config_fingerprint(self.run.config),
                 world_size=self.dist.world_size,
                 identity=run_identity(self.run.config, self.dist.dp_size, self.data.fingerprints),
             )
@@ -212,9 +205,17 @@ class TrainingEffects:
             sink.close()
         self.close_loaders()
 
+    def _sources_since_log(self, result: StepResult) -> SourceTotals | None:
+        """A mixture's per-source sums over the steps since the last log, this one included
+        (``step_end`` adds the steps that are not logged)."""
+        totals = add_sources(self._sources, result.sources)
+        self._sources, self._logged = None, result
+        return totals
+
     def log(self, state: LoopState, result: StepResult) -> None:
         """Every rank calls this (a logging step is decided the same everywhere): the loss is
         averaged over data-parallel ranks here, so that no other step pays for the reduction."""
+        sources = self._sources_since_log(result)  # before ``result`` is replaced below
         if result.z_loss is None:
             loss = mean_over_ranks(result.loss, self.dist.world_size, self.dist.device)
             result = attrs.evolve(result, loss=loss)
@@ -241,12 +242,13 @@ class TrainingEffects:
             total = sum_over_ranks(moe.flat(), self.dist.world_size, self.dist.device)
             summed = stats_from_flat(total, len(moe.loads), len(moe.loads[0]))
             record |= moe_record(summed, self.dist.world_size)
-        if self.data.source_stats is not None:
-            sums = self.data.source_stats.drain()  # on the training device
-            if self.dist.world_size > 1:
-                torch_dist.all_reduce(sums)
-                sums[1] *= self.dist.dp_size / self.dist.world_size  # TP peers count twice
-            record |= source_record(self.data.source_stats.names, sums.tolist())
+        if sources is not None:
+            sums = sum_over_ranks(sources.flat(), self.dist.world_size, self.dist.device)
+            n = len(sources.loss)
+            scale = self.dist.dp_size / self.dist.world_size  # TP peers count twice
+            record |= source_record(
+                self.data.source_names, [sums[:n], [t * scale for t in sums[n:]]]
+            )
         self._emit(record)
         self._restart_clock(state)
 
@@ -257,8 +259,10 @@ class TrainingEffects:
         loader.rewind()
         steps = self.run.config.eval.steps
         batches = [b for _, b in zip(range(steps), loader, strict=False)]
-        with evaluation_weights(self.model.optimizer):  # Schedule-Free: the averaged weights
-            loss, loads = self._eval_loss(batches)
+        train = self.run.config.train
+        loss, loads = held_out_loss(
+            self.model, self.dist, batches, train.mixed_precision, train.grad_accum_steps
+        )
         self._emit({"step": state.step, "eval/loss": loss, "eval/perplexity": math.exp(loss)})
         if loads is not None:  # a table, not a scalar: for metrics.jsonl only
             for sink in self.sinks:
@@ -267,40 +271,11 @@ class TrainingEffects:
         self.hooks.on_eval_end(state, loss)
         self._restart_clock(state)
 
-    def _eval_loss(self, batches: list[Batch]) -> tuple[float, list[list[float]] | None]:
-        """The mean held-out loss over ``batches`` and every rank, and a mixture of experts'
-        tokens per expert of each MoE layer, summed over ranks (None in a pipeline)."""
-        if self.model.pipeline is not None:
-            n_micro = self.run.config.train.grad_accum_steps
-            loss = evaluate_pipeline_loss(
-                self.model.model,
-                self.model.pipeline,
-                batches,
-                n_micro,
-                loss_spec_of(self.run.config.train, self.model.compiled),
-            )
-            return mean_over_ranks(loss, self.dist.world_size, self.dist.device), None
-        train = self.run.config.train
-        totals = evaluate_totals(
-            self.model.model,
-            batches,
-            train.mixed_precision,
-            loss_spec_of(train, self.model.compiled),
-        )
-        flat_loads = [x for layer in totals.moe_loads or [] for x in layer]
-        summed = sum_over_ranks(
-            [totals.loss_sum, float(totals.count), *flat_loads],
-            self.dist.world_size,
-            self.dist.device,
-        )
-        loss = summed[0] / max(summed[1], 1.0)  # TP peers add the same pair: the ratio stands
-        if totals.moe_loads is None:
-            return loss, None
-        width = len(totals.moe_loads[0])
-        loads = summed[2:]
-        return loss, [loads[i : i + width] for i in range(0, len(loads), width)]
-
     def step_end(self, state: LoopState, result: StepResult) -> None:
+        """Report a freeze transition, keep a mixture's sums for the next log, call
+        ``on_step_end``."""
+        if result is not self._logged:
+            self._sources = add_sources(self._sources, result.sources)
         if result.freeze is not None:  # the trainable set changed before this step
             frozen = result.freeze
             self._emit(
@@ -348,27 +323,11 @@ class TrainingEffects:
             sink.write(record)
 
 
-def mean_over_ranks(value: float, world_size: int, device: torch.device | str = "cpu") -> float:
-    """The mean of ``value`` over every rank (a no-op for one process).
-
-    Ranks that share a data slice (TP peers) hold the same value, so the mean over the world
-    equals the mean over data-parallel ranks. ``device``: where the default group's backend
-    reduces (the training device: NCCL takes no CPU tensors).
-    """
-    if world_size == 1:
-        return value
-    return sum_over_ranks([value], world_size, device)[0] / world_size
-
-
-def sum_over_ranks(
-    values: list[float], world_size: int, device: torch.device | str = "cpu"
-) -> list[float]:
-    """Element-wise sums of ``values`` over every rank (as is, for one process)."""
-    if world_size == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    torch_dist.all_reduce(t)
-    return t.tolist()
+def add_sources(a: SourceTotals | None, b: SourceTotals | None) -> SourceTotals | None:
+    """``a + b``, where None is nothing."""
+    if a is None or b is None:
+        return a if b is None else b
+    return a + b
 
 
 def default_sinks(run: RunContext, dist: DistContext) -> list[MetricsSink]:

@@ -3,7 +3,7 @@ sigmoid router's per-expert bias moves toward the experts that got fewer tokens 
 
 The bias only changes which experts are chosen, never their weights, so it needs no gradient;
 it is a buffer, saved in checkpoints with the weights. The update is an effect of the step
-(``make_text_step`` / ``make_pipeline_step`` call ``balance_experts`` right after
+(``finish_step`` in ``forge.training.steps.common`` calls ``balance_experts`` right after
 ``optimizer.step()``), never part of ``forward``.
 """
 

@@ -10,7 +10,7 @@ import enum
 
 import attrs
 
-from forge.training.outcome import LoopOutcome
+from forge.types import LoopOutcome
 
 
 @attrs.frozen

@@ -5,7 +5,9 @@ In one run they are called in this order: ``on_train_begin``; then for every ste
 updated yet) and ``on_step_end`` (after the update and the step's effects: logging, saving);
 ``on_eval_end`` after an evaluation; ``on_checkpoint_save`` when a save commits (rank 0;
 asynchronous saves commit later); ``on_train_end`` last. Hooks named in the config
-(``[hooks]``) run after those a script passes to ``main``, in the order listed.
+(``[hooks]``) run after those a script passes to ``main``, in the order listed. ``Hooks``,
+the base class, is defined in ``forge.types`` (metrics and resilience subclass it too) and
+imported from here.
 """
 
 from __future__ import annotations
@@ -20,33 +22,9 @@ from torch import nn
 
 from forge.config.hooks import HooksConfig
 from forge.config.loader import ConfigError
-from forge.training.outcome import LoopOutcome
-from forge.training.state import LoopState, PendingStep, StepResult
+from forge.types import Hooks, LoopOutcome, LoopState, PendingStep, StepResult
 
-
-class Hooks:
-    """No-op base: every method is optional."""
-
-    def on_train_begin(self, state: LoopState) -> None:
-        """Before the first step (also on resume)."""
-
-    def on_before_optimizer_step(
-        self, state: PendingStep, model: nn.Module, optimizer: torch.optim.Optimizer
-    ) -> None:
-        """On every rank, after the step's gradients are accumulated (and reduced) and before
-        they are clipped and applied; ``state.result.grad_norm`` is the global norm."""
-
-    def on_step_end(self, state: LoopState, result: StepResult) -> None:
-        """After every step and its effects."""
-
-    def on_checkpoint_save(self, step: int, path: pathlib.Path) -> None:
-        """On rank 0, after a checkpoint is committed (``latest`` points at it)."""
-
-    def on_eval_end(self, state: LoopState, loss: float) -> None:
-        """On every rank, after an evaluation; ``loss`` is the mean over data-parallel ranks."""
-
-    def on_train_end(self, outcome: LoopOutcome, state: LoopState) -> None:
-        """After the final save and the wait."""
+__all__ = ["HookList", "Hooks", "configured_hooks", "hook_class", "hook_problems"]
 
 
 class HookList(Hooks):

@@ -14,18 +14,15 @@ import attrs
 
 from forge.config.sections import NonFinitePolicy
 from forge.training.finalize import CheckpointView, FinalSave, finalize
-from forge.training.outcome import LoopOutcome
-from forge.training.state import (
+from forge.training.plan import (
     LoopPolicy,
-    LoopState,
     SaveReason,
-    Signals,
-    StepResult,
     plan_step,
     rolled_back,
     saves_initial_milestone,
     starting_outcome,
 )
+from forge.types import LoopOutcome, LoopState, Signals, StepResult
 
 BatchT = TypeVar("BatchT", contravariant=True)
 

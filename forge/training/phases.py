@@ -2,17 +2,15 @@
 one by one and inspect what each built.
 
 Order: ``load_and_validate_config`` → ``setup_distributed`` → ``build_model_and_optim`` →
-``setup_data`` → ``claim_run_dir`` → ``setup_checkpointing`` → ``prepare_run_dir`` → the loop
-→ ``conclude`` → ``teardown``. Nothing is written to disk before ``claim_run_dir`` (which
+``setup_data`` → ``claim_run_dir`` → ``setup_checkpointing`` → ``prepare_run_dir``; then the
+step (``forge.training.steps``), the loop and ``conclude`` (``forge.training.loop``) and
+``teardown``. Nothing is written to disk before ``claim_run_dir`` (which
 creates and locks the run directory, and removes it again if set-up then fails), so bad
 input of any kind leaves no run directory behind.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import os
 import pathlib
 import random
@@ -20,12 +18,9 @@ import shutil
 import sys
 from collections.abc import Callable, Sequence
 
-import attrs
 import numpy as np
 import torch
-from torch import nn
 
-from forge.checkpoint.policy import SaveSchedule
 from forge.checkpoint.resume import ResumeSource, first_loadable, resolve_resume
 from forge.checkpoint.store import (
     check_loadable,
@@ -33,21 +28,16 @@ from forge.checkpoint.store import (
     read_train_state,
     remove_stale_temporaries,
 )
-from forge.config.freeze import schedule_problems, trainable_names
 from forge.config.loader import CONVERTER, ConfigError, load_config, unstructure_config
-from forge.config.sections import FreezeRule, JobConfig, ModelConfig, Precision
+from forge.config.sections import Precision
 from forge.config.toml_writer import dumps_toml
-from forge.data.dataset import open_windows
-from forge.data.loader import Batch, Sampling, TextLoader, single_source, step_batches
-from forge.data.mixture import resolve_phases
-from forge.data.shards import DataError, Manifest, dataset_fingerprint, read_manifest
+from forge.data.shards import dataset_fingerprint, read_manifest
 from forge.metrics.backends import missing_sink_packages
 from forge.metrics.sinks import trim_records_after
-from forge.metrics.sources import SourceStats
-from forge.model.moe import stats_width
+from forge.model.chunked_loss import loss_spec_of
 from forge.model.transformer import Transformer, num_parameters
 from forge.model.vlm import build_model
-from forge.optim.freezing import Freezer, freeze_for_step, named_parameters
+from forge.optim.freezing import Freezer, freeze_for_step
 from forge.optim.param_groups import build_optimizer
 from forge.optim.schedules import resolve_schedule
 from forge.parallel.mesh import (
@@ -61,7 +51,6 @@ from forge.parallel.mesh import (
 from forge.parallel.parallelize import parallelize
 from forge.parallel.pipeline import StageLoss, build_schedule, stage_module
 from forge.parallel.world import parallel_problems, resolve_dims, world_info
-from forge.resilience.faults import NanInjector, faults_from_env
 from forge.training.context import (
     CheckpointContext,
     DataContext,
@@ -69,16 +58,18 @@ from forge.training.context import (
     ModelContext,
     PipelineContext,
     RunContext,
-    StepBatches,
 )
-from forge.training.hooks import Hooks, hook_problems
-from forge.training.identity import (
-    ResumeVerdict,
-    identity_differences,
-    recorded_freeze,
-    resume_verdict,
-    run_identity,
+from forge.training.hooks import hook_problems
+from forge.training.identity import identity_differences, run_identity
+from forge.training.loaders import image_caption_loaders, text_loaders
+from forge.training.plan import starting_outcome
+from forge.training.problems import (
+    cpu_flags,
+    data_problems,
+    freeze_problems,
+    precision_warning,
 )
+from forge.training.resume import RunMismatchError, check_same_run, hold_checkpoint_stage
 from forge.training.run_dir import (
     RunDirBusyError,
     RunDirLock,
@@ -86,10 +77,9 @@ from forge.training.run_dir import (
     lock_directories,
     path_problem,
 )
-from forge.training.state import LoopPolicy, LoopState, PendingStep, StepResult, starting_outcome
-from forge.training.step import loss_spec_of, make_pipeline_step, make_text_step, make_vlm_step
 from forge.training.train_state import TrainState, parse_train_state
-from forge.training.vlm import image_caption_loaders, vlm_problems
+from forge.training.vlm import vlm_problems
+from forge.types import LoopState
 
 
 def load_and_validate_config(argv: Sequence[str]) -> RunContext:
@@ -126,48 +116,6 @@ def run_directories(run: RunContext) -> list[tuple[str, pathlib.Path]]:
     return dirs
 
 
-def freeze_problems(config: JobConfig) -> list[str]:
-    """What ``[[freeze]]`` cannot do to this model (checked on the meta device: no memory)."""
-    if not config.freeze:
-        return []
-    with torch.device("meta"):
-        names = list(named_parameters(build_model(config.model)))
-    return schedule_problems(names, config.freeze)
-
-
-def data_problems(config: JobConfig) -> list[str]:
-    """Every data source exists and fits the model: manifests readable, ids within the vocab."""
-    problems: list[str] = []
-    key_of = {s.name: f"data.sources.{s.name}.path" for s in config.data.sources}
-    first: Manifest | None = None
-    for source in config.data.source_list:
-        key = key_of.get(source.name, "data.path")
-        folder = pathlib.Path(source.path)
-        try:
-            manifest = read_manifest(folder)
-        except DataError as exc:
-            problems += [f"{key}: {line}" for line in exc.lines]
-            continue
-        first = first or manifest
-        if manifest.tokenizer != first.tokenizer:
-            problems.append(
-                f"{key}: {folder} was tokenized with {manifest.tokenizer}, the first source with "
-                f"{first.tokenizer}; every source must use one tokenizer"
-            )
-        if manifest.vocab_size > config.model.vocab_size:
-            problems.append(
-                f"model.vocab_size: {config.model.vocab_size} is smaller than the dataset's "
-                f"vocab size {manifest.vocab_size} ({folder}); token ids would fall outside "
-                f"the embedding; set model.vocab_size >= {manifest.vocab_size}"
-            )
-        if config.data.pack_documents and "bos_id" not in manifest.tokenizer:
-            problems.append(
-                f"data.pack_documents: {folder}'s manifest names no bos_id to split documents "
-                "at; re-prepare it with scripts/prepare_data.py"
-            )
-    return problems
-
-
 def setup_distributed(run: RunContext) -> DistContext:
     """World info (torchrun, SLURM or one process), process group, device mesh and seeding.
 
@@ -188,31 +136,6 @@ def setup_distributed(run: RunContext) -> DistContext:
     if warning and dist.is_main:
         print(f"[forge] warning: {warning}", file=sys.stderr)
     return dist
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags Linux reports (empty elsewhere)."""
-    try:
-        text = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
-
-
-def precision_warning(precision: Precision, device: str, flags: frozenset[str]) -> str | None:
-    """A warning when bf16 compute would be emulated: on a CPU without AVX-512 BF16 or AMX,
-    a bf16 step ran 24x slower than fp32 (benchmarks/precision.py)."""
-    if precision is not Precision.BF16 or device != "cpu" or not flags:
-        return None
-    if flags & {"avx512_bf16", "amx_bf16"}:
-        return None
-    return (
-        "train.mixed_precision='bf16' on a CPU without AVX-512 BF16 / AMX is emulated and much "
-        "slower than fp32; set --train.mixed_precision=fp32"
-    )
 
 
 def seed_everything(seed: int) -> None:
@@ -262,11 +185,11 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
     if cfg.freeze:  # the optimizer starts with step 1's trainable parameters only
         freeze_for_step(model, cfg.freeze, 1)
     optimizer = build_optimizer(model, cfg.optimizer)
+    loss = loss_spec_of(cfg, compiled)
     if pp_mesh is not None:
         assert isinstance(model, Transformer)
         group = pp_mesh.get_group()
-        spec = loss_spec_of(cfg.train, compiled, cfg.model)
-        stage_loss = StageLoss(cfg.model.moe, spec.moe_aux_weight, spec.moe_z_weight)
+        stage_loss = StageLoss(cfg.model.moe, loss.moe_aux_weight, loss.moe_z_weight)
         schedule = build_schedule(
             model,
             pp_mesh.get_local_rank(),
@@ -289,6 +212,7 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
         pipeline=pipeline,
         compiled=compiled,
         freezer=Freezer(model, optimizer, cfg.freeze, cfg.optimizer),
+        loss=loss,
     )
 
 
@@ -299,89 +223,27 @@ def cxx_compiler_found() -> bool:
 
 
 def setup_data(run: RunContext, dist: DistContext) -> DataContext:
-    """Memory-mapped train (and eval) windows of every source and the stateful loaders."""
+    """Memory-mapped train (and eval) examples of every source and the stateful loaders:
+    token windows, or image–caption examples under ``model.vlm``."""
     cfg = run.config
     sources = cfg.data.source_list
     folders = [pathlib.Path(s.path) for s in sources]
     manifests = [read_manifest(folder) for folder in folders]
+    place = {"dp_rank": dist.dp_rank, "dp_size": dist.dp_size, "device": dist.device}
     if cfg.model.vlm is not None:
-        loaders = image_caption_loaders(
-            cfg,
-            folders[0],
-            manifests[0],
-            dp_rank=dist.dp_rank,
-            dp_size=dist.dp_size,
-            device=dist.device,
-        )
-        if loaders.warning is not None:
-            report_on_main(dist)(f"warning: {loaders.warning}")
-        return DataContext(
-            fingerprints=(dataset_fingerprint(manifests[0]),),
-            manifest=manifests[0],
-            train_loader=loaders.train,
-            eval_loader=loaders.held_out,
-        )
-    seq_len, verify = cfg.train.seq_len, cfg.data.verify_checksum
-    train = [
-        open_windows(folder, manifest, cfg.data.train_split, seq_len, verify)
-        for folder, manifest in zip(folders, manifests, strict=True)
-    ]
-    needed = cfg.train.batch_size * dist.dp_size
-    for folder, windows in zip(folders, train, strict=True):
-        if len(windows) < needed:
-            raise DataError(
-                f"{folder}: split '{cfg.data.train_split}' has {len(windows)} windows of "
-                f"{seq_len + 1} tokens, fewer than one batch ({needed}); "
-                "use more data or a smaller train.seq_len / train.batch_size"
-            )
-    bos_id = int(manifests[0].tokenizer["bos_id"]) if cfg.data.pack_documents else None
-    loader = TextLoader(
-        train,
-        Sampling(
-            sizes=tuple(len(w) for w in train),
-            phases=resolve_phases(sources, cfg.data.phases, cfg.data.temperature),
-            seed=cfg.train.effective_data_seed,
-            batch_size=cfg.train.batch_size,
-            rank=dist.dp_rank,
-            world_size=dist.dp_size,
-            grad_accum_steps=cfg.train.grad_accum_steps,
-            max_epochs=cfg.train.max_epochs,
-        ),
-        bos_id=bos_id,
-        num_workers=cfg.data.num_workers,
-        device=dist.device,
-    )
-    eval_loader = None
-    if cfg.eval.interval > 0:
-        held_out = open_windows(folders[0], manifests[0], cfg.data.eval_split, seq_len, verify)
-        if len(held_out) < needed:
-            raise DataError(
-                f"{folders[0]}: split '{cfg.data.eval_split}' has {len(held_out)} windows of "
-                f"{seq_len + 1} tokens, fewer than one eval batch ({needed}); set "
-                "--eval.interval=0, or re-prepare the data with a larger --validation-percent"
-            )
-        eval_loader = TextLoader(
-            [held_out],
-            single_source(
-                len(held_out),
-                cfg.train.batch_size,
-                seed=0,
-                rank=dist.dp_rank,
-                world_size=dist.dp_size,
-            ),
-            bos_id=bos_id,
-            device=dist.device,
-        )
+        loaders = image_caption_loaders(cfg, folders[0], manifests[0], **place)
+    else:
+        loaders = text_loaders(cfg, folders, manifests, **place)
+    if loaders.warning is not None:
+        report_on_main(dist)(f"warning: {loaders.warning}")
     names = tuple(s.name for s in sources)
     return DataContext(
         fingerprints=tuple(dataset_fingerprint(m) for m in manifests),
         manifest=manifests[0],
-        train_loader=loader,
-        eval_loader=eval_loader,
+        train_loader=loaders.train,
+        eval_loader=loaders.held_out,
         # per-source metrics need the per-row loss: the text step has it, pipeline stages not
-        source_stats=SourceStats(names, dist.device)
-        if len(names) > 1 and cfg.distributed.pp == 1
-        else None,
+        source_names=names if len(names) > 1 and cfg.distributed.pp == 1 else (),
     )
 
 
@@ -399,10 +261,6 @@ def claim_run_dir(run: RunContext, dist: DistContext) -> RunDirLock:
     if lines:
         raise RunDirBusyError(lines)  # type: ignore[arg-type]
     return lock
-
-
-class RunMismatchError(ConfigError):
-    """Resuming a checkpoint written by another model or another data order."""
 
 
 def setup_checkpointing(
@@ -454,18 +312,6 @@ def setup_checkpointing(
     return CheckpointContext(plan=plan, initial_state=state)
 
 
-def hold_checkpoint_stage(
-    freezer: Freezer, train_state: TrainState, rules: Sequence[FreezeRule]
-) -> None:
-    """Put the optimizer in the stage of the checkpoint's last step, under the freeze
-    schedule that run recorded (``rules`` when it predates them), so its state loads; the
-    current schedule takes over at the next step."""
-    recorded = recorded_freeze(train_state.identity or {})
-    last = max(1, train_state.step)
-    schedule = recorded if recorded is not None else rules
-    freezer.hold(trainable_names(freezer.params, schedule, last), last)
-
-
 def report_on_main(dist: DistContext) -> Callable[[str], None]:
     """A ``[forge]`` line on stderr from rank 0; nothing elsewhere."""
 
@@ -476,174 +322,18 @@ def report_on_main(dist: DistContext) -> Callable[[str], None]:
     return say
 
 
-def check_same_run(
-    train_state: TrainState,
-    identity: dict,
-    path: pathlib.Path,
-    allow_change: bool,
-    say: Callable[[str], None],
-) -> None:
-    """Refuse (or, with ``checkpoint.allow_config_change``, warn about) a resume whose model or
-    data order differs from what the checkpoint recorded."""
-    differences = identity_differences(train_state.identity or {}, identity)
-    verdict = resume_verdict(differences, allow_change)
-    if verdict is ResumeVerdict.REFUSE:
-        kinds = " and ".join(sorted({d.kind.value for d in differences}))
-        raise RunMismatchError(
-            f"{path}: written with a different {kinds}: "
-            f"{'; '.join(d.describe() for d in differences)}; resume with the checkpoint's "
-            "values, or set checkpoint.allow_config_change=true to continue anyway"
-        )
-    for d in differences if verdict is ResumeVerdict.WARN else ():
-        say(f"warning: resuming {path} with a different {d.kind.value}: {d.describe()}")
-
-
 def prepare_run_dir(run: RunContext, dist: DistContext, ckpt: CheckpointContext) -> None:
     """Write the resolved ``config.toml`` and align ``metrics.jsonl`` with the resumed step
     (records past it came from a run that crashed after its checkpoint). A run that is
     already complete changes nothing on disk."""
     if not dist.is_main:
         return
-    if starting_outcome(ckpt.initial_state, loop_policy(run.config)) is not None:
+    if starting_outcome(ckpt.initial_state, run.policy) is not None:
         return
     run.run_dir.mkdir(parents=True, exist_ok=True)
     (run.run_dir / "config.toml").write_text(dumps_toml(unstructure_config(run.config)))
     trim_records_after(run.metrics_path, ckpt.initial_state.step)
     remove_stale_temporaries(run.checkpoint_dir)
-
-
-def make_step_fn(
-    run: RunContext,
-    dist: DistContext,
-    model: ModelContext,
-    data: DataContext | None = None,
-    hooks: Hooks | None = None,
-) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
-    """The step function the config selects: the vision-language step under ``model.vlm``,
-    the pipeline step under ``distributed.pp > 1``, else the text LM step;
-    ``hooks.on_before_optimizer_step`` runs inside it, and with ``[[freeze]]`` the
-    schedule's transitions run before it."""
-    before_update: Callable[[PendingStep], None] | None = None
-    if hooks is not None:
-        before_update = functools.partial(call_before_update, hooks, model.model, model.optimizer)
-
-    step = configured_step(run, dist, model, data, before_update)
-    if model.freezer is None:
-        return step
-    return functools.partial(freezing_step, step, model.freezer)
-
-
-def freezing_step(
-    step: Callable[[tuple[Batch, ...], LoopState], StepResult],
-    freezer: Freezer,
-    batches: tuple[Batch, ...],
-    state: LoopState,
-) -> StepResult:
-    """``step`` after the freeze schedule's transition for it, if any (reported in the
-    result, as is the first step's trainable set)."""
-    transition = freezer.apply(state.step + 1)
-    if transition is None and state.step == 0 and freezer.rules:
-        transition = freezer.counts(1)
-    result = step(batches, state)
-    return result if transition is None else attrs.evolve(result, freeze=transition)
-
-
-def configured_step(
-    run: RunContext,
-    dist: DistContext,
-    model: ModelContext,
-    data: DataContext | None,
-    before_update: Callable[[PendingStep], None] | None,
-) -> Callable[[tuple[Batch, ...], LoopState], StepResult]:
-    """The vision-language step (``model.vlm``), the pipeline step (``distributed.pp >
-    1``), else the text LM step."""
-    cfg = run.config
-    loss_spec = loss_spec_of(cfg.train, model.compiled, cfg.model)
-    balance_rate = cfg.model.moe_bias_update_rate if cfg.model.moe else 0.0
-    essentials = (
-        model.model,
-        model.optimizer,
-        model.schedule,
-        cfg.optimizer.lr,
-        cfg.train.mixed_precision,
-        cfg.train.grad_clip_norm,
-    )
-    options = {
-        "fsdp_mixed_precision": model.fsdp,
-        "dp_size": dist.dp_size,
-        "loss_scale": NanInjector(faults_from_env(os.environ), dist.rank),
-        "loss_spec": loss_spec,
-        "before_update": before_update,
-    }
-    if cfg.model.vlm is not None:
-        return make_vlm_step(*essentials, arch=cfg.model.vlm, **options)
-    if model.pipeline is not None:
-        return make_pipeline_step(
-            model.model,
-            model.optimizer,
-            model.pipeline,
-            model.schedule,
-            cfg.optimizer.lr,
-            cfg.train.grad_clip_norm,
-            dp_size=dist.dp_size,
-            loss_spec=loss_spec,
-            before_update=before_update,
-            moe_shape=moe_stats_shape(cfg.model),
-            balance_rate=balance_rate,
-            world_size=dist.world_size,
-        )
-    return make_text_step(
-        *essentials,
-        **options,
-        stats=data.source_stats if data is not None else None,
-        balance_rate=balance_rate,
-        world_size=dist.world_size,
-    )
-
-
-def moe_stats_shape(cfg: ModelConfig) -> tuple[int, int] | None:
-    """The shape of a mixture-of-experts model's statistics (None when dense)."""
-    return (len(cfg.moe_layers), stats_width(cfg.moe_num_experts)) if cfg.moe else None
-
-
-def call_before_update(
-    hooks: Hooks, model: nn.Module, optimizer: torch.optim.Optimizer, pending: PendingStep
-) -> None:
-    """``hooks.on_before_optimizer_step`` in the step function's shape."""
-    hooks.on_before_optimizer_step(pending, model, optimizer)
-
-
-def train_batches(run: RunContext, data: DataContext) -> StepBatches:
-    """The loader grouped into optimizer steps of ``grad_accum_steps`` micro-batches."""
-    return step_batches(data.train_loader, run.config.train.grad_accum_steps)
-
-
-def loop_policy(config: JobConfig) -> LoopPolicy:
-    """The loop's fixed parameters from the config."""
-    ck = config.checkpoint
-    schedule = None
-    if ck.enabled:
-        window = ck.dyn_ckpt_window
-        schedule = SaveSchedule(
-            interval=ck.interval,
-            window_start=window.start if window else None,
-            window_stop=window.stop if window else None,
-        )
-    return LoopPolicy(
-        max_steps=config.train.max_steps,
-        log_interval=config.metrics.log_interval,
-        eval_interval=config.eval.interval,
-        schedule=schedule,
-        nonfinite_limit=config.nonfinite_limit,
-        nonfinite_policy=config.resilience.on_nonfinite,
-        snapshot_interval=config.resilience.snapshot_interval,
-    )
-
-
-def config_fingerprint(config: JobConfig) -> str:
-    """A short hash of the model section: a resume under a different architecture is caught."""
-    text = json.dumps(CONVERTER.unstructure(config.model), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def teardown(dist: DistContext, healthy: bool = True) -> None:

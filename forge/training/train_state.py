@@ -12,9 +12,13 @@ from cattrs.errors import ClassValidationError, IterableValidationError
 
 from forge.checkpoint.store import TRAIN_STATE, CheckpointError
 from forge.config.loader import CONVERTER, leaf_errors
-from forge.training.state import LoopState, SaveReason
+from forge.training.plan import SaveReason
+from forge.types import LoopState
 
 TRAIN_STATE_VERSION = 1
+# Keys that older train states carry and this one no longer reads: dropped before structuring,
+# so that their checkpoints still resume (``identity`` compares the model since it was added).
+RETIRED_KEYS = ("model_fingerprint",)
 
 
 @attrs.frozen
@@ -44,7 +48,6 @@ class TrainState:
     loop_state: LoopState
     loader: LoaderRecord
     schedule: ScheduleRecord
-    model_fingerprint: str
     world_size: int
     identity: dict[str, Any] | None = None  # forge.training.identity; older checkpoints lack it
 
@@ -55,6 +58,8 @@ def train_state_to_json(state: TrainState) -> dict[str, Any]:
 
 def parse_train_state(raw: Any, path: pathlib.Path) -> TrainState:
     """Structure ``raw`` strictly; a ``CheckpointError`` naming the first bad field otherwise."""
+    if isinstance(raw, dict):
+        raw = {k: v for k, v in raw.items() if k not in RETIRED_KEYS}
     try:
         state = CONVERTER.structure(raw, TrainState)
     except (ClassValidationError, IterableValidationError) as exc:

@@ -23,7 +23,7 @@ from forge.data.loader import TextLoader, single_source
 from forge.data.shards import read_manifest
 from forge.model.transformer import Transformer
 from forge.model.vlm import build_model
-from forge.training.step import evaluate_loss
+from forge.training.evaluate import evaluate_loss
 from tests.conftest import REPO, TINY
 
 COMMON = [

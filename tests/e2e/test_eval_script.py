@@ -16,7 +16,7 @@ from forge.data.dataset import open_windows
 from forge.data.loader import Batch
 from forge.data.shards import read_manifest
 from forge.model.transformer import Transformer
-from forge.training.step import evaluate_loss
+from forge.training.evaluate import evaluate_loss
 from tests.conftest import REPO
 
 EVAL = [sys.executable, str(REPO / "scripts" / "eval.py")]

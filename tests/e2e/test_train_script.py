@@ -499,11 +499,11 @@ def test_pure_bf16_trains_close_to_fp32(tiny_config, tmp_path):
 
 def test_schedule_free_evaluates_the_averaged_weights(tiny_config, monkeypatch):
     """The eval loss is computed with x (the average) in the parameters, never y."""
-    import forge.training.effects as effects
+    import forge.training.evaluate as evaluate
     from forge.optim.optimizers import ScheduleFreeAdamW
 
     models, seen = built_models(monkeypatch), []
-    real = effects.evaluate_totals
+    real = evaluate.evaluate_totals
 
     def spy(model, batches, precision, loss_spec):
         (ctx,) = models
@@ -512,7 +512,7 @@ def test_schedule_free_evaluates_the_averaged_weights(tiny_config, monkeypatch):
         seen.append(all(torch.equal(p, averaged[id(p)]) for p in model.parameters()))
         return real(model, batches, precision, loss_spec)
 
-    monkeypatch.setattr(effects, "evaluate_totals", spy)
+    monkeypatch.setattr(evaluate, "evaluate_totals", spy)
     real_eval = ScheduleFreeAdamW.averaged
 
     def record(self):

@@ -13,7 +13,7 @@ from forge.data.loader import Batch
 from forge.data.packing import IGNORE_INDEX, pack
 from forge.model.chunked_loss import LossSpec, chunked_lm_loss
 from forge.model.transformer import Transformer
-from forge.training.step import micro_batch_loss
+from forge.training.steps.common import micro_batch_loss
 
 N, D, V = 37, 16, 101  # N not a multiple of any chunk size below
 

@@ -12,8 +12,9 @@ from forge.data.loader import Batch
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer, resolve_schedule
 from forge.optim.freezing import Freezer, freeze_for_step, named_parameters
-from forge.training.state import LoopState
-from forge.training.step import make_text_step
+from forge.training.steps.spec import StepSpec
+from forge.training.steps.text import make_text_step
+from forge.types import LoopState
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, max_seq_len=16)
 # the head and final norm for 2 steps, then the blocks too, from step 5 everything
@@ -79,7 +80,7 @@ def test_the_optimizer_holds_each_stages_parameters(step, holds):
 def test_frozen_parameters_get_no_gradient_and_no_state_and_newcomers_start_fresh():
     model, optimizer, freezer = build()
     sched = resolve_schedule(SchedulerConfig(warmup_steps=0), 100)
-    step = make_text_step(model, optimizer, sched, 1e-2, Precision.FP32, None)
+    step = make_text_step(StepSpec(model, optimizer, sched, 1e-2, Precision.FP32))
     block = named_parameters(model)["layers.0.attention.wq.weight"]
     before = block.detach().clone()
     for s in range(2):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -18,8 +19,10 @@ from forge.model.chunked_loss import LossSpec
 from forge.model.moe import AUX, MoE
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer, resolve_schedule
-from forge.training.state import LoopState
-from forge.training.step import finish_step, make_text_step, micro_batch_loss
+from forge.training.steps.common import StepTotals, finish_step, micro_batch_loss
+from forge.training.steps.spec import StepSpec
+from forge.training.steps.text import make_text_step
+from forge.types import LoopState
 
 CFG = ModelConfig(
     dim=32,
@@ -40,13 +43,23 @@ def batch(seed: int, rows: int = 4) -> Batch:
     return Batch(inputs=t[:, :-1], labels=t[:, 1:])
 
 
-def setup(loss_scale=None):
+NO_SCHEDULE = resolve_schedule(SchedulerConfig(warmup_steps=0), 100)
+
+
+def param_module(param: torch.nn.Parameter) -> torch.nn.Module:
+    """A module holding just ``param``."""
+    module = torch.nn.Module()
+    module.param = param
+    return module
+
+
+def setup():
     torch.manual_seed(0)
     model = Transformer(CFG)
     opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
     sched = resolve_schedule(SchedulerConfig(warmup_steps=0), 100)
     step = make_text_step(
-        model, opt, sched, 1e-2, Precision.FP32, None, loss_spec=SPEC, balance_rate=0.05
+        StepSpec(model, opt, sched, 1e-2, Precision.FP32, loss=SPEC, bias_rate=0.05)
     )
     return model, opt, step
 
@@ -81,7 +94,7 @@ def test_the_step_reports_the_statistics_and_moves_the_bias_after_the_update():
 
 
 def test_a_non_finite_step_moves_neither_weights_nor_bias():
-    model, opt, step = setup(loss_scale=None)
+    model, opt, step = setup()
     step((batch(1),), LoopState())  # some optimizer state and a moved bias
     weights, state, bias = (
         copy.deepcopy(model.state_dict()),
@@ -106,17 +119,10 @@ def test_a_non_finite_auxiliary_loss_alone_skips_the_update():
     param.grad = torch.ones(3)
     called = []
     stats = torch.tensor([[float("nan"), 0.5, 0.0, 8.0, 4.0, 4.0]])  # aux, z, dropped, assigned
-    result = finish_step(
-        opt,
-        [param],
-        torch.tensor(2.0),
-        torch.tensor(1.0),
-        float("inf"),
-        tokens=8,
-        lr=0.1,
-        moe=stats,
-        after_update=lambda: called.append(True),
-    )
+    spec = StepSpec(param_module(param), opt, NO_SCHEDULE, 0.1, bias_rate=0.05)
+    totals = StepTotals(torch.tensor(2.0), torch.tensor(1.0), tokens=8, moe=stats)
+    with mock.patch("forge.training.steps.common.balance_experts", lambda *a: called.append(True)):
+        result = finish_step(spec, totals, 1, lr=0.1)
     assert not result.finite and result.moe is not None and result.moe.loads == ((4.0, 4.0),)
     assert torch.equal(param.detach(), torch.ones(3)) and called == []
 

@@ -12,8 +12,10 @@ from forge.data.packing import IGNORE_INDEX
 from forge.model.chunked_loss import LossSpec
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer, param_groups, resolve_schedule
-from forge.training.state import LoopState
-from forge.training.step import make_text_step, micro_batch_loss
+from forge.training.steps.common import micro_batch_loss
+from forge.training.steps.spec import StepSpec
+from forge.training.steps.text import make_text_step
+from forge.types import LoopState
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, max_seq_len=16)
 
@@ -26,7 +28,7 @@ def setup(clip=None, sgd=False):
     else:
         opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
     sched = resolve_schedule(SchedulerConfig(warmup_steps=0), 100)
-    return model, opt, make_text_step(model, opt, sched, 1e-2, Precision.FP32, clip)
+    return model, opt, make_text_step(StepSpec(model, opt, sched, 1e-2, Precision.FP32, clip))
 
 
 def batch(seed, rows=4):
@@ -160,7 +162,7 @@ def test_the_z_loss_is_in_the_objective_but_not_in_the_reported_loss():
     z_model, z_opt, _ = setup(sgd=True)
     sched = resolve_schedule(SchedulerConfig(warmup_steps=0), 100)
     z_step = make_text_step(
-        z_model, z_opt, sched, 1e-2, Precision.FP32, None, loss_spec=LossSpec(z_weight=weight)
+        StepSpec(z_model, z_opt, sched, 1e-2, Precision.FP32, loss=LossSpec(z_weight=weight))
     )
     reference = copy.deepcopy(z_model)
     a, b = batch(1), batch(2)

@@ -34,9 +34,11 @@ from forge.optim.param_groups import build_optimizer
 from forge.optim.schedules import Schedule, resolve_schedule
 from forge.parallel.memory_plan import TEXT_ONLY, VisionFootprint, memory_plan, stage_parameters
 from forge.parallel.world import MeshDims
-from forge.training.state import LoopState
-from forge.training.step import make_vlm_step, micro_batch_loss
+from forge.training.steps.common import micro_batch_loss
+from forge.training.steps.spec import StepSpec
+from forge.training.steps.text import make_vlm_step
 from forge.training.vlm import vision_footprint
+from forge.types import LoopState
 
 VISION = VisionConfig(image_size=16, patch_size=4, dim=16, n_layers=1, n_heads=2)
 
@@ -135,14 +137,16 @@ def test_the_vlm_step_trains_and_reports_its_images():
     model = VisionLanguageModel(vlm_config(VlmArch.JOINT_DECODER))
     optimizer = build_optimizer(model, OptimizerConfig(lr=3e-3))
     step = make_vlm_step(
-        model,
-        optimizer,
-        resolve_schedule_for(20),
-        3e-3,
-        Precision.FP32,
-        1.0,
-        arch=VlmArch.JOINT_DECODER,
-        dp_size=2,
+        StepSpec(
+            model,
+            optimizer,
+            resolve_schedule_for(20),
+            3e-3,
+            Precision.FP32,
+            1.0,
+            dp_size=2,
+            vlm=VlmArch.JOINT_DECODER,
+        )
     )
     assert step.__name__ == "joint_decoder_step"
     batch = image_caption_batch()
@@ -151,7 +155,9 @@ def test_the_vlm_step_trains_and_reports_its_images():
     def peer_with_the_same_batches(total: torch.Tensor) -> None:
         total.mul_(2)  # the step's label count summed with one identical data-parallel peer
 
-    with mock.patch("forge.training.step.torch_dist.all_reduce", peer_with_the_same_batches):
+    with mock.patch(
+        "forge.training.steps.common.torch_dist.all_reduce", peer_with_the_same_batches
+    ):
         for i in range(8):
             result = step((batch, batch), LoopState(step=i))
             losses.append(result.loss)
@@ -161,13 +167,15 @@ def test_the_vlm_step_trains_and_reports_its_images():
     torch.manual_seed(0)
     alone = VisionLanguageModel(vlm_config(VlmArch.JOINT_DECODER))
     one_rank = make_vlm_step(
-        alone,
-        build_optimizer(alone, OptimizerConfig(lr=3e-3)),
-        resolve_schedule_for(20),
-        3e-3,
-        Precision.FP32,
-        1.0,
-        arch=VlmArch.JOINT_DECODER,
+        StepSpec(
+            alone,
+            build_optimizer(alone, OptimizerConfig(lr=3e-3)),
+            resolve_schedule_for(20),
+            3e-3,
+            Precision.FP32,
+            1.0,
+            vlm=VlmArch.JOINT_DECODER,
+        )
     )
     assert one_rank((batch, batch), LoopState()).loss == pytest.approx(losses[0], rel=1e-6)
     with pytest.raises(ValueError, match="needs batches with images"):

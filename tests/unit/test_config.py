@@ -363,7 +363,7 @@ PRECISION_WARNINGS = [
 
 @pytest.mark.parametrize("precision,device,flags,warns", PRECISION_WARNINGS)
 def test_bf16_on_a_cpu_without_bf16_support_warns(precision, device, flags, warns):
-    from forge.training.phases import precision_warning
+    from forge.training.problems import precision_warning
 
     assert (precision_warning(precision, device, flags) is not None) is warns
 

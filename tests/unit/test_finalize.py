@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from forge.training.finalize import CheckpointView, FinalSaveReason, finalize
-from forge.training.outcome import LoopOutcome
+from forge.types import LoopOutcome
 
 R = FinalSaveReason
 

@@ -9,8 +9,8 @@ import pytest
 
 from forge.checkpoint.policy import SaveSchedule
 from forge.training.loop import conclude, run_training_loop
-from forge.training.outcome import LoopOutcome
-from forge.training.state import LoopPolicy, LoopState, SaveReason, Signals, StepResult
+from forge.training.plan import LoopPolicy, SaveReason
+from forge.types import LoopOutcome, LoopState, Signals, StepResult
 
 NAN = math.nan
 

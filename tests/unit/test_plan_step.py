@@ -5,17 +5,14 @@ import math
 import pytest
 
 from forge.checkpoint.policy import SaveSchedule
-from forge.training.outcome import LoopOutcome
-from forge.training.state import (
+from forge.training.plan import (
     LoopPolicy,
-    LoopState,
     SaveReason,
-    Signals,
-    StepResult,
     plan_step,
     saves_initial_milestone,
     starting_outcome,
 )
+from forge.types import LoopOutcome, LoopState, Signals, StepResult
 
 OK = StepResult(loss=2.0, grad_norm=1.0, tokens=8, lr=0.1)
 NAN_LOSS = StepResult(loss=math.nan, grad_norm=1.0, tokens=8, lr=0.1)

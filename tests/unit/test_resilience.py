@@ -8,17 +8,14 @@ from forge.checkpoint.policy import SaveSchedule
 from forge.config.sections import NonFinitePolicy
 from forge.resilience.control import ControlChannel, StepMonitor, decode, encode
 from forge.resilience.faults import Fault, FaultKind, NanInjector, parse_faults
-from forge.training.outcome import LoopOutcome
-from forge.training.state import (
+from forge.training.plan import (
     LoopPolicy,
-    LoopState,
     NonFiniteAction,
-    Signals,
-    StepResult,
     nonfinite_action,
     plan_step,
     rolled_back,
 )
+from forge.types import LoopOutcome, LoopState, Signals, StepResult
 
 SKIP, ROLLBACK, ABORT = NonFinitePolicy.SKIP, NonFinitePolicy.ROLLBACK, NonFinitePolicy.ABORT
 A = NonFiniteAction

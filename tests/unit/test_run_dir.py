@@ -8,7 +8,8 @@ import pathlib
 import pytest
 
 from forge.config import dumps_toml, structure_config, unstructure_config
-from forge.training.outcome import LoopOutcome, outcome_message
+from forge.training.outcome import outcome_message
+from forge.training.plan import SaveReason, save_failure_is_fatal
 from forge.training.run_dir import (
     LOCK_FILE,
     RunDirBusyError,
@@ -16,7 +17,7 @@ from forge.training.run_dir import (
     lock_directories,
     path_problem,
 )
-from forge.training.state import SaveReason, save_failure_is_fatal
+from forge.types import LoopOutcome
 
 
 def make(tmp: pathlib.Path, spec: str) -> None:

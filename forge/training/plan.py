@@ -1,4 +1,5 @@
-"""The loop's values and its pure decisions. No torch here: every function is table-tested.
+"""The loop's state machine: its fixed policy and its pure decisions. No torch here: every
+function is table-tested (the values it decides on are in ``forge.types``).
 
 One step of the reducer: ``plan_step(state, result, signals, policy) -> StepPlan``, whose
 ``state`` is the next ``LoopState`` and whose flags say which effects run.
@@ -16,111 +17,12 @@ the range is recorded in ``LoopState.skipped_ranges``.
 from __future__ import annotations
 
 import enum
-import math
-from collections.abc import Sequence
 
 import attrs
 
 from forge.checkpoint.policy import SaveSchedule
-from forge.config.sections import NonFinitePolicy
-from forge.training.outcome import LoopOutcome
-
-
-@attrs.frozen
-class LoopState:
-    """Everything the loop carries from one step to the next."""
-
-    step: int = 0  # optimizer steps taken so far (the next step to run has this index)
-    tokens_seen: int = 0
-    nonfinite_streak: int = 0
-    last_saved_step: int | None = None
-    last_step_finite: bool = True
-    skipped_ranges: tuple[tuple[int, int], ...] = ()  # (first, last) steps rolled back over
-
-
-@attrs.frozen
-class MoeStepStats:
-    """A mixture-of-experts model's step, on this rank: the mean balancing and router
-    z-losses per MoE layer, the assignments dropped by capacity and all assignments made, and
-    the tokens routed to each expert, one tuple per MoE layer."""
-
-    aux_loss: float
-    z_loss: float
-    dropped: float
-    assigned: float
-    loads: tuple[tuple[float, ...], ...]
-
-    @property
-    def finite(self) -> bool:
-        return math.isfinite(self.aux_loss) and math.isfinite(self.z_loss)
-
-    def flat(self) -> list[float]:
-        """aux, z, dropped, assigned, then every layer's loads (``stats_from_flat``'s input)."""
-        flat = [self.aux_loss, self.z_loss, self.dropped, self.assigned]
-        for layer in self.loads:
-            flat += layer
-        return flat
-
-
-def stats_from_flat(values: Sequence[float], n_layers: int, n_experts: int) -> MoeStepStats:
-    """The ``MoeStepStats`` whose ``flat()`` is ``values``."""
-    loads = tuple(
-        tuple(values[4 + i * n_experts : 4 + (i + 1) * n_experts]) for i in range(n_layers)
-    )
-    return MoeStepStats(values[0], values[1], values[2], values[3], loads)
-
-
-@attrs.frozen
-class FreezeTransition:
-    """The freeze schedule changed the trainable set at the start of ``step``: the parameter
-    elements that train from then on, and those that stay frozen."""
-
-    step: int
-    trainable: int
-    frozen: int
-
-
-@attrs.frozen
-class StepResult:
-    """What one optimizer step reports back (already world-reduced)."""
-
-    loss: float
-    grad_norm: float
-    tokens: int
-    lr: float
-    collective_failed: bool = False  # a peer stalled or died during the step
-    z_loss: float | None = None  # mean logsumexp² when train.z_loss_weight > 0 (not in ``loss``)
-    moe: MoeStepStats | None = None  # a mixture-of-experts model's routing (losses not in ``loss``)
-    freeze: FreezeTransition | None = None  # the trainable set changed before this step
-    images: int = 0  # images the step trained on, over every data-parallel rank (VLM)
-
-    @property
-    def finite(self) -> bool:
-        """Loss, grad norm and every auxiliary loss finite: the update may be applied."""
-        z_finite = self.z_loss is None or math.isfinite(self.z_loss)
-        moe_finite = self.moe is None or self.moe.finite
-        return (
-            math.isfinite(self.loss) and math.isfinite(self.grad_norm) and z_finite and moe_finite
-        )
-
-
-@attrs.frozen
-class PendingStep:
-    """The optimizer step about to be applied: its number (1-based) and what it measured,
-    the global gradient norm before clipping included; ``result.finite`` says whether the
-    update will happen."""
-
-    step: int
-    result: StepResult
-
-
-@attrs.frozen
-class Signals:
-    """Conditions polled once per step, already reduced over every rank (the control word)."""
-
-    shutdown_requested: bool = False
-    health_failed: bool = False
-    nonfinite: bool = False  # some rank's loss or grad norm was not finite
+from forge.config.sections import JobConfig, NonFinitePolicy
+from forge.types import LoopOutcome, LoopState, Signals, StepResult
 
 
 @attrs.frozen
@@ -134,6 +36,28 @@ class LoopPolicy:
     nonfinite_limit: int = 3
     nonfinite_policy: NonFinitePolicy = NonFinitePolicy.SKIP
     snapshot_interval: int = 0  # rollback snapshots every this many steps (0: only at start)
+
+
+def loop_policy(config: JobConfig) -> LoopPolicy:
+    """The loop's fixed parameters from the config."""
+    ck = config.checkpoint
+    schedule = None
+    if ck.enabled:
+        window = ck.dyn_ckpt_window
+        schedule = SaveSchedule(
+            interval=ck.interval,
+            window_start=window.start if window else None,
+            window_stop=window.stop if window else None,
+        )
+    return LoopPolicy(
+        max_steps=config.train.max_steps,
+        log_interval=config.metrics.log_interval,
+        eval_interval=config.eval.interval,
+        schedule=schedule,
+        nonfinite_limit=config.nonfinite_limit,
+        nonfinite_policy=config.resilience.on_nonfinite,
+        snapshot_interval=config.resilience.snapshot_interval,
+    )
 
 
 class NonFiniteAction(enum.Enum):

@@ -1,0 +1,56 @@
+"""``train.py --help``: usage, how overrides work, the exit codes and every key with its
+default."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+
+from forge.config.sections import JobConfig
+from forge.types import ExitCode
+
+EXIT_MEANINGS = {
+    ExitCode.OK: "done: completed, already complete, or the data ran out (train.max_epochs)",
+    ExitCode.CONFIG_ERROR: "bad config, data or checkpoint: nothing was trained",
+    ExitCode.NAN_ABORT: "too many consecutive non-finite steps",
+    ExitCode.HEALTH_FAILURE: "health failure: a rank stalled or died",
+    ExitCode.SAVE_FAILED: "a final or emergency save failed",
+    ExitCode.SHUTDOWN: "preempted: resume by running the same command again",
+    ExitCode.INTERRUPTED: "interrupted twice (Ctrl-C): the save in progress was abandoned",
+}
+
+USAGE = "usage: train.py CONFIG.toml [--section.key=value ...]"
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, enum.Enum):
+        return repr(value.value)
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_shown(v) for v in value) + "]"
+    if value is None:
+        return "unset"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def help_text() -> str:
+    """``train.py --help``: usage, how overrides work, and every key with its default."""
+    lines = [
+        USAGE,
+        "",
+        "Train from a TOML config (e.g. configs/train/debug.toml). Any key can be overridden on",
+        "the command line, the value in TOML syntax: --train.max_steps=600,",
+        "--optimizer.betas=[0.9,0.95], --train.mixed_precision=fp32. Exit codes:",
+        *(f"  {code.value:>3}  {EXIT_MEANINGS[code]}" for code in ExitCode),
+        "Every key is documented in docs/configuration.md. Keys and defaults:",
+    ]
+    defaults = JobConfig()
+    for section in attrs.fields(JobConfig):
+        value = getattr(defaults, section.name)
+        lines.append(f"  [{section.name}]")
+        for field in attrs.fields(type(value)):
+            lines.append(f"    {field.name} = {_shown(getattr(value, field.name))}")
+    return "\n".join(lines)

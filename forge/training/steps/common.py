@@ -1,0 +1,254 @@
+"""What every step shares: the micro-batch loss, label shares, LR setting, the MoE
+bookkeeping and ``finish_step`` (one host read, clip, update only if finite)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+
+import attrs
+import torch
+import torch.distributed as torch_dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from forge.config.sections import Precision
+from forge.data.loader import Batch
+from forge.data.packing import IGNORE_INDEX
+from forge.metrics.sources import SourceStats
+from forge.model.chunked_loss import PLAIN_LOSS, LossSpec
+from forge.model.moe import ASSIGNED, AUX, DROPPED, LOADS, Z, moe_terms
+from forge.model.transformer import is_moe, split_moe_output
+from forge.optim.schedules import lr_at
+from forge.parallel.grad_norm import clip_coefficient, scale_grads_
+from forge.training.expert_balance import balance_experts, global_loads
+from forge.training.steps.spec import StepSpec
+from forge.types import (
+    LoopState,
+    MoeStepStats,
+    PendingStep,
+    SourceTotals,
+    StepResult,
+    stats_from_flat,
+)
+
+
+def autocast_for(
+    precision: Precision, device_type: str = "cpu"
+) -> Callable[[], contextlib.AbstractContextManager]:
+    """A context-manager factory for the compute dtype (parameters stay fp32)."""
+    if precision is Precision.BF16:
+        return lambda: torch.autocast(device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def device_type_of(model: nn.Module) -> str:
+    """``cpu`` or ``cuda``: where the model's (local) parameters live."""
+    param = next(model.parameters(), None)
+    return param.device.type if param is not None else "cpu"
+
+
+def logits_and_stats(
+    model: nn.Module, batch: Batch, autocast: Callable
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fp32 logits and, for a mixture-of-experts model, its MoE statistics."""
+    with autocast():
+        output = model(batch.inputs, **input_kwargs(batch))
+    logits, stats = split_moe_output(output, is_moe(model))
+    return logits.float(), stats
+
+
+def input_kwargs(batch: Batch) -> dict[str, torch.Tensor | None]:
+    """The model's keyword inputs beside the tokens: per-token positions and documents of
+    packed rows, the images of image–caption rows."""
+    kwargs: dict[str, torch.Tensor | None] = {}
+    if batch.document_ids is not None:
+        kwargs |= {"positions": batch.positions, "document_ids": batch.document_ids}
+    if batch.images is not None:
+        kwargs["images"] = batch.images
+    return kwargs
+
+
+@attrs.frozen
+class MicroBatchLoss:
+    """One micro-batch's loss: ``objective`` to differentiate, ``loss`` (the mean
+    cross-entropy) and ``z`` (the mean squared logsumexp, None when the z-loss is off) to log,
+    and a mixture-of-experts model's statistics (``forge.model.moe``; None when dense)."""
+
+    objective: torch.Tensor
+    loss: torch.Tensor
+    z: torch.Tensor | None
+    moe: torch.Tensor | None = None
+
+
+def micro_batch_loss(
+    model: nn.Module,
+    batch: Batch,
+    autocast: Callable,
+    stats: SourceStats | None = None,
+    loss_spec: LossSpec = PLAIN_LOSS,
+) -> MicroBatchLoss:
+    """Next-token cross-entropy in fp32 over the unmasked labels, plus ``loss_spec.z_weight``
+    × ``mean(logsumexp(logits)²)`` in the objective.
+
+    A chunked ``loss_spec``: the model computes it chunk by chunk (``chunked_lm_loss``) and the
+    full logits never exist; else the plain path, fp32 logits then ``F.cross_entropy``. With
+    ``stats``, also adds each row's loss sum and label count to its source's totals. A
+    mixture-of-experts model's auxiliary losses join the objective (``moe_terms``).
+    """
+    counted = batch.labels != IGNORE_INDEX
+    n = counted.sum()
+    z_weight = loss_spec.z_weight
+    if loss_spec.chunked:
+        with autocast():
+            output = model(batch.inputs, labels=batch.labels, loss=loss_spec, **input_kwargs(batch))
+        (objective, per_token, z), moe = split_moe_output(output, is_moe(model))
+    else:
+        logits, moe = logits_and_stats(model, batch, autocast)
+        per_token = F.cross_entropy(logits.transpose(1, 2), batch.labels, reduction="none")
+        objective = per_token.sum() / n
+        z = None
+        if z_weight > 0:
+            z = (logits.logsumexp(-1).square() * counted).sum() / n
+            objective = objective + z_weight * z
+    if stats is not None and batch.sources is not None:
+        stats.add(batch.sources, per_token.detach().sum(dim=1), counted.sum(dim=1))
+    if moe is not None:
+        objective = objective + moe_terms(moe, loss_spec.moe_aux_weight, loss_spec.moe_z_weight)[0]
+        moe = moe.detach()
+    loss = per_token.detach().sum() / n
+    z_logged = z.detach() if z is not None and z_weight > 0 else None
+    return MicroBatchLoss(objective, loss, z_logged, moe)
+
+
+def moe_summary(stats: torch.Tensor, n_micro: int) -> torch.Tensor:
+    """A step's MoE statistics (summed over its ``n_micro`` micro-batches) as one flat
+    tensor for the host read: mean aux and z losses per layer and micro-batch, dropped and
+    assigned counts, then every layer's loads."""
+    means = stats[:, [AUX, Z]].mean(0) / n_micro
+    counts = stats[:, [DROPPED, ASSIGNED]].sum(0)
+    return torch.cat([means, counts, stats[:, LOADS:].flatten()])
+
+
+def moe_step_stats(values: Sequence[float], n_layers: int) -> MoeStepStats:
+    """``moe_summary``'s values, read on the host."""
+    n_experts = (len(values) - 4) // n_layers
+    return stats_from_flat(values, n_layers, n_experts)
+
+
+def balance_after_update(
+    model: nn.Module, stats: torch.Tensor | None, rate: float, world_size: int
+) -> Callable[[], None] | None:
+    """The aux-loss-free bias update this step applies after ``optimizer.step()`` (None when
+    off): the step's loads, summed over ranks here, so every rank applies the same update."""
+    if stats is None or rate <= 0:
+        return None
+    loads = global_loads(stats[:, LOADS:], world_size)
+    return lambda: balance_experts(model, loads, rate)
+
+
+def label_shares(batches: Sequence[Batch], dp_size: int) -> list[torch.Tensor]:
+    """Each micro-batch's weight when every labelled token of the step counts the same, on
+    this rank and every other data-parallel one: its labels over the step's labels on all
+    ``dp_size`` ranks (one all-reduce), times ``dp_size`` (the gradient reduction averages
+    over ranks). Rows of unequal length (captions, packed documents) need it for a gradient
+    that does not depend on how the batch is split. The sum runs over the default group:
+    only for steps whose ranks are all data-parallel (the vision-language step)."""
+    counts = torch.stack([(b.labels != IGNORE_INDEX).sum() for b in batches]).float()
+    total = counts.sum()
+    if dp_size > 1:
+        torch_dist.all_reduce(total)
+    shares = counts * dp_size / total
+    return list(shares.unbind())
+
+
+def trainable_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """The parameters that get gradients this step."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """FSDP2: reduce-scatter gradients only on the last micro-batch of a step."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+
+
+def step_lr(spec: StepSpec, state: LoopState, batches: Sequence[Batch]) -> float:
+    """The learning rate of the step after ``state``: the schedule's, times the data
+    phase's ``lr_scale``."""
+    return lr_at(spec.schedule, spec.peak_lr, state.step) * batches[0].lr_scale
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
+    """Set every param group's learning rate; returns it."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+@attrs.frozen
+class StepTotals:
+    """What a step measured, still on the device: the mean loss over its micro-batches, the
+    global grad norm, the mean z-loss (None when off), a MoE model's statistics summed over
+    the ``micro_batches`` (None when dense) and a mixture's per-source sums ``(2, sources)``
+    (None without); ``tokens`` over every data-parallel rank."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    tokens: int
+    micro_batches: int = 1
+    z_loss: torch.Tensor | None = None
+    moe: torch.Tensor | None = None
+    sources: torch.Tensor | None = None
+
+
+def finish_step(spec: StepSpec, totals: StepTotals, step: int, lr: float) -> StepResult:
+    """Clip by the global norm and step, only if loss, norm (and z-loss, and a MoE model's
+    auxiliary losses) are finite; report step ``step`` (1-based), read by ``read_result``.
+
+    ``spec.before_update`` sees the step after that read, before clipping; a MoE model's
+    balancing bias moves right after an applied ``optimizer.step()``. A non-finite step
+    zeroes the gradients and never touches the optimizer state.
+    """
+    after_update = balance_after_update(spec.model, totals.moe, spec.bias_rate, spec.world_size)
+    result = read_result(totals, lr)
+    if spec.before_update is not None:
+        spec.before_update(PendingStep(step, result))
+    if result.finite:
+        if math.isfinite(spec.max_norm):
+            coefficient = clip_coefficient(result.grad_norm, spec.max_norm)
+            scale_grads_(trainable_parameters(spec.model), coefficient)
+        spec.optimizer.step()
+        if after_update is not None:
+            after_update()
+    spec.optimizer.zero_grad(set_to_none=True)
+    return result
+
+
+def read_result(totals: StepTotals, lr: float) -> StepResult:
+    """The step's ``StepResult``, every total read in one host sync (one device-to-host
+    copy; a MoE model's statistics as ``moe_summary``)."""
+    scalars = [totals.loss, totals.grad_norm]
+    if totals.z_loss is not None:
+        scalars.append(totals.z_loss)
+    moe = moe_summary(totals.moe, totals.micro_batches) if totals.moe is not None else None
+    sources = totals.sources.flatten() if totals.sources is not None else None
+    parts = [
+        torch.stack([t.float() for t in scalars]),
+        *(t for t in (moe, sources) if t is not None),
+    ]
+    values = torch.cat([t.double() for t in parts]).tolist()  # fp32 -> fp64: exact
+    head, n_moe = len(scalars), moe.numel() if moe is not None else 0
+    return StepResult(
+        loss=values[0],
+        grad_norm=values[1],
+        tokens=totals.tokens,
+        lr=lr,
+        z_loss=values[2] if totals.z_loss is not None else None,
+        moe=moe_step_stats(values[head : head + n_moe], totals.moe.shape[0])
+        if totals.moe is not None
+        else None,
+        sources=SourceTotals.from_flat(values[head + n_moe :]) if sources is not None else None,
+    )

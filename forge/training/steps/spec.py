@@ -1,0 +1,99 @@
+"""``StepSpec``: everything a step function needs, named once, built once from the contexts.
+
+A new step option is one field here and one line in ``step_spec``; the builders
+(``text.py``, ``pipeline.py``) read it, never a parameter list threaded through layers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import attrs
+import torch
+from torch import nn
+
+from forge.config.sections import ModelConfig, Precision, VlmArch
+from forge.data.loader import Batch
+from forge.model.chunked_loss import PLAIN_LOSS, LossSpec
+from forge.model.moe import stats_width
+from forge.optim.schedules import Schedule
+from forge.training.context import DataContext, DistContext, ModelContext, RunContext
+from forge.training.hooks import Hooks
+from forge.types import LoopState, PendingStep, StepResult
+
+StepFunction = Callable[[tuple[Batch, ...], LoopState], StepResult]  # one optimizer step
+
+
+@attrs.frozen
+class StepSpec:
+    """What every step needs: the model (or this rank's pipeline stage) and its optimizer,
+    the LR schedule and peak, the compute precision, clipping, the data-parallel size, how the
+    loss is computed, a mixture-of-experts model's statistics shape and bias rate, the
+    mixture's sources and the hooks' ``before_update``."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: Schedule
+    peak_lr: float
+    precision: Precision = Precision.FP32
+    grad_clip_norm: float | None = None  # None: no clipping (the norm is still measured)
+    fsdp_mixed_precision: bool = False  # FSDP2 applies the compute dtype itself: no autocast
+    dp_size: int = 1  # data-parallel ranks: tokens and label shares count over them
+    world_size: int = 1  # every rank: the MoE bias update sums the expert loads over them
+    loss: LossSpec = PLAIN_LOSS
+    moe_shape: tuple[int, int] | None = None  # (MoE layers, statistics columns); None: dense
+    bias_rate: float = 0.0  # aux-loss-free balancing (0: off)
+    sources: tuple[str, ...] = ()  # a mixture's sources, whose losses the step reports
+    before_update: Callable[[PendingStep], None] | None = None  # hooks, before clip and update
+    vlm: VlmArch | None = None  # a vision-language step's architecture
+
+    @property
+    def max_norm(self) -> float:
+        """The clipping threshold (infinite: off)."""
+        return math.inf if self.grad_clip_norm is None else self.grad_clip_norm
+
+
+def moe_stats_shape(cfg: ModelConfig) -> tuple[int, int] | None:
+    """The shape of a mixture-of-experts model's statistics (None when dense)."""
+    return (len(cfg.moe_layers), stats_width(cfg.moe_num_experts)) if cfg.moe else None
+
+
+def call_before_update(
+    hooks: Hooks, model: nn.Module, optimizer: torch.optim.Optimizer, pending: PendingStep
+) -> None:
+    """``hooks.on_before_optimizer_step`` in the step's ``before_update`` shape."""
+    hooks.on_before_optimizer_step(pending, model, optimizer)
+
+
+def step_spec(
+    run: RunContext,
+    dist: DistContext,
+    model: ModelContext,
+    data: DataContext | None = None,
+    hooks: Hooks | None = None,
+) -> StepSpec:
+    """The run's ``StepSpec``, from its contexts (``data`` names a mixture's sources;
+    ``hooks`` get ``on_before_optimizer_step``)."""
+    cfg = run.config
+    before_update = None
+    if hooks is not None:
+        before_update = functools.partial(call_before_update, hooks, model.model, model.optimizer)
+    return StepSpec(
+        model=model.model,
+        optimizer=model.optimizer,
+        schedule=model.schedule,
+        peak_lr=cfg.optimizer.lr,
+        precision=cfg.train.mixed_precision,
+        grad_clip_norm=cfg.train.grad_clip_norm,
+        fsdp_mixed_precision=model.fsdp,
+        dp_size=dist.dp_size,
+        world_size=dist.world_size,
+        loss=model.loss,
+        moe_shape=moe_stats_shape(cfg.model),
+        bias_rate=cfg.model.moe_bias_update_rate if cfg.model.moe else 0.0,
+        sources=data.source_names if data is not None else (),
+        before_update=before_update,
+        vlm=cfg.model.vlm,
+    )

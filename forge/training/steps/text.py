@@ -1,0 +1,100 @@
+"""The language-model step and its vision-language variation."""
+
+from __future__ import annotations
+
+import contextlib
+
+import attrs
+import torch
+
+from forge.data.loader import Batch
+from forge.metrics.sources import SourceStats
+from forge.parallel.grad_norm import global_grad_norm
+from forge.training.steps.common import (
+    StepTotals,
+    autocast_for,
+    device_type_of,
+    finish_step,
+    label_shares,
+    micro_batch_loss,
+    set_gradient_sync,
+    set_lr,
+    step_lr,
+    trainable_parameters,
+)
+from forge.training.steps.spec import StepFunction, StepSpec
+from forge.types import LoopState, StepResult
+
+
+def make_text_step(spec: StepSpec, *, token_weighted: bool = False) -> StepFunction:
+    """The language-model step: accumulate gradients, clip, and update only if all is finite.
+
+    One host sync per step (``finish_step``); the finiteness check comes before
+    ``optimizer.step()`` so a non-finite step never touches the optimizer state. The grad norm
+    is global over every shard, so all ranks agree on whether the step is finite. The loss is
+    this rank's; it is averaged over data-parallel ranks only when logged. With a z-loss the
+    reported ``loss`` stays the cross-entropy, ``z_loss`` the mean term; a mixture's
+    per-source sums and a MoE model's statistics are summed over micro-batches and reported.
+    With ``token_weighted`` every labelled token of the step weighs the same wherever it sits
+    (``label_shares``); else each micro-batch's mean counts ``1 / micro-batches``.
+    """
+    model, optimizer, loss_spec = spec.model, spec.optimizer, spec.loss
+    autocast = (
+        contextlib.nullcontext
+        if spec.fsdp_mixed_precision
+        else autocast_for(spec.precision, device_type_of(model))
+    )
+
+    def text_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
+        lr = set_lr(optimizer, step_lr(spec, state, batches))
+        model.train()
+        params = trainable_parameters(model)  # a freeze schedule may change them
+        device = next(model.parameters()).device
+        total = torch.zeros((), device=device)  # summed on the device: no sync here
+        total_z = torch.zeros((), device=device) if loss_spec.z_weight > 0 else None
+        stats = SourceStats(spec.sources, device) if spec.sources else None
+        moe: torch.Tensor | None = None
+        n = len(batches)
+        shares = label_shares(batches, spec.dp_size) if token_weighted else [1.0 / n] * n
+        for i, batch in enumerate(batches):
+            set_gradient_sync(model, i == n - 1)
+            terms = micro_batch_loss(model, batch, autocast, stats, loss_spec)
+            (terms.objective * shares[i]).backward()
+            total += terms.loss.float() * shares[i]
+            if total_z is not None and terms.z is not None:
+                total_z += terms.z * shares[i]
+            if terms.moe is not None:
+                moe = terms.moe if moe is None else moe + terms.moe
+        totals = StepTotals(
+            loss=total,
+            grad_norm=global_grad_norm(params),
+            tokens=sum(b.num_tokens for b in batches) * spec.dp_size,
+            micro_batches=n,
+            z_loss=total_z,
+            moe=moe,
+            sources=stats.drain() if stats is not None else None,
+        )
+        return finish_step(spec, totals, state.step + 1, lr)
+
+    return text_step
+
+
+def make_vlm_step(spec: StepSpec) -> StepFunction:
+    """The vision-language step (``joint_decoder_step`` or ``cross_attention_step``, by
+    ``spec.vlm``): the text step's accumulate, clip and update over micro-batches that carry
+    images, which the model takes beside the caption tokens; the loss counts caption tokens
+    only, each alike (captions differ in length). Reports the step's images (over the
+    data-parallel ranks) for images/s."""
+    if spec.vlm is None:
+        raise ValueError("a vision-language step needs spec.vlm (model.vlm)")
+    arch = spec.vlm
+    text_step = make_text_step(spec, token_weighted=True)
+
+    def vlm_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
+        if any(b.images is None for b in batches):
+            raise ValueError(f"{arch.value}: a vision-language step needs batches with images")
+        result = text_step(batches, state)
+        return attrs.evolve(result, images=sum(b.num_images for b in batches) * spec.dp_size)
+
+    vlm_step.__name__ = vlm_step.__qualname__ = f"{arch.value}_step"
+    return vlm_step
