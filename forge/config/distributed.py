@@ -6,7 +6,7 @@ import enum
 
 import attrs
 
-from forge.config.checks import Problem, positive
+from forge.config.ranges import Problem, positive
 
 
 class PipelineSchedule(enum.Enum):

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from forge.config.checks import Problem
+from forge.config.ranges import Problem
 
 
 @attrs.frozen

@@ -8,8 +8,10 @@ from typing import Any
 
 import attrs
 
-from forge.config.sections import JobConfig
+from forge.config.sections import FreezeRule, JobConfig
 from forge.types import ExitCode
+
+ARRAY_ENTRIES: dict[str, type] = {"freeze": FreezeRule}  # arrays of tables, by JobConfig field
 
 EXIT_MEANINGS = {
     ExitCode.OK: "done: completed, already complete, or the data ran out (train.max_epochs)",
@@ -50,7 +52,14 @@ def help_text() -> str:
     defaults = JobConfig()
     for section in attrs.fields(JobConfig):
         value = getattr(defaults, section.name)
-        lines.append(f"  [{section.name}]")
-        for field in attrs.fields(type(value)):
-            lines.append(f"    {field.name} = {_shown(getattr(value, field.name))}")
+        if attrs.has(type(value)):
+            lines.append(f"  [{section.name}]")
+            lines += [f"    {k} = {_shown(v)}" for k, v in _fields(value)]
+        else:  # an array of tables ([[freeze]]): none by default; show one entry's keys
+            lines.append(f"  [[{section.name}]]  (none by default; each entry has these keys)")
+            lines += [f"    {f.name}" for f in attrs.fields(ARRAY_ENTRIES[section.name])]
     return "\n".join(lines)
+
+
+def _fields(value: Any) -> list[tuple[str, Any]]:
+    return [(f.name, getattr(value, f.name)) for f in attrs.fields(type(value))]

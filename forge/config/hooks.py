@@ -7,7 +7,7 @@ from typing import Any
 
 import attrs
 
-from forge.config.checks import Problem
+from forge.config.ranges import Problem
 
 # "package.module:ClassName"
 HOOK_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")

@@ -26,9 +26,9 @@ from cattrs.errors import (
     IterableValidationNote,
 )
 
+from forge.config.combinations import cross_section_problems
 from forge.config.help import USAGE
 from forge.config.sections import JobConfig, Problem
-from forge.config.validate import cross_section_problems
 from forge.errors import UserInputError
 
 

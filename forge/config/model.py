@@ -7,7 +7,7 @@ import math
 
 import attrs
 
-from forge.config.checks import Problem, non_negative, positive
+from forge.config.ranges import Problem, non_negative, positive
 from forge.config.vision import VisionConfig, VlmArch
 
 

@@ -6,7 +6,7 @@ import enum
 
 import attrs
 
-from forge.config.checks import Problem, non_negative, positive
+from forge.config.ranges import Problem, non_negative, positive
 
 
 class OptimizerName(enum.Enum):

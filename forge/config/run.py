@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from forge.config.checks import Problem, non_negative, not_empty, positive
+from forge.config.ranges import Problem, non_negative, not_empty, positive
 
 
 @attrs.frozen

@@ -12,13 +12,13 @@ from __future__ import annotations
 import attrs
 
 from forge.config.checkpoint import AsyncMode, CheckpointConfig, DynamicWindow, ExportDtype
-from forge.config.checks import Problem
 from forge.config.data import DataConfig, DataPhase, DataSource, EvalConfig
 from forge.config.distributed import DistributedConfig, PipelineSchedule
 from forge.config.freeze import FreezeRule
 from forge.config.hooks import HooksConfig
 from forge.config.model import ModelConfig, MoeRouter
 from forge.config.optim import OptimizerConfig, OptimizerName, ScheduleName, SchedulerConfig
+from forge.config.ranges import Problem
 from forge.config.resilience import NonFinitePolicy, ResilienceConfig
 from forge.config.run import MetricsConfig, ProfilerConfig, RunConfig
 from forge.config.train import ActivationCheckpointing, Precision, TrainConfig

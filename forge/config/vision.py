@@ -7,7 +7,7 @@ import enum
 
 import attrs
 
-from forge.config.checks import Problem, positive
+from forge.config.ranges import Problem, positive
 
 
 class VlmArch(enum.Enum):

@@ -134,18 +134,7 @@ def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
                 "stage, the head on the last); set one of them off",
             )
         )
-    if dims.tp > 1:
-        if m.n_heads % dims.tp:
-            p.append(("distributed.tp", f"must divide model.n_heads={m.n_heads}"))
-        if m.kv_heads % dims.tp:
-            p.append(("distributed.tp", f"must divide model.n_kv_heads={m.kv_heads}"))
-        if config.train.seq_len % dims.tp:
-            p.append(
-                (
-                    "distributed.tp",
-                    f"must divide train.seq_len={config.train.seq_len} (sequence parallelism)",
-                )
-            )
+    p += tensor_parallel_problems(config, dims)
     p += expert_problems(config, dims)
     if m.vlm is not None:
         for key, size in (("distributed.tp", dims.tp), ("distributed.pp", dims.pp)):
@@ -157,7 +146,36 @@ def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
                         "use distributed.dp_shard / dp_replicate (FSDP2, HSDP)",
                     )
                 )
-    if dims.pp > 1 and config.checkpoint.export_final:
+    p += pipeline_problems(config, dims)
+    return p
+
+
+def tensor_parallel_problems(config: JobConfig, dims: MeshDims) -> list[Problem]:
+    """What ``distributed.tp`` must divide: the heads, the KV heads and the sequence."""
+    m, p = config.model, list[Problem]()
+    if dims.tp <= 1:
+        return p
+    if m.n_heads % dims.tp:
+        p.append(("distributed.tp", f"must divide model.n_heads={m.n_heads}"))
+    if m.kv_heads % dims.tp:
+        p.append(("distributed.tp", f"must divide model.n_kv_heads={m.kv_heads}"))
+    if config.train.seq_len % dims.tp:
+        p.append(
+            (
+                "distributed.tp",
+                f"must divide train.seq_len={config.train.seq_len} (sequence parallelism)",
+            )
+        )
+    return p
+
+
+def pipeline_problems(config: JobConfig, dims: MeshDims) -> list[Problem]:
+    """What ``distributed.pp > 1`` needs: layers and micro-batches for every stage, a
+    supported schedule, eval steps in whole groups; what it cannot export."""
+    d, m, p = config.distributed, config.model, list[Problem]()
+    if dims.pp <= 1:
+        return p
+    if config.checkpoint.export_final:
         p.append(
             (
                 "checkpoint.export_final",
@@ -165,36 +183,33 @@ def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
                 "scripts/convert_checkpoint.py",
             )
         )
-    if dims.pp > 1:
-        stages = dims.pp
-        if d.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B:
-            p.append(
-                (
-                    "distributed.pp_schedule",
-                    "'interleaved_1f1b' is not supported yet (several stages per rank); "
-                    "use 'gpipe' or '1f1b'",
-                )
+    stages = dims.pp
+    if d.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B:
+        p.append(
+            (
+                "distributed.pp_schedule",
+                "'interleaved_1f1b' is not supported yet (several stages per rank); "
+                "use 'gpipe' or '1f1b'",
             )
-        if config.eval.interval > 0 and config.eval.steps < config.train.grad_accum_steps:
-            p.append(
-                (
-                    "eval.steps",
-                    f"must be >= train.grad_accum_steps={config.train.grad_accum_steps} "
-                    "under distributed.pp > 1 (eval batches go through the pipeline in groups)",
-                )
+        )
+    if config.eval.interval > 0 and config.eval.steps < config.train.grad_accum_steps:
+        p.append(
+            (
+                "eval.steps",
+                f"must be >= train.grad_accum_steps={config.train.grad_accum_steps} "
+                "under distributed.pp > 1 (eval batches go through the pipeline in groups)",
             )
-        if m.n_layers < stages:
-            p.append(
-                ("distributed.pp", f"needs model.n_layers >= {stages} stages, got {m.n_layers}")
+        )
+    if m.n_layers < stages:
+        p.append(("distributed.pp", f"needs model.n_layers >= {stages} stages, got {m.n_layers}"))
+    if config.train.grad_accum_steps < stages:
+        p.append(
+            (
+                "train.grad_accum_steps",
+                f"must be >= {stages} (the pipeline's micro-batches per step) with "
+                f"distributed.pp={dims.pp} and pp_schedule='{d.pp_schedule.value}'",
             )
-        if config.train.grad_accum_steps < stages:
-            p.append(
-                (
-                    "train.grad_accum_steps",
-                    f"must be >= {stages} (the pipeline's micro-batches per step) with "
-                    f"distributed.pp={dims.pp} and pp_schedule='{d.pp_schedule.value}'",
-                )
-            )
+        )
     return p
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from forge.checkpoint.resume import ResumeSource, first_loadable, resolve_resume
 from forge.checkpoint.store import (
@@ -34,7 +35,7 @@ from forge.config.toml_writer import dumps_toml
 from forge.data.shards import dataset_fingerprint, read_manifest
 from forge.metrics.backends import missing_sink_packages
 from forge.metrics.sinks import trim_records_after
-from forge.model.chunked_loss import loss_spec_of
+from forge.model.chunked_loss import LossSpec, loss_spec_of
 from forge.model.transformer import Transformer, num_parameters
 from forge.model.vlm import build_model
 from forge.optim.freezing import Freezer, freeze_for_step
@@ -160,7 +161,6 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
     if cfg.train.param_dtype is Precision.BF16:  # pure bf16: allocated (and sharded) as bf16
         model.to(dtype=torch.bfloat16)
     num_params = num_parameters(model)
-    pipeline = None
     pp_mesh = submesh(dist.mesh, "pp")
     if pp_mesh is not None:
         stage_index, n_stages = pp_mesh.get_local_rank(), pp_mesh.size()
@@ -186,23 +186,10 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
         freeze_for_step(model, cfg.freeze, 1)
     optimizer = build_optimizer(model, cfg.optimizer)
     loss = loss_spec_of(cfg, compiled)
+    pipeline = None
     if pp_mesh is not None:
         assert isinstance(model, Transformer)
-        group = pp_mesh.get_group()
-        stage_loss = StageLoss(cfg.model.moe, loss.moe_aux_weight, loss.moe_z_weight)
-        schedule = build_schedule(
-            model,
-            pp_mesh.get_local_rank(),
-            pp_mesh.size(),
-            dist.device,
-            group,
-            cfg.distributed.pp_schedule,
-            cfg.train.grad_accum_steps,
-            stage_loss,
-        )
-        pipeline = PipelineContext(
-            schedule, group, pp_mesh.get_local_rank(), pp_mesh.size(), stage_loss
-        )
+        pipeline = pipeline_of(run, dist, model, pp_mesh, loss)
     return ModelContext(
         model=model,
         optimizer=optimizer,
@@ -214,6 +201,26 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
         freezer=Freezer(model, optimizer, cfg.freeze, cfg.optimizer),
         loss=loss,
     )
+
+
+def pipeline_of(
+    run: RunContext, dist: DistContext, stage: Transformer, pp_mesh: DeviceMesh, loss: LossSpec
+) -> PipelineContext:
+    """This rank's stage in its schedule, the last stage computing ``loss``."""
+    cfg = run.config
+    index, n_stages, group = pp_mesh.get_local_rank(), pp_mesh.size(), pp_mesh.get_group()
+    stage_loss = StageLoss(cfg.model.moe, loss.moe_aux_weight, loss.moe_z_weight)
+    schedule = build_schedule(
+        stage,
+        index,
+        n_stages,
+        dist.device,
+        group,
+        cfg.distributed.pp_schedule,
+        cfg.train.grad_accum_steps,
+        stage_loss,
+    )
+    return PipelineContext(schedule, group, index, n_stages, stage_loss)
 
 
 def cxx_compiler_found() -> bool:
