@@ -1,7 +1,8 @@
 """Per-source loss and token counts of a data mixture, kept on the training device.
 
-The step adds each micro-batch's per-row sums without a host sync; the sums are read (and
-reduced over ranks) only on logging steps.
+The step adds each micro-batch's per-row sums without a host sync (``SourceStats``, one per
+step) and reads them in its one host read, into ``StepResult.sources``; the effects sum the
+steps between two logs and reduce them over ranks only on logging steps (``source_record``).
 """
 
 from __future__ import annotations
