@@ -24,6 +24,7 @@ from forge.config import load_config
 from forge.data.dataset import TokenWindows
 from forge.data.loader import TextLoader, single_source, step_batches
 from forge.data.shards import open_split, read_manifest
+from forge.model.chunked_loss import loss_spec_of
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer, lr_at, resolve_schedule
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
@@ -80,7 +81,8 @@ def with_forge(config, steps: int, workdir: pathlib.Path) -> float:
     model, opt = fresh(config)
     run = RunContext(config, pathlib.Path("bench"), workdir, workdir / "checkpoints")
     dist = DistContext()
-    mctx = ModelContext(model, opt, resolve_schedule(config.scheduler, config.train.max_steps), 0)
+    schedule = resolve_schedule(config.scheduler, config.train.max_steps)
+    mctx = ModelContext(model, opt, schedule, 0, loss=loss_spec_of(config))
     manifest = read_manifest(pathlib.Path(config.data.path))
     data = DataContext(manifest, loader(config), None)
     policy = attrs.evolve(loop_policy(config), max_steps=steps, schedule=None, eval_interval=0)

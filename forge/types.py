@@ -124,8 +124,9 @@ class FreezeTransition:
 
 @attrs.frozen
 class StepResult:
-    """What one optimizer step reports back (already world-reduced, but for ``sources``:
-    this rank's, summed over ranks when logged)."""
+    """What one optimizer step reports back. ``grad_norm`` is global (every shard and
+    stage), ``tokens`` and ``images`` count over the data-parallel ranks; ``loss``,
+    ``z_loss``, ``moe`` and ``sources`` are this rank's, reduced over ranks when logged."""
 
     loss: float
     grad_norm: float

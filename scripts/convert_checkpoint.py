@@ -32,6 +32,7 @@ from forge.model.transformer import Transformer
 from forge.optim.optimizers import evaluation_weights
 from forge.optim.param_groups import inference_optimizer
 from forge.training.run_dir import checkpoint_dir_of, load_run_config
+from forge.types import ExitCode
 
 
 def export(run_dir: pathlib.Path, out: pathlib.Path, dtype: str) -> None:
@@ -100,8 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             import_(args.folder, args.out)
     except UserInputError as exc:
         print_errors(exc.lines)
-        return 2
-    return 0
+        return ExitCode.CONFIG_ERROR
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import pathlib
 import sys
 from collections.abc import Sequence
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -37,6 +38,7 @@ from forge.parallel.world import world_info
 from forge.training.evaluate import evaluate_totals, totals_over_ranks
 from forge.training.run_dir import checkpoint_dir_of, load_run_config
 from forge.training.vlm import mismatched_images
+from forge.types import ExitCode
 
 
 def run_dir_of(path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path | None]:
@@ -138,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserInputError as exc:
         if world.rank == 0:
             print_errors(exc.lines)
-        return 2
+        return ExitCode.CONFIG_ERROR
     if isinstance(examples, ImageCaptions):
         batches = caption_batches_of(examples, world.rank, world.world_size, args.batch_size)
         if args.mismatched_images:
@@ -147,7 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         batches = batches_of(examples, world.rank, world.world_size, args.batch_size)
     with evaluation_weights(optimizer):
         totals = evaluate_totals(model, batches, config.train.mixed_precision, loss_spec_of(config))
-    totals = totals_over_ranks(totals, world.world_size)
+    # the loss and its count only: a rank without batches has no expert loads to add
+    totals = totals_over_ranks(attrs.evolve(totals, moe_loads=None), world.world_size)
     if world.world_size > 1:
         dist.destroy_process_group()
     loss, count = totals.loss_sum / totals.count, totals.count
@@ -167,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{args.split} loss {loss:.4f} | perplexity {math.exp(loss):.3f} | "
                 f"{int(count):,} tokens | {used}"
             )
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from forge.model.vlm import VisionLanguageModel, build_model
 from forge.optim.optimizers import evaluation_weights
 from forge.optim.param_groups import inference_optimizer
 from forge.training.run_dir import checkpoint_dir_of, load_run_config
+from forge.types import ExitCode
 
 
 def run_tokenizer(config: JobConfig) -> Tokenizer:
@@ -147,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     except UserInputError as exc:
         print_errors(exc.lines)
-        return 2
+        return ExitCode.CONFIG_ERROR
     sampling = {
         "temperature": args.temperature,
         "top_k": args.top_k,
@@ -164,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ids = sample(model, prompt, new_tokens, **sampling)
             print(f"# sampled from {path}", file=sys.stderr)
     print(tok.decode(ids))
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from forge.parallel.memory_plan import (
 )
 from forge.parallel.world import parallel_problems, resolve_dims
 from forge.training.vlm import vision_footprint
+from forge.types import ExitCode
 
 
 def report(plan: MemoryPlan, device_gb: float) -> list[str]:
@@ -66,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UserInputError(problems)
     except UserInputError as exc:
         print_errors(exc.lines)
-        return 2
+        return ExitCode.CONFIG_ERROR
     m, t = config.model, config.train
     dims = resolve_dims(config.distributed, args.nproc)
     vision = vision_footprint(m)
@@ -98,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for line in report(memory_plan(config, dims, vision), args.gpu_memory_gb):
         print(line)
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from forge.errors import print_errors
+from forge.types import ExitCode
 
 PANELS = (  # (title, [(metric key, line style label)], log scale)
     ("loss", [("loss", "train"), ("eval/loss", "eval")], False),
@@ -101,14 +102,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_errors(
             ["plot_metrics.py needs matplotlib; install it with pip install 'forge[plot]'"]
         )
-        return 2
+        return ExitCode.CONFIG_ERROR
     problems = input_problems(args.runs)
     if problems:
         print_errors(problems)
-        return 2
+        return ExitCode.CONFIG_ERROR
     plot(args.runs, args.out)
     print(f"wrote {args.out}")
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

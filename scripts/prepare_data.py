@@ -23,6 +23,7 @@ from forge.data.corpus import stdlib_root
 from forge.data.prepare import InputFormat, Recipe, TextErrors, find_inputs, prepare
 from forge.data.tokenizer import ByteTokenizer, HFTokenizer, first_known_token
 from forge.errors import UserInputError, print_errors
+from forge.types import ExitCode
 
 BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<|endoftext|>", "[CLS]")
 EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "[SEP]")
@@ -152,18 +153,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except UserInputError as exc:
         print_errors(exc.lines)
-        return 2
+        return ExitCode.CONFIG_ERROR
     except KeyboardInterrupt:
         print(
             f"\ninterrupted: the finished units are kept in {args.out}.tmp; run the same "
             "command again to resume",
             file=sys.stderr,
         )
-        return 130
+        return ExitCode.INTERRUPTED
     manifest = report.manifest
     if manifest is None:
         print(f"{args.out} already holds this dataset; nothing to do")
-        return 0
+        return ExitCode.OK
     if report.reused_units:
         print(f"resumed: {report.reused_units} units were already tokenized")
     for split, info in manifest.splits.items():
@@ -178,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
     print(f"wrote {args.out}")
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from forge.data.image_text import load_image, write_image_text_dataset
 from forge.data.scenes import procedural_pairs
 from forge.data.tokenizer import ByteTokenizer
 from forge.errors import UserInputError, print_errors
+from forge.types import ExitCode
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 
@@ -132,10 +133,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UserInputError(f"--out {args.out}: cannot write the dataset ({exc})") from None
     except UserInputError as exc:
         print_errors(exc.lines)
-        return 2
+        return ExitCode.CONFIG_ERROR
     counts = {name: info.num_documents for name, info in manifest.splits.items()}
     print(f"[forge] wrote {args.out}: {counts} image-caption pairs, {size}x{size}")
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

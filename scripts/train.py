@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if {"-h", "--help"} & set(args):
         print(help_text())
-        return 0
+        return ExitCode.OK
     flag = ShutdownFlag().install()  # before set-up, so an early signal is not lost
     lock = None
     try:

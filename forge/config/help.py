@@ -18,7 +18,7 @@ EXIT_MEANINGS = {
     ExitCode.CONFIG_ERROR: "bad config, data or checkpoint: nothing was trained",
     ExitCode.NAN_ABORT: "too many consecutive non-finite steps",
     ExitCode.HEALTH_FAILURE: "health failure: a rank stalled or died",
-    ExitCode.SAVE_FAILED: "a final or emergency save failed",
+    ExitCode.SAVE_FAILED: "a final or emergency save (or the last step's) failed",
     ExitCode.SHUTDOWN: "preempted: resume by running the same command again",
     ExitCode.INTERRUPTED: "interrupted twice (Ctrl-C): the save in progress was abandoned",
 }

@@ -121,7 +121,9 @@ class ModelContext:
     pipeline: PipelineContext | None = None  # set when distributed.pp > 1
     compiled: bool = False  # blocks and loss chunks go through torch.compile
     freezer: Freezer | None = None  # the trainable set, following [[freeze]] (all without)
-    loss: LossSpec = PLAIN_LOSS  # how the loss is computed (``loss_spec_of``), train and eval
+    # how the loss is computed, train and eval: build_model_and_optim sets ``loss_spec_of``
+    # the config (a hand-built context gets the plain loss unless it passes its own)
+    loss: LossSpec = PLAIN_LOSS
 
 
 @attrs.frozen

@@ -69,6 +69,31 @@ def test_a_phase_switches_data_and_lr_at_the_same_step(mixture_config):
     assert all(r["data/json_email/tokens"] + r["data/unittest/tokens"] == total for r in recs)
 
 
+def test_per_source_metrics_cover_every_step_since_the_last_log(mixture_config, tmp_path):
+    """Logged every 4 steps, each record's per-source tokens and loss are those of the steps
+    since the previous log, as a run that logs every step sees them."""
+    every = reference_config(mixture_config, tmp_path)
+    assert TRAIN.main([str(every)]) == 0
+    assert TRAIN.main([str(mixture_config), "--metrics.log_interval=4"]) == 0
+    per_step = {r["step"]: r for r in records(every)}
+    logged = records(mixture_config)
+    assert [r["step"] for r in logged] == [1, 4, 8, 12]
+    previous = 0
+    for r in logged:
+        window = [per_step[k] for k in range(previous + 1, r["step"] + 1)]
+        for name in ("json_email", "unittest"):
+            tokens = sum(w[f"data/{name}/tokens"] for w in window)
+            assert r[f"data/{name}/tokens"] == tokens, (r["step"], name)
+            if tokens:
+                loss = sum(
+                    w[f"data/{name}/loss"] * w[f"data/{name}/tokens"]
+                    for w in window
+                    if w[f"data/{name}/tokens"]
+                )
+                assert r[f"data/{name}/loss"] == pytest.approx(loss / tokens, rel=1e-9)
+        previous = r["step"]
+
+
 @pytest.mark.parametrize(
     "extra",
     [

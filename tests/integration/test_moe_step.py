@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from unittest import mock
 
 import pytest
@@ -19,6 +20,7 @@ from forge.model.chunked_loss import LossSpec
 from forge.model.moe import AUX, MoE
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer, resolve_schedule
+from forge.resilience.faults import parse_faults, with_nan_faults
 from forge.training.steps.common import StepTotals, finish_step, micro_batch_loss
 from forge.training.steps.spec import StepSpec
 from forge.training.steps.text import make_text_step
@@ -120,7 +122,7 @@ def test_a_non_finite_auxiliary_loss_alone_skips_the_update():
     called = []
     stats = torch.tensor([[float("nan"), 0.5, 0.0, 8.0, 4.0, 4.0]])  # aux, z, dropped, assigned
     spec = StepSpec(param_module(param), opt, NO_SCHEDULE, 0.1, bias_rate=0.05)
-    totals = StepTotals(torch.tensor(2.0), torch.tensor(1.0), tokens=8, moe=stats)
+    totals = StepTotals(torch.tensor(2.0), torch.tensor(1.0), [param], tokens=8, moe=stats)
     with mock.patch("forge.training.steps.common.balance_experts", lambda *a: called.append(True)):
         result = finish_step(spec, totals, 1, lr=0.1)
     assert not result.finite and result.moe is not None and result.moe.loads == ((4.0, 4.0),)
@@ -138,3 +140,21 @@ def test_a_rollback_snapshot_restores_the_balancing_bias():
     assert not all(torch.equal(a, b) for a, b in zip(saved, biases(model), strict=True))
     slots.load("rollback")
     assert all(torch.equal(a, b) for a, b in zip(saved, biases(model), strict=True))
+
+
+@pytest.mark.parametrize("chunk", [0, 8], ids=["plain loss", "chunked loss"])
+def test_an_injected_nan_skips_the_step_and_leaves_the_routing_statistics(chunk):
+    """``FORGE_FAULTS=nan`` on a MoE model: the outputs (and so loss and gradients) are NaN,
+    the router's statistics stay as measured, nothing moves; the next step trains."""
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
+    spec = StepSpec(model, opt, NO_SCHEDULE, 1e-2, loss=LossSpec(chunk), bias_rate=0.05)
+    step = with_nan_faults(make_text_step(spec), model, parse_faults("nan:step=1"), rank=0)
+    weights = copy.deepcopy(model.state_dict())
+    result = step((batch(1), batch(2)), LoopState())
+    assert math.isnan(result.loss) and math.isnan(result.grad_norm) and not result.finite
+    assert result.moe is not None and result.moe.finite and result.moe.assigned > 0
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, weights[name]), name
+    assert step((batch(3),), LoopState(step=1)).finite

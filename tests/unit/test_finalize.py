@@ -193,7 +193,8 @@ def test_finalize_module_imports_with_torch_unimportable():
         "import sys; sys.modules['torch'] = None\n"
         "from forge.training.finalize import finalize, CheckpointView\n"
         "from forge.training.loop import run_training_loop, conclude\n"
-        "from forge.training.outcome import LoopOutcome\n"
+        "from forge.training.plan import plan_step\n"
+        "from forge.types import LoopOutcome\n"
         "print(finalize(LoopOutcome.COMPLETED, CheckpointView(3, 3, None)).save)\n"
         "import importlib.util; assert 'torch' not in [m for m in sys.modules if sys.modules[m]]\n"
     )

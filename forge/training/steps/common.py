@@ -191,12 +191,14 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
 @attrs.frozen
 class StepTotals:
     """What a step measured, still on the device: the mean loss over its micro-batches, the
-    global grad norm, the mean z-loss (None when off), a MoE model's statistics summed over
-    the ``micro_batches`` (None when dense) and a mixture's per-source sums ``(2, sources)``
+    global grad norm of ``params`` (the parameters it trained, clipped by ``finish_step``),
+    the mean z-loss (None when off), a MoE model's statistics summed over the
+    ``micro_batches`` (None when dense) and a mixture's per-source sums ``(2, sources)``
     (None without); ``tokens`` over every data-parallel rank."""
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
+    params: Sequence[torch.Tensor]
     tokens: int
     micro_batches: int = 1
     z_loss: torch.Tensor | None = None
@@ -219,7 +221,7 @@ def finish_step(spec: StepSpec, totals: StepTotals, step: int, lr: float) -> Ste
     if result.finite:
         if math.isfinite(spec.max_norm):
             coefficient = clip_coefficient(result.grad_norm, spec.max_norm)
-            scale_grads_(trainable_parameters(spec.model), coefficient)
+            scale_grads_(totals.params, coefficient)
         spec.optimizer.step()
         if after_update is not None:
             after_update()

@@ -67,6 +67,7 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
         totals = StepTotals(
             loss=loss,
             grad_norm=global_grad_norm(params, pipeline.group),
+            params=params,
             tokens=sum(b.num_tokens for b in batches) * spec.dp_size,
             micro_batches=n,
             moe=moe,

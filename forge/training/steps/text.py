@@ -68,6 +68,7 @@ def make_text_step(spec: StepSpec, *, token_weighted: bool = False) -> StepFunct
         totals = StepTotals(
             loss=total,
             grad_norm=global_grad_norm(params),
+            params=params,
             tokens=sum(b.num_tokens for b in batches) * spec.dp_size,
             micro_batches=n,
             z_loss=total_z,
