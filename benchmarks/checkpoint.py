@@ -4,7 +4,9 @@ For the debug model and a ~100M-parameter model (fp32 weights + AdamW state), on
 prints the sync save time; for each async mode, the time ``save()`` blocks the loop (staging a
 copy) as a ratio of the sync time, for the first save (staging buffers allocated, checkpoint
 process started) and for a later one (buffers reused), and the time until that save is
-committed; and the resume load time::
+committed; the share of the sync save spent on the integrity work it now includes (the
+checksums of every file written, the finiteness check of the weights; target: at most 5%),
+the time a resume spends verifying the checksums; and the resume load time::
 
     python benchmarks/checkpoint.py [--skip-large]
 """
@@ -18,7 +20,8 @@ import time
 
 import torch
 
-from forge.checkpoint.checkpointer import Checkpointer
+from forge.checkpoint.checkpointer import Checkpointer, nonfinite_parameter
+from forge.checkpoint.integrity import checksums_of, verify_checkpoint
 from forge.checkpoint.store import load_checkpoint, step_dir
 from forge.config import ModelConfig, OptimizerConfig
 from forge.config.sections import AsyncMode
@@ -63,13 +66,28 @@ def measure(name: str, cfg: ModelConfig, root: pathlib.Path) -> None:
             f"(ratio {blocked[0] / sync_s:.3f}), later saves {blocked[1]:.3f} s "
             f"(ratio {blocked[1] / sync_s:.3f}), committed after {committed_s:.3f} s"
         )
+    saved = step_dir(root / "sync", 1)
+    files = [p.name for p in saved.iterdir() if p.is_file()]
+    start = time.perf_counter()
+    checksums_of(saved, files)  # what the commit computes, the files fresh in the page cache
+    checksum_s = time.perf_counter() - start
+    start = time.perf_counter()
+    nonfinite_parameter(model)
+    finite_s = time.perf_counter() - start
+    start = time.perf_counter()
+    verify_checkpoint(saved)
+    verify_s = time.perf_counter() - start
     fresh, fresh_opt = trained(cfg)
     start = time.perf_counter()
-    load_checkpoint(step_dir(root / "sync", 1), fresh, fresh_opt)
+    load_checkpoint(saved, fresh, fresh_opt)  # verifies the checksums too
     load_s = time.perf_counter() - start
+    size_mb = sum((saved / f).stat().st_size for f in files) / 1e6
     print(
-        f"{name} ({num_parameters(model) / 1e6:.1f}M params): sync save {sync_s:.3f} s, "
-        f"resume load {load_s:.3f} s"
+        f"{name} ({num_parameters(model) / 1e6:.1f}M params, {size_mb:.0f} MB): sync save "
+        f"{sync_s:.3f} s, of which checksums {checksum_s:.4f} s (ratio {checksum_s / sync_s:.3f}) "
+        f"and the finiteness check {finite_s:.4f} s (ratio {finite_s / sync_s:.3f}); resume "
+        f"load {load_s:.3f} s, of which verifying {verify_s:.4f} s "
+        f"(ratio {verify_s / load_s:.3f})"
     )
     print("\n".join(lines))
 

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import KeyPath, keystr, tree_map_with_path
 
+from forge.checkpoint.integrity import checksums_of, own_files
 from forge.checkpoint.store import (
     STATE_DICT_OPTIONS,
     capture_rng,
@@ -41,6 +42,7 @@ from forge.checkpoint.store import (
 )
 from forge.config.sections import AsyncMode
 from forge.errors import CheckpointSaveError, one_line
+from forge.model.transformer import canonical_name
 
 
 @attrs.define
@@ -182,14 +184,32 @@ class Checkpointer:
         if mode is AsyncMode.ASYNC_PROCESS and daemon_log is not None:
             start_checkpoint_process(self.group, daemon_log)
 
+    def _gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order, on every rank (a barrier too)."""
+        if self.group is None:
+            return [value]
+        values: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(values, value, group=self.group)
+        return values
+
     def _agree(self, error: str | None) -> str | None:
         """A barrier that also agrees on failure: the first rank's error, on every rank (so
         every rank takes the same branch after a failed write)."""
-        if self.group is None:
-            return error
-        errors: list[str | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(errors, error, group=self.group)
-        return next((e for e in errors if e is not None), None)
+        return next((e for e in self._gather(error) if e is not None), None)
+
+    def _checksums(self, tmp: pathlib.Path) -> tuple[dict[str, list], str | None]:
+        """Every rank's checksums of the files it wrote into ``tmp`` (``own_files``), merged;
+        or the first rank's error."""
+        sums, error = {}, None
+        try:
+            sums = checksums_of(tmp, own_files(tmp, self.rank))
+        except OSError as exc:
+            error = one_line(exc)
+        merged: dict[str, list] = {}
+        for rank_sums, rank_error in self._gather((sums, error)):
+            error = error or rank_error
+            merged |= rank_sums
+        return merged, error
 
     def _fail(self, step: int, tmp: pathlib.Path, error: str) -> CheckpointSaveError:
         """Remove the failed save's temporary directory (rank 0); the error to raise."""
@@ -204,11 +224,15 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         train_state: dict[str, Any],
     ) -> None:
-        """Start a save of ``step`` (waiting for the previous one first). A failed write
-        raises ``CheckpointSaveError`` on every rank, leaving the previous checkpoint intact."""
+        """Start a save of ``step`` (waiting for the previous one first). A failed write, or
+        weights that are not finite on any rank (``nonfinite_parameter``: such a checkpoint
+        is never committed), raises ``CheckpointSaveError`` on every rank, leaving the previous
+        checkpoint intact."""
         self.wait()
         tmp = self.root / f"step_{step}.tmp"
-        error = None
+        error = nonfinite_parameter(model)
+        if error := self._agree(error):
+            raise self._fail(step, tmp, error)
         if self.rank == 0:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -260,10 +284,15 @@ class Checkpointer:
                 error = one_line(exc)
         if error := self._agree(error):  # every rank's shards are written, or none commits
             raise self._fail(pending.step, pending.tmp, error)
+        checksums, error = self._checksums(pending.tmp)  # while the files are fresh in cache
+        if error:
+            raise self._fail(pending.step, pending.tmp, error)
         final = step_dir(self.root, pending.step)
         if self.rank == 0:
             try:
-                commit_checkpoint(self.root, pending.tmp, pending.step, pending.train_state)
+                commit_checkpoint(
+                    self.root, pending.tmp, pending.step, pending.train_state, checksums
+                )
             except OSError as exc:
                 error = one_line(exc)
         if error := self._agree(error):
@@ -293,6 +322,25 @@ class Checkpointer:
     def in_flight(self) -> int | None:
         """The step being written, if any."""
         return self.pending.step if self.pending else None
+
+
+@torch.no_grad()
+def nonfinite_parameter(model: nn.Module) -> str | None:
+    """A line naming this rank's first parameter (its local shard) holding NaN or infinity,
+    else None: one device-to-host read for the whole model."""
+    named = [
+        (n, p.to_local() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()
+    ]
+    if not named:
+        return None
+    flags = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()
+    for (name, _), finite in zip(named, flags, strict=True):
+        if not finite:
+            return (
+                f"the weights are not finite ({canonical_name(name)} holds NaN or infinity): not "
+                "saved, so the last checkpoint stays the newest good one"
+            )
+    return None
 
 
 def save_checkpoint(

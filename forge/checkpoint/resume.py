@@ -1,10 +1,11 @@
 """The one resume resolver every entry point uses.
 
 Precedence: (1) the newest complete checkpoint in ``checkpoint.dir`` (auto-resume: model,
-optimizer, train state); (2) else ``checkpoint.load_path`` as initial weights (model only);
-(3) else a fresh start. Incomplete checkpoints are reported and skipped, never returned; a
-complete-looking one that fails to load (truncated or corrupt shards) gives way to the next
-older complete one (``fallbacks``).
+optimizer, train state), ``latest``'s target first; (2) else ``checkpoint.load_path`` as
+initial weights (model only); (3) else a fresh start. Incomplete checkpoints are reported and
+skipped, never returned; a complete-looking one that fails to load (truncated shards, bytes
+that do not match their checksums, a train state of another step) gives way to the next of
+every other complete ``step_*`` directory, newest first (``fallbacks``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class ResumePlan:
     source: ResumeSource
     path: pathlib.Path | None = None
     skipped: tuple[pathlib.Path, ...] = ()  # incomplete checkpoints newer than ``path``
-    fallbacks: tuple[pathlib.Path, ...] = ()  # older complete checkpoints, newest first
+    fallbacks: tuple[pathlib.Path, ...] = ()  # every other complete checkpoint, newest first
 
 
 def resolve_resume(checkpoint_dir: pathlib.Path, load_path: pathlib.Path | None) -> ResumePlan:
@@ -61,7 +62,7 @@ def resolve_resume(checkpoint_dir: pathlib.Path, load_path: pathlib.Path | None)
         fallbacks = tuple(
             step_dir(checkpoint_dir, s)
             for s in reversed(candidates)
-            if s < found_step and is_complete(step_dir(checkpoint_dir, s))
+            if s != found_step and is_complete(step_dir(checkpoint_dir, s))
         )
         return ResumePlan(ResumeSource.CHECKPOINT_DIR, found, skipped, fallbacks)
     skipped = tuple(step_dir(checkpoint_dir, s) for s in candidates)

@@ -32,12 +32,18 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from forge.checkpoint.integrity import (
+    IntegrityError,
+    verify_checkpoint,
+    write_checksums,
+)
 from forge.checkpoint.policy import SaveSchedule, retention_plan, step_of
 from forge.checkpoint.safety import (
     UnreadableCheckpointError,
     load_tensors_safely,
     read_metadata_safely,
 )
+from forge.config.checkpoint import Verification
 from forge.errors import UserInputError, one_line
 from forge.model.transformer import canonical_name
 
@@ -137,12 +143,18 @@ def _point_latest(root: pathlib.Path, step: int) -> None:
 
 
 def commit_checkpoint(
-    root: pathlib.Path, tmp: pathlib.Path, step: int, train_state: dict[str, Any]
+    root: pathlib.Path,
+    tmp: pathlib.Path,
+    step: int,
+    train_state: dict[str, Any],
+    checksums: dict[str, list] | None = None,
 ) -> pathlib.Path:
-    """Rank 0, once every rank's shards are in ``tmp``: write the train state, rename ``tmp``
-    to ``step_<step>`` and move ``latest`` to it."""
+    """Rank 0, once every rank's shards are in ``tmp``: write the train state and the
+    checksum record (``checksums``, what the ranks measured of their files, completed with
+    the rest), rename ``tmp`` to ``step_<step>`` and move ``latest`` to it."""
     final = step_dir(root, step)
     _write_json(tmp / TRAIN_STATE, train_state)
+    write_checksums(tmp, checksums or {})
     if final.exists():  # re-saving a step (e.g. after a resume): keep the new one
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -161,6 +173,7 @@ def save_model_only(
     with single_process_dcp():
         dcp_save({"model": model.state_dict()}, checkpoint_id=str(tmp))
     _write_json(tmp / TRAIN_STATE, train_state)
+    write_checksums(tmp, {})
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -212,9 +225,11 @@ def load_checkpoint(
     *,
     rank: int = 0,
     restore_rng_state: bool = True,
+    verify: Verification = Verification.FULL,
 ) -> dict[str, Any]:
-    """Load model (and optimizer) state in place; returns the train state. Never unpickles code."""
-    check_loadable(path, model)
+    """Load model (and optimizer) state in place, after ``check_loadable`` (``verify``: how
+    much of its bytes); returns the train state. Never unpickles code."""
+    check_loadable(path, model, verify)
     if optimizer is None:
         state: dict[str, Any] = {"model": model.state_dict()}
         _dcp_load(state, path)
@@ -236,11 +251,14 @@ def load_checkpoint(
     return read_train_state(path)
 
 
-def check_loadable(path: pathlib.Path, model: nn.Module) -> None:
+def check_loadable(
+    path: pathlib.Path, model: nn.Module, verify: Verification = Verification.FULL
+) -> None:
     """Raise ``CheckpointError`` unless every file of ``path`` reads and fits ``model``: complete,
     DCP metadata safe and readable, every shard file as long as the metadata says, the train
-    state a JSON object, every rank's RNG file a tensor file, and the shapes the model's.
-    Nothing is loaded into the model before this passes."""
+    state a JSON object, every rank's RNG file a tensor file, its bytes those recorded at
+    commit (``verify_checkpoint``: lengths, and checksums under ``Verification.FULL``), and
+    the shapes the model's. Nothing is loaded into the model before this passes."""
     if not is_complete(path):
         raise CheckpointError(f"{path}: not a complete checkpoint (no .metadata or {TRAIN_STATE})")
     try:
@@ -251,7 +269,9 @@ def check_loadable(path: pathlib.Path, model: nn.Module) -> None:
             rng = load_tensors_safely(rng_file)
             if not isinstance(rng, dict) or not {"torch_cpu", "python"} <= rng.keys():
                 raise CheckpointError(f"{rng_file}: not an RNG state file")
-    except UnreadableCheckpointError as exc:
+        # after the safe reads: a file carrying code is refused as unsafe, never skipped
+        verify_checkpoint(path, verify)
+    except (UnreadableCheckpointError, IntegrityError) as exc:
         raise CheckpointError(exc.lines) from None
     _check_shapes(path, model, meta)
 

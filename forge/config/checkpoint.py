@@ -15,6 +15,13 @@ class AsyncMode(enum.Enum):
     ASYNC_PROCESS = "async_process"  # stage into shared memory, write in a checkpoint process
 
 
+class Verification(enum.Enum):
+    """How much of a checkpoint a resume verifies before loading it (``checkpoint.verify``)."""
+
+    FULL = "full"  # every file's length and CRC-32 (reads the whole checkpoint once)
+    METADATA = "metadata"  # every file's length only (for very large checkpoints)
+
+
 class ExportDtype(enum.Enum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
@@ -53,6 +60,9 @@ class CheckpointConfig:
     allow_config_change: bool = False
     export_final: bool = False  # the final save also writes <run.dir>/export (safetensors)
     export_dtype: ExportDtype = ExportDtype.BFLOAT16
+    # what a resume checks of a checkpoint's bytes before loading it: every file's length and
+    # checksum ("full"), or lengths only ("metadata", for very large checkpoints)
+    verify: Verification = Verification.FULL
 
     def problems(self) -> list[Problem]:
         p: list[Problem] = []

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import attrs
 
-from forge.config.checkpoint import AsyncMode, CheckpointConfig, DynamicWindow, ExportDtype
+from forge.config.checkpoint import (
+    AsyncMode,
+    CheckpointConfig,
+    DynamicWindow,
+    ExportDtype,
+    Verification,
+)
 from forge.config.data import DataConfig, DataPhase, DataSource, EvalConfig
 from forge.config.distributed import DistributedConfig, PipelineSchedule
 from forge.config.freeze import FreezeRule
@@ -53,6 +59,7 @@ __all__ = [
     "ScheduleName",
     "SchedulerConfig",
     "TrainConfig",
+    "Verification",
     "VisionConfig",
     "VisionEncoderKind",
     "VlmArch",

@@ -30,7 +30,7 @@ from forge.checkpoint.store import (
     remove_stale_temporaries,
 )
 from forge.config.loader import CONVERTER, ConfigError, load_config, unstructure_config
-from forge.config.sections import Precision
+from forge.config.sections import Precision, Verification
 from forge.config.toml_writer import dumps_toml
 from forge.data.shards import dataset_fingerprint, read_manifest
 from forge.metrics.backends import missing_sink_packages
@@ -289,12 +289,13 @@ def setup_checkpointing(
         identity = run_identity(run.config, dist.dp_size, data.fingerprints)
 
         def load(path: pathlib.Path) -> TrainState:
-            check_loadable(path, model.model)
+            check_loadable(path, model.model, cfg.verify)
             train_state = parse_train_state(read_train_state(path), path)
             check_same_run(train_state, identity, path, cfg.allow_config_change, say)
             if model.freezer is not None:  # the optimizer as in the last step run
                 hold_checkpoint_stage(model.freezer, train_state, run.config.freeze)
-            load_checkpoint(path, model.model, model.optimizer, rank=dist.rank)
+            verified = Verification.METADATA  # its bytes were just checked as configured
+            load_checkpoint(path, model.model, model.optimizer, rank=dist.rank, verify=verified)
             return train_state
 
         path, train_state = first_loadable((plan.path, *plan.fallbacks), load, say)

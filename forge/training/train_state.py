@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 from cattrs.errors import ClassValidationError, IterableValidationError
 
+from forge.checkpoint.policy import step_of
 from forge.checkpoint.store import TRAIN_STATE, CheckpointError
 from forge.config.loader import CONVERTER, leaf_errors
 from forge.training.plan import SaveReason
@@ -73,5 +74,10 @@ def parse_train_state(raw: Any, path: pathlib.Path) -> TrainState:
         raise CheckpointError(
             f"{path / TRAIN_STATE}: step {state.step} disagrees with its loop state "
             f"({state.loop_state.step})"
+        )
+    folder_step = step_of(path.name)
+    if folder_step is not None and folder_step != state.step:
+        raise CheckpointError(
+            f"{path / TRAIN_STATE}: step {state.step}, but the checkpoint is {path.name}"
         )
     return state

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -335,6 +336,31 @@ def test_a_corrupt_newest_checkpoint_is_reported_and_skipped(tiny_config, capsys
     assert "skipping unloadable checkpoint" in err and "step_12" in err
     assert "resumed from" in err and "step_10 at step 10" in err
     assert [s for s, _ in losses(tiny_config)] == list(range(1, 15))
+
+
+def test_a_flipped_bit_in_the_newest_checkpoint_is_named_and_the_run_resumes_before_it(
+    tiny_config, tmp_path, capsys
+):
+    """Same length, one bit changed: only the checksums recorded at commit see it. The run
+    resumes from step 10, exactly as a run whose step_12 was never written."""
+    reference = reference_config(tiny_config, tmp_path)
+    assert TRAIN.main([str(reference)]) == 0
+    ref_ckpt = run_dir(reference) / "checkpoints"
+    shutil.rmtree(ref_ckpt / "step_12")
+    (ref_ckpt / "latest").unlink()
+    (ref_ckpt / "latest").symlink_to("step_10")
+    assert TRAIN.main([str(reference), "--train.max_steps=14"]) == 0
+    assert TRAIN.main([str(tiny_config)]) == 0
+    shard = run_dir(tiny_config) / "checkpoints" / "step_12" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=14"]) == 0
+    err = capsys.readouterr().err
+    assert "step_12/__0_0.distcp: checksum mismatch" in err
+    assert "resumed from" in err and "step_10 at step 10" in err
+    assert losses(tiny_config) == losses(reference)
 
 
 def test_no_loadable_checkpoint_is_a_clear_error(tiny_config, capsys):

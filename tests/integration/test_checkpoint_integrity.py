@@ -1,0 +1,189 @@
+"""A committed checkpoint's bytes are recorded (``checksums.json``) in every async mode and
+verified before a resume loads them; damage is named and never loaded; non-finite weights
+are never committed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import pytest
+import torch
+
+from forge.checkpoint.checkpointer import Checkpointer
+from forge.checkpoint.integrity import CHECKSUMS, recorded_checksums, verify_checkpoint
+from forge.checkpoint.resume import first_loadable, resolve_resume
+from forge.checkpoint.store import TRAIN_STATE, CheckpointError, check_loadable, step_dir
+from forge.config import ModelConfig, OptimizerConfig
+from forge.config.sections import AsyncMode, Verification
+from forge.errors import CheckpointSaveError
+from forge.model.transformer import Transformer
+from forge.optim import build_optimizer
+from forge.training.train_state import parse_train_state
+
+CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, max_seq_len=16)
+MODES = [AsyncMode.DISABLED, AsyncMode.ASYNC, AsyncMode.ASYNC_PROCESS]
+
+
+def model_and_optimizer():
+    torch.manual_seed(0)
+    model = Transformer(CFG)
+    return model, build_optimizer(model, OptimizerConfig())
+
+
+def train_state(step: int) -> dict:
+    return {"step": step, "loop_state": {"step": step}}
+
+
+@pytest.fixture(scope="module", params=MODES, ids=[m.value for m in MODES])
+def saved(request, tmp_path_factory):
+    """Checkpoints step_1 and step_2 written in the parametrized async mode (model changed
+    between them), as a pristine copy for each test to damage."""
+    root = tmp_path_factory.mktemp(request.param.value)
+    model, opt = model_and_optimizer()
+    ck = Checkpointer(root, request.param, 0, 1)
+    try:
+        for step in (1, 2):
+            ck.save(step, model, opt, train_state(step))
+            ck.wait()
+            with torch.no_grad():
+                next(model.parameters()).add_(1.0)
+    finally:
+        ck.close()
+    return root
+
+
+@pytest.fixture
+def ckpt(saved, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved, root, symlinks=True)
+    return root
+
+
+def shard_of(path):
+    return next(path.glob("*.distcp"))
+
+
+def flip_a_bit(path):
+    shard = shard_of(path)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+
+
+def write_nan_weights(path):
+    """NaN over the first float32 values of the shard, in place (the length stays)."""
+    shard = shard_of(path)
+    data = bytearray(shard.read_bytes())
+    data[64:96] = struct.pack("<8f", *[float("nan")] * 8)
+    shard.write_bytes(bytes(data))
+
+
+def swap_in_the_older_shard(path):
+    shutil.copyfile(shard_of(path.parent / "step_1"), shard_of(path))
+
+
+def edit_the_step(path):
+    state = json.loads((path / TRAIN_STATE).read_text())
+    state["step"] = 1
+    (path / TRAIN_STATE).write_text(json.dumps(state))
+
+
+def truncate_the_rng_file(path):
+    rng = path / "rng_rank0.pt"
+    rng.write_bytes(rng.read_bytes()[:-10])
+
+
+def test_every_file_of_a_committed_checkpoint_is_recorded(ckpt):
+    path = step_dir(ckpt, 2)
+    sums = recorded_checksums(path)
+    assert sums is not None
+    on_disk = {p.name for p in path.iterdir() if p.name != CHECKSUMS}
+    assert set(sums) == on_disk and {".metadata", TRAIN_STATE, "rng_rank0.pt"} <= on_disk
+    assert verify_checkpoint(path) is True
+    check_loadable(path, Transformer(CFG))
+
+
+# (case, damage, message, caught under verify = "metadata" too)
+DAMAGE = [
+    ("a flipped bit", flip_a_bit, "__0_0.distcp: checksum mismatch", False),
+    ("NaN written into the weights", write_nan_weights, "__0_0.distcp: checksum mismatch", False),
+    ("step_1's shard copied over step_2's", swap_in_the_older_shard, "checksum mismatch", False),
+    ("the train state's step edited", edit_the_step, "train_state.json", True),
+    ("a truncated RNG file", truncate_the_rng_file, "rng_rank0.pt", True),
+]
+
+
+@pytest.mark.parametrize(
+    ("damage", "message", "by_length"), [c[1:] for c in DAMAGE], ids=[c[0] for c in DAMAGE]
+)
+def test_damaged_bytes_are_named_before_anything_loads(ckpt, damage, message, by_length):
+    path = step_dir(ckpt, 2)
+    damage(path)
+    with pytest.raises(CheckpointError, match=message) as err:
+        check_loadable(path, Transformer(CFG))
+    assert "step_2" in str(err.value)
+    if by_length:
+        with pytest.raises(CheckpointError):
+            check_loadable(path, Transformer(CFG), Verification.METADATA)
+    else:  # same length: only the checksums see it
+        check_loadable(path, Transformer(CFG), Verification.METADATA)
+
+
+def test_a_damaged_newest_checkpoint_gives_way_to_the_older_one(ckpt):
+    flip_a_bit(step_dir(ckpt, 2))
+    plan = resolve_resume(ckpt, None)
+    said = []
+    path, _ = first_loadable(
+        (plan.path, *plan.fallbacks), lambda p: check_loadable(p, Transformer(CFG)), said.append
+    )
+    assert path == step_dir(ckpt, 1)
+    assert "step_2/__0_0.distcp: checksum mismatch" in said[0]
+
+
+def test_latest_pointing_at_a_damaged_older_checkpoint_gives_way_to_a_newer_one(ckpt):
+    (ckpt / "latest").unlink()
+    (ckpt / "latest").symlink_to("step_1")
+    flip_a_bit(step_dir(ckpt, 1))
+    plan = resolve_resume(ckpt, None)
+    assert plan.path == step_dir(ckpt, 1) and plan.fallbacks == (step_dir(ckpt, 2),)
+    path, _ = first_loadable(
+        (plan.path, *plan.fallbacks), lambda p: check_loadable(p, Transformer(CFG))
+    )
+    assert path == step_dir(ckpt, 2)
+
+
+def test_a_train_state_of_another_step_than_its_folder_is_refused(ckpt):
+    raw = json.loads((step_dir(ckpt, 2) / TRAIN_STATE).read_text())
+    good = {
+        "format_version": 1,
+        "step": 2,
+        "tokens_seen": 0,
+        "reason": "scheduled",
+        "loop_state": {"step": 2},
+        "loader": {"micro_batch": 0, "cursors": [0]},
+        "schedule": {"name": "cosine", "warmup_steps": 0, "decay_steps": 2, "total_steps": 2},
+        "world_size": 1,
+    }
+    assert raw["step"] == 2
+    parse_train_state(good, step_dir(ckpt, 2))
+    for step in (1, -1):
+        edited = good | {"step": step, "loop_state": {"step": step}}
+        with pytest.raises(CheckpointError, match=f"step {step}, but the checkpoint is step_2"):
+            parse_train_state(edited, step_dir(ckpt, 2))
+
+
+@pytest.mark.parametrize("mode", MODES, ids=[m.value for m in MODES])
+def test_non_finite_weights_are_never_committed(tmp_path, mode):
+    model, opt = model_and_optimizer()
+    with torch.no_grad():
+        model.layers["0"].attention.wq.weight[0, 0] = float("nan")  # type: ignore[index]
+    ck = Checkpointer(tmp_path, mode, 0, 1)
+    try:
+        with pytest.raises(CheckpointSaveError, match=r"layers\.0\.attention\.wq\.weight"):
+            ck.save(3, model, opt, train_state(3))
+    finally:
+        ck.close()
+    assert not step_dir(tmp_path, 3).exists() and not list(tmp_path.glob("*.tmp"))
+    assert not (tmp_path / "latest").exists()
