@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import shutil
 import sys
 from collections.abc import Sequence
 
@@ -31,11 +32,20 @@ from forge.errors import UserInputError, print_errors
 from forge.model.transformer import Transformer
 from forge.optim.optimizers import evaluation_weights
 from forge.optim.param_groups import inference_optimizer
+from forge.outputs import OutputKind, output_problem, replace_output, temporary_sibling
 from forge.training.run_dir import checkpoint_dir_of, load_run_config
 from forge.types import ExitCode
 
 
-def export(run_dir: pathlib.Path, out: pathlib.Path, dtype: str) -> None:
+def check_output(out: pathlib.Path, kind: OutputKind, overwrite: bool) -> None:
+    """Refuse an ``--out`` this command may not write (``output_problem``), before reading."""
+    problem = output_problem(out, kind, overwrite)
+    if problem is not None:
+        raise UserInputError(problem)
+
+
+def export(run_dir: pathlib.Path, out: pathlib.Path, dtype: str, overwrite: bool) -> None:
+    check_output(out, OutputKind.HF_EXPORT, overwrite)
     config = load_run_config(run_dir)
     if config.model.vlm is not None:
         raise UserInputError(
@@ -64,14 +74,24 @@ def report(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def import_(folder: pathlib.Path, out: pathlib.Path) -> None:
+def import_(folder: pathlib.Path, out: pathlib.Path, overwrite: bool) -> None:
+    check_output(out, OutputKind.IMPORTED_CHECKPOINT, overwrite)
     cfg, state = import_model(folder)
     model = Transformer(cfg)
     model.load_state_dict(state)
-    path = save_model_only(out, 0, model, {"step": 0, "imported_from": str(folder)})
+    tmp = temporary_sibling(out)  # the whole checkpoint folder, renamed into place at the end
+    try:
+        save_model_only(tmp, 0, model, {"step": 0, "imported_from": str(folder)})
+        replace_output(tmp, out, OutputKind.IMPORTED_CHECKPOINT)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    path = out / "step_0"
     print(f"wrote {path}; use it with --checkpoint.load_path={path} and this [model] section:")
     model = {k: v for k, v in CONVERTER.unstructure(cfg).items() if v is not None}
     print(dumps_toml({"model": model}).strip())
+
+
+OVERWRITE_HELP = "replace an earlier output of this command in --out (nothing else is replaced)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -86,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex.add_argument(
         "--dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the weights"
     )
+    ex.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     im = sub.add_parser(
         "import", help="safetensors + config.json -> forge checkpoint", formatter_class=defaults
     )
@@ -93,12 +114,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     im.add_argument(
         "--out", type=pathlib.Path, required=True, help="checkpoint folder to write (step_0)"
     )
+    im.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     args = parser.parse_args(argv)
     try:
         if args.command == "export":
-            export(args.run_dir, args.out, args.dtype)
+            export(args.run_dir, args.out, args.dtype, args.overwrite)
         else:
-            import_(args.folder, args.out)
+            import_(args.folder, args.out, args.overwrite)
     except UserInputError as exc:
         print_errors(exc.lines)
         return ExitCode.CONFIG_ERROR

@@ -18,7 +18,6 @@ import argparse
 import importlib.util
 import json
 import pathlib
-import shutil
 import sys
 import zlib
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from forge.data.image_text import load_image, write_image_text_dataset
 from forge.data.scenes import procedural_pairs
 from forge.data.tokenizer import ByteTokenizer
 from forge.errors import UserInputError, print_errors
+from forge.outputs import OutputKind, output_problem
 from forge.types import ExitCode
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
@@ -90,6 +90,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("data/shapes"))
     parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier dataset of this script in --out (nothing else is replaced)",
+    )
+    parser.add_argument(
         "--input", type=pathlib.Path, default=None, help="your pairs (unset: procedural shapes)"
     )
     parser.add_argument("--n", type=int, default=20000, help="procedural images")
@@ -103,6 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         problems = option_problems(args)
         if problems:
             raise UserInputError(problems)
+        problem = output_problem(args.out, OutputKind.IMAGE_TEXT_DATASET, args.overwrite)
+        if problem is not None:
+            raise UserInputError(problem)
         size = args.image_size
         if args.input is None:
             n_val = max(1, round(args.n * args.validation_percent / 100))
@@ -128,8 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             source = str(args.input.resolve())
         try:
             manifest = write_image_text_dataset(args.out, splits, ByteTokenizer(), size, source)
-        except OSError as exc:  # a full disk, a file where the folder should be, no permission
-            shutil.rmtree(args.out.with_name(args.out.name + ".tmp"), ignore_errors=True)
+        except OSError as exc:  # a full disk, no permission: the temporary folder is gone
             raise UserInputError(f"--out {args.out}: cannot write the dataset ({exc})") from None
     except UserInputError as exc:
         print_errors(exc.lines)

@@ -29,6 +29,7 @@ from forge.data.shards import (
 )
 from forge.data.tokenizer import ByteTokenizer
 from forge.errors import UserInputError
+from forge.outputs import OutputKind, temporary_sibling
 
 IMAGES_KEY = "images"
 
@@ -54,10 +55,22 @@ def write_image_text_dataset(
 ) -> Manifest:
     """Write ``(image, caption)`` pairs under ``out`` (via a temporary folder, renamed at the
     end: a crash leaves nothing half-written). Each caption is framed BOS + bytes + EOS."""
+    tmp = temporary_sibling(out)
+    try:
+        return _write_pairs(tmp, out, splits, tokenizer, image_size, source)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
+
+
+def _write_pairs(
+    tmp: pathlib.Path,
+    out: pathlib.Path,
+    splits: dict[str, Iterable[tuple[np.ndarray, str]]],
+    tokenizer: ByteTokenizer,
+    image_size: int,
+    source: str,
+) -> Manifest:
     dtype = token_dtype(tokenizer.vocab_size)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     infos: dict[str, SplitInfo] = {}
     images: dict[str, dict[str, object]] = {}
     for split, pairs in splits.items():
@@ -92,7 +105,8 @@ def write_image_text_dataset(
         splits=infos,
         source=source,
     )
-    publish(tmp, out, manifest, {"image_size": image_size, IMAGES_KEY: images})
+    extra = {"image_size": image_size, IMAGES_KEY: images}
+    publish(tmp, out, manifest, extra, kind=OutputKind.IMAGE_TEXT_DATASET)
     return manifest
 
 

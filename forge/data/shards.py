@@ -20,6 +20,7 @@ import numpy as np
 from forge.data.corpus import Document
 from forge.data.tokenizer import ByteTokenizer
 from forge.errors import UserInputError
+from forge.outputs import OutputKind, replace_output
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -145,12 +146,20 @@ def write_dataset(
 
 
 def publish(
-    tmp: pathlib.Path, out: pathlib.Path, manifest: Manifest, extra: dict[str, Any] | None = None
+    tmp: pathlib.Path,
+    out: pathlib.Path,
+    manifest: Manifest,
+    extra: dict[str, Any] | None = None,
+    kind: OutputKind | None = None,
 ) -> None:
     """Write the manifest (plus ``extra`` keys) into ``tmp``, then rename ``tmp`` to ``out``
-    (replacing it)."""
+    (replacing it; with ``kind``, marked as that output, the earlier one removed only once the
+    new one is in place: ``replace_output``)."""
     raw = {**manifest_to_json(manifest), **(extra or {})}
     (tmp / MANIFEST).write_text(json.dumps(raw, indent=2) + "\n")
+    if kind is not None:
+        replace_output(tmp, out, kind)
+        return
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

@@ -14,6 +14,7 @@ FORGE = pathlib.Path(__file__).resolve().parents[2] / "forge"
 FLOORS = {
     "types": 0,  # the shared vocabulary: StepResult, LoopState, LoopOutcome, ExitCode, Hooks
     "errors": 0,
+    "outputs": 0,  # the rules for output folders that scripts write
     "config": 1,
     "data": 2,
     "model": 3,

@@ -1,0 +1,111 @@
+"""Output folders that scripts write (an export, an imported checkpoint, an image–caption
+dataset): never one that holds what forge did not write there, never inside a run directory
+or a dataset, and written under a temporary sibling renamed into place, so that a failure
+leaves nothing behind. A folder a script wrote is marked (``.forge-output``, naming its kind):
+only that script's own earlier output may be replaced, and only when asked (``--overwrite``)."""
+
+from __future__ import annotations
+
+import enum
+import os
+import pathlib
+import shutil
+
+MARKER = ".forge-output"
+
+
+class OutputKind(enum.Enum):
+    """What a script writes into an output folder."""
+
+    HF_EXPORT = "hf_export"  # convert_checkpoint.py export, checkpoint.export_final
+    IMPORTED_CHECKPOINT = "imported_checkpoint"  # convert_checkpoint.py import
+    IMAGE_TEXT_DATASET = "image_text_dataset"  # prepare_vlm_data.py
+
+    @property
+    def noun(self) -> str:
+        return {"hf_export": "export", "imported_checkpoint": "checkpoint"}.get(
+            self.value, "dataset"
+        )
+
+
+def marked_kind(folder: pathlib.Path) -> OutputKind | None:
+    """The kind ``folder``'s marker names; None when it has none (or an unknown one)."""
+    try:
+        return OutputKind((folder / MARKER).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def enclosing_run(path: pathlib.Path) -> pathlib.Path | None:
+    """``path`` or the nearest folder above it that is a run directory (``config.toml`` beside
+    ``checkpoints/`` or ``metrics.jsonl``) or a checkpoint directory (``latest``), if any."""
+    for folder in (path, *path.parents):
+        if (folder / "config.toml").is_file() and (
+            (folder / "checkpoints").is_dir() or (folder / "metrics.jsonl").is_file()
+        ):
+            return folder
+        if (folder / "latest").is_symlink() and marked_kind(folder) is None:
+            return folder
+    return None
+
+
+def enclosing_dataset(path: pathlib.Path) -> pathlib.Path | None:
+    """The nearest folder above ``path`` that holds a prepared dataset (``manifest.json``)."""
+    return next((f for f in path.parents if (f / "manifest.json").is_file()), None)
+
+
+def output_problem(out: pathlib.Path, kind: OutputKind, overwrite: bool) -> str | None:
+    """Why a script may not write ``kind`` into ``out`` (one line naming ``--out``), or None:
+    it is new or empty, or holds this script's own earlier output and ``overwrite`` is set."""
+    resolved = out.resolve()
+    if out.exists() and not out.is_dir():
+        return (
+            f"--out {out}: cannot write the {kind.noun} there: a file of that name exists; "
+            "choose another --out"
+        )
+    run = enclosing_run(resolved)
+    if run is not None:
+        return (
+            f"--out {out}: lies in the run or checkpoint directory {run}; write the output "
+            "outside it (forge never adds to a run's folders)"
+        )
+    dataset = enclosing_dataset(resolved)
+    if dataset is not None:
+        return f"--out {out}: lies inside the dataset {dataset}; choose a folder outside it"
+    if not out.is_dir() or not any(out.iterdir()):
+        return None
+    if marked_kind(out) is not kind:
+        names = sorted(p.name for p in out.iterdir())
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        return (
+            f"--out {out}: holds files forge did not write there ({shown}); choose a new or "
+            "empty folder"
+        )
+    if not overwrite:
+        return (
+            f"--out {out}: holds an earlier {kind.noun} written by forge; pass --overwrite to "
+            "replace it, or choose another --out"
+        )
+    return None
+
+
+def temporary_sibling(out: pathlib.Path) -> pathlib.Path:
+    """A fresh, hidden folder beside ``out`` to write into (this process's own name)."""
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def replace_output(tmp: pathlib.Path, out: pathlib.Path, kind: OutputKind) -> pathlib.Path:
+    """Mark ``tmp`` as ``kind`` and rename it to ``out``, moving an earlier ``out`` (checked
+    by ``output_problem``) aside first and deleting it only once the new one is in place."""
+    (tmp / MARKER).write_text(kind.value + "\n")
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.replaced-{os.getpid()}"
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
