@@ -15,7 +15,7 @@ import pathlib
 import shutil
 import sys
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -50,7 +50,7 @@ class PendingSave:
     step: int
     tmp: pathlib.Path
     train_state: dict[str, Any]
-    future: Future | None  # None: already written (synchronous save)
+    future: Future | None  # the write, then this rank's checksums; None: a synchronous save
 
 
 class ReusingStager(AsyncStager):
@@ -174,6 +174,7 @@ class Checkpointer:
             assert isinstance(group, dist.ProcessGroup)
             self.group = group
         self.pending: PendingSave | None = None
+        self._hasher: ThreadPoolExecutor | None = None
         self.stager = ReusingStager(shared=mode is AsyncMode.ASYNC_PROCESS)
         self._owns_default_group = False
         if mode is AsyncMode.ASYNC_PROCESS and not dist.is_initialized():
@@ -197,14 +198,9 @@ class Checkpointer:
         every rank takes the same branch after a failed write)."""
         return next((e for e in self._gather(error) if e is not None), None)
 
-    def _checksums(self, tmp: pathlib.Path) -> tuple[dict[str, list], str | None]:
-        """Every rank's checksums of the files it wrote into ``tmp`` (``own_files``), merged;
-        or the first rank's error."""
-        sums, error = {}, None
-        try:
-            sums = checksums_of(tmp, own_files(tmp, self.rank))
-        except OSError as exc:
-            error = one_line(exc)
+    def _merged(self, sums: dict[str, list], error: str | None) -> tuple[dict, str | None]:
+        """Every rank's checksums of the files it wrote, merged, or the first rank's error
+        (one collective: a barrier too)."""
         merged: dict[str, list] = {}
         for rank_sums, rank_error in self._gather((sums, error)):
             error = error or rank_error
@@ -266,6 +262,8 @@ class Checkpointer:
                     future = result if isinstance(result, Future) else result.upload_completion
         except (Exception, CheckpointException) as exc:  # DCP reports all ranks' failures
             raise self._fail(step, tmp, one_line(exc)) from None
+        if future is not None:  # checksum this rank's files in the background, once written
+            future = self._background().submit(written_checksums, future, tmp, self.rank)
         self.pending = PendingSave(step, tmp, train_state, future)
         if self.mode is AsyncMode.DISABLED:
             self.wait()
@@ -276,15 +274,16 @@ class Checkpointer:
         pending, self.pending = self.pending, None
         if pending is None:
             return None
-        error = None
-        if pending.future is not None:
-            try:
-                pending.future.result()
-            except (Exception, CheckpointException) as exc:
-                error = one_line(exc)
-        if error := self._agree(error):  # every rank's shards are written, or none commits
-            raise self._fail(pending.step, pending.tmp, error)
-        checksums, error = self._checksums(pending.tmp)  # while the files are fresh in cache
+        error, sums = None, {}
+        try:  # the write and this rank's checksums of it, fresh in the page cache
+            if pending.future is not None:
+                sums = pending.future.result()
+            else:
+                sums = checksums_of(pending.tmp, own_files(pending.tmp, self.rank))
+        except (Exception, CheckpointException) as exc:
+            error = one_line(exc)
+        # every rank's shards are written and checksummed, or none commits
+        checksums, error = self._merged(sums, error)
         if error:
             raise self._fail(pending.step, pending.tmp, error)
         final = step_dir(self.root, pending.step)
@@ -308,9 +307,18 @@ class Checkpointer:
             return AsyncCheckpointerType.PROCESS
         return AsyncCheckpointerType.THREAD
 
+    def _background(self) -> ThreadPoolExecutor:
+        """The thread that checksums an async save once its write completes."""
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forge-checksum")
+        return self._hasher
+
     def close(self) -> None:
         """Commit the save in flight, stop the checkpoint process and release staging buffers."""
         self.wait()
+        if self._hasher is not None:
+            self._hasher.shutdown()
+            self._hasher = None
         if self.mode is AsyncMode.ASYNC_PROCESS:
             stop_checkpoint_process()
         self.stager.close()
@@ -324,18 +332,27 @@ class Checkpointer:
         return self.pending.step if self.pending else None
 
 
+def written_checksums(write: Future, tmp: pathlib.Path, rank: int) -> dict[str, list]:
+    """After the write ``write`` completes (its error raised here), this rank's checksums of
+    the files it wrote into ``tmp``."""
+    write.result()
+    return checksums_of(tmp, own_files(tmp, rank))
+
+
 @torch.no_grad()
 def nonfinite_parameter(model: nn.Module) -> str | None:
     """A line naming this rank's first parameter (its local shard) holding NaN or infinity,
-    else None: one device-to-host read for the whole model."""
+    else None: one device-to-host read for the whole model. Each parameter's sum is
+    non-finite when it holds a NaN or an infinity (or, for finite values, only beyond 3e38,
+    which ``isfinite`` then rules out)."""
     named = [
         (n, p.to_local() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()
     ]
     if not named:
         return None
-    flags = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()
-    for (name, _), finite in zip(named, flags, strict=True):
-        if not finite:
+    sums = torch.stack([p.sum().float() for _, p in named]).isfinite().tolist()
+    for (name, p), finite in zip(named, sums, strict=True):
+        if not finite and not bool(torch.isfinite(p).all()):
             return (
                 f"the weights are not finite ({canonical_name(name)} holds NaN or infinity): not "
                 "saved, so the last checkpoint stays the newest good one"
