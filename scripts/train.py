@@ -82,6 +82,7 @@ def train(
 ) -> int:
     """The loop and what follows it, once every set-up phase succeeded."""
     flag.timeout_s = run.config.resilience.shutdown_timeout_s
+    model = ckpt.applied_to(model)  # schedule_from = "checkpoint": the recorded LR schedule
     prepare_run_dir(run, dist, ckpt)
     if dist.is_main:
         print(f"[forge] {model.num_params:,} parameters; run dir {run.run_dir}", file=sys.stderr)

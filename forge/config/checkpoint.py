@@ -22,6 +22,13 @@ class Verification(enum.Enum):
     METADATA = "metadata"  # every file's length only (for very large checkpoints)
 
 
+class ScheduleSource(enum.Enum):
+    """``checkpoint.schedule_from``: which LR schedule a resume with a changed one follows."""
+
+    CHECKPOINT = "checkpoint"  # the recorded one, as if nothing had changed
+    CONFIG = "config"  # the configured one, from the resume step on
+
+
 class ExportDtype(enum.Enum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
@@ -41,6 +48,9 @@ class DynamicWindow:
         if self.stop < self.start:
             p.append((f"{prefix}.stop", f"must be >= start={self.start}, got {self.stop}"))
         return p
+
+
+EXCLUDABLE = frozenset({"optimizer"})  # what checkpoint.exclude_from_loading may name
 
 
 @attrs.frozen
@@ -63,6 +73,12 @@ class CheckpointConfig:
     # what a resume checks of a checkpoint's bytes before loading it: every file's length and
     # checksum ("full"), or lengths only ("metadata", for very large checkpoints)
     verify: Verification = Verification.FULL
+    # what a resume leaves out of the checkpoint: ["optimizer"] starts a fresh optimizer (to
+    # change the optimizer or its settings); weights, data position and step are kept
+    exclude_from_loading: tuple[str, ...] = ()
+    # which LR schedule a resume follows when lr, [scheduler] or max_steps changed: the
+    # "checkpoint"'s, or the "config"'s from the resume step; unset: such a resume is refused
+    schedule_from: ScheduleSource | None = None
 
     def problems(self) -> list[Problem]:
         p: list[Problem] = []
@@ -71,4 +87,12 @@ class CheckpointConfig:
         positive(p, "checkpoint.interval", self.interval)
         if self.dyn_ckpt_window is not None:
             p += self.dyn_ckpt_window.problems("checkpoint.dyn_ckpt_window")
+        unknown = sorted(set(self.exclude_from_loading) - EXCLUDABLE)
+        if unknown:
+            p.append(
+                (
+                    "checkpoint.exclude_from_loading",
+                    f"can name {sorted(EXCLUDABLE)}, got {unknown}",
+                )
+            )
         return p

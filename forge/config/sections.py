@@ -16,6 +16,7 @@ from forge.config.checkpoint import (
     CheckpointConfig,
     DynamicWindow,
     ExportDtype,
+    ScheduleSource,
     Verification,
 )
 from forge.config.data import DataConfig, DataPhase, DataSource, EvalConfig
@@ -57,6 +58,7 @@ __all__ = [
     "ResilienceConfig",
     "RunConfig",
     "ScheduleName",
+    "ScheduleSource",
     "SchedulerConfig",
     "TrainConfig",
     "Verification",

@@ -124,6 +124,7 @@ class ModelContext:
     # how the loss is computed, train and eval: build_model_and_optim sets ``loss_spec_of``
     # the config (a hand-built context gets the plain loss unless it passes its own)
     loss: LossSpec = PLAIN_LOSS
+    peak_lr: float | None = None  # the schedule's peak LR; None: the config's optimizer.lr
 
 
 @attrs.frozen
@@ -139,10 +140,19 @@ class DataContext:
 
 @attrs.frozen
 class CheckpointContext:
-    """Where the loop starts: the resume plan and the state it restored."""
+    """Where the loop starts: the resume plan and the state it restored; with
+    ``checkpoint.schedule_from = "checkpoint"``, the recorded LR schedule and its peak."""
 
     plan: ResumePlan
     initial_state: LoopState
+    schedule: Schedule | None = None
+    peak_lr: float | None = None
+
+    def applied_to(self, model: ModelContext) -> ModelContext:
+        """``model`` with the recorded schedule in place of the configured one, if kept."""
+        if self.schedule is None:
+            return model
+        return attrs.evolve(model, schedule=self.schedule, peak_lr=self.peak_lr)
 
 
 StepBatches = Iterator[tuple[Batch, ...]]

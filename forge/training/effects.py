@@ -30,6 +30,7 @@ from forge.metrics.sinks import JsonlSink, MetricsSink, console_sink
 from forge.metrics.sources import source_record
 from forge.optim.optimizers import evaluation_weights
 from forge.parallel.reduce import mean_over_ranks, sum_over_ranks
+from forge.training.config_changes import current_settings
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
 from forge.training.evaluate import held_out_loss
 from forge.training.hooks import HookList, Hooks
@@ -136,6 +137,7 @@ class TrainingEffects:
                 ),
                 world_size=self.dist.world_size,
                 identity=run_identity(self.run.config, self.dist.dp_size, self.data.fingerprints),
+                settings=current_settings(self.run.config, self.model.peak_lr, self.model.schedule),
             )
         )
 

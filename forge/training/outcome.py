@@ -25,7 +25,9 @@ def outcome_message(outcome: LoopOutcome, step: int, max_steps: int, run_dir: st
     if outcome is LoopOutcome.ALREADY_COMPLETE:
         return (
             f"the run in {run_dir} is already complete at step {step} (train.max_steps="
-            f"{max_steps}); to train it further raise --train.max_steps above {step}, "
-            "or choose a new --run.dir to start a new run"
+            f"{max_steps}); to train it further raise --train.max_steps above {step} (where "
+            "the LR decay depends on it, add --checkpoint.schedule_from=checkpoint to keep the "
+            "schedule as it ran or =config to follow the longer one), or choose a new "
+            "--run.dir to start a new run"
         )
     return None

@@ -22,15 +22,14 @@ import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from forge.checkpoint.resume import ResumeSource, first_loadable, resolve_resume
+from forge.checkpoint.resume import ResumeSource, resolve_resume
 from forge.checkpoint.store import (
-    check_loadable,
     load_checkpoint,
     read_train_state,
     remove_stale_temporaries,
 )
-from forge.config.loader import CONVERTER, ConfigError, load_config, unstructure_config
-from forge.config.sections import Precision, Verification
+from forge.config.loader import ConfigError, load_config, unstructure_config
+from forge.config.sections import Precision
 from forge.config.toml_writer import dumps_toml
 from forge.data.shards import dataset_fingerprint, read_manifest
 from forge.metrics.backends import missing_sink_packages
@@ -70,7 +69,7 @@ from forge.training.problems import (
     freeze_problems,
     precision_warning,
 )
-from forge.training.resume import RunMismatchError, check_same_run, hold_checkpoint_stage
+from forge.training.resume import RunMismatchError, resume_run
 from forge.training.run_dir import (
     RunDirBusyError,
     RunDirLock,
@@ -78,7 +77,6 @@ from forge.training.run_dir import (
     lock_directories,
     path_problem,
 )
-from forge.training.train_state import TrainState, parse_train_state
 from forge.training.vlm import vlm_problems
 from forge.types import LoopState
 
@@ -284,25 +282,9 @@ def setup_checkpointing(
     say = report_on_main(dist)
     for path in plan.skipped:
         say(f"skipping incomplete checkpoint {path}")
-    state = LoopState()
     if plan.source is ResumeSource.CHECKPOINT_DIR and plan.path is not None:
-        identity = run_identity(run.config, dist.dp_size, data.fingerprints)
-
-        def load(path: pathlib.Path) -> TrainState:
-            check_loadable(path, model.model, cfg.verify)
-            train_state = parse_train_state(read_train_state(path), path)
-            check_same_run(train_state, identity, path, cfg.allow_config_change, say)
-            if model.freezer is not None:  # the optimizer as in the last step run
-                hold_checkpoint_stage(model.freezer, train_state, run.config.freeze)
-            verified = Verification.METADATA  # its bytes were just checked as configured
-            load_checkpoint(path, model.model, model.optimizer, rank=dist.rank, verify=verified)
-            return train_state
-
-        path, train_state = first_loadable((plan.path, *plan.fallbacks), load, say)
-        state = train_state.loop_state
-        data.train_loader.load_state_dict(CONVERTER.unstructure(train_state.loader))
-        say(f"resumed from {path} at step {state.step}")
-    else:
+        return resume_run(run, dist, model, data, plan, say)
+    if plan.source is not ResumeSource.LOAD_PATH or plan.path is None:
         problem = foreign_records_problem(run.run_dir, run.checkpoint_dir, run.config)
         if problem is not None:
             raise RunMismatchError(problem)
@@ -317,7 +299,7 @@ def setup_checkpointing(
         say(f"initial weights from {plan.path}")
         for difference in differences:
             say(f"  differs from the run that wrote it: {difference.describe()}")
-    return CheckpointContext(plan=plan, initial_state=state)
+    return CheckpointContext(plan=plan, initial_state=LoopState())
 
 
 def report_on_main(dist: DistContext) -> Callable[[str], None]:

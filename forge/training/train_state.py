@@ -51,6 +51,8 @@ class TrainState:
     schedule: ScheduleRecord
     world_size: int
     identity: dict[str, Any] | None = None  # forge.training.identity; older checkpoints lack it
+    # forge.training.config_changes.recorded_settings: the optimizer, numerics and schedule
+    settings: dict[str, Any] | None = None
 
 
 def train_state_to_json(state: TrainState) -> dict[str, Any]:

@@ -326,12 +326,15 @@ def test_resuming_from_a_poisoned_checkpoint_is_a_clear_error(tiny_config, capsy
     assert not marker.exists()
 
 
+LONGER = ("--checkpoint.schedule_from=config",)  # a longer cosine decays over more steps
+
+
 def test_a_corrupt_newest_checkpoint_is_reported_and_skipped(tiny_config, capsys):
     assert TRAIN.main([str(tiny_config)]) == 0
     shard = run_dir(tiny_config) / "checkpoints" / "step_12" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])  # truncated, though .metadata is present
     capsys.readouterr()
-    assert TRAIN.main([str(tiny_config), "--train.max_steps=14"]) == 0
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=14", *LONGER]) == 0
     err = capsys.readouterr().err
     assert "skipping unloadable checkpoint" in err and "step_12" in err
     assert "resumed from" in err and "step_10 at step 10" in err
@@ -349,14 +352,14 @@ def test_a_flipped_bit_in_the_newest_checkpoint_is_named_and_the_run_resumes_bef
     shutil.rmtree(ref_ckpt / "step_12")
     (ref_ckpt / "latest").unlink()
     (ref_ckpt / "latest").symlink_to("step_10")
-    assert TRAIN.main([str(reference), "--train.max_steps=14"]) == 0
+    assert TRAIN.main([str(reference), "--train.max_steps=14", *LONGER]) == 0
     assert TRAIN.main([str(tiny_config)]) == 0
     shard = run_dir(tiny_config) / "checkpoints" / "step_12" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 3] ^= 0x01
     shard.write_bytes(bytes(data))
     capsys.readouterr()
-    assert TRAIN.main([str(tiny_config), "--train.max_steps=14"]) == 0
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=14", *LONGER]) == 0
     err = capsys.readouterr().err
     assert "step_12/__0_0.distcp: checksum mismatch" in err
     assert "resumed from" in err and "step_10 at step 10" in err

@@ -84,7 +84,7 @@ def step_spec(
         model=model.model,
         optimizer=model.optimizer,
         schedule=model.schedule,
-        peak_lr=cfg.optimizer.lr,
+        peak_lr=cfg.optimizer.lr if model.peak_lr is None else model.peak_lr,
         precision=cfg.train.mixed_precision,
         grad_clip_norm=cfg.train.grad_clip_norm,
         fsdp_mixed_precision=model.fsdp,

@@ -1,0 +1,208 @@
+"""Every config key is in exactly one change group, and each group's verdict on a resume."""
+
+from __future__ import annotations
+
+import pytest
+
+from forge.config.sections import JobConfig, ScheduleName, ScheduleSource
+from forge.training.config_changes import (
+    DECAY,
+    KEY_GROUPS,
+    SECTION_GROUPS,
+    TOTAL,
+    Change,
+    ChangeGroup,
+    change_verdict,
+    config_keys,
+    group_of,
+    recorded_settings,
+    schedule_shape,
+    setting_changes,
+)
+
+G = ChangeGroup
+
+
+@pytest.mark.parametrize("key", config_keys())
+def test_every_config_key_is_in_exactly_one_group(key):
+    section = key.split(".")[0]
+    assert (key in KEY_GROUPS) != (section in SECTION_GROUPS), key
+
+
+def test_the_tables_name_only_real_keys_and_sections():
+    keys = set(config_keys())
+    assert set(KEY_GROUPS) <= keys
+    assert set(SECTION_GROUPS) <= {k.split(".")[0] for k in keys}
+
+
+@pytest.mark.parametrize(
+    ("key", "group"),
+    [
+        ("model.dim", G.IDENTITY),
+        ("freeze", G.IDENTITY),
+        ("train.seq_len", G.IDENTITY),
+        ("data.sources", G.IDENTITY),
+        ("optimizer.name", G.OPTIMIZER_STATE),
+        ("optimizer.betas", G.OPTIMIZER_STATE),
+        ("train.param_dtype", G.OPTIMIZER_STATE),
+        ("optimizer.lr", G.SCHEDULE),
+        ("scheduler.warmup_steps", G.SCHEDULE),
+        ("train.max_steps", G.SCHEDULE),
+        ("train.grad_clip_norm", G.NUMERICS),
+        ("train.mixed_precision", G.NUMERICS),
+        ("metrics.log_interval", G.FREE),
+        ("eval.interval", G.FREE),
+        ("checkpoint.interval", G.FREE),
+        ("data.num_workers", G.FREE),
+        ("hooks.classes", G.FREE),
+        ("profiler.enabled", G.FREE),
+        ("distributed.dp_shard", G.FREE),
+    ],
+)
+def test_what_a_change_of_each_kind_of_key_means(key, group):
+    assert group_of(key) is group
+
+
+# (case, schedule, shape keys)
+SHAPES = [
+    ("none: nothing but the name", (ScheduleName.NONE, 5, 10, 0.1, 20), {"scheduler.name"}),
+    (
+        "constant: no decay",
+        (ScheduleName.CONSTANT, 5, 10, 0.1, 20),
+        {"scheduler.name", "scheduler.warmup_steps"},
+    ),
+    (
+        "cosine: the decay, not the total",
+        (ScheduleName.COSINE, 5, 10, 0.1, 20),
+        {"scheduler.name", "scheduler.warmup_steps", DECAY, "scheduler.min_lr_ratio"},
+    ),
+    (
+        "wsd: the total too",
+        (ScheduleName.WSD, 5, 10, 0.1, 20),
+        {"scheduler.name", "scheduler.warmup_steps", DECAY, "scheduler.min_lr_ratio", TOTAL},
+    ),
+]
+
+
+@pytest.mark.parametrize(("schedule", "keys"), [c[1:] for c in SHAPES], ids=[c[0] for c in SHAPES])
+def test_a_schedule_is_compared_by_what_its_curve_depends_on(schedule, keys):
+    assert set(schedule_shape(*schedule)) == keys
+
+
+def settings(**changes):
+    config = JobConfig()
+    recorded = recorded_settings(config, 3e-4, ScheduleName.COSINE, 100, 900, 0.1, 1000)
+    return recorded | changes
+
+
+def test_the_recorded_settings_cover_the_optimizer_numerics_and_schedule_groups():
+    recorded = settings()
+    groups = {group_of(k) if k not in (DECAY, TOTAL) else G.SCHEDULE for k in recorded}
+    assert groups == {G.OPTIMIZER_STATE, G.NUMERICS, G.SCHEDULE}
+    assert recorded["optimizer.name"] == "adamw" and recorded["optimizer.lr"] == 3e-4
+
+
+def test_changes_name_key_old_and_new_value_and_skip_what_a_checkpoint_lacks():
+    recorded = settings()
+    current = settings(**{"optimizer.name": "lion", DECAY: 1100})
+    del recorded["train.grad_clip_norm"]
+    changes = setting_changes(recorded, current | {"train.grad_clip_norm": 5.0})
+    assert [(c.key, c.group) for c in changes] == [
+        (DECAY, G.SCHEDULE),
+        ("optimizer.name", G.OPTIMIZER_STATE),
+    ]
+    assert changes[1].describe() == "optimizer.name: 'adamw' → 'lion'"
+
+
+OPT = Change("optimizer.name", "adamw", "lion", G.OPTIMIZER_STATE)
+LR = Change("optimizer.lr", 3e-4, 0.5, G.SCHEDULE)
+CLIP = Change("train.grad_clip_norm", 1.0, 5.0, G.NUMERICS)
+
+# (case, changes, exclude optimizer, schedule_from, refusals, their fragments, warned, fresh, keep)
+VERDICTS = [
+    ("nothing changed", [], False, None, 0, [], 0, False, False),
+    (
+        "optimizer changed: refused",
+        [OPT],
+        False,
+        None,
+        1,
+        ["optimizer.name: 'adamw' → 'lion'", 'exclude_from_loading=["optimizer"]'],
+        0,
+        False,
+        False,
+    ),
+    ("optimizer changed, excluded", [OPT], True, None, 0, [], 1, True, False),
+    ("excluded without a change: fresh anyway", [], True, None, 0, [], 1, True, False),
+    (
+        "schedule changed: refused",
+        [LR],
+        False,
+        None,
+        1,
+        ["optimizer.lr: 0.0003 → 0.5", 'schedule_from="checkpoint"', "from step 8"],
+        0,
+        False,
+        False,
+    ),
+    (
+        "schedule changed, from the checkpoint",
+        [LR],
+        False,
+        ScheduleSource.CHECKPOINT,
+        0,
+        [],
+        1,
+        False,
+        True,
+    ),
+    (
+        "schedule changed, from the config",
+        [LR],
+        False,
+        ScheduleSource.CONFIG,
+        0,
+        [],
+        1,
+        False,
+        False,
+    ),
+    (
+        "schedule_from without a change: nothing",
+        [],
+        False,
+        ScheduleSource.CHECKPOINT,
+        0,
+        [],
+        0,
+        False,
+        False,
+    ),
+    ("numerics changed: a warning", [CLIP], False, None, 0, [], 1, False, False),
+    (
+        "both refused: one line each",
+        [OPT, LR],
+        False,
+        None,
+        2,
+        ["optimizer state", "LR schedule"],
+        0,
+        False,
+        False,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("changes", "exclude", "source", "n_refused", "fragments", "warned", "fresh", "keep"),
+    [c[1:] for c in VERDICTS],
+    ids=[c[0] for c in VERDICTS],
+)
+def test_the_verdict_on_a_changed_config(
+    changes, exclude, source, n_refused, fragments, warned, fresh, keep
+):
+    verdict = change_verdict(changes, "runs/x/checkpoints/step_8", 8, exclude, source)
+    text = " | ".join(verdict.refusals)
+    assert len(verdict.refusals) == n_refused and all(f in text for f in fragments), text
+    assert len(verdict.warnings) == warned
+    assert (verdict.fresh_optimizer, verdict.keep_schedule) == (fresh, keep)
