@@ -208,13 +208,16 @@ def change_verdict(
     step: int,
     exclude_optimizer: bool,
     schedule_from: ScheduleSource | None,
+    trains: bool = True,
 ) -> ChangeVerdict:
     """The verdict on ``changes`` for the checkpoint ``where`` of step ``step``, under
     ``checkpoint.exclude_from_loading`` (``exclude_optimizer``) and
-    ``checkpoint.schedule_from``."""
+    ``checkpoint.schedule_from``. A resume that ``trains`` no step (already complete) follows
+    no schedule: its schedule changes do not matter."""
     by_group: dict[ChangeGroup, list[Change]] = {}
     for change in changes:
-        by_group.setdefault(change.group, []).append(change)
+        if trains or change.group is not G.SCHEDULE:
+            by_group.setdefault(change.group, []).append(change)
 
     def listed(group: ChangeGroup) -> str:
         return "; ".join(c.describe() for c in by_group[group])

@@ -82,13 +82,16 @@ def check_settings(
     path: pathlib.Path,
     cfg: CheckpointConfig,
     say: Callable[[str], None],
+    trains: bool = True,
 ) -> ChangeVerdict:
     """Refuse (``RunMismatchError``, a line per refused group) a resume whose optimizer or LR
     schedule settings differ from the checkpoint's, unless ``checkpoint.exclude_from_loading``
     or ``checkpoint.schedule_from`` says what to do; say what is accepted with a warning."""
     changes = setting_changes(train_state.settings or {}, current)
     exclude = "optimizer" in cfg.exclude_from_loading
-    verdict = change_verdict(changes, str(path), train_state.step, exclude, cfg.schedule_from)
+    verdict = change_verdict(
+        changes, str(path), train_state.step, exclude, cfg.schedule_from, trains
+    )
     if verdict.refusals:
         raise RunMismatchError(list(verdict.refusals))
     for warning in verdict.warnings:
@@ -129,7 +132,8 @@ def resume_run(
         check_loadable(path, model.model, cfg.verify)
         train_state = parse_train_state(read_train_state(path), path)
         check_same_run(train_state, identity, path, cfg.allow_config_change, say)
-        verdict = check_settings(train_state, current, path, cfg, say)
+        trains = train_state.step < run.config.train.max_steps
+        verdict = check_settings(train_state, current, path, cfg, say, trains)
         if model.freezer is not None:  # the optimizer as in the last step run
             hold_checkpoint_stage(model.freezer, train_state, run.config.freeze)
         optimizer = None if verdict.fresh_optimizer else model.optimizer

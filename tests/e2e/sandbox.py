@@ -58,7 +58,11 @@ def train(run: Run, *args: str, env: dict[str, str] | None = None) -> Result:
 
 def make_run(root: pathlib.Path, data: pathlib.Path) -> Run:
     config = root / "tiny.toml"
-    config.write_text(TINY.format(data=data) + f'\n[run]\ndir = "{root / "run"}"\n')
+    # rows resume the run trained to step 10 up to max_steps 12: the config's schedule applies
+    text = TINY.format(data=data).replace(
+        "[checkpoint]\n", '[checkpoint]\nschedule_from = "config"\n'
+    )
+    config.write_text(text + f'\n[run]\ndir = "{root / "run"}"\n')
     return Run(root, config, data)
 
 

@@ -12,6 +12,8 @@ import pytest
 from tests.conftest import REPO
 from tests.e2e.test_train_script import TRAIN, nothing_written, run_dir
 
+LONGER = ("--checkpoint.schedule_from=config",)  # a longer cosine decays over more steps
+
 
 def step_records(config) -> list[dict]:
     lines = (run_dir(config) / "metrics.jsonl").read_text().splitlines()
@@ -23,7 +25,7 @@ def test_tensorboard_events_equal_the_jsonl_and_a_resume_continues_them(tiny_con
 
     args = [str(tiny_config), "--metrics.tensorboard=true", "--metrics.log_interval=2"]
     assert TRAIN.main([*args, "--train.max_steps=4"]) == 0
-    assert TRAIN.main([*args, "--train.max_steps=8"]) == 0  # resumes at step 4
+    assert TRAIN.main([*args, "--train.max_steps=8", *LONGER]) == 0  # resumes at step 4
     events = EventAccumulator(str(run_dir(tiny_config) / "tensorboard"))
     events.Reload()
     loss = events.Scalars("loss")
@@ -42,7 +44,7 @@ def test_wandb_offline_writes_its_run_and_a_resume_reuses_the_id(tiny_config, mo
     args = [str(tiny_config), "--metrics.wandb=true", '--metrics.wandb_tags=["ci"]']
     assert TRAIN.main([*args, "--train.max_steps=3"]) == 0
     run_id = (run_dir(tiny_config) / "wandb_run_id").read_text().strip()
-    assert TRAIN.main([*args, "--train.max_steps=6"]) == 0
+    assert TRAIN.main([*args, "--train.max_steps=6", *LONGER]) == 0
     folders = sorted((run_dir(tiny_config) / "wandb").glob("offline-run-*"))
     # offline-run-<time>-<id>, and "-1" after it when both runs started within one second
     same_id = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?")

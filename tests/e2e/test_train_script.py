@@ -277,7 +277,7 @@ def test_activation_checkpointing_changes_nothing_but_memory(tiny_config, tmp_pa
     assert not any(isinstance(b, CheckpointWrapper) for b in plain)
     assert all(isinstance(b, CheckpointWrapper) for b in wrapped)  # AC really applied
     assert losses(tiny_config) == losses(reference)
-    assert TRAIN.main([str(tiny_config), "--train.max_steps=8"]) == 0
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=8", *LONGER]) == 0
     assert [s for s, _ in losses(tiny_config)] == list(range(1, 9))
 
 

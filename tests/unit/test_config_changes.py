@@ -206,3 +206,18 @@ def test_the_verdict_on_a_changed_config(
     assert len(verdict.refusals) == n_refused and all(f in text for f in fragments), text
     assert len(verdict.warnings) == warned
     assert (verdict.fresh_optimizer, verdict.keep_schedule) == (fresh, keep)
+
+
+# (case, changes, refusals): a resume that trains no step follows no schedule
+FINISHED = [
+    ("already complete: the schedule does not matter", [LR], 0),
+    ("already complete: the optimizer still does", [OPT, LR], 1),
+]
+
+
+@pytest.mark.parametrize(
+    ("changes", "n_refused"), [c[1:] for c in FINISHED], ids=[c[0] for c in FINISHED]
+)
+def test_a_resume_that_trains_nothing_ignores_schedule_changes(changes, n_refused):
+    verdict = change_verdict(changes, "step_12", 12, False, None, trains=False)
+    assert len(verdict.refusals) == n_refused and not verdict.keep_schedule
