@@ -23,7 +23,8 @@ from forge.errors import UserInputError
 from forge.outputs import OutputKind, replace_output
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # what this forge writes
+READABLE_VERSIONS = (1,)  # what this forge reads
 
 
 class DataError(UserInputError):
@@ -75,7 +76,9 @@ class ShardWriter:
     """Appends token arrays to ``<split>_<k>.bin`` files in ``folder``, starting a new shard at
     the first array boundary past ``shard_tokens``; hashes each shard as it is written."""
 
-    def __init__(self, folder: pathlib.Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
+    def __init__(
+        self, folder: pathlib.Path, split: str, dtype: np.dtype, shard_tokens: int
+    ) -> None:
         self.folder, self.split, self.dtype, self.shard_tokens = folder, split, dtype, shard_tokens
         self.shards: list[ShardInfo] = []
         self.documents = 0
@@ -185,7 +188,8 @@ def dataset_fingerprint(manifest: Manifest) -> str:
 
 
 def read_manifest(folder: pathlib.Path) -> Manifest:
-    """Parse ``folder/manifest.json``; a missing or malformed one is a ``DataError``."""
+    """Parse ``folder/manifest.json``; a missing or malformed one, or one of a format version
+    this forge does not read, is a ``DataError``."""
     path = folder / MANIFEST
     if not path.is_file():
         raise DataError(
@@ -193,6 +197,11 @@ def read_manifest(folder: pathlib.Path) -> Manifest:
         )
     try:
         raw = json.loads(path.read_text())
+        version = raw["format_version"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise malformed(path, exc) from None
+    check_format_version(path, version)
+    try:
         splits = {
             name: SplitInfo(
                 shards=tuple(ShardInfo(**s) for s in info["shards"]),
@@ -209,9 +218,29 @@ def read_manifest(folder: pathlib.Path) -> Manifest:
             source=str(raw["source"]),
         )
     except (KeyError, TypeError, ValueError) as exc:
+        raise malformed(path, exc) from None
+
+
+def malformed(path: pathlib.Path, exc: Exception) -> DataError:
+    """The one line for a manifest that cannot be parsed."""
+    return DataError(f"{path}: malformed manifest ({exc!r}); re-run scripts/prepare_data.py")
+
+
+def check_format_version(path: pathlib.Path, version: Any) -> None:
+    """Refuse a manifest whose ``format_version`` this forge does not read (``DataError``):
+    a newer forge's layout, read by these rules, would be misread silently."""
+    if type(version) is int and version in READABLE_VERSIONS:  # not True, 1.0 or "1"
+        return
+    reads = f"this forge reads format_version {' or '.join(map(str, READABLE_VERSIONS))}"
+    if type(version) is int and version > max(READABLE_VERSIONS):
         raise DataError(
-            f"{path}: malformed manifest ({exc!r}); re-run scripts/prepare_data.py"
-        ) from None
+            f"{path}: format_version {version} is a newer forge's ({reads}); upgrade forge, "
+            "or re-prepare the data with this one's scripts/prepare_data.py"
+        )
+    raise DataError(
+        f"{path}: format_version {version!r} is not one forge writes ({reads}); re-prepare "
+        "the data with scripts/prepare_data.py"
+    )
 
 
 def open_split(

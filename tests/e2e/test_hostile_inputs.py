@@ -86,6 +86,11 @@ def manifest_float_dtype(run: Run) -> list[str]:
     return ["--data.verify_checksum=false"]
 
 
+def manifest_from_a_newer_forge(run: Run) -> list[str]:
+    write_manifest(run, {**manifest(run), "format_version": 99})
+    return []
+
+
 def shard_odd_bytes(run: Run) -> list[str]:
     shard = run.data / manifest(run)["splits"]["train"]["shards"][0]["file"]
     with shard.open("ab") as f:
@@ -207,6 +212,7 @@ CONFIG_CASES = [
 DATA_CASES = [
     ("manifest missing", manifest_missing, 2, "no dataset manifest", no_run_dir),
     ("manifest not JSON", manifest_not_json, 2, "malformed manifest", no_run_dir),
+    ("manifest from a newer forge", manifest_from_a_newer_forge, 2, "format_version 99 is a newer forge's (this forge reads format_version 1)", no_run_dir),
     ("manifest dtype not a token dtype", manifest_float_dtype, 2, "dtype 'float32' is not a token dtype", no_run_dir),
     ("shard of an odd byte size", shard_odd_bytes, 2, "train_00000.bin: ", no_run_dir),
     ("shard missing", shard_missing, 2, "train_00000.bin: shard listed in the manifest is missing", no_run_dir),

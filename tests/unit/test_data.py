@@ -63,6 +63,37 @@ def test_malformed_manifest(dataset):
         read_manifest(dataset)
 
 
+# (case, the manifest's format_version, text the one error line holds)
+FORMAT_VERSIONS = [
+    ("a newer forge's", 99, "format_version 99 is a newer forge's (this forge reads format_version 1); upgrade forge"),
+    ("zero", 0, "format_version 0 is not one forge writes (this forge reads format_version 1)"),
+    ("a string", "1", "format_version '1' is not one forge writes"),
+    ("a float", 1.0, "format_version 1.0 is not one forge writes"),
+    ("a boolean", True, "format_version True is not one forge writes"),
+    ("null", None, "format_version None is not one forge writes"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "version,text", [v[1:] for v in FORMAT_VERSIONS], ids=[v[0] for v in FORMAT_VERSIONS]
+)
+def test_a_format_version_this_forge_does_not_read_is_refused(dataset, version, text):
+    raw = json.loads((dataset / "manifest.json").read_text())
+    (dataset / "manifest.json").write_text(json.dumps({**raw, "format_version": version}))
+    with pytest.raises(DataError) as caught:
+        read_manifest(dataset)
+    [line] = caught.value.lines
+    assert line.startswith(f"{dataset / 'manifest.json'}: {text}"), line
+
+
+def test_a_manifest_without_a_format_version_is_malformed(dataset):
+    raw = json.loads((dataset / "manifest.json").read_text())
+    del raw["format_version"]
+    (dataset / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(DataError, match=r"malformed manifest \(KeyError\('format_version'\)\)"):
+        read_manifest(dataset)
+
+
 def test_checksum_mismatch(dataset):
     m = read_manifest(dataset)
     shard = dataset / m.splits["train"].shards[0].file
