@@ -194,8 +194,7 @@ def read_documents(
             if not isinstance(record, dict) or not isinstance(record.get(recipe.field), str):
                 where = f"{root / name}:{line_number(root / name, start)}"
                 raise DataError(
-                    f"{where}: no string field '{recipe.field}'; choose the text field "
-                    "with --field"
+                    f"{where}: no string field '{recipe.field}'; choose the text field with --field"
                 )
             yield f"{name}@{offset}", record[recipe.field].encode("utf-8")
 
@@ -253,9 +252,7 @@ def check_destination(out: pathlib.Path, recipe: Recipe) -> bool:
         return False
     manifest = out / MANIFEST
     if not manifest.is_file():
-        raise DataError(
-            f"--out {out}: exists and is not a prepared dataset; choose another --out"
-        )
+        raise DataError(f"--out {out}: exists and is not a prepared dataset; choose another --out")
     try:
         existing = json.loads(manifest.read_text()).get("recipe")
     except (json.JSONDecodeError, AttributeError):
@@ -348,6 +345,33 @@ def _run(
         yield from pool.imap_unordered(tokenize_unit, jobs)
 
 
+def plural(n: int, noun: str) -> str:
+    """``n`` and ``noun``, with an s unless ``n`` is 1."""
+    return f"{n} {noun}{'s' if n != 1 else ''}"
+
+
+def check_has_text(records: Sequence[dict[str, Any]], recipe: Recipe) -> None:
+    """Refuse (``DataError``) inputs that hold no text: every file binary, every JSONL line
+    blank, or every document empty. Such a dataset would hold nothing to train on."""
+    documents = sum(s["documents"] for r in records for s in r["splits"].values())
+    tokens = sum(s["tokens"] for r in records for s in r["splits"].values())
+    if tokens > 2 * documents:  # every document is framed by exactly a BOS and an EOS
+        return
+    skipped = sum(r.get("skipped_binary", 0) for r in records)
+    found = [f"{plural(skipped, 'binary file')} skipped"] if skipped else []
+    if documents:
+        found.append(plural(documents, "empty document"))
+    elif not skipped:
+        found.append("every line is blank")
+    root = pathlib.Path(recipe.root)
+    name = root / recipe.inputs[0][0] if len(recipe.inputs) == 1 else root
+    if recipe.input_format is InputFormat.FILES:
+        fix = "point --input at text files, or choose them with --glob"
+    else:
+        fix = f"point --input at JSONL lines whose --field '{recipe.field}' holds text"
+    raise DataError(f"--input {name}: holds no text to tokenize ({', '.join(found)}); {fix}")
+
+
 def assemble(
     tmp: pathlib.Path, parts: pathlib.Path, n_units: int, recipe: Recipe
 ) -> tuple[Manifest, int]:
@@ -356,6 +380,7 @@ def assemble(
     tokenizer = tokenizer_from_manifest(recipe.tokenizer)
     dtype = token_dtype(tokenizer.vocab_size)
     records = [json.loads((parts / f"{i:06d}.json").read_text()) for i in range(n_units)]
+    check_has_text(records, recipe)
     splits = {}
     for split in SPLITS:
         writer = ShardWriter(tmp, split, dtype, recipe.shard_tokens)

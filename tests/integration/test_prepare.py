@@ -146,6 +146,40 @@ def test_binary_files_are_skipped_and_counted(tmp_path, capsys):
     assert "skipped 1 binary files" in capsys.readouterr().out
 
 
+def write_files(folder, files):
+    """``{name: bytes}`` as files in ``folder``; the folder."""
+    folder.mkdir(exist_ok=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return folder
+
+
+PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"
+
+# (case, the input under tmp_path, extra arguments, the one error line after "error: --input <input>: ")
+NO_TEXT = [
+    ("only binary files", lambda d: write_files(d / "src", {"a.png": PNG, "b.bin": b"x\0y"}), [], "holds no text to tokenize (2 binary files skipped); point --input at text files, or choose them with --glob"),
+    ("only empty files", lambda d: write_files(d / "src", {"a.txt": b"", "b.txt": b""}), [], "holds no text to tokenize (2 empty documents); point --input at text files, or choose them with --glob"),
+    ("binary and empty files", lambda d: write_files(d / "src", {"a.png": PNG, "b.txt": b""}), [], "holds no text to tokenize (1 binary file skipped, 1 empty document); point --input at text files, or choose them with --glob"),
+    ("only blank JSONL lines", lambda d: write_files(d, {"c.jsonl": b"\n  \n\n"}) / "c.jsonl", [], "holds no text to tokenize (every line is blank); point --input at JSONL lines whose --field 'text' holds text"),
+    ("JSONL of empty texts", lambda d: write_jsonl(d / "c.jsonl", ["", ""], field="body"), ["--field=body"], "holds no text to tokenize (2 empty documents); point --input at JSONL lines whose --field 'body' holds text"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("make,extra,text", [c[1:] for c in NO_TEXT], ids=[c[0] for c in NO_TEXT])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_input_without_text_is_one_line_exit_2_and_writes_nothing(
+    tmp_path, capsys, make, extra, text, workers
+):
+    src = make(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    out = tmp_path / "out"
+    args = ["--input", str(src), "--out", str(out), "--quiet", f"--workers={workers}", *extra]
+    assert PREPARE.main(args) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: --input {src}: {text}"]
+    assert sorted(tmp_path.rglob("*")) == before  # no out, no out.tmp
+
+
 def test_an_empty_validation_split_warns(tmp_path, capsys):
     write_jsonl(tmp_path / "c.jsonl", texts(3))
     args = ["--input", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "o"), "--quiet"]
