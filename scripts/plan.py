@@ -10,6 +10,7 @@ the model is counted from its config (``forge/parallel/memory_plan.py`` says wha
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 
@@ -26,6 +27,25 @@ from forge.parallel.memory_plan import (
 from forge.parallel.world import parallel_problems, resolve_dims
 from forge.training.vlm import vision_footprint
 from forge.types import ExitCode
+
+MAX_NPROC = 2**31 - 1  # a torch.distributed rank is a 32-bit int
+MAX_GPU_MEMORY_GB = 1 << 20  # 1 PiB per device: anything larger is a typo
+
+
+def option_problems(args: argparse.Namespace) -> list[str]:
+    """Out-of-range numeric options (NaN and infinity included), one line each."""
+    problems = []
+    if not 1 <= args.nproc <= MAX_NPROC:
+        problems.append(
+            f"--nproc: must be in [1, {MAX_NPROC}] (ranks in the job), got {args.nproc}"
+        )
+    memory = args.gpu_memory_gb
+    if not (math.isfinite(memory) and 0 < memory <= MAX_GPU_MEMORY_GB):
+        problems.append(
+            f"--gpu-memory-gb: must be a finite number in (0, {MAX_GPU_MEMORY_GB}] (GiB per "
+            f"device), got {memory}"
+        )
+    return problems
 
 
 def report(plan: MemoryPlan, device_gb: float) -> list[str]:
@@ -59,8 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per device, GiB")
     args, rest = parser.parse_known_args(argv)
     try:
-        if args.nproc < 1 or args.gpu_memory_gb <= 0:
-            raise UserInputError(["--nproc and --gpu-memory-gb must be > 0"])
+        problems = option_problems(args)
+        if problems:
+            raise UserInputError(problems)
         config = load_config(rest).config
         problems = [f"{k}: {m}" for k, m in parallel_problems(config, args.nproc)]
         if problems:

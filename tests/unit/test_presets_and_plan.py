@@ -185,3 +185,35 @@ def test_plan_script_refuses_an_impossible_layout_in_one_line():
     )
     assert done.returncode == 2
     assert done.stderr.startswith("error: distributed: pp*dp_replicate*dp_shard*tp")
+
+
+GPU_MEMORY = "--gpu-memory-gb: must be a finite number in (0, 1048576] (GiB per device), got"
+NPROC = "--nproc: must be in [1, 2147483647] (ranks in the job), got"
+
+# (case, plan.py's options, its error lines)
+PLAN_OPTIONS = [
+    ("memory nan", ["--gpu-memory-gb", "nan"], [f"{GPU_MEMORY} nan"]),
+    ("memory inf", ["--gpu-memory-gb", "inf"], [f"{GPU_MEMORY} inf"]),
+    ("memory -inf", ["--gpu-memory-gb=-inf"], [f"{GPU_MEMORY} -inf"]),
+    ("memory negative", ["--gpu-memory-gb=-80"], [f"{GPU_MEMORY} -80.0"]),
+    ("memory zero", ["--gpu-memory-gb", "0"], [f"{GPU_MEMORY} 0.0"]),
+    ("memory beyond 1 PiB", ["--gpu-memory-gb", "1e308"], [f"{GPU_MEMORY} 1e+308"]),
+    ("no ranks", ["--nproc", "0"], [f"{NPROC} 0"]),
+    ("negative ranks", ["--nproc=-8"], [f"{NPROC} -8"]),
+    ("ranks beyond 32 bits", ["--nproc", "99999999999999999999999"], [f"{NPROC} 99999999999999999999999"]),
+    ("both at once", ["--nproc", "0", "--gpu-memory-gb", "nan"], [f"{NPROC} 0", f"{GPU_MEMORY} nan"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "options,errors", [c[1:] for c in PLAN_OPTIONS], ids=[c[0] for c in PLAN_OPTIONS]
+)
+def test_plan_script_refuses_each_out_of_range_option_in_one_line(tmp_path, options, errors):
+    config = str(REPO / "configs/train/llama3_8b.toml")
+    done = subprocess.run(
+        [*PLAN, config, *options], capture_output=True, text=True, check=False, cwd=tmp_path
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"error: {e}" for e in errors]
+    assert done.stdout == "" and list(tmp_path.iterdir()) == []  # no plan, nothing written
