@@ -3,6 +3,10 @@
 Reads each run's ``metrics.jsonl`` (a run directory or the file itself) and draws, against the
 step, the train and eval loss, the learning rate, the gradient norm and tokens per second, the
 runs overlaid with a legend. Needs matplotlib: ``pip install 'forge[plot]'``.
+
+A run writes one JSON object per line. A last line without its newline is what a crash
+mid-write leaves: it is skipped. Any other line that is not UTF-8 JSON is damage, not a torn
+write: the script refuses it in one line naming the file and the line number, and plots nothing.
 """
 
 from __future__ import annotations
@@ -10,13 +14,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import pathlib
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from forge.errors import print_errors
+from forge.errors import UserInputError, print_errors
 from forge.types import ExitCode
+
+Records = list[dict[str, Any]]
 
 PANELS = (  # (title, [(metric key, line style label)], log scale)
     ("loss", [("loss", "train"), ("eval/loss", "eval")], False),
@@ -31,17 +38,40 @@ def metrics_file(path: pathlib.Path) -> pathlib.Path:
     return path / "metrics.jsonl" if path.is_dir() else path
 
 
-def read_records(path: pathlib.Path) -> list[dict[str, Any]]:
-    """Every JSON object of a metrics file (a line torn by a crash is skipped)."""
+def read_records(path: pathlib.Path) -> Records:
+    """Every metric record (a JSON object with a ``step``) of a metrics file; a line that is
+    not UTF-8 JSON is a ``UserInputError`` naming the file and line, unless it is the last
+    line torn by a crash (no newline after it), which is skipped."""
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError as exc:
+        raise UserInputError(f"{path}: cannot be read ({exc.strerror})") from None
     records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
+    for number, line in enumerate(lines, 1):
+        torn = number == len(lines)  # after the last newline: a crash's partial write
+        record = parse_line(path, number, line, torn)
         if isinstance(record, dict) and "step" in record:
             records.append(record)
     return records
+
+
+def parse_line(path: pathlib.Path, number: int, line: bytes, torn: bool) -> Any:
+    """The JSON value of line ``number`` (None: blank, or ``torn`` and unreadable)."""
+    fix = "fix or delete that line (a run writes one JSON object per line)"
+    if not line.strip():
+        return None
+    try:
+        return json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        if torn:
+            return None
+        raise UserInputError(
+            f"{path}:{number}: not UTF-8 (byte {exc.start} of the line); {fix}"
+        ) from None
+    except json.JSONDecodeError as exc:
+        if torn:
+            return None
+        raise UserInputError(f"{path}:{number}: not a JSON line ({exc.msg}); {fix}") from None
 
 
 def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -50,20 +80,46 @@ def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[flo
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
-def input_problems(runs: Sequence[pathlib.Path]) -> list[str]:
-    """A line for each run whose metrics file is missing or holds no records."""
-    problems = []
+def load_runs(runs: Sequence[pathlib.Path]) -> dict[pathlib.Path, Records]:
+    """Each run's records; a ``UserInputError`` with a line for each run whose metrics file
+    is missing, unreadable, damaged or holds no records."""
+    loaded, problems = {}, []
     for run in runs:
         path = metrics_file(run)
         if not path.is_file():
             problems.append(f"{run}: no metrics.jsonl here; pass a run directory or its file")
-        elif not read_records(path):
+            continue
+        try:
+            loaded[run] = read_records(path)
+        except UserInputError as exc:
+            problems += exc.lines
+            continue
+        if not loaded[run]:
             problems.append(f"{path}: holds no metric records")
-    return problems
+    if problems:
+        raise UserInputError(problems)
+    return loaded
 
 
-def plot(runs: Sequence[pathlib.Path], out: pathlib.Path) -> None:
-    """Draw the four panels for every run into ``out`` (PNG, PDF or SVG by its suffix)."""
+def out_problems(out: pathlib.Path) -> list[str]:
+    """A line when ``--out`` names no image format matplotlib writes, is a folder, or lies
+    below a file."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    formats = sorted(FigureCanvasAgg.get_supported_filetypes())
+    if out.suffix.lstrip(".").lower() not in formats:
+        return [f"--out {out}: name the image format by its suffix, one of .{', .'.join(formats)}"]
+    if out.is_dir():
+        return [f"--out {out}: is a folder; name the image file to write"]
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        return [f"--out {out}: lies below the file {above}; choose another --out"]
+    return []
+
+
+def plot(runs: dict[pathlib.Path, Records], out: pathlib.Path) -> None:
+    """Draw the four panels for every run into ``out`` (PNG, PDF or SVG by its suffix),
+    written to a temporary sibling and renamed: a failed save leaves no partial image."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
@@ -71,8 +127,7 @@ def plot(runs: Sequence[pathlib.Path], out: pathlib.Path) -> None:
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     for ax, (title, keys, log) in zip(axes.flat, PANELS, strict=True):
-        for run in runs:
-            records = read_records(metrics_file(run))
+        for run, records in runs.items():
             name = run.name if run.is_dir() else run.parent.name
             for key, label in keys:
                 steps, values = series(records, key)
@@ -87,8 +142,13 @@ def plot(runs: Sequence[pathlib.Path], out: pathlib.Path) -> None:
             ax.legend(fontsize="small")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        fig.savefig(tmp, format=out.suffix.lstrip(".").lower())
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+        plt.close(fig)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -103,11 +163,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             ["plot_metrics.py needs matplotlib; install it with pip install 'forge[plot]'"]
         )
         return ExitCode.CONFIG_ERROR
-    problems = input_problems(args.runs)
-    if problems:
-        print_errors(problems)
+    try:
+        runs = load_runs(args.runs)
+        problems = out_problems(args.out)
+        if problems:
+            raise UserInputError(problems)
+        plot(runs, args.out)
+    except UserInputError as exc:
+        print_errors(exc.lines)
         return ExitCode.CONFIG_ERROR
-    plot(args.runs, args.out)
+    except OSError as exc:
+        print_errors([f"--out {args.out}: cannot write the plot ({exc.strerror or exc})"])
+        return ExitCode.CONFIG_ERROR
     print(f"wrote {args.out}")
     return ExitCode.OK
 

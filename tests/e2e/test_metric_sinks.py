@@ -108,6 +108,63 @@ def test_plot_metrics_of_a_missing_run_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "c.png").exists()
 
 
+def metrics_with(line: int, bad: bytes):
+    """A run folder setup: ``write_metrics``'s file with its line ``line`` replaced by ``bad``
+    (a line in the middle: the last line stays intact)."""
+
+    def setup(root):
+        write_metrics(root / "a", 1.0)
+        lines = (root / "a" / "metrics.jsonl").read_bytes().split(b"\n")
+        lines[line - 1] = bad
+        (root / "a" / "metrics.jsonl").write_bytes(b"\n".join(lines))
+        return []
+
+    return setup
+
+
+def out_at(name: str, make=lambda path: None):
+    """A run folder setup: a sound run, ``--out`` at ``name`` (``make`` prepares that path)."""
+
+    def setup(root):
+        write_metrics(root / "a", 1.0)
+        make(root / name)
+        return ["--out", str(root / name)]
+
+    return setup
+
+
+FILE = "a/metrics.jsonl"
+FIX = "fix or delete that line (a run writes one JSON object per line)"
+FORMATS = ".avif, .eps, .gif, .jpeg, .jpg, .pdf, .pgf, .png, .ps, .raw, .rgba, .svg, .svgz, .tif, .tiff, .webp"
+
+# (case, setup of the run folder under tmp_path returning extra arguments, the one error line;
+# {root} is tmp_path)
+BAD_PLOTS = [
+    ("an invalid byte", metrics_with(4, b'{"step": 4, "loss": 1.0\xff}'), f"{{root}}/{FILE}:4: not UTF-8 (byte 23 of the line); {FIX}"),
+    ("a malformed line", metrics_with(7, b"garbage"), f"{{root}}/{FILE}:7: not a JSON line (Expecting value); {FIX}"),
+    ("a line torn mid-file", metrics_with(2, b'{"step": 2, "lo'), f"{{root}}/{FILE}:2: not a JSON line (Unterminated string starting at); {FIX}"),
+    ("--out of no image format", out_at("curves.txt"), f"--out {{root}}/curves.txt: name the image format by its suffix, one of {FORMATS}"),
+    ("--out without a suffix", out_at("curves"), f"--out {{root}}/curves: name the image format by its suffix, one of {FORMATS}"),
+    ("--out a folder", out_at("c.png", lambda p: p.mkdir()), "--out {root}/c.png: is a folder; name the image file to write"),
+    ("--out below a file", out_at("f/c.png", lambda p: p.parent.write_text("x")), "--out {root}/f/c.png: lies below the file {root}/f; choose another --out"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("setup,error", [c[1:] for c in BAD_PLOTS], ids=[c[0] for c in BAD_PLOTS])
+def test_plot_metrics_of_a_damaged_file_or_a_bad_out_is_one_line_exit_2_and_no_image(
+    tmp_path, setup, error
+):
+    extra = setup(tmp_path) or ["--out", str(tmp_path / "c.png")]
+    before = sorted(tmp_path.rglob("*"))
+    done = subprocess.run(
+        [*PLOT, str(tmp_path / "a"), *extra], capture_output=True, text=True, check=False
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"error: {error.format(root=tmp_path)}"]
+    assert sorted(tmp_path.rglob("*")) == before  # no image, no temporary file
+
+
 def test_tensorboard_drops_what_a_crashed_run_logged_past_its_checkpoint(sandbox):
     """Killed at step 7 with the last checkpoint at 4: steps 6 (logged, then lost) and the
     resumed run's 6 appear once, with the resumed run's values."""
