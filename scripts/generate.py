@@ -59,6 +59,53 @@ def sampling_problems(args: argparse.Namespace) -> list[str]:
     return problems
 
 
+def prompt_ids(tok: Tokenizer, prompt: str) -> list[int]:
+    """The prompt's ids, BOS first. Command-line bytes that are not UTF-8 reach Python as
+    lone surrogates (``surrogateescape``): the byte tokenizer takes them as the bytes they
+    stand for; a Hugging Face tokenizer encodes text only, so there they are refused
+    (``UserInputError``), as is a lone surrogate that stands for no byte."""
+    if isinstance(tok, ByteTokenizer):
+        try:
+            return tok.encode(prompt.encode("utf-8", "surrogateescape"), bos=True)
+        except UnicodeEncodeError as exc:
+            raise UserInputError(
+                f"--prompt: character {exc.start} (U+{ord(prompt[exc.start]):04X}) is a lone "
+                "surrogate, neither text nor a byte; pass text or bytes"
+            ) from None
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(prompt[exc.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise UserInputError(
+            f"--prompt: {what} at character {exc.start} is not UTF-8 text, and the run's "
+            f"tokenizer ({tok.path}) encodes text only; pass the prompt as UTF-8"
+        ) from None
+    return tok.encode(prompt, bos=True)
+
+
+def length_problem(prompt: int, limit: int, asked: int | None) -> str | None:
+    """Why ``prompt`` tokens and ``asked`` new ones (None: as many as fit, at least one) do not
+    fit ``model.max_seq_len=limit``; None when they do."""
+    room = limit - prompt
+    need = 1 if asked is None else asked
+    if need <= room:
+        return None
+    if room > 0:  # the prompt fits: fewer new tokens do too (asked is set: need > 1)
+        return (
+            f"--max-new-tokens: the prompt ({prompt} tokens) + {asked} new tokens exceed "
+            f"model.max_seq_len={limit}; ask for at most {room}"
+        )
+    cut = prompt + need - limit
+    size = f"{prompt} tokens (BOS included)"
+    size += f", {prompt - limit} over" if prompt > limit else " leave no room"
+    goal = "to sample any" if asked is None else "to fit" if asked == 0 else f"to sample {asked}"
+    return (
+        f"--prompt: too long for model.max_seq_len={limit}: {size}; shorten it by at least "
+        f"{cut} token{'s' if cut != 1 else ''} {goal}"
+    )
+
+
 def image_problem_or_pixels(path: pathlib.Path | None, config: JobConfig) -> torch.Tensor | None:
     """The ``--image`` as the model's ``uint8`` ``(H, W, 3)`` input (None without one);
     ``UserInputError`` when it does not fit the run: a text run, a missing image, no Pillow."""
@@ -88,7 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("run_dir", type=pathlib.Path, help="a run folder holding config.toml")
     parser.add_argument(
-        "--prompt", default=None, help="text to continue (default: 'def ', or '' with --image)"
+        "--prompt",
+        default=None,
+        help="text to continue; the byte tokenizer takes bytes that are not UTF-8 as they are "
+        "(default: 'def ', or '' with --image)",
     )
     parser.add_argument(
         "--image",
@@ -135,17 +185,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             checkpoint_dir_of(config, args.run_dir), load_path, model, report, optimizer
         )
         tok = run_tokenizer(config)
-        prompt = tok.encode(args.prompt, bos=True)
-        room = config.model.max_seq_len - len(prompt)
-        new_tokens = room if args.max_new_tokens is None else args.max_new_tokens
-        if room < 0 or new_tokens > room:
-            raise UserInputError(
-                [
-                    f"--max-new-tokens: the prompt ({len(prompt)} tokens) + {new_tokens} new "
-                    f"tokens exceed model.max_seq_len={config.model.max_seq_len}; ask for at "
-                    f"most {max(room, 0)}"
-                ]
-            )
+        prompt = prompt_ids(tok, args.prompt)
+        limit = config.model.max_seq_len
+        problem = length_problem(len(prompt), limit, args.max_new_tokens)
+        if problem is not None:
+            raise UserInputError(problem)
+        new_tokens = limit - len(prompt) if args.max_new_tokens is None else args.max_new_tokens
     except UserInputError as exc:
         print_errors(exc.lines)
         return ExitCode.CONFIG_ERROR
