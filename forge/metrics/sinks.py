@@ -107,20 +107,22 @@ class JsonlSink:
 
 
 def trim_records_after(path: pathlib.Path, step: int) -> int:
-    """Drop records logged after ``step`` (by a run that crashed past its last checkpoint), so
-    that a resumed run's file reads as one uninterrupted run. Returns how many were dropped."""
+    """Drop records logged after ``step`` (by a run that crashed past its last checkpoint), and
+    lines that are not a JSON object (torn by a crash, or damaged bytes), so that a resumed
+    run's file reads as one uninterrupted run. Returns how many were dropped."""
     if not path.is_file():
         return 0
     kept, dropped = [], 0
-    for line in path.read_text().splitlines():
-        if not line.strip():
+    for raw in path.read_bytes().splitlines():
+        if not raw.strip():
             continue
-        try:
+        try:  # bytes, not text: one damaged line must not stop the resume
+            line = raw.decode("utf-8")
             record = json.loads(line)
-        except ValueError:  # a line torn by a crash mid-write
+        except ValueError:  # a line torn by a crash mid-write, or damaged bytes
             dropped += 1
             continue
-        if record.get("step", 0) > step:
+        if not isinstance(record, dict) or record.get("step", 0) > step:
             dropped += 1
         else:
             kept.append(line)

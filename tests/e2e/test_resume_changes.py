@@ -125,3 +125,12 @@ def test_numerics_are_warned_about_and_the_free_keys_pass_silently(stopped, caps
         assert "warning" not in err, err
     else:
         assert "other training numerics" in err and warned in err
+
+
+def test_a_resume_over_a_metrics_file_with_damaged_bytes_drops_that_line(stopped, capsys):
+    path = run_dir(stopped) / "metrics.jsonl"
+    path.write_bytes(path.read_bytes() + b'{"step": 99, \xff\xfe}\n')
+    capsys.readouterr()
+    assert TRAIN.main([str(stopped)]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    assert [r["step"] for r in records(stopped)] == list(range(1, 13))
