@@ -70,6 +70,8 @@ class TrainConfig:
         if self.grad_clip_norm is not None:
             positive(p, "train.grad_clip_norm", self.grad_clip_norm)
         non_negative(p, "train.seed", self.seed)
+        if self.data_seed is not None:  # the data order's generator takes no negative seed
+            non_negative(p, "train.data_seed", self.data_seed)
         non_negative(p, "train.num_threads", self.num_threads)
         non_negative(p, "train.z_loss_weight", self.z_loss_weight)
         non_negative(p, "train.loss_chunk_size", self.loss_chunk_size)

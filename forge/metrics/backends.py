@@ -37,6 +37,38 @@ def missing_sink_packages(config: JobConfig) -> list[str]:
     ]
 
 
+WANDB_HOST = "api.wandb.ai"
+
+
+def wandb_credentials_problem(env: Mapping[str, str], netrc: pathlib.Path) -> str | None:
+    """Why ``metrics.wandb`` cannot log online (checked before the run directory exists), or
+    None: offline or disabled mode, an API key in the environment, or a ``wandb login`` entry
+    in ``netrc``."""
+    if env.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return None
+    if env.get("WANDB_API_KEY"):
+        return None
+    try:
+        if WANDB_HOST in netrc.read_text():
+            return None
+    except OSError:
+        pass
+    return (
+        "metrics.wandb: no W&B credentials (no WANDB_API_KEY, no wandb login entry in "
+        f"{netrc}); run wandb login, set WANDB_API_KEY, or WANDB_MODE=offline to log locally"
+    )
+
+
+def sink_problems(config: JobConfig, env: Mapping[str, str], home: pathlib.Path) -> list[str]:
+    """What the enabled sinks lack: their packages (``missing_sink_packages``) and, for W&B,
+    credentials (``wandb_credentials_problem``)."""
+    problems = missing_sink_packages(config)
+    if config.metrics.wandb and not problems:
+        problem = wandb_credentials_problem(env, pathlib.Path(env.get("NETRC", home / ".netrc")))
+        problems += [problem] if problem else []
+    return problems
+
+
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
     """The record's numeric values other than ``step`` (what a scalar logger takes)."""
     return {

@@ -32,7 +32,7 @@ from forge.config.loader import ConfigError, load_config, unstructure_config
 from forge.config.sections import Precision
 from forge.config.toml_writer import dumps_toml
 from forge.data.shards import dataset_fingerprint, read_manifest
-from forge.metrics.backends import missing_sink_packages
+from forge.metrics.backends import sink_problems
 from forge.metrics.sinks import trim_records_after
 from forge.model.chunked_loss import LossSpec, loss_spec_of
 from forge.model.transformer import Transformer, num_parameters
@@ -94,7 +94,7 @@ def load_and_validate_config(argv: Sequence[str]) -> RunContext:
     problems += hook_problems(config.hooks)
     problems += freeze_problems(config)
     problems += vlm_problems(config)
-    problems += missing_sink_packages(config)
+    problems += sink_problems(config, os.environ, pathlib.Path.home())
     run = RunContext.of(config, loaded.source)
     for key, folder in run_directories(run):
         problem = path_problem(key, folder)

@@ -192,6 +192,8 @@ CONFIG_CASES = [
     ("nan init std", args("--model.init_std=nan"), 2, "model.init_std", no_run_dir),
     ("nan rope theta", args("--model.rope_theta=nan"), 2, "model.rope_theta", no_run_dir),
     ("seed beyond 64 bits", args("--train.seed=99999999999999999999999"), 2, "train.seed: 99999999999999999999999 is out of range", no_run_dir),
+    ("negative data seed", args("--train.data_seed=-7"), 2, "train.data_seed: must be >= 0, got -7", no_run_dir),
+    ("wandb without credentials", args("--metrics.wandb=true"), 2, "metrics.wandb: no W&B credentials", no_run_dir),
     ("empty run dir", args("--run.dir="), 2, "run.dir: must not be empty", no_run_dir),
     ("float for an int", args("--checkpoint.interval=1e3"), 2, "checkpoint.interval: expected an integer, got 1000.0", no_run_dir),
     ("three betas", args("--optimizer.betas=[0.9,0.9,0.9]"), 2, "optimizer.betas: expected 2 values, got 3", no_run_dir),
