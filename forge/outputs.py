@@ -105,7 +105,12 @@ def replace_output(tmp: pathlib.Path, out: pathlib.Path, kind: OutputKind) -> pa
     if out.exists():
         old = out.parent / f".{out.name}.replaced-{os.getpid()}"
         os.replace(out, old)
-    os.replace(tmp, out)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if old is not None:  # the earlier output goes back where it was
+            os.replace(old, out)
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return out

@@ -226,7 +226,10 @@ class Checkpointer:
         checkpoint intact."""
         self.wait()
         tmp = self.root / f"step_{step}.tmp"
-        error = nonfinite_parameter(model)
+        try:
+            error = nonfinite_parameter(model)
+        except RuntimeError as exc:  # a device error: every rank must still reach the agreement
+            error = one_line(exc)
         if error := self._agree(error):
             raise self._fail(step, tmp, error)
         if self.rank == 0:

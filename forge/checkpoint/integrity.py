@@ -40,7 +40,7 @@ def checksums_of(folder: pathlib.Path, names: Iterable[str]) -> dict[str, list]:
     """``{name: [length, [crc32 of each piece]]}`` of the files ``names`` in ``folder``: each
     file memory-mapped (no copy), its pieces checksummed in parallel threads."""
     sums: dict[str, list] = {}
-    workers = max(1, os.cpu_count() or 1)
+    workers = checksum_threads()
     with ThreadPoolExecutor(max_workers=workers) as pool, contextlib.ExitStack() as files:
         for name in names:
             size = (folder / name).stat().st_size
@@ -57,6 +57,16 @@ def checksums_of(folder: pathlib.Path, names: Iterable[str]) -> dict[str, list]:
             for piece in pieces:
                 piece.release()
     return sums
+
+
+def checksum_threads() -> int:
+    """Threads for checksumming: the cores this process may run on, at most 4 (each rank of a
+    node checksums its own files at the same time)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
 
 
 def crc_hex(data: memoryview | bytes) -> str:

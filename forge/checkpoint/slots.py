@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from forge.checkpoint.store import STATE_DICT_OPTIONS, check_loadable, read_tensors
+from forge.config.checkpoint import Verification
 
 
 def _clone(value: Any) -> Any:
@@ -85,7 +86,7 @@ class Slots:
         """
         if dist.is_initialized() and dist.get_world_size() > 1 and self.process_group is None:
             raise ValueError("Slots.prefetch with several ranks needs its own process_group")
-        check_loadable(path, self.model)
+        check_loadable(path, self.model, Verification.METADATA)  # returns at once: lengths only
         # the template is taken here, on the training thread, from the live model; the reader
         # fills private copies of it
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=STATE_DICT_OPTIONS)

@@ -270,7 +270,11 @@ def check_loadable(
             if not isinstance(rng, dict) or not {"torch_cpu", "python"} <= rng.keys():
                 raise CheckpointError(f"{rng_file}: not an RNG state file")
         # after the safe reads: a file carrying code is refused as unsafe, never skipped
-        verify_checkpoint(path, verify)
+        if not verify_checkpoint(path, verify) and "settings" in read_train_state(path):
+            raise CheckpointError(  # a forge that records settings records checksums too
+                f"{path}: its checksums.json is missing (recorded at every commit); the "
+                "checkpoint is incomplete or damaged"
+            )
     except (UnreadableCheckpointError, IntegrityError) as exc:
         raise CheckpointError(exc.lines) from None
     _check_shapes(path, model, meta)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import pathlib
+import urllib.parse
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -43,13 +44,14 @@ WANDB_HOST = "api.wandb.ai"
 def wandb_credentials_problem(env: Mapping[str, str], netrc: pathlib.Path) -> str | None:
     """Why ``metrics.wandb`` cannot log online (checked before the run directory exists), or
     None: offline or disabled mode, an API key in the environment, or a ``wandb login`` entry
-    in ``netrc``."""
+    in ``netrc`` for the server (``WANDB_BASE_URL``'s host, by default W&B's own)."""
     if env.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
         return None
     if env.get("WANDB_API_KEY"):
         return None
+    host = urllib.parse.urlparse(env.get("WANDB_BASE_URL", "")).hostname or WANDB_HOST
     try:
-        if WANDB_HOST in netrc.read_text():
+        if host in netrc.read_text():
             return None
     except OSError:
         pass
@@ -59,14 +61,21 @@ def wandb_credentials_problem(env: Mapping[str, str], netrc: pathlib.Path) -> st
     )
 
 
-def sink_problems(config: JobConfig, env: Mapping[str, str], home: pathlib.Path) -> list[str]:
+def sink_problems(config: JobConfig, env: Mapping[str, str]) -> list[str]:
     """What the enabled sinks lack: their packages (``missing_sink_packages``) and, for W&B,
-    credentials (``wandb_credentials_problem``)."""
+    credentials (``wandb_credentials_problem``; ``$NETRC``, else ``~/.netrc``)."""
     problems = missing_sink_packages(config)
     if config.metrics.wandb and not problems:
-        problem = wandb_credentials_problem(env, pathlib.Path(env.get("NETRC", home / ".netrc")))
+        netrc = pathlib.Path(env["NETRC"]) if env.get("NETRC") else netrc_path(env)
+        problem = wandb_credentials_problem(env, netrc)
         problems += [problem] if problem else []
     return problems
+
+
+def netrc_path(env: Mapping[str, str]) -> pathlib.Path:
+    """``~/.netrc`` (``$HOME``'s; the current folder's when there is no home)."""
+    home = env.get("HOME")
+    return pathlib.Path(home if home else ".") / ".netrc"
 
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:

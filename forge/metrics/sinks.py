@@ -122,7 +122,8 @@ def trim_records_after(path: pathlib.Path, step: int) -> int:
         except ValueError:  # a line torn by a crash mid-write, or damaged bytes
             dropped += 1
             continue
-        if not isinstance(record, dict) or record.get("step", 0) > step:
+        recorded = record.get("step", 0) if isinstance(record, dict) else None
+        if type(recorded) is not int or recorded > step:  # no record, or one past the resume
             dropped += 1
         else:
             kept.append(line)

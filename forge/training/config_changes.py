@@ -4,9 +4,10 @@ group has its own verdict. No torch here: the table and every decision are table
 - ``IDENTITY`` (the model, the data and its order, seeds, sequence length, packing, the global
   batch, the freeze schedule): another run; refused, or with ``checkpoint.allow_config_change``
   continued with a warning (``forge.training.identity`` compares it).
-- ``OPTIMIZER_STATE`` (the optimizer and its hyper-parameters, ``train.param_dtype``): the
-  saved state belongs to another optimizer; refused, never reported as damage;
-  ``checkpoint.exclude_from_loading = ["optimizer"]`` continues with a fresh optimizer.
+- ``OPTIMIZER_STATE`` (the optimizer and the hyper-parameters it uses, ``train.param_dtype``):
+  the saved state belongs to another optimizer; refused, never reported as damage;
+  ``checkpoint.exclude_from_loading = ["optimizer"]`` continues with a fresh optimizer (only
+  when they changed: a requeued run with the key still set keeps its optimizer state).
 - ``SCHEDULE`` (``optimizer.lr``, ``[scheduler]``, and ``train.max_steps`` where the decay
   depends on it): refused, naming the keys; ``checkpoint.schedule_from = "checkpoint"`` keeps
   the recorded schedule, ``"config"`` switches to the new one at the resume step.
@@ -97,6 +98,15 @@ TOTAL = "total steps (train.max_steps)"
 DERIVED_GROUPS = {DECAY: G.SCHEDULE, TOTAL: G.SCHEDULE}  # recorded settings that are no key
 
 
+# optimizer keys an optimizer ignores (by optimizer.name): a change of one is no change
+UNUSED_BY: dict[str, frozenset[str]] = {
+    "adamw": frozenset({"optimizer.momentum", "optimizer.ns_steps"}),
+    "schedule_free_adamw": frozenset({"optimizer.momentum", "optimizer.ns_steps"}),
+    "lion": frozenset({"optimizer.eps", "optimizer.momentum", "optimizer.ns_steps"}),
+    "muon": frozenset(),
+}
+
+
 def config_keys() -> list[str]:
     """Every key of the config: ``section.field``, or the section for an array of tables."""
     defaults, keys = JobConfig(), []
@@ -147,10 +157,11 @@ def recorded_settings(
     """What a checkpoint records to compare a resume against, beyond the run's identity: the
     optimizer-state and numerics keys as configured, and the schedule as it runs (its peak LR
     and its resolved shape, ``schedule_shape``)."""
+    unused = UNUSED_BY.get(config.optimizer.name.value, frozenset())
     settings = {
         key: _plain(getattr(getattr(config, key.split(".")[0]), key.split(".")[1]))
         for key in config_keys()
-        if group_of(key) in (G.OPTIMIZER_STATE, G.NUMERICS)
+        if group_of(key) in (G.OPTIMIZER_STATE, G.NUMERICS) and key not in unused
     }
     settings["optimizer.lr"] = peak_lr
     return settings | schedule_shape(name, warmup, decay, min_ratio, total)
@@ -230,10 +241,10 @@ def change_verdict(
             '["optimizer"] to continue with a fresh optimizer (weights, data position and step '
             "are kept)"
         )
-    elif exclude_optimizer:
-        changed = f" ({listed(G.OPTIMIZER_STATE)})" if G.OPTIMIZER_STATE in by_group else ""
+    elif G.OPTIMIZER_STATE in by_group:  # excluded: a fresh optimizer for the changed one
         warnings.append(
-            f"resuming {where} with a fresh optimizer (checkpoint.exclude_from_loading){changed}"
+            f"resuming {where} with a fresh optimizer (checkpoint.exclude_from_loading): "
+            f"{listed(G.OPTIMIZER_STATE)}"
         )
     keep = False
     if G.SCHEDULE in by_group:
@@ -259,4 +270,5 @@ def change_verdict(
             f"resuming {where} under other training numerics (the run is no longer the "
             f"uninterrupted one bit for bit): {listed(G.NUMERICS)}"
         )
-    return ChangeVerdict(tuple(refusals), tuple(warnings), exclude_optimizer, keep)
+    fresh = exclude_optimizer and G.OPTIMIZER_STATE in by_group
+    return ChangeVerdict(tuple(refusals), tuple(warnings), fresh, keep)

@@ -94,7 +94,7 @@ def load_and_validate_config(argv: Sequence[str]) -> RunContext:
     problems += hook_problems(config.hooks)
     problems += freeze_problems(config)
     problems += vlm_problems(config)
-    problems += sink_problems(config, os.environ, pathlib.Path.home())
+    problems += sink_problems(config, os.environ)
     run = RunContext.of(config, loaded.source)
     for key, folder in run_directories(run):
         problem = path_problem(key, folder)
@@ -290,7 +290,14 @@ def setup_checkpointing(
             raise RunMismatchError(problem)
     if plan.source is ResumeSource.LOAD_PATH and plan.path is not None:
         optimizer = model.optimizer if cfg.load_optimizer else None
-        load_checkpoint(plan.path, model.model, optimizer, rank=dist.rank, restore_rng_state=False)
+        load_checkpoint(
+            plan.path,
+            model.model,
+            optimizer,
+            rank=dist.rank,
+            restore_rng_state=False,
+            verify=cfg.verify,
+        )
         recorded = read_train_state(plan.path).get("identity")
         differences = identity_differences(
             recorded if isinstance(recorded, dict) else {},

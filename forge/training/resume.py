@@ -8,13 +8,20 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Callable, Sequence
 
+from forge.checkpoint.integrity import IntegrityError, verify_checkpoint
 from forge.checkpoint.resume import ResumePlan, first_loadable
-from forge.checkpoint.store import check_loadable, load_checkpoint, read_train_state
+from forge.checkpoint.store import (
+    CheckpointError,
+    check_loadable,
+    load_checkpoint,
+    read_train_state,
+)
 from forge.config.freeze import trainable_names
 from forge.config.loader import CONVERTER, ConfigError
 from forge.config.sections import CheckpointConfig, FreezeRule, ScheduleName, Verification
 from forge.optim.freezing import Freezer
 from forge.optim.schedules import Schedule
+from forge.parallel.mesh import broadcast_from_main
 from forge.training.config_changes import (
     ChangeVerdict,
     change_verdict,
@@ -76,6 +83,21 @@ def hold_checkpoint_stage(
     freezer.hold(trainable_names(freezer.params, schedule, last), last)
 
 
+def verified_by_main(path: pathlib.Path, mode: Verification, dist: DistContext) -> None:
+    """Verify ``path``'s bytes (``mode``) once, on rank 0, and raise the same
+    ``CheckpointError`` on every rank when they do not verify, so that every rank takes the
+    same fallback."""
+    problem = None
+    if dist.is_main and mode is Verification.FULL:
+        try:
+            verify_checkpoint(path, mode)
+        except IntegrityError as exc:
+            problem = exc.lines
+    problem = broadcast_from_main(problem, dist.world_size)
+    if problem:
+        raise CheckpointError(problem)  # type: ignore[arg-type]
+
+
 def check_settings(
     train_state: TrainState,
     current: dict,
@@ -129,7 +151,8 @@ def resume_run(
     current = current_settings(run.config, model.peak_lr, model.schedule)
 
     def load(path: pathlib.Path) -> tuple[TrainState, ChangeVerdict]:
-        check_loadable(path, model.model, cfg.verify)
+        verified_by_main(path, cfg.verify, dist)
+        check_loadable(path, model.model, Verification.METADATA)
         train_state = parse_train_state(read_train_state(path), path)
         check_same_run(train_state, identity, path, cfg.allow_config_change, say)
         trains = train_state.step < run.config.train.max_steps
@@ -137,8 +160,7 @@ def resume_run(
         if model.freezer is not None:  # the optimizer as in the last step run
             hold_checkpoint_stage(model.freezer, train_state, run.config.freeze)
         optimizer = None if verdict.fresh_optimizer else model.optimizer
-        verified = Verification.METADATA  # its bytes were just checked as configured
-        load_checkpoint(path, model.model, optimizer, rank=dist.rank, verify=verified)
+        load_checkpoint(path, model.model, optimizer, rank=dist.rank, verify=Verification.METADATA)
         return train_state, verdict
 
     assert plan.path is not None

@@ -173,3 +173,23 @@ def test_prepare_vlm_data_keeps_other_folders_and_replaces_its_own_only_when_ask
     inside = out / "nested"
     capsys.readouterr()
     refused(capsys, PREPARE_VLM.main(["--out", str(inside), "--n", "20"]), "inside the dataset")
+
+
+def test_a_failed_rename_puts_the_earlier_output_back(tmp_path, monkeypatch):
+    from forge import outputs
+
+    out = own_export(tmp_path)
+    tmp = outputs.temporary_sibling(out)
+    (tmp / "model.safetensors").write_bytes(b"new")
+    real = outputs.os.replace
+
+    def fail_on_the_new_one(src, dst):
+        if pathlib.Path(src) == tmp:
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+
+    monkeypatch.setattr(outputs.os, "replace", fail_on_the_new_one)
+    with pytest.raises(OSError):
+        outputs.replace_output(tmp, out, OutputKind.HF_EXPORT)
+    assert (out / "model.safetensors").read_bytes() == b"x"  # the earlier export, in place
+    assert not [p for p in tmp_path.iterdir() if ".replaced-" in p.name]

@@ -187,3 +187,19 @@ def test_non_finite_weights_are_never_committed(tmp_path, mode):
         ck.close()
     assert not step_dir(tmp_path, 3).exists() and not list(tmp_path.glob("*.tmp"))
     assert not (tmp_path / "latest").exists()
+
+
+def test_a_checkpoint_that_records_settings_but_lost_its_checksums_is_damaged(ckpt):
+    path = step_dir(ckpt, 2)
+    state = json.loads((path / TRAIN_STATE).read_text())
+    (path / TRAIN_STATE).write_text(json.dumps(state | {"settings": {}}))
+    (path / CHECKSUMS).unlink()
+    with pytest.raises(CheckpointError, match=r"checksums\.json is missing"):
+        check_loadable(path, Transformer(CFG))
+
+
+def test_a_checkpoint_from_before_checksums_loads_unverified(ckpt):
+    path = step_dir(ckpt, 2)
+    (path / CHECKSUMS).unlink()
+    assert verify_checkpoint(path) is False
+    check_loadable(path, Transformer(CFG))

@@ -133,7 +133,7 @@ VERDICTS = [
         False,
     ),
     ("optimizer changed, excluded", [OPT], True, None, 0, [], 1, True, False),
-    ("excluded without a change: fresh anyway", [], True, None, 0, [], 1, True, False),
+    ("excluded without a change: the state loads", [], True, None, 0, [], 0, False, False),
     (
         "schedule changed: refused",
         [LR],
@@ -221,3 +221,33 @@ FINISHED = [
 def test_a_resume_that_trains_nothing_ignores_schedule_changes(changes, n_refused):
     verdict = change_verdict(changes, "step_12", 12, False, None, trains=False)
     assert len(verdict.refusals) == n_refused and not verdict.keep_schedule
+
+
+def test_every_optimizer_says_which_keys_it_ignores():
+    from forge.config.sections import OptimizerName
+    from forge.training.config_changes import UNUSED_BY
+
+    assert set(UNUSED_BY) == {name.value for name in OptimizerName}
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "key", "value", "changed"),
+    [
+        ("adamw", "momentum", 0.5, False),
+        ("adamw", "eps", 1e-6, True),
+        ("lion", "eps", 1e-6, False),
+        ("muon", "momentum", 0.5, True),
+    ],
+)
+def test_a_key_the_optimizer_ignores_is_no_change(optimizer, key, value, changed):
+    import attrs
+
+    from forge.config.sections import OptimizerName
+
+    def recorded(**optimizer_keys):
+        base = JobConfig()
+        opt = attrs.evolve(base.optimizer, name=OptimizerName(optimizer), **optimizer_keys)
+        config = attrs.evolve(base, optimizer=opt)
+        return recorded_settings(config, 3e-4, ScheduleName.COSINE, 100, 900, 0.1, 1000)
+
+    assert bool(setting_changes(recorded(), recorded(**{key: value}))) is changed

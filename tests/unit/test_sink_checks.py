@@ -18,6 +18,18 @@ CASES = [
     ("offline", {"WANDB_MODE": "offline"}, None, False),
     ("disabled", {"WANDB_MODE": "disabled"}, None, False),
     ("online asked, no key", {"WANDB_MODE": "online"}, None, True),
+    (
+        "a self-hosted server's login",
+        {"WANDB_BASE_URL": "https://wandb.example.org"},
+        "machine wandb.example.org login u password p\n",
+        False,
+    ),
+    (
+        "W&B's login, a self-hosted server",
+        {"WANDB_BASE_URL": "https://wandb.example.org"},
+        NETRC,
+        True,
+    ),
 ]
 
 
