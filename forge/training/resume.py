@@ -151,8 +151,8 @@ def resume_run(
     current = current_settings(run.config, model.peak_lr, model.schedule)
 
     def load(path: pathlib.Path) -> tuple[TrainState, ChangeVerdict]:
-        verified_by_main(path, cfg.verify, dist)
-        check_loadable(path, model.model, Verification.METADATA)
+        check_loadable(path, model.model, Verification.METADATA)  # safe reads first: a
+        verified_by_main(path, cfg.verify, dist)  # file carrying code is refused, not skipped
         train_state = parse_train_state(read_train_state(path), path)
         check_same_run(train_state, identity, path, cfg.allow_config_change, say)
         trains = train_state.step < run.config.train.max_steps
