@@ -1,0 +1,27 @@
+"""Every script answers ``--help``: exit 0, its usage on stdout, no traceback (the first
+command a new user runs)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+SCRIPTS = sorted(p for p in (REPO / "scripts").glob("*.py"))
+
+
+def test_there_are_scripts_to_ask():
+    assert len(SCRIPTS) >= 8
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[p.name for p in SCRIPTS])
+def test_every_script_answers_help(script):
+    out = subprocess.run(
+        [sys.executable, str(script), "--help"],
+        capture_output=True, text=True, timeout=120, check=False, cwd=REPO,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "usage" in out.stdout.lower() and "Traceback" not in out.stderr
