@@ -6,10 +6,12 @@ only that script's own earlier output may be replaced, and only when asked (``--
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import pathlib
 import shutil
+from collections.abc import Iterator
 
 MARKER = ".forge-output"
 
@@ -95,6 +97,17 @@ def temporary_sibling(out: pathlib.Path) -> pathlib.Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
+
+
+@contextlib.contextmanager
+def staged_output(out: pathlib.Path) -> Iterator[pathlib.Path]:
+    """A ``temporary_sibling`` of ``out`` to write into, removed on the way out (already gone
+    when ``replace_output`` renamed it into place; nothing left behind after a failure)."""
+    tmp = temporary_sibling(out)
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def replace_output(tmp: pathlib.Path, out: pathlib.Path, kind: OutputKind) -> pathlib.Path:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import shutil
 import sys
 from collections.abc import Sequence
 
@@ -32,7 +31,7 @@ from forge.errors import UserInputError, print_errors
 from forge.model.transformer import Transformer
 from forge.optim.optimizers import evaluation_weights
 from forge.optim.param_groups import inference_optimizer
-from forge.outputs import OutputKind, output_problem, replace_output, temporary_sibling
+from forge.outputs import OutputKind, output_problem, replace_output, staged_output
 from forge.training.run_dir import checkpoint_dir_of, load_run_config
 from forge.types import ExitCode
 
@@ -79,12 +78,9 @@ def import_(folder: pathlib.Path, out: pathlib.Path, overwrite: bool) -> None:
     cfg, state = import_model(folder)
     model = Transformer(cfg)
     model.load_state_dict(state)
-    tmp = temporary_sibling(out)  # the whole checkpoint folder, renamed into place at the end
-    try:
+    with staged_output(out) as tmp:  # the whole checkpoint folder, renamed into place
         save_model_only(tmp, 0, model, {"step": 0, "imported_from": str(folder)})
         replace_output(tmp, out, OutputKind.IMPORTED_CHECKPOINT)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     path = out / "step_0"
     print(f"wrote {path}; use it with --checkpoint.load_path={path} and this [model] section:")
     model = {k: v for k, v in CONVERTER.unstructure(cfg).items() if v is not None}

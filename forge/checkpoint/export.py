@@ -25,7 +25,7 @@ import torch
 from forge.checkpoint.hf_tokenizer import BYTE_SPECIAL_TOKENS, byte_tokenizer_json, tokenizer_config
 from forge.config.sections import ModelConfig, MoeRouter
 from forge.errors import UserInputError
-from forge.outputs import OutputKind, replace_output, temporary_sibling
+from forge.outputs import OutputKind, replace_output, staged_output
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -306,8 +306,7 @@ def export_model(
             continue  # tied: the embedding is the head
         for hf_key, value in hf_tensors(name, tensor.detach()).items():
             tensors[hf_key] = value.to(DTYPES[dtype]).contiguous().cpu()
-    tmp = temporary_sibling(out)
-    try:
+    with staged_output(out) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config = json.dumps(hf_config(cfg, dtype, tokens), indent=2) + "\n"
         (tmp / "config.json").write_text(config)
@@ -315,8 +314,6 @@ def export_model(
         (tmp / "generation_config.json").write_text(generation)
         write_tokenizer_files(tmp, tokens, cfg.max_seq_len)
         return replace_output(tmp, out, OutputKind.HF_EXPORT)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
 
 
 def import_model(folder: pathlib.Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -29,7 +29,7 @@ from forge.data.shards import (
 )
 from forge.data.tokenizer import ByteTokenizer
 from forge.errors import UserInputError
-from forge.outputs import OutputKind, temporary_sibling
+from forge.outputs import OutputKind, staged_output
 
 IMAGES_KEY = "images"
 
@@ -55,59 +55,45 @@ def write_image_text_dataset(
 ) -> Manifest:
     """Write ``(image, caption)`` pairs under ``out`` (via a temporary folder, renamed at the
     end: a crash leaves nothing half-written). Each caption is framed BOS + bytes + EOS."""
-    tmp = temporary_sibling(out)
-    try:
-        return _write_pairs(tmp, out, splits, tokenizer, image_size, source)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
-
-
-def _write_pairs(
-    tmp: pathlib.Path,
-    out: pathlib.Path,
-    splits: dict[str, Iterable[tuple[np.ndarray, str]]],
-    tokenizer: ByteTokenizer,
-    image_size: int,
-    source: str,
-) -> Manifest:
-    dtype = token_dtype(tokenizer.vocab_size)
-    infos: dict[str, SplitInfo] = {}
-    images: dict[str, dict[str, object]] = {}
-    for split, pairs in splits.items():
-        writer = ShardWriter(tmp, split, dtype, 1 << 24)
-        offsets = [0]
-        image_file = tmp / f"{split}_images.bin"
-        with image_file.open("wb") as f:
-            for image, text in pairs:
-                if image.shape != (image_size, image_size, 3) or image.dtype != np.uint8:
-                    raise DataError(
-                        f"image {len(offsets) - 1} of split '{split}': {image.dtype} "
-                        f"{tuple(image.shape)}, expected uint8 ({image_size}, {image_size}, 3)"
-                    )
-                f.write(np.ascontiguousarray(image).tobytes())
-                tokens = tokenizer.frame(text.encode(), dtype)
-                writer.append(tokens, documents=1)
-                offsets.append(offsets[-1] + len(tokens))
-        offset_file = tmp / f"{split}_offsets.bin"
-        np.asarray(offsets, dtype=np.int64).tofile(offset_file)
-        infos[split] = writer.close()
-        images[split] = {
-            "file": image_file.name,
-            "num_images": len(offsets) - 1,
-            "sha256": sha256_of(image_file),
-            "offsets": offset_file.name,
-            "offsets_sha256": sha256_of(offset_file),
-        }
-    manifest = Manifest(
-        dtype=dtype.name,
-        vocab_size=tokenizer.vocab_size,
-        tokenizer=tokenizer.describe(),
-        splits=infos,
-        source=source,
-    )
-    extra = {"image_size": image_size, IMAGES_KEY: images}
-    publish(tmp, out, manifest, extra, kind=OutputKind.IMAGE_TEXT_DATASET)
-    return manifest
+    with staged_output(out) as tmp:
+        dtype = token_dtype(tokenizer.vocab_size)
+        infos: dict[str, SplitInfo] = {}
+        images: dict[str, dict[str, object]] = {}
+        for split, pairs in splits.items():
+            writer = ShardWriter(tmp, split, dtype, 1 << 24)
+            offsets = [0]
+            image_file = tmp / f"{split}_images.bin"
+            with image_file.open("wb") as f:
+                for image, text in pairs:
+                    if image.shape != (image_size, image_size, 3) or image.dtype != np.uint8:
+                        raise DataError(
+                            f"image {len(offsets) - 1} of split '{split}': {image.dtype} "
+                            f"{tuple(image.shape)}, expected uint8 ({image_size}, {image_size}, 3)"
+                        )
+                    f.write(np.ascontiguousarray(image).tobytes())
+                    tokens = tokenizer.frame(text.encode(), dtype)
+                    writer.append(tokens, documents=1)
+                    offsets.append(offsets[-1] + len(tokens))
+            offset_file = tmp / f"{split}_offsets.bin"
+            np.asarray(offsets, dtype=np.int64).tofile(offset_file)
+            infos[split] = writer.close()
+            images[split] = {
+                "file": image_file.name,
+                "num_images": len(offsets) - 1,
+                "sha256": sha256_of(image_file),
+                "offsets": offset_file.name,
+                "offsets_sha256": sha256_of(offset_file),
+            }
+        manifest = Manifest(
+            dtype=dtype.name,
+            vocab_size=tokenizer.vocab_size,
+            tokenizer=tokenizer.describe(),
+            splits=infos,
+            source=source,
+        )
+        extra = {"image_size": image_size, IMAGES_KEY: images}
+        publish(tmp, out, manifest, extra, kind=OutputKind.IMAGE_TEXT_DATASET)
+        return manifest
 
 
 def image_size_of(folder: pathlib.Path) -> int:
