@@ -57,6 +57,7 @@ def report(plan: MemoryPlan, device_gb: float) -> list[str]:
         ("gathered weights (FSDP)", plan.gathered_weights),
         ("activations", plan.activations),
         ("loss", plan.loss),
+        ("RoPE tables", plan.buffers),
     ]
     lines = [f"  {name:26s} {size / GIB:9.2f} GiB" for name, size in rows]
     lines.append(f"  {'total':26s} {plan.total / GIB:9.2f} GiB")

@@ -6,7 +6,7 @@ import enum
 
 import attrs
 
-from forge.config.ranges import Problem, non_negative, not_empty, positive
+from forge.config.ranges import Problem, non_negative, not_empty, positive, usable_path
 
 
 class AsyncMode(enum.Enum):
@@ -84,6 +84,8 @@ class CheckpointConfig:
         p: list[Problem] = []
         not_empty(p, "checkpoint.dir", self.dir)
         not_empty(p, "checkpoint.load_path", self.load_path)
+        usable_path(p, "checkpoint.dir", self.dir)
+        usable_path(p, "checkpoint.load_path", self.load_path)
         positive(p, "checkpoint.interval", self.interval)
         if self.dyn_ckpt_window is not None:
             p += self.dyn_ckpt_window.problems("checkpoint.dyn_ckpt_window")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from forge.config.ranges import Problem, non_negative, positive
+from forge.config.ranges import Problem, non_negative, positive, usable_path
 
 
 @attrs.frozen
@@ -54,6 +54,8 @@ class DataConfig:
         p: list[Problem] = []
         if not self.sources and not self.path:
             p.append(("data.path", "must name a folder made by scripts/prepare_data.py"))
+        if not self.sources:
+            usable_path(p, "data.path", self.path)
         names = [s.name for s in self.sources]
         for i, source in enumerate(self.sources):
             key = f"data.sources[{i}]"
@@ -63,6 +65,7 @@ class DataConfig:
                 p.append((f"{key}.name", f"'{source.name}' is already the name of a source"))
             if not source.path:
                 p.append((f"{key}.path", "must name a folder made by scripts/prepare_data.py"))
+            usable_path(p, f"{key}.path", source.path)
             non_negative(p, f"{key}.weight", source.weight)
         if self.sources and sum(s.weight for s in self.sources) <= 0:
             p.append(("data.sources", "at least one source needs a weight > 0"))

@@ -28,6 +28,7 @@ from cattrs.errors import (
 
 from forge.config.combinations import cross_section_problems
 from forge.config.help import USAGE
+from forge.config.ranges import usable_path
 from forge.config.sections import JobConfig, Problem
 from forge.errors import UserInputError
 
@@ -329,6 +330,10 @@ def _deep_copy(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 def read_toml(path: pathlib.Path) -> dict[str, Any]:
     """Parse a TOML file, turning a missing file or a syntax error into a ``ConfigError``."""
+    unusable: list[Problem] = []
+    usable_path(unusable, str(path), str(path))
+    if unusable:
+        raise ConfigError([f"{key}: {message}" for key, message in unusable])
     if path.is_dir():
         raise ConfigError([f"{path}: is a directory; pass a TOML file inside it"])
     if not path.is_file():

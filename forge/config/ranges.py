@@ -5,6 +5,11 @@ from __future__ import annotations
 
 Problem = tuple[str, str]
 
+# Linux's limits (NAME_MAX, PATH_MAX) on the common filesystems: a longer name fails in the
+# kernel (ENAMETOOLONG) only when first used, deep inside set-up
+NAME_MAX_BYTES = 255
+PATH_MAX_BYTES = 4095
+
 
 def positive(problems: list[Problem], key: str, value: float) -> None:
     """Add a problem unless ``value > 0``."""
@@ -22,3 +27,30 @@ def not_empty(problems: list[Problem], key: str, value: str | None) -> None:
     """An optional path: unset is fine, an empty string names nothing."""
     if value is not None and not value.strip():
         problems.append((key, "must not be empty; leave it out for the default"))
+
+
+def usable_path(problems: list[Problem], key: str, value: str | None) -> None:
+    """A path the operating system can take: no NUL byte, no name longer than 255 bytes, at
+    most 4095 bytes in all (unset and empty are left to ``not_empty``)."""
+    if not value:
+        return
+    if "\0" in value:
+        problems.append((key, "contains a NUL byte, which no file name can hold; fix the path"))
+        return
+    encoded = value.encode("utf-8", "surrogateescape")
+    if len(encoded) > PATH_MAX_BYTES:
+        problems.append(
+            (key, f"is {len(encoded)} bytes long, over the {PATH_MAX_BYTES} a path may be")
+        )
+        return
+    for name in encoded.split(b"/"):
+        if len(name) > NAME_MAX_BYTES:
+            shown = name[:24].decode("utf-8", "replace")
+            problems.append(
+                (
+                    key,
+                    f"the name '{shown}...' is {len(name)} bytes long, over the "
+                    f"{NAME_MAX_BYTES} a file or folder name may be; shorten it",
+                )
+            )
+            return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from forge.config.ranges import Problem, non_negative, not_empty, positive
+from forge.config.ranges import Problem, non_negative, not_empty, positive, usable_path
 
 
 @attrs.frozen
@@ -16,6 +16,7 @@ class RunConfig:
     def problems(self) -> list[Problem]:
         p: list[Problem] = []
         not_empty(p, "run.dir", self.dir)
+        usable_path(p, "run.dir", self.dir)
         return p
 
 

@@ -284,5 +284,24 @@ def open_split(
             )
         if verify and sha256_of(path) != shard.sha256:
             raise DataError(f"{path}: checksum mismatch with the manifest; re-prepare the data")
+        check_token_ids(path, arr, manifest.vocab_size)
         arrays.append(arr)
     return arrays
+
+
+ID_CHECK_CHUNK = 1 << 24  # tokens per pass: bounded memory for the comparison
+
+
+def check_token_ids(path: pathlib.Path, tokens: np.ndarray, vocab_size: int) -> None:
+    """Refuse a shard holding an id outside the manifest's vocabulary, once at start-up (a
+    per-batch check would cost every step; an embedding lookup would fail with a traceback)."""
+    for start in range(0, len(tokens), ID_CHECK_CHUNK):
+        chunk = tokens[start : start + ID_CHECK_CHUNK]
+        if int(chunk.max()) < vocab_size:
+            continue
+        at = start + int(np.argmax(chunk >= vocab_size))
+        raise DataError(
+            f"{path}: token {at} is id {int(tokens[at])}, outside the manifest's vocab_size "
+            f"{vocab_size}; the shard was not written by this dataset's tokenizer: re-prepare "
+            "the data"
+        )

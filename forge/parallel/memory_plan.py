@@ -17,7 +17,8 @@ The estimate adds what a training rank holds at its peak (``MemoryPlan``):
   activations during its recompute, selective keeps half the blocks; a pipeline stage keeps
   as many micro-batches in flight as its schedule does (1F1B: up to ``pp``; GPipe: all);
 - **loss**: the chunked loss's few ``chunk × vocab`` fp32 buffers, or the plain loss's three
-  ``tokens × vocab`` ones.
+  ``tokens × vocab`` ones;
+- **buffers**: the RoPE tables, cos and sin of ``max_seq_len × head_dim / 2`` in fp32.
 
 It leaves out the CUDA context, allocator fragmentation and communication buffers: the fit
 check keeps ``HEADROOM`` of the device free for them.
@@ -52,6 +53,7 @@ class MemoryPlan:
     activations: int
     activations_without_ac: int  # the same micro-batch with activation checkpointing off
     loss: int
+    buffers: int = 0
 
     @property
     def total(self) -> int:
@@ -62,6 +64,7 @@ class MemoryPlan:
             + self.gathered_weights
             + self.activations
             + self.loss
+            + self.buffers
         )
 
     def fits(self, device_bytes: float) -> bool:
@@ -119,6 +122,12 @@ def activation_bytes_per_layer(config: JobConfig, tokens: int, tp: int) -> int:
     return tokens * elements * dtype_bytes(config.train.mixed_precision) // tp
 
 
+def buffer_bytes(config: JobConfig) -> int:
+    """The RoPE tables every rank keeps whole: cos and sin, ``max_seq_len × head_dim / 2``."""
+    m = config.model
+    return 2 * m.max_seq_len * (m.dim // m.n_heads // 2) * 4
+
+
 def memory_plan(
     config: JobConfig, dims: MeshDims, vision: VisionFootprint = TEXT_ONLY
 ) -> MemoryPlan:
@@ -169,4 +178,5 @@ def memory_plan(
         activations=kept * in_flight,
         activations_without_ac=without_ac * in_flight,
         loss=loss,
+        buffers=buffer_bytes(config),
     )

@@ -40,6 +40,7 @@ from forge.model.vlm import build_model
 from forge.optim.freezing import Freezer, freeze_for_step
 from forge.optim.param_groups import build_optimizer
 from forge.optim.schedules import resolve_schedule
+from forge.parallel.memory_plan import memory_plan
 from forge.parallel.mesh import (
     broadcast_from_main,
     device_for,
@@ -67,6 +68,8 @@ from forge.training.problems import (
     cpu_flags,
     data_problems,
     freeze_problems,
+    memory_capacity,
+    memory_problem,
     precision_warning,
 )
 from forge.training.resume import RunMismatchError, resume_run
@@ -77,7 +80,7 @@ from forge.training.run_dir import (
     lock_directories,
     path_problem,
 )
-from forge.training.vlm import vlm_problems
+from forge.training.vlm import vision_footprint, vlm_problems
 from forge.types import LoopState
 
 
@@ -95,6 +98,12 @@ def load_and_validate_config(argv: Sequence[str]) -> RunContext:
     problems += freeze_problems(config)
     problems += vlm_problems(config)
     problems += sink_problems(config, os.environ)
+    capacity = memory_capacity(os.environ, world.local_rank)
+    if not problems and capacity is not None:  # the estimate needs a valid layout and model
+        dims = resolve_dims(config.distributed, world.world_size)
+        plan = memory_plan(config, dims, vision_footprint(config.model))
+        problem = memory_problem(plan, capacity)
+        problems += [problem] if problem else []
     run = RunContext.of(config, loaded.source)
     for key, folder in run_directories(run):
         problem = path_problem(key, folder)

@@ -1,10 +1,14 @@
 """What ``load_and_validate_config`` checks against the world beyond the config file: the
-data on disk, the freeze schedule against the model, and the machine's precision support."""
+data on disk, the freeze schedule against the model, the machine's memory and its precision
+support."""
 
 from __future__ import annotations
 
+import os
 import pathlib
+from collections.abc import Mapping
 
+import attrs
 import torch
 
 from forge.config.freeze import schedule_problems
@@ -12,6 +16,7 @@ from forge.config.sections import JobConfig, Precision
 from forge.data.shards import DataError, Manifest, read_manifest
 from forge.model.vlm import build_model
 from forge.optim.freezing import named_parameters
+from forge.parallel.memory_plan import GIB, MemoryPlan
 
 
 def freeze_problems(config: JobConfig) -> list[str]:
@@ -79,3 +84,89 @@ def precision_warning(precision: Precision, device: str, flags: frozenset[str]) 
         "train.mixed_precision='bf16' on a CPU without AVX-512 BF16 / AMX is emulated and much "
         "slower than fp32; set --train.mixed_precision=fp32"
     )
+
+
+@attrs.frozen
+class MemoryCapacity:
+    """What one rank can allocate, in bytes, and where the figure comes from (for messages)."""
+
+    bytes: int
+    source: str
+
+
+# (the part of the estimate, the key to change first, the way to make it smaller)
+MEMORY_PARTS = (
+    (
+        "the weights, gradients and optimizer state",
+        "model.dim",
+        "a smaller model (model.dim, model.n_layers, model.vocab_size) or more ranks to "
+        "shard it over (distributed.dp_shard)",
+    ),
+    (
+        "the activations",
+        "train.batch_size",
+        "fewer tokens per micro-batch (train.batch_size, train.seq_len) or "
+        "train.activation_checkpointing",
+    ),
+    ("the loss buffers", "train.loss_chunk_size", "a chunked loss (train.loss_chunk_size)"),
+    (
+        "the RoPE tables",
+        "model.max_seq_len",
+        "a model.max_seq_len no longer than the sequences you train on and generate",
+    ),
+)
+
+
+def memory_problem(plan: MemoryPlan, capacity: MemoryCapacity) -> str | None:
+    """Why the run cannot be allocated, if its estimated peak exceeds what a rank has: the
+    figures, the largest part and the keys that shrink it."""
+    if plan.total <= capacity.bytes:
+        return None
+    parts = (
+        plan.parameters + plan.gradients + plan.optimizer_state + plan.gathered_weights,
+        plan.activations,
+        plan.loss,
+        plan.buffers,
+    )
+    size, (part, key, advice) = max(zip(parts, MEMORY_PARTS, strict=True), key=lambda p: p[0])
+    return (
+        f"{key}: this run needs an estimated {plan.total / GIB:,.1f} GiB per rank, more than "
+        f"{capacity.source}; {part} take {size / GIB:,.1f} GiB of it: choose {advice} "
+        "(scripts/plan.py shows the estimate part by part)"
+    )
+
+
+def host_memory_bytes() -> int | None:
+    """This host's memory, or the container's limit when that is lower (cgroup v2)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+    try:
+        limit = pathlib.Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def ranks_on_host(env: Mapping[str, str]) -> int:
+    """How many ranks share this host's memory (torchrun's or SLURM's count; else 1)."""
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        leading = env.get(name, "").split("(")[0].split(",")[0]
+        if leading.isdigit() and int(leading) > 0:
+            return int(leading)
+    return 1
+
+
+def memory_capacity(env: Mapping[str, str], local_rank: int) -> MemoryCapacity | None:
+    """The local GPU's memory, or a rank's share of this host's; None when unknown."""
+    if torch.cuda.is_available():
+        index = local_rank % torch.cuda.device_count()
+        total = torch.cuda.get_device_properties(index).total_memory
+        return MemoryCapacity(total, f"the {total / GIB:,.1f} GiB of cuda:{index}")
+    host = host_memory_bytes()
+    if host is None:
+        return None
+    ranks = ranks_on_host(env)
+    share = f"a 1/{ranks} share " if ranks > 1 else ""
+    return MemoryCapacity(host // ranks, f"{share}this host's {host / GIB:,.1f} GiB")

@@ -188,7 +188,7 @@ def no_manifest_dtype(folder, manifest):
 BAD_DATA = [
     ("shard shorter than its manifest says", truncate, "manifest says"),
     ("checksum mismatch", flip_a_byte, "checksum mismatch with the manifest"),
-    ("token id beyond the vocab", id_beyond_vocab, "holds token id 300, beyond the"),
+    ("token id beyond the vocab", id_beyond_vocab, "token 50 is id 300, outside the manifest's vocab_size 259"),
     ("shard shorter than one sequence", tiny_shard, "train_tiny.bin: holds 12 tokens, fewer than one sequence"),
     ("malformed manifest", no_manifest_dtype, "malformed manifest"),
 ]  # fmt: skip

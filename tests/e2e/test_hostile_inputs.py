@@ -4,12 +4,14 @@ no traceback, and what is on disk afterwards. Most rows fail before any training
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
 import shutil
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 
 from forge.checkpoint.resume import ResumeSource, resolve_resume
@@ -111,6 +113,30 @@ def shard_corrupt(run: Run) -> list[str]:
     return []
 
 
+def shard_out_of_vocab(verify: bool) -> Callable[[Run], list[str]]:
+    """A shard holding an id past the vocabulary (another tokenizer's), its checksum
+    recorded, so that only the id check can catch it."""
+
+    def setup(run: Run) -> list[str]:
+        raw = manifest(run)
+        entry = raw["splits"]["train"]["shards"][0]
+        shard = run.data / entry["file"]
+        tokens = np.fromfile(shard, dtype=raw["dtype"])
+        tokens[77] = 300  # the byte tokenizer's vocab is 259
+        tokens.tofile(shard)
+        entry["sha256"] = hashlib.sha256(shard.read_bytes()).hexdigest()
+        write_manifest(run, raw)
+        return [f"--data.verify_checksum={str(verify).lower()}"]
+
+    return setup
+
+
+def run_dir_with_a_nul_byte(run: Run) -> list[str]:
+    text = run.config.read_text().replace('dir = "', 'dir = "\\u0000')
+    run.config.write_text(text)
+    return []
+
+
 def empty_validation_split(run: Run) -> list[str]:
     raw = manifest(run)
     for shard in raw["splits"]["validation"]["shards"]:
@@ -209,6 +235,13 @@ CONFIG_CASES = [
     ("run dir below a file", run_dir_below_a_file, 2, "lies below the file", no_new_dirs),
     ("checkpoint dir is a file", checkpoint_dir_is_a_file, 2, "checkpoint.dir: ", no_run_dir),
     ("run dir cannot be created", args("--run.dir=/proc/forge-run"), 2, "run.dir: cannot create /proc/forge-run", no_run_dir),
+    ("run dir name too long", lambda run: [f"--run.dir={run.root / ('a' * 300)}"], 2, "run.dir: the name 'aaaaaaaaaaaaaaaaaaaaaaaa...' is 300 bytes long", no_run_dir),
+    ("run dir with a NUL byte", run_dir_with_a_nul_byte, 2, "run.dir: contains a NUL byte", no_run_dir),
+    ("data path name too long", args("--data.path=/tmp/" + "d" * 256), 2, "data.path: the name", no_run_dir),
+    ("load path name too long", args("--checkpoint.load_path=/tmp/" + "l" * 256), 2, "checkpoint.load_path: the name", no_run_dir),
+    ("model too large to allocate", args("--model.dim=4194304"), 2, "model.dim: this run needs an estimated", no_run_dir),
+    ("max seq len too large to allocate", args("--model.max_seq_len=4611686018427387904"), 2, "model.max_seq_len: this run needs an estimated", no_run_dir),
+    ("micro-batch too large to allocate", args("--train.batch_size=1000000"), 2, "train.batch_size: this run needs an estimated", no_run_dir),
 ]  # fmt: skip
 
 DATA_CASES = [
@@ -219,6 +252,8 @@ DATA_CASES = [
     ("shard of an odd byte size", shard_odd_bytes, 2, "train_00000.bin: ", no_run_dir),
     ("shard missing", shard_missing, 2, "train_00000.bin: shard listed in the manifest is missing", no_run_dir),
     ("shard checksum", shard_corrupt, 2, "train_00000.bin: checksum mismatch", no_run_dir),
+    ("shard with an id past the vocab", shard_out_of_vocab(verify=True), 2, "train_00000.bin: token 77 is id 300, outside the manifest's vocab_size 259", no_run_dir),
+    ("shard with an id past the vocab, unverified", shard_out_of_vocab(verify=False), 2, "train_00000.bin: token 77 is id 300", no_run_dir),
     ("empty validation split", empty_validation_split, 2, "split 'validation' has 0 windows", no_run_dir),
     ("vocab smaller than the data's", args("--model.vocab_size=100"), 2, "model.vocab_size: 100 is smaller", no_run_dir),
     ("data path elsewhere", args("--data.path=/nonexistent"), 2, "data.path: /nonexistent/manifest.json", no_run_dir),
