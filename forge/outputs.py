@@ -127,3 +127,19 @@ def replace_output(tmp: pathlib.Path, out: pathlib.Path, kind: OutputKind) -> pa
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def replace_file(path: pathlib.Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary sibling renamed over it: a full disk or a
+    file-size limit leaves the earlier file as it was, and no temporary behind."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise

@@ -58,6 +58,7 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         data = setup_data(run, dist)
         lock = claim_run_dir(run, dist)
         ckpt = setup_checkpointing(run, dist, model, data)
+        prepare_run_dir(run, dist, ckpt)
         hooks = [*hooks, *configured_hooks(run.config.hooks)]
     except UserInputError as exc:
         if lock is not None:
@@ -83,7 +84,6 @@ def train(
     """The loop and what follows it, once every set-up phase succeeded."""
     flag.timeout_s = run.config.resilience.shutdown_timeout_s
     model = ckpt.applied_to(model)  # schedule_from = "checkpoint": the recorded LR schedule
-    prepare_run_dir(run, dist, ckpt)
     if dist.is_main:
         print(f"[forge] {model.num_params:,} parameters; run dir {run.run_dir}", file=sys.stderr)
     policy = run.policy
@@ -99,7 +99,7 @@ def train(
     res = run.config.resilience
     monitor = StepMonitor(
         ControlChannel(dist.world_size, res.health_timeout_s),
-        flag.requested,
+        lambda: flag.requested() or effects.cannot_log(),  # rank 0 alone writes the metrics
         res.health_check_interval,
     )
     effects.begin(ckpt.initial_state)
@@ -115,11 +115,13 @@ def train(
         decision, state = conclude(outcome, state, policy, effects)
     except CheckpointSaveError as exc:  # every rank raises it: they agreed on the failure
         effects.abandon()
-        print_errors([str(exc)])
+        print_errors([str(exc), *([effects.log_failure] if effects.log_failure else [])])
         flag.uninstall()
         teardown(dist)
         return ExitCode.SAVE_FAILED
     effects.end(outcome, state)
+    if effects.log_failure is not None:
+        print_errors([effects.log_failure])
     if dist.is_main:
         print(f"[forge] {outcome.name} at step {state.step}; final save: {decision.reason.value}")
         message = outcome_message(outcome, state.step, policy.max_steps, str(run.run_dir))

@@ -91,8 +91,11 @@ class TensorBoardSink:
     """Event files under ``log_dir``; the writer opens at the first record, purging events at
     or after its step that an earlier, crashed run left."""
 
+    config_key = "metrics.tensorboard"
+
     def __init__(self, log_dir: pathlib.Path) -> None:
         self.log_dir = log_dir
+        self.path = log_dir
         self.writer: Any = None
 
     def write(self, record: Mapping[str, Any]) -> None:
@@ -126,6 +129,8 @@ def wandb_run_id(run_dir: pathlib.Path, new_id: str) -> str:
 class WandbSink:
     """A W&B run named after the run directory (or ``metrics.wandb_name``), resumed by the id
     stored in the run directory; ``WANDB_MODE`` (e.g. ``offline``) is honoured by wandb."""
+
+    config_key = "metrics.wandb"
 
     def __init__(self, config: JobConfig, run_dir: pathlib.Path) -> None:
         import wandb

@@ -4,16 +4,31 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 import sys
 from collections.abc import Mapping
 from typing import Any, Protocol, TextIO
 
+from forge.outputs import replace_file
+
 
 class MetricsSink(Protocol):
     def write(self, record: Mapping[str, Any]) -> None: ...
     def close(self) -> None: ...
+
+
+def sink_failure(sink: MetricsSink, exc: OSError) -> str | None:
+    """Why a run must stop when ``sink`` cannot write (its records would be lost), naming the
+    config key and the OS error; None for the console (it only echoes what files keep)."""
+    key = getattr(sink, "config_key", None)
+    if key is None:
+        return None
+    where = getattr(sink, "path", None)
+    return (
+        f"{key}: cannot write {where or 'its records'} ({exc.strerror or exc}); the run "
+        "stopped with a checkpoint rather than train on unrecorded: free space on that disk "
+        "or raise the file-size limit (ulimit -f), then run again to resume"
+    )
 
 
 def format_record(record: Mapping[str, Any]) -> str:
@@ -94,8 +109,11 @@ def console_sink(stream: TextIO, max_steps: int) -> MetricsSink:
 class JsonlSink:
     """Appends to ``path``; a resumed run continues the same file."""
 
+    config_key = "metrics.jsonl"
+
     def __init__(self, path: pathlib.Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
         self.file = path.open("a")
 
     def write(self, record: Mapping[str, Any]) -> None:
@@ -128,7 +146,5 @@ def trim_records_after(path: pathlib.Path, step: int) -> int:
         else:
             kept.append(line)
     if dropped:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        replace_file(path, "".join(line + "\n" for line in kept))
     return dropped

@@ -5,11 +5,12 @@ Decisions are not made here (``plan_step`` and ``finalize`` made them); this onl
 
 from __future__ import annotations
 
+import contextlib
 import math
 import pathlib
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -26,7 +27,7 @@ from forge.metrics.backends import TensorBoardSink, WandbSink
 from forge.metrics.flops import device_peak_flops, flops_per_token, throughput_record
 from forge.metrics.memory import memory_record
 from forge.metrics.moe import moe_record
-from forge.metrics.sinks import JsonlSink, MetricsSink, console_sink
+from forge.metrics.sinks import JsonlSink, MetricsSink, console_sink, sink_failure
 from forge.metrics.sources import source_record
 from forge.optim.optimizers import evaluation_weights
 from forge.parallel.reduce import mean_over_ranks, sum_over_ranks
@@ -91,6 +92,7 @@ class TrainingEffects:
         if sinks is None:
             sinks = default_sinks(run, dist)
         self.sinks = list(sinks)
+        self.log_failure: str | None = None  # why records could not be written, if so
         self._mark_time = clock()
         self._mark_step = 0
         self._flops_per_token = flops_per_token(run.config.model, run.config.train.seq_len)
@@ -269,7 +271,7 @@ class TrainingEffects:
         if loads is not None:  # a table, not a scalar: for metrics.jsonl only
             for sink in self.sinks:
                 if isinstance(sink, JsonlSink):
-                    sink.write({"step": state.step, "moe/layer_loads": loads})
+                    self._write(sink, {"step": state.step, "moe/layer_loads": loads})
         self.hooks.on_eval_end(state, loss)
         self._restart_clock(state)
 
@@ -320,9 +322,25 @@ class TrainingEffects:
         if self.data.eval_loader is not None:
             self.data.eval_loader.close()
 
+    def cannot_log(self) -> bool:
+        """Whether a metrics file could not be written: the run should stop (with a
+        checkpoint) rather than train on without its records."""
+        return self.log_failure is not None
+
     def _emit(self, record: dict[str, Any]) -> None:
-        for sink in self.sinks:
+        for sink in list(self.sinks):
+            self._write(sink, record)
+
+    def _write(self, sink: MetricsSink, record: Mapping[str, Any]) -> None:
+        """One record to one sink; a sink that cannot write (a full disk, a file-size limit,
+        a closed console) is dropped, and a file's failure is kept for ``cannot_log``."""
+        try:
             sink.write(record)
+        except OSError as exc:
+            self.sinks.remove(sink)
+            with contextlib.suppress(OSError):
+                sink.close()
+            self.log_failure = self.log_failure or sink_failure(sink, exc)
 
 
 def add_sources(a: SourceTotals | None, b: SourceTotals | None) -> SourceTotals | None:

@@ -33,7 +33,6 @@ from forge.config.sections import Precision
 from forge.config.toml_writer import dumps_toml
 from forge.data.shards import dataset_fingerprint, read_manifest
 from forge.metrics.backends import sink_problems
-from forge.metrics.sinks import trim_records_after
 from forge.model.chunked_loss import LossSpec, loss_spec_of
 from forge.model.transformer import Transformer, num_parameters
 from forge.model.vlm import build_model
@@ -80,6 +79,7 @@ from forge.training.run_dir import (
     lock_directories,
     path_problem,
 )
+from forge.training.run_records import RunRecordsError, write_run_records
 from forge.training.vlm import vision_footprint, vlm_problems
 from forge.types import LoopState
 
@@ -329,17 +329,22 @@ def report_on_main(dist: DistContext) -> Callable[[str], None]:
 
 
 def prepare_run_dir(run: RunContext, dist: DistContext, ckpt: CheckpointContext) -> None:
-    """Write the resolved ``config.toml`` and align ``metrics.jsonl`` with the resumed step
-    (records past it came from a run that crashed after its checkpoint). A run that is
-    already complete changes nothing on disk."""
-    if not dist.is_main:
-        return
+    """Record the resolved config (``config.toml``, or ``config.step_N.toml`` for a resume
+    that changed it: ``forge.training.run_records``) and align ``metrics.jsonl`` with the
+    resumed step (records past it came from a run that crashed after its checkpoint). A run
+    that is already complete changes nothing on disk. Raises ``RunRecordsError`` on every
+    rank when rank 0 cannot write them."""
     if starting_outcome(ckpt.initial_state, run.policy) is not None:
         return
-    run.run_dir.mkdir(parents=True, exist_ok=True)
-    (run.run_dir / "config.toml").write_text(dumps_toml(unstructure_config(run.config)))
-    trim_records_after(run.metrics_path, ckpt.initial_state.step)
-    remove_stale_temporaries(run.checkpoint_dir)
+    problem = None
+    if dist.is_main:
+        text = dumps_toml(unstructure_config(run.config))
+        problem = write_run_records(run.run_dir, run.metrics_path, ckpt.initial_state.step, text)
+        if problem is None:
+            remove_stale_temporaries(run.checkpoint_dir)
+    problem = broadcast_from_main(problem, dist.world_size)
+    if isinstance(problem, str):
+        raise RunRecordsError(problem)
 
 
 def teardown(dist: DistContext, healthy: bool = True) -> None:

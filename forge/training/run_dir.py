@@ -22,6 +22,7 @@ from forge.config.loader import ConfigError, load_config
 from forge.config.sections import JobConfig
 from forge.errors import UserInputError
 from forge.training.identity import identity_differences, run_identity
+from forge.training.run_records import config_in_force
 
 LOCK_FILE = ".forge.lock"
 
@@ -138,16 +139,17 @@ def foreign_records_problem(
     """Why a fresh start (no checkpoint to resume) must not write into ``run_dir``: it holds
     the records of another run (a different checkpoint directory or model / data order).
     The same run restarting after a crash before its first checkpoint is allowed."""
-    config_file, metrics = run_dir / "config.toml", run_dir / "metrics.jsonl"
+    config_file, metrics = config_in_force(run_dir), run_dir / "metrics.jsonl"
     fix = f"choose a new --run.dir, or delete {run_dir} to start over"
-    if not config_file.is_file():
+    if config_file is None:
         if metrics.is_file() and metrics.stat().st_size > 0:
             return f"run.dir: {run_dir} holds metrics.jsonl of an unknown run; {fix}"
         return None
     try:
         previous = load_config([str(config_file)]).config
     except ConfigError:
-        return f"run.dir: {run_dir} holds another run's records (an unreadable config.toml); {fix}"
+        unreadable = f"an unreadable {config_file.name}"
+        return f"run.dir: {run_dir} holds another run's records ({unreadable}); {fix}"
     previous_ckpt = checkpoint_dir_of(previous, run_dir)
     if previous_ckpt.resolve() != checkpoint_dir.resolve():
         return (
@@ -165,9 +167,11 @@ def foreign_records_problem(
 
 
 def load_run_config(run_dir: pathlib.Path) -> JobConfig:
-    """The resolved config a run wrote to ``<run_dir>/config.toml``."""
-    if not (run_dir / "config.toml").is_file():
+    """The resolved config a run last trained under (``config.toml``, or the newest
+    ``config.step_N.toml`` a resume with changes wrote)."""
+    path = config_in_force(run_dir)
+    if path is None:
         raise UserInputError(
             f"no forge run at {run_dir} (no config.toml); pass the run.dir of a training run"
         )
-    return load_config([str(run_dir / "config.toml")]).config
+    return load_config([str(path)]).config

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import resource
 import shutil
 import subprocess
 import sys
@@ -44,7 +45,16 @@ class Result:
         return [line for line in self.stderr.splitlines() if line.startswith("error:")]
 
 
-def train(run: Run, *args: str, env: dict[str, str] | None = None) -> Result:
+def train(
+    run: Run, *args: str, env: dict[str, str] | None = None, file_size_limit: int | None = None
+) -> Result:
+    """``scripts/train.py`` on the sandbox's config; ``file_size_limit``: the process may
+    write no file larger than that many bytes (``ulimit -f``)."""
+
+    def limit_file_size() -> None:
+        if file_size_limit is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
     out = subprocess.run(
         [*TRAIN, str(run.config), *args],
         capture_output=True,
@@ -52,6 +62,7 @@ def train(run: Run, *args: str, env: dict[str, str] | None = None) -> Result:
         timeout=240,
         env={**os.environ, **(env or {})},
         check=False,
+        preexec_fn=limit_file_size if file_size_limit is not None else None,
     )
     return Result(out.returncode, out.stdout, out.stderr)
 

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from forge.metrics.sinks import trim_records_after
+from forge.metrics.sinks import sink_failure, trim_records_after
+from forge.training.run_records import ConfigRecord, config_record
 
 
 def line(step: int) -> bytes:
@@ -37,3 +38,51 @@ def test_a_resume_keeps_the_records_up_to_its_step(tmp_path, lines, dropped, kep
 
 def test_a_missing_file_is_nothing_to_trim(tmp_path):
     assert trim_records_after(tmp_path / "metrics.jsonl", 5) == 0
+
+
+# (case, recorded configs by step, the start's step, its config, file written, files dropped)
+CONFIG_CASES = [
+    ("a fresh run", {}, 0, "A", "config.toml", ()),
+    ("a fresh restart, same config", {0: "A"}, 0, "A", None, ()),
+    ("a fresh restart, another config", {0: "A"}, 0, "B", "config.toml", ()),
+    ("a resume, unchanged", {0: "A"}, 10, "A", None, ()),
+    ("a resume with a change", {0: "A"}, 10, "B", "config.step_10.toml", ()),
+    ("a second change", {0: "A", 10: "B"}, 20, "C", "config.step_20.toml", ()),
+    ("a resume back to the original", {0: "A", 10: "B"}, 20, "A", "config.step_20.toml", ()),
+    ("a resume under the newest", {0: "A", 10: "B"}, 20, "B", None, ()),
+    ("a resume at the step of the newest, changed", {0: "A", 10: "B"}, 10, "C", "config.step_10.toml", ()),
+    ("a resume before a discarded change", {0: "A", 30: "B"}, 20, "A", None, ("config.step_30.toml",)),
+    ("a resume before it, changed", {0: "A", 30: "B"}, 20, "C", "config.step_20.toml", ("config.step_30.toml",)),
+    ("a run whose config.toml is gone", {10: "B"}, 20, "B", None, ()),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("recorded", "step", "text", "write", "drop"),
+    [c[1:] for c in CONFIG_CASES],
+    ids=[c[0] for c in CONFIG_CASES],
+)
+def test_a_start_records_its_config_only_when_it_differs_from_the_one_in_force(
+    recorded, step, text, write, drop
+):
+    assert config_record(recorded, step, text) == ConfigRecord(write, drop)
+
+
+class Failing:
+    config_key = "metrics.jsonl"
+    path = "runs/x/metrics.jsonl"
+
+
+class Console:
+    pass
+
+
+def test_a_metrics_file_that_cannot_be_written_stops_the_run_and_the_console_does_not():
+    full = OSError(28, "No space left on device")
+    failure = sink_failure(Failing(), full)  # type: ignore[arg-type]
+    assert failure is not None
+    assert failure.startswith(
+        "metrics.jsonl: cannot write runs/x/metrics.jsonl (No space left on device)"
+    )
+    assert "run again to resume" in failure
+    assert sink_failure(Console(), full) is None  # type: ignore[arg-type]

@@ -1,0 +1,101 @@
+"""What a run directory records beside its checkpoints: the resolved config, with its history,
+and ``metrics.jsonl`` aligned with the resumed step.
+
+``config.toml`` is the config the run started with and is never overwritten by a resume. A
+resume whose resolved config differs from the one in force writes ``config.step_N.toml`` (N:
+the step it resumed at), the config from step N on; a resume at an earlier step drops the
+files of the steps it discards, as it drops their metrics. Every file is replaced atomically:
+a full disk or a file-size limit leaves the earlier one as it was.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from collections.abc import Mapping
+
+import attrs
+
+from forge.errors import UserInputError
+from forge.metrics.sinks import trim_records_after
+from forge.outputs import replace_file
+
+CONFIG_FILE = "config.toml"
+STEP_CONFIG = re.compile(r"config\.step_(\d+)\.toml")
+
+
+def step_config_file(step: int) -> str:
+    """The name of the config in force from resumed step ``step`` on."""
+    return f"config.step_{step}.toml"
+
+
+def recorded_configs(run_dir: pathlib.Path) -> dict[int, pathlib.Path]:
+    """The run's configs by the step each applies from (0: ``config.toml``)."""
+    found: dict[int, pathlib.Path] = {}
+    if (run_dir / CONFIG_FILE).is_file():
+        found[0] = run_dir / CONFIG_FILE
+    if run_dir.is_dir():
+        for path in run_dir.iterdir():
+            match = STEP_CONFIG.fullmatch(path.name)
+            if match and path.is_file():
+                found[int(match.group(1))] = path
+    return dict(sorted(found.items()))
+
+
+def config_in_force(run_dir: pathlib.Path) -> pathlib.Path | None:
+    """The config the run last trained under: its newest ``config.step_N.toml``, else
+    ``config.toml``; None for a folder that holds no run."""
+    configs = recorded_configs(run_dir)
+    return configs[max(configs)] if configs else None
+
+
+@attrs.frozen
+class ConfigRecord:
+    """What a start at ``step`` writes of its config: a file name (None: the one in force
+    already says it) and the files of later steps to drop (a branch the resume discards)."""
+
+    write: str | None
+    drop: tuple[str, ...] = ()
+
+
+def config_record(recorded: Mapping[int, str], step: int, text: str) -> ConfigRecord:
+    """Decide from the recorded configs' texts (by step) what a start at ``step`` with the
+    resolved config ``text`` writes. A fresh start (step 0) writes ``config.toml``."""
+    drop = tuple(step_config_file(n) for n in sorted(recorded) if n > step and n > 0)
+    kept = {n: t for n, t in recorded.items() if n <= step}
+    if step == 0 or not kept:
+        return ConfigRecord(CONFIG_FILE if kept.get(0) != text else None, drop)
+    if kept[max(kept)] == text:
+        return ConfigRecord(None, drop)
+    return ConfigRecord(step_config_file(step), drop)
+
+
+class RunRecordsError(UserInputError):
+    """The run directory's records could not be written (a full disk, a file-size limit)."""
+
+
+def write_run_records(
+    run_dir: pathlib.Path, metrics_path: pathlib.Path, step: int, config_text: str
+) -> str | None:
+    """Record the config (see ``config_record``) and trim ``metrics.jsonl`` to ``step``;
+    returns the problem, naming the file and the OS error, when a write fails."""
+    target = run_dir / CONFIG_FILE
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        recorded = {n: p.read_text(encoding="utf-8") for n, p in recorded_configs(run_dir).items()}
+        record = config_record(recorded, step, config_text)
+        if record.write is not None:
+            target = run_dir / record.write
+            replace_file(target, config_text)
+        for name in record.drop:
+            target = run_dir / name
+            target.unlink(missing_ok=True)
+        target = metrics_path
+        trim_records_after(metrics_path, step)
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return (
+            f"run.dir: cannot write {target} ({reason}); free space on that disk or raise the "
+            "file-size limit (ulimit -f), then run again"
+        )
+    return None
