@@ -246,10 +246,29 @@ def structure_section(name: str, raw: Any, tp: Any) -> tuple[Any, list[Problem]]
         return None, [(name, str(exc))]
 
 
-def structure_config(raw: Mapping[str, Any]) -> JobConfig:
-    """Build a ``JobConfig`` from a nested dict, or raise ``ConfigError`` listing every problem:
-    unknown keys, type errors and range errors of all sections in one pass (a section that does
-    not structure is skipped for range checks; cross-section checks need every section)."""
+@attrs.frozen
+class CheckedConfig:
+    """A config with its problems: unknown keys, types, ranges and (when every section is
+    sound) cross-section combinations. A section that does not structure holds its defaults."""
+
+    config: JobConfig
+    problems: tuple[Problem, ...]
+
+    @property
+    def broken(self) -> frozenset[str]:
+        """The sections (top-level names) some problem names: checks that read them wait."""
+        return frozenset(section_of(key) for key, _ in self.problems)
+
+
+def section_of(key: str) -> str:
+    """``model.dim`` → ``model``; ``freeze[0].module`` → ``freeze``."""
+    return key.split(".", 1)[0].split("[", 1)[0]
+
+
+def check_config(raw: Mapping[str, Any]) -> CheckedConfig:
+    """Structure a nested dict into a ``JobConfig`` and collect every problem of all sections
+    in one pass (a section that does not structure is skipped for range checks; cross-section
+    checks need every section sound)."""
     problems = unknown_key_problems(raw, JobConfig)
     known = known_keys_only(raw, JobConfig)
     sections: dict[str, Any] = {}
@@ -276,11 +295,19 @@ def structure_config(raw: Mapping[str, Any]) -> JobConfig:
         if section is not None:
             sections[name] = section
             problems += section.problems()
+    config = JobConfig(**sections)
     if not problems:
-        problems += cross_section_problems(JobConfig(**sections))
-    if problems:
-        raise ConfigError([f"{k}: {m}" for k, m in problems])
-    return JobConfig(**sections)
+        problems += cross_section_problems(config)
+    return CheckedConfig(config, tuple(problems))
+
+
+def structure_config(raw: Mapping[str, Any]) -> JobConfig:
+    """Build a ``JobConfig`` from a nested dict, or raise ``ConfigError`` listing every problem
+    (``check_config``'s)."""
+    checked = check_config(raw)
+    if checked.problems:
+        raise ConfigError([f"{k}: {m}" for k, m in checked.problems])
+    return checked.config
 
 
 def parse_override_value(text: str) -> Any:
@@ -354,20 +381,29 @@ def read_toml(path: pathlib.Path) -> dict[str, Any]:
 
 def load_config(argv: Sequence[str]) -> LoadedConfig:
     """``argv`` is ``[config.toml, --section.key=value, ...]``; returns the validated config."""
+    loaded, lines, _ = load_config_checked(argv)
+    if lines:
+        raise ConfigError(lines)
+    return loaded
+
+
+def load_config_checked(argv: Sequence[str]) -> tuple[LoadedConfig, list[str], frozenset[str]]:
+    """The config ``argv`` names, its problems as lines (the command line's, then
+    ``check_config``'s) and the sections they name, for a caller that goes on checking the
+    sound sections against the world. Raises ``ConfigError`` only when there is no config to
+    check: no file, or a file that is not TOML."""
     if not argv or argv[0].startswith("--"):
         raise ConfigError([f"missing config file: {USAGE} (--help lists every key)"])
     source = pathlib.Path(argv[0])
     overrides, cli_problems = parse_cli(argv[1:])
     raw = read_toml(source)
-    try:
-        config = structure_config(apply_overrides(raw, overrides))
-    except ConfigError as exc:
-        raise ConfigError(cli_problems + exc.lines) from None
-    if cli_problems:
-        raise ConfigError(cli_problems)
+    checked = check_config(apply_overrides(raw, overrides))
+    config = checked.config
     if config.run.dir is None:
         config = attrs.evolve(config, run=attrs.evolve(config.run, dir=f"runs/{source.stem}"))
-    return LoadedConfig(config=config, source=source, overrides=tuple(argv[1:]))
+    loaded = LoadedConfig(config=config, source=source, overrides=tuple(argv[1:]))
+    lines = cli_problems + [f"{k}: {m}" for k, m in checked.problems]
+    return loaded, lines, checked.broken
 
 
 def unstructure_config(config: JobConfig) -> dict[str, Any]:

@@ -28,8 +28,8 @@ from forge.checkpoint.store import (
     read_train_state,
     remove_stale_temporaries,
 )
-from forge.config.loader import ConfigError, load_config, unstructure_config
-from forge.config.sections import Precision
+from forge.config.loader import ConfigError, load_config_checked, unstructure_config
+from forge.config.sections import JobConfig, Precision
 from forge.config.toml_writer import dumps_toml
 from forge.data.shards import dataset_fingerprint, read_manifest
 from forge.metrics.backends import sink_problems
@@ -50,7 +50,7 @@ from forge.parallel.mesh import (
 )
 from forge.parallel.parallelize import parallelize
 from forge.parallel.pipeline import StageLoss, build_schedule, stage_module
-from forge.parallel.world import parallel_problems, resolve_dims, world_info
+from forge.parallel.world import WorldInfo, parallel_problems, resolve_dims, world_info
 from forge.training.context import (
     CheckpointContext,
     DataContext,
@@ -83,36 +83,68 @@ from forge.training.run_records import RunRecordsError, write_run_records
 from forge.training.vlm import vision_footprint, vlm_problems
 from forge.types import LoopState
 
+WorldCheck = Callable[[RunContext, WorldInfo], list[str]]
+
+# (the sections a check reads, the check): every check runs in the same pass, except one that
+# reads a section with a problem of its own (its values would mislead it)
+WORLD_CHECKS: tuple[tuple[frozenset[str], WorldCheck], ...] = (
+    (
+        frozenset({"distributed", "model", "train", "checkpoint", "eval"}),
+        lambda run, world: [
+            f"{k}: {m}" for k, m in parallel_problems(run.config, world.world_size)
+        ],
+    ),
+    (frozenset({"data", "model"}), lambda run, world: data_problems(run.config)),
+    (frozenset({"hooks"}), lambda run, world: hook_problems(run.config.hooks)),
+    (frozenset({"model", "freeze"}), lambda run, world: freeze_problems(run.config)),
+    (
+        frozenset({"model", "train", "data", "checkpoint"}),
+        lambda run, world: vlm_problems(run.config),
+    ),
+    (frozenset({"metrics"}), lambda run, world: sink_problems(run.config, os.environ)),
+    (frozenset({"run", "checkpoint"}), lambda run, world: run_dir_problems(run)),
+)
+
 
 def load_and_validate_config(argv: Sequence[str]) -> RunContext:
     """Parse ``[config.toml, --overrides...]``, validate it against the data on disk.
 
-    Raises ``ConfigError`` listing every problem; reads files but writes none.
+    Raises ``ConfigError`` listing every problem of every stage in one pass (types, ranges,
+    combinations, then the world: layout, data, hooks, freeze, vision, sinks, directories;
+    the memory estimate once all else holds); reads files but writes none.
     """
-    loaded = load_config(argv)
-    config = loaded.config
+    loaded, problems, broken = load_config_checked(argv)
+    run = RunContext.of(loaded.config, loaded.source)
     world = world_info(os.environ)
-    problems = [f"{k}: {m}" for k, m in parallel_problems(config, world.world_size)]
-    problems += data_problems(config)
-    problems += hook_problems(config.hooks)
-    problems += freeze_problems(config)
-    problems += vlm_problems(config)
-    problems += sink_problems(config, os.environ)
-    capacity = memory_capacity(os.environ, world.local_rank)
-    if not problems and capacity is not None:  # the estimate needs a valid layout and model
-        dims = resolve_dims(config.distributed, world.world_size)
-        plan = memory_plan(config, dims, vision_footprint(config.model))
-        problem = memory_problem(plan, capacity)
-        problems += [problem] if problem else []
-    run = RunContext.of(config, loaded.source)
-    for key, folder in run_directories(run):
-        problem = path_problem(key, folder)
-        if problem is not None:
-            problems.append(problem)
-            break  # the checkpoint directory usually lies inside the run directory
+    for reads, check in WORLD_CHECKS:
+        if not reads & broken:
+            problems += check(run, world)
+    if not problems:
+        problems += memory_problems(run.config, world)
     if problems:
         raise ConfigError(problems)
     return run
+
+
+def memory_problems(config: JobConfig, world: WorldInfo) -> list[str]:
+    """The run's per-rank memory estimate against what a rank has (needs a sound layout and
+    model); nothing where the machine's memory is unknown."""
+    capacity = memory_capacity(os.environ, world.local_rank)
+    if capacity is None:
+        return []
+    dims = resolve_dims(config.distributed, world.world_size)
+    problem = memory_problem(memory_plan(config, dims, vision_footprint(config.model)), capacity)
+    return [problem] if problem else []
+
+
+def run_dir_problems(run: RunContext) -> list[str]:
+    """Why a directory the run writes cannot be one (the first only: the checkpoint
+    directory usually lies inside the run directory)."""
+    for key, folder in run_directories(run):
+        problem = path_problem(key, folder)
+        if problem is not None:
+            return [problem]
+    return []
 
 
 def run_directories(run: RunContext) -> list[tuple[str, pathlib.Path]]:

@@ -1,0 +1,76 @@
+"""Config errors of every stage in one pass: types, ranges and combinations, then the checks
+against the world (layout, data, hooks, freeze, vision, sinks, directories). A check waits
+only while a section it reads has a problem of its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from forge.config.loader import ConfigError
+from forge.training.phases import load_and_validate_config
+from tests.conftest import TINY
+
+# (case, overrides, TOML added to the config, fragments each expected among the error lines,
+# fragments no line starts with)
+CASES = [
+    (
+        "a range error beside the data, a hook, a sink and the layout",
+        ["--train.max_steps=0", "--data.path=/nope", '--hooks.classes=["nowhere:Hook"]',
+         "--metrics.wandb=true", "--distributed.tp=3"],
+        "",
+        ["train.max_steps: must be > 0", "data.path: /nope/manifest.json",
+         "hooks.classes[0]: cannot import 'nowhere'", "metrics.wandb: no W&B credentials"],
+        [],
+    ),
+    (
+        "a type error in [model] holds back the checks that read the model",
+        ["--model.dim=abc", "--data.path=/nope", '--hooks.classes=["nowhere:Hook"]'],
+        "",
+        ["model.dim: expected an integer, got 'abc'", "hooks.classes[0]: cannot import"],
+        ["data.path"],
+    ),
+    (
+        "a layout that does not fit the world beside bad data",
+        ["--distributed.dp_shard=2", "--data.path=/nope"],
+        "",
+        ["distributed: pp*dp_replicate*dp_shard*tp", "data.path: /nope/manifest.json"],
+        [],
+    ),
+    (
+        "a freeze rule naming no module beside a bad path",
+        ["--run.dir=runs/a\u0000b"],
+        '[[freeze]]\nmodule = "nothing_here"\nend_step = 3\n',
+        ["freeze[0]", "run.dir: contains a NUL byte"],
+        [],
+    ),
+    (
+        "a stray argument and an unknown key with a bad sink",
+        ["oops", "--train.max_step=5", "--metrics.wandb=true"],
+        "",
+        ["'oops': unexpected argument", "train.max_step: unknown key",
+         "metrics.wandb: no W&B credentials"],
+        [],
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "overrides,extra,expected,absent", [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_every_stage_reports_in_one_pass(
+    tmp_path, small_corpus, monkeypatch, overrides, extra, expected, absent
+):
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    config = tmp_path / "tiny.toml"
+    run = f'\n[run]\ndir = "{tmp_path / "run"}"\n'
+    config.write_text(TINY.format(data=small_corpus) + run + extra)
+    with pytest.raises(ConfigError) as raised:
+        load_and_validate_config([str(config), *overrides])
+    lines = raised.value.lines
+    for fragment in expected:
+        assert any(fragment in line for line in lines), (fragment, lines)
+    for fragment in absent:
+        assert not any(line.startswith(fragment) for line in lines), (fragment, lines)
+    assert not (tmp_path / "run").exists()  # validation writes nothing
