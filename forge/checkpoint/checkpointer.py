@@ -14,7 +14,7 @@ import os
 import pathlib
 import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import KeyPath, keystr, tree_map_with_path
 
+from forge.checkpoint.checksum_writer import ChecksummingWriter, hashing_pool
 from forge.checkpoint.integrity import checksums_of, own_files
 from forge.checkpoint.store import (
     STATE_DICT_OPTIONS,
@@ -51,6 +52,7 @@ class PendingSave:
     tmp: pathlib.Path
     train_state: dict[str, Any]
     future: Future | None  # the write, then this rank's checksums; None: a synchronous save
+    shards: Mapping[str, list] = attrs.field(factory=dict)  # a synchronous save's, as written
 
 
 class ReusingStager(AsyncStager):
@@ -175,6 +177,7 @@ class Checkpointer:
             self.group = group
         self.pending: PendingSave | None = None
         self._hasher: ThreadPoolExecutor | None = None
+        self._pieces: ThreadPoolExecutor | None = None
         self.stager = ReusingStager(shared=mode is AsyncMode.ASYNC_PROCESS)
         self._owns_default_group = False
         if mode is AsyncMode.ASYNC_PROCESS and not dist.is_initialized():
@@ -249,11 +252,18 @@ class Checkpointer:
             error = one_line(exc)
         if error := self._agree(error):  # before DCP's collectives: no rank enters them alone
             raise self._fail(step, tmp, error)
-        future = None
+        future, shards = None, {}
         try:
             with single_process_dcp():
-                if self.mode is AsyncMode.DISABLED:
-                    dcp_save(state, checkpoint_id=str(tmp), process_group=self.group)
+                if self.mode is AsyncMode.DISABLED:  # shards checksummed while written
+                    writer = ChecksummingWriter(tmp, self._piece_pool())
+                    dcp_save(
+                        state,
+                        checkpoint_id=str(tmp),
+                        storage_writer=writer,
+                        process_group=self.group,
+                    )
+                    shards = writer.checksums()
                 else:
                     result = async_save(
                         state,
@@ -267,7 +277,7 @@ class Checkpointer:
             raise self._fail(step, tmp, one_line(exc)) from None
         if future is not None:  # checksum this rank's files in the background, once written
             future = self._background().submit(written_checksums, future, tmp, self.rank)
-        self.pending = PendingSave(step, tmp, train_state, future)
+        self.pending = PendingSave(step, tmp, train_state, future, shards)
         if self.mode is AsyncMode.DISABLED:
             self.wait()
 
@@ -281,8 +291,9 @@ class Checkpointer:
         try:  # the write and this rank's checksums of it, fresh in the page cache
             if pending.future is not None:
                 sums = pending.future.result()
-            else:
-                sums = checksums_of(pending.tmp, own_files(pending.tmp, self.rank))
+            else:  # the shards' checksums came with the write; the small files' now
+                rest = [f for f in own_files(pending.tmp, self.rank) if f not in pending.shards]
+                sums = {**pending.shards, **checksums_of(pending.tmp, rest)}
         except (Exception, CheckpointException) as exc:
             error = one_line(exc)
         # every rank's shards are written and checksummed, or none commits
@@ -316,12 +327,19 @@ class Checkpointer:
             self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forge-checksum")
         return self._hasher
 
+    def _piece_pool(self) -> ThreadPoolExecutor:
+        """The threads that checksum a synchronous save's shard pieces as they are written."""
+        if self._pieces is None:
+            self._pieces = hashing_pool()
+        return self._pieces
+
     def close(self) -> None:
         """Commit the save in flight, stop the checkpoint process and release staging buffers."""
         self.wait()
-        if self._hasher is not None:
-            self._hasher.shutdown()
-            self._hasher = None
+        for pool in (self._hasher, self._pieces):
+            if pool is not None:
+                pool.shutdown()
+        self._hasher = self._pieces = None
         if self.mode is AsyncMode.ASYNC_PROCESS:
             stop_checkpoint_process()
         self.stager.close()

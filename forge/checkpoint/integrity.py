@@ -2,9 +2,10 @@
 of each 32 MiB piece of it, recorded in ``checksums.json`` at commit and verified before a
 resume loads anything.
 
-Each rank checksums the files it wrote (its shards and RNG file, rank 0 also ``.metadata``)
-right after writing them, while they are still in the page cache (in the background in the
-async modes); rank 0 adds the train state and writes the record last, before the checkpoint
+Each rank checksums the files it wrote (its shards and RNG file, rank 0 also ``.metadata``):
+in a synchronous save the shards while DCP writes them (``checksum_writer``), the small files
+right after; in the async modes all of them in the background once written, while still in
+the page cache; rank 0 adds the train state and writes the record last, before the checkpoint
 is renamed into place. CRC-32 (zlib, the fastest checksum in the standard library; it
 releases the GIL) is not a defence against an attacker, which the loader's refusal to unpickle
 code is; it catches what happens to files by accident: a flipped bit, a truncated or swapped
