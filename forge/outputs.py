@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import json
 import os
 import pathlib
 import shutil
@@ -38,6 +39,51 @@ def marked_kind(folder: pathlib.Path) -> OutputKind | None:
         return None
 
 
+# what an export writes (checkpoint/export.py): a folder of only these, with the weights and
+# their config among them, is an export written before forge marked its outputs
+EXPORT_FILES = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
+)
+MANIFEST = "manifest.json"
+
+
+def unmarked_kind(folder: pathlib.Path) -> OutputKind | None:
+    """The kind of an output written before forge marked its outputs, recognised by its files:
+    an export holds only what an export writes (``config.json`` and ``model.safetensors``
+    among them), an image–caption dataset only its manifest and the files it lists."""
+    names = {p.name for p in folder.iterdir()}
+    if {"config.json", "model.safetensors"} <= names <= EXPORT_FILES:
+        return OutputKind.HF_EXPORT
+    listed = image_dataset_files(folder / MANIFEST)
+    if listed is not None and names == listed | {MANIFEST}:
+        return OutputKind.IMAGE_TEXT_DATASET
+    return None
+
+
+def image_dataset_files(manifest: pathlib.Path) -> set[str] | None:
+    """The files an image–caption dataset's manifest lists (token shards, images, offsets);
+    None when ``manifest`` is not one."""
+    try:
+        raw = json.loads(manifest.read_text(encoding="utf-8"))
+        files = {s["file"] for split in raw["splits"].values() for s in split["shards"]}
+        for images in raw["images"].values():
+            files |= {images["file"], images["offsets"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return {f for f in files if isinstance(f, str)}
+
+
+def written_kind(folder: pathlib.Path) -> OutputKind | None:
+    """What forge wrote in ``folder``: its marker's kind, else what its files show."""
+    return marked_kind(folder) or unmarked_kind(folder)
+
+
 def enclosing_run(path: pathlib.Path) -> pathlib.Path | None:
     """``path`` or the nearest folder above it that is a run directory (``config.toml`` beside
     ``checkpoints/`` or ``metrics.jsonl``) or a checkpoint directory (``latest``), if any."""
@@ -66,17 +112,18 @@ def output_problem(out: pathlib.Path, kind: OutputKind, overwrite: bool) -> str 
             "choose another --out"
         )
     run = enclosing_run(resolved)
-    if run is not None:
+    own_export = kind is OutputKind.HF_EXPORT and run is not None and resolved == run / "export"
+    if run is not None and not own_export:  # checkpoint.export_final writes <run>/export
         return (
             f"--out {out}: lies in the run or checkpoint directory {run}; write the output "
             "outside it (forge never adds to a run's folders)"
         )
-    dataset = enclosing_dataset(resolved)
+    dataset = None if own_export else enclosing_dataset(resolved)
     if dataset is not None:
         return f"--out {out}: lies inside the dataset {dataset}; choose a folder outside it"
     if not out.is_dir() or not any(out.iterdir()):
         return None
-    if marked_kind(out) is not kind:
+    if written_kind(out) is not kind:
         names = sorted(p.name for p in out.iterdir())
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         return (

@@ -5,6 +5,7 @@ when they refuse."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 
@@ -67,6 +68,34 @@ def a_dataset(root):
     return root / "data"
 
 
+def unmarked_export(root):
+    """An export written before forge marked its outputs."""
+    (root / "old").mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (root / "old" / name).write_text("x")
+    return root / "old"
+
+
+def unmarked_export_with_notes(root):
+    (unmarked_export(root) / "notes.txt").write_text("my notes")
+    return root / "old"
+
+
+def unmarked_images(root, extra: str | None = None):
+    """An image–caption dataset written before forge marked its outputs."""
+    folder = root / "shapes"
+    folder.mkdir()
+    files = ["train_00000.bin", "train_images.bin", "train_offsets.bin"]
+    for name in files + ([extra] if extra else []):
+        (folder / name).write_bytes(b"x")
+    manifest = {
+        "splits": {"train": {"shards": [{"file": "train_00000.bin"}]}},
+        "images": {"train": {"file": "train_images.bin", "offsets": "train_offsets.bin"}},
+    }
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
 PROBLEMS = [
     ("a new folder", lambda r: r / "new", OutputKind.HF_EXPORT, False, None),
     ("an empty folder", lambda r: (r / "e").mkdir() or r / "e", OutputKind.HF_EXPORT, False, None),
@@ -84,6 +113,14 @@ PROBLEMS = [
         "lies in the run",
     ),
     ("inside a run", lambda r: a_run(r) / "export2", OutputKind.HF_EXPORT, True, "lies in the run"),
+    ("the run's own export folder", lambda r: a_run(r) / "export", OutputKind.HF_EXPORT, False, None),
+    ("the run's export folder, for a checkpoint", lambda r: a_run(r) / "export", OutputKind.IMPORTED_CHECKPOINT, True, "lies in the run"),
+    ("an export from before markers", unmarked_export, OutputKind.HF_EXPORT, False, "pass --overwrite"),
+    ("an export from before markers, --overwrite", unmarked_export, OutputKind.HF_EXPORT, True, None),
+    ("such an export beside a user's file", unmarked_export_with_notes, OutputKind.HF_EXPORT, True, "did not write there"),
+    ("an image dataset from before markers, --overwrite", unmarked_images, OutputKind.IMAGE_TEXT_DATASET, True, None),
+    ("such a dataset, as an export", unmarked_images, OutputKind.HF_EXPORT, True, "did not write there"),
+    ("such a dataset with a file its manifest does not list", lambda r: unmarked_images(r, "notes.txt"), OutputKind.IMAGE_TEXT_DATASET, True, "did not write there"),
     (
         "inside a dataset",
         lambda r: a_dataset(r) / "sub",
@@ -91,7 +128,7 @@ PROBLEMS = [
         True,
         "inside the dataset",
     ),
-]
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -110,6 +147,22 @@ def test_export_into_its_own_run_is_refused_and_the_run_is_intact(sandbox: Run, 
     code = CONVERT.main(["export", str(sandbox.dir), "--out", str(sandbox.dir)])
     refused(capsys, code, "lies in the run or checkpoint directory")
     assert tree(sandbox.dir) == before and no_temporaries(sandbox.root)
+
+
+def test_export_into_the_runs_own_export_folder_leaves_the_rest_of_the_run(
+    sandbox: Run, trained, capsys
+):
+    copy_trained(trained, sandbox)
+    before = tree(sandbox.dir)
+    out = sandbox.dir / "export"  # where checkpoint.export_final writes
+    assert CONVERT.main(["export", str(sandbox.dir), "--out", str(out)]) == 0
+    assert (out / "model.safetensors").is_file() and (out / MARKER).is_file()
+    after = tree(sandbox.dir)
+    assert {k: v for k, v in after.items() if not k.startswith("export")} == before
+    # a second export there replaces only its own, when asked
+    assert CONVERT.main(["export", str(sandbox.dir), "--out", str(out)]) == 2
+    assert CONVERT.main(["export", str(sandbox.dir), "--out", str(out), "--overwrite"]) == 0
+    assert no_temporaries(sandbox.dir)
 
 
 def test_export_over_a_users_folder_is_refused_and_their_files_stay(sandbox, trained, capsys):
