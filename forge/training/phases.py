@@ -101,7 +101,10 @@ WORLD_CHECKS: tuple[tuple[frozenset[str], WorldCheck], ...] = (
         frozenset({"model", "train", "data", "checkpoint"}),
         lambda run, world: vlm_problems(run.config),
     ),
-    (frozenset({"metrics"}), lambda run, world: sink_problems(run.config, os.environ)),
+    (  # rank 0 alone logs: another node's packages and credentials do not matter
+        frozenset({"metrics"}),
+        lambda run, world: sink_problems(run.config, os.environ) if world.rank == 0 else [],
+    ),
     (frozenset({"run", "checkpoint"}), lambda run, world: run_dir_problems(run)),
 )
 

@@ -74,3 +74,22 @@ def test_every_stage_reports_in_one_pass(
     for fragment in absent:
         assert not any(line.startswith(fragment) for line in lines), (fragment, lines)
     assert not (tmp_path / "run").exists()  # validation writes nothing
+
+
+@pytest.mark.parametrize("rank,refused", [(0, True), (1, False)])
+def test_only_rank_0_which_alone_logs_needs_the_sinks_credentials(
+    tmp_path, small_corpus, monkeypatch, rank, refused
+):
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # this node has no ~/.netrc
+    for name, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2}.items():
+        monkeypatch.setenv(name, str(value))
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY.format(data=small_corpus) + f'\n[run]\ndir = "{tmp_path / "run"}"\n')
+    argv = [str(config), "--metrics.wandb=true"]
+    if refused:
+        with pytest.raises(ConfigError, match=r"metrics\.wandb: no W&B credentials"):
+            load_and_validate_config(argv)
+    else:
+        assert load_and_validate_config(argv).config.metrics.wandb
