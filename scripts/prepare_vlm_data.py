@@ -44,6 +44,8 @@ def option_problems(args: argparse.Namespace) -> list[str]:
             f"--validation-percent: must be in (0, 100) (both splits hold examples), got "
             f"{args.validation_percent}"
         )
+    if not 0 <= args.seed < 2**32 - 1_000_003:  # numpy's seeds; validation's is seed + 1000003
+        problems.append(f"--seed: must be in [0, {2**32 - 1_000_003}), got {args.seed}")
     return problems
 
 
