@@ -113,7 +113,7 @@ def test_a_folder_and_a_jsonl_of_real_images(tmp_path):
         (None, ["--image-size", "2"], "--image-size: must be in [4, 1024], got 2"),
         (None, ["--validation-percent", "0"], "--validation-percent: must be in (0, 100)"),
         (None, ["--validation-percent", "nan"], "--validation-percent: must be in (0, 100)"),
-        (None, ["--seed", "-1"], "--seed: must be in [0, 4293964293), got -1"),
+        (None, ["--seed", "-1"], "--seed: must be in [0, 4293967293), got -1"),
         ("orphan", [], "orphan.png: no caption file orphan.txt beside it"),
         ("jsonl", [], ":1: expected a JSON object with image_path and caption"),
         ("missing", [], "gone.png: image file not found"),
