@@ -10,30 +10,51 @@ writes a model-only forge checkpoint (``<out>/step_0``) to use as ``checkpoint.l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import pathlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+
+import torch
 
 from forge.checkpoint.export import (
     DTYPES,
     TokenizerInfo,
     export_model,
     import_model,
+    require_safetensors,
     tokenizer_info,
 )
 from forge.checkpoint.resume import load_newest_weights
 from forge.checkpoint.store import save_model_only
-from forge.config import JobConfig
+from forge.config import JobConfig, ModelConfig
 from forge.config.loader import CONVERTER
 from forge.config.toml_writer import dumps_toml
 from forge.data.shards import MANIFEST, read_manifest
-from forge.errors import UserInputError, print_errors
+from forge.errors import UserInputError, one_line, print_errors
 from forge.model.transformer import Transformer
 from forge.optim.optimizers import evaluation_weights
 from forge.optim.param_groups import inference_optimizer
 from forge.outputs import OutputKind, output_problem, replace_output, staged_output
 from forge.training.run_dir import checkpoint_dir_of, load_run_config
 from forge.types import ExitCode
+
+
+@contextlib.contextmanager
+def writing_to(out: pathlib.Path, kind: OutputKind) -> Iterator[None]:
+    """One line naming ``--out`` for a write that fails: a folder that cannot be created
+    (below a file, not writable), a full disk, a file-size limit. ``staged_output`` has
+    removed what was written by then, and an earlier output stays as it was."""
+    from safetensors import SafetensorError
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (OSError, SafetensorError, CheckpointException) as exc:
+        raise UserInputError(
+            f"--out {out}: the {kind.noun} could not be written ({one_line(exc)}); nothing was "
+            "left there: free space or choose another --out"
+        ) from None
 
 
 def check_output(out: pathlib.Path, kind: OutputKind, overwrite: bool) -> None:
@@ -44,6 +65,7 @@ def check_output(out: pathlib.Path, kind: OutputKind, overwrite: bool) -> None:
 
 
 def export(run_dir: pathlib.Path, out: pathlib.Path, dtype: str, overwrite: bool) -> None:
+    require_safetensors()
     check_output(out, OutputKind.HF_EXPORT, overwrite)
     config = load_run_config(run_dir)
     if config.model.vlm is not None:
@@ -56,7 +78,7 @@ def export(run_dir: pathlib.Path, out: pathlib.Path, dtype: str, overwrite: bool
     model = Transformer(config.model)
     optimizer = inference_optimizer(model, config.optimizer)
     path = load_newest_weights(checkpoint_dir_of(config, run_dir), None, model, report, optimizer)
-    with evaluation_weights(optimizer):
+    with evaluation_weights(optimizer), writing_to(out, OutputKind.HF_EXPORT):
         export_model(model.state_dict(), config.model, out, dtype, run_tokenizer_info(config))
     print(f"exported {path} to {out} ({dtype})")
 
@@ -73,14 +95,29 @@ def report(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+def imported_model(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transformer:
+    """The forge model holding ``state``: built on the meta device and handed the imported
+    tensors, so that nothing is initialised only to be overwritten and no RoPE table is
+    computed (a checkpoint saves neither)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.load_state_dict(state, assign=True)  # strict: every name, every shape
+    if cfg.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
+        model.output.weight = model.tok_embeddings.weight  # one parameter, as training has it
+    return model
+
+
 def import_(folder: pathlib.Path, out: pathlib.Path, overwrite: bool) -> None:
+    """Write ``folder`` (a Hugging Face Llama) as the model-only checkpoint ``out/step_0``;
+    every problem with the folder is found (``import_model``) before ``out`` is written."""
+    require_safetensors()
     check_output(out, OutputKind.IMPORTED_CHECKPOINT, overwrite)
     cfg, state = import_model(folder)
-    model = Transformer(cfg)
-    model.load_state_dict(state)
-    with staged_output(out) as tmp:  # the whole checkpoint folder, renamed into place
+    model = imported_model(cfg, state)
+    kind = OutputKind.IMPORTED_CHECKPOINT
+    with writing_to(out, kind), staged_output(out) as tmp:  # renamed into place whole
         save_model_only(tmp, 0, model, {"step": 0, "imported_from": str(folder)})
-        replace_output(tmp, out, OutputKind.IMPORTED_CHECKPOINT)
+        replace_output(tmp, out, kind)
     path = out / "step_0"
     print(f"wrote {path}; use it with --checkpoint.load_path={path} and this [model] section:")
     model = {k: v for k, v in CONVERTER.unstructure(cfg).items() if v is not None}

@@ -1,6 +1,7 @@
 """Export to safetensors + Llama config.json and back, with identical logits."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -9,7 +10,27 @@ import pytest
 import tomli
 import torch
 
-from forge.checkpoint.export import ExportError, export_model, forge_name, hf_name, import_model
+from forge.checkpoint.export import (
+    ExportError,
+    decode_json,
+    dtype_problems,
+    export_model,
+    find_weights,
+    finite_problems,
+    forge_name,
+    hf_config_problems,
+    hf_name,
+    hf_shapes,
+    hf_tensors,
+    import_model,
+    index_problems,
+    layer_problem,
+    llama_config,
+    model_config_from_llama,
+    read_json,
+    read_shapes,
+    tensor_problems,
+)
 from forge.config import ModelConfig
 from forge.config.loader import CONVERTER
 from forge.model.transformer import Transformer
@@ -134,3 +155,234 @@ def test_a_qk_norm_model_is_refused_by_export_in_one_line(tmp_path):
         "has no Llama export; train without qk_norm to export it"
     ]
     assert not (tmp_path / "out").exists()
+
+
+# --- the import's checks, as pure functions (tests/e2e/test_hf_import_hostile.py runs the
+# script on malformed folders; these tables hold every variant of each check)
+
+LLAMA = llama_config(CFG, "float32")
+NAN, INF = math.nan, math.inf
+
+# (case, keys replaced in a valid config.json (``...``: deleted), the one line, or None)
+CONFIGS = [
+    ("valid", {}, None),
+    ("nulls for optional keys", {"num_key_value_heads": None, "head_dim": None, "rope_scaling": None, "rms_norm_eps": None, "max_position_embeddings": None}, None),
+    ("an int rope_theta", {"rope_theta": 500000, "rope_parameters": ...}, None),
+    ("the largest context", {"max_position_embeddings": 2**32}, None),
+    ("hidden_size missing", {"hidden_size": ...}, "hidden_size: missing; a Llama config.json states it"),
+    ("num_hidden_layers missing", {"num_hidden_layers": ...}, "num_hidden_layers: missing"),
+    ("num_attention_heads missing", {"num_attention_heads": ...}, "num_attention_heads: missing"),
+    ("vocab_size missing", {"vocab_size": ...}, "vocab_size: missing"),
+    ("intermediate_size missing", {"intermediate_size": ...}, "intermediate_size: missing"),
+    ("hidden_size a string", {"hidden_size": "32"}, "hidden_size: expected an integer, got '32'"),
+    ("hidden_size a float", {"hidden_size": 32.0}, "hidden_size: expected an integer, got 32.0"),
+    ("hidden_size a bool", {"hidden_size": True}, "hidden_size: expected an integer, got true"),
+    ("hidden_size null", {"hidden_size": None}, "hidden_size: expected an integer, got null"),
+    ("hidden_size a list", {"hidden_size": [32]}, "hidden_size: expected an integer, got [32]"),
+    ("hidden_size negative", {"hidden_size": -32}, "hidden_size: must be > 0, got -32"),
+    ("hidden_size zero", {"hidden_size": 0}, "hidden_size: must be > 0, got 0"),
+    ("hidden_size beyond 64 bits", {"hidden_size": 2**64}, "hidden_size: 18446744073709551616 is out of range: must fit in 64 bits (< 2**63)"),
+    ("num_hidden_layers zero", {"num_hidden_layers": 0}, "num_hidden_layers: must be > 0, got 0"),
+    ("vocab_size NaN", {"vocab_size": NAN}, "vocab_size: expected an integer, got NaN"),
+    ("num_key_value_heads zero", {"num_key_value_heads": 0}, "num_key_value_heads: must be > 0, got 0"),
+    ("max_position_embeddings zero", {"max_position_embeddings": 0}, "max_position_embeddings: must be > 0, got 0"),
+    ("max_position_embeddings past 2**32", {"max_position_embeddings": 2**32 + 1}, "max_position_embeddings: 4294967297 is beyond forge's limit of 2**32 positions"),
+    ("head_dim a string", {"head_dim": "8"}, "head_dim: expected an integer, got '8'"),
+    ("rms_norm_eps a string", {"rms_norm_eps": "1e-5"}, "rms_norm_eps: expected a number, got '1e-5'"),
+    ("rms_norm_eps NaN", {"rms_norm_eps": NAN}, "rms_norm_eps: expected a finite number, got NaN"),
+    ("rms_norm_eps zero", {"rms_norm_eps": 0.0}, "rms_norm_eps: must be > 0, got 0.0"),
+    ("rope_theta infinite", {"rope_theta": INF, "rope_parameters": ...}, "rope_theta: expected a finite number, got Infinity"),
+    ("rope_theta -infinite", {"rope_theta": -INF, "rope_parameters": ...}, "rope_theta: expected a finite number, got -Infinity"),
+    ("rope_theta beyond 64 bits", {"rope_theta": 10**30, "rope_parameters": ...}, "rope_theta: 1000000000000000000000000000000 is out of range: must be < 2**63"),
+    ("rope_parameters.rope_theta negative", {"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}}, "rope_parameters.rope_theta: must be > 0, got -1.0"),
+    ("rope_parameters a list", {"rope_parameters": [1]}, "rope_parameters: expected a JSON object, got [1]"),
+    ("rope_scaling a string", {"rope_scaling": "linear"}, "rope_scaling: expected a JSON object, got 'linear'"),
+    ("initializer_range a string", {"initializer_range": "x"}, "initializer_range: expected a number, got 'x'"),
+    ("tie_word_embeddings a string", {"tie_word_embeddings": "yes"}, "tie_word_embeddings: expected true or false, got 'yes'"),
+    ("tie_word_embeddings 1", {"tie_word_embeddings": 1}, "tie_word_embeddings: expected true or false, got 1"),
+    ("attention_bias a string", {"attention_bias": "no"}, "attention_bias: expected true or false, got 'no'"),
+    ("hidden_size not divisible by heads", {"num_attention_heads": 5}, "hidden_size 32 is not divisible by num_attention_heads 5"),
+    ("an odd head size", {"hidden_size": 12}, "the head size hidden_size / num_attention_heads = 3 is odd"),
+    ("kv heads not dividing heads", {"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
+    ("head_dim not the head size", {"head_dim": 16}, "head_dim 16 is not hidden_size / num_attention_heads"),
+    ("model_type missing", {"model_type": ...}, "model_type: missing; forge imports Llama models (model_type 'llama')"),
+    ("another model_type", {"model_type": "gpt2"}, "model_type 'gpt2': forge imports Llama models only"),
+    ("model_type a number", {"model_type": 7}, "model_type 7: forge imports Llama models only"),
+    ("another architecture", {"architectures": ["GPT2LMHeadModel"]}, 'architectures ["GPT2LMHeadModel"]: forge imports LlamaForCausalLM only'),
+    ("architectures a string", {"architectures": "LlamaForCausalLM"}, "architectures: expected a list of class names, got 'LlamaForCausalLM'"),
+    ("a mixture of experts", {"num_local_experts": 8, "model_type": "mixtral"}, "a mixture of experts (mixtral); forge imports dense Llama models only"),
+    ("rope scaling", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE type 'linear' (rope scaling) is not implemented by forge"),
+    ("biases", {"mlp_bias": True}, "attention or MLP biases; forge's decoder has none"),
+    ("another activation", {"hidden_act": "gelu"}, "hidden_act 'gelu'; forge uses 'silu'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("change", "line"), [c[1:] for c in CONFIGS], ids=[c[0] for c in CONFIGS])
+def test_hf_config_problems_names_the_key_in_one_line(change, line):
+    config = dict(LLAMA)
+    for key, value in change.items():
+        config.pop(key) if value is ... else config.__setitem__(key, value)
+    problems = hf_config_problems(json.loads(json.dumps(config)), "hf/config.json")
+    if line is None:
+        assert problems == []
+        model_config_from_llama(config)  # and it builds a ModelConfig
+    else:
+        assert len(problems) == 1 and problems[0].startswith(f"hf/config.json: {line}"), problems
+
+
+@pytest.mark.parametrize(
+    ("config", "line"),
+    [
+        ([1, 2], "config.json: expected a JSON object ({...}), got a list"),
+        (None, "config.json: expected a JSON object ({...}), got null"),
+        ("llama", "config.json: expected a JSON object ({...}), got a string"),
+        (3, "config.json: expected a JSON object ({...}), got a number"),
+    ],
+)
+def test_a_config_json_that_is_no_object_is_one_line(config, line):
+    assert hf_config_problems(config) == [line]
+    with pytest.raises(ExportError) as info:
+        model_config_from_llama(config)
+    assert info.value.lines == [line]
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        (b'{"a": 1}', None),
+        (b'\xef\xbb\xbf{"a": 1}', None),  # a UTF-8 byte order mark is read past
+        (b"", "not JSON (the file is empty)"),
+        (b" \n", "not JSON (the file is empty)"),
+        (
+            b"{a: 1}",
+            "not JSON (Expecting property name enclosed in double quotes at line 1 column 2)",
+        ),
+        (b'{"a": "caf\xe9"}', "not UTF-8 (byte 0xe9 at offset 10); save it as UTF-8 JSON"),
+        (b"[" * 100_000, "not JSON that can be read (nested too deeply)"),
+    ],
+)
+def test_decode_json_says_why_bytes_are_no_json(data, problem):
+    doc, said = decode_json(data)
+    assert said == problem
+    assert (doc == {"a": 1}) if problem is None else doc is None
+
+
+@pytest.mark.parametrize(
+    ("doc", "problem"),
+    [
+        ({"weight_map": {"a": "model-1.safetensors"}}, None),
+        ([], "expected a JSON object ({...}), got a list"),
+        ({"metadata": {}}, "weight_map: missing"),
+        ({"weight_map": {}}, "weight_map: expected an object of tensor name: file name, got an object"),
+        ({"weight_map": ["a"]}, "weight_map: expected an object of tensor name: file name, got a list"),
+        ({"weight_map": {"a": 7}}, "weight_map['a']: 7 is not a file name in the folder"),
+        ({"weight_map": {"a": "../x.safetensors"}}, "weight_map['a']: '../x.safetensors' is not a file name"),
+        ({"weight_map": {"a": "/etc/passwd"}}, "weight_map['a']: '/etc/passwd' is not a file name"),
+        ({"weight_map": {"a": ".."}}, "weight_map['a']: '..' is not a file name"),
+        ({"weight_map": {"a": ""}}, "weight_map['a']: '' is not a file name"),
+        ({"weight_map": {"a": "x", "b": "..", "c": "/"}}, "weight_map['b']: '..' is not a file name in the folder and 1 more"),
+    ],
+)  # fmt: skip
+def test_index_problems(doc, problem):
+    said = index_problems(doc)
+    assert said == [] if problem is None else (len(said) == 1 and said[0].startswith(problem)), said
+
+
+@pytest.mark.parametrize(
+    ("n_layers", "layers", "problem"),
+    [
+        (2, [0, 1], None),
+        (3, [0, 1], "num_hidden_layers is 3 but model.safetensors holds 2 layers (0-1);"),
+        (1, [0, 1], "num_hidden_layers is 1 but model.safetensors holds 2 layers (0-1);"),
+        (2, [], "num_hidden_layers is 2 but model.safetensors holds 0 layers;"),
+        (3, [0, 2, 3], "num_hidden_layers is 3 but model.safetensors holds 3 layers (0, 2, 3);"),
+        (2, [1, 2], "num_hidden_layers is 2 but model.safetensors holds 2 layers (1-2);"),
+        (10**18, [0, 10**8], "num_hidden_layers is 1000000000000000000 but model.safetensors holds 2 layers (0, 100000000);"),
+    ],
+)  # fmt: skip
+def test_layer_problem_compares_the_layers_held_without_listing_a_huge_count(
+    n_layers, layers, problem
+):
+    names = [f"model.layers.{i}.input_layernorm.weight" for i in layers] + ["model.norm.weight"]
+    said = layer_problem(n_layers, names, "model.safetensors")
+    assert said is None if problem is None else (said is not None and said.startswith(problem))
+
+
+@pytest.mark.parametrize("cfg", [CFG, attrs.evolve(CFG, tie_embeddings=True, n_kv_heads=None)])
+def test_hf_shapes_are_the_shapes_the_export_writes(cfg):
+    with torch.device("meta"):
+        state = Transformer(cfg).state_dict()
+    written = {
+        k: tuple(v.shape) for name, t in state.items() for k, v in hf_tensors(name, t).items()
+    }
+    assert hf_shapes(cfg) == written
+
+
+Q0 = "model.layers.0.self_attn.q_proj.weight"
+
+
+def found_after(change) -> dict[str, tuple[int, ...]]:
+    found = hf_shapes(CFG)
+    change(found)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("change", "tied", "problem"),
+    [
+        (lambda f: None, False, None),
+        (lambda f: f.pop("lm_head.weight"), True, None),  # tied: the head may be left out
+        (lambda f: f.update({"model.layers.1.self_attn.rotary_emb.inv_freq": (4,)}), False, None),
+        (lambda f: f.pop("lm_head.weight"), False, "missing 1 tensor config.json implies (lm_head.weight)"),
+        (lambda f: [f.pop(k) for k in list(f)[:5]], False, "missing 5 tensors config.json implies (model.embed_tokens.weight, model.norm.weight, lm_head.weight and 2 more)"),
+        (lambda f: f.update({"model.layers.0.self_attn.q_proj.bias": (32,)}), False, "1 tensor a Llama model forge reads has no place for (model.layers.0.self_attn.q_proj.bias)"),
+        (lambda f: f.update({Q0: (16, 32)}), False, f"1 tensor of another shape than config.json implies ({Q0}: shape [16, 32], config.json implies [32, 32])"),
+        (lambda f: f.update({"model.norm.weight": ()}), False, "1 tensor of another shape than config.json implies (model.norm.weight: shape [], config.json implies [32])"),
+    ],
+)  # fmt: skip
+def test_tensor_problems(change, tied, problem):
+    said = tensor_problems(hf_shapes(CFG), found_after(change), tied)
+    assert said == [] if problem is None else (len(said) == 1 and said[0].startswith(problem)), said
+
+
+def test_dtype_and_finite_problems_name_the_tensors():
+    good = torch.ones(3)
+    assert dtype_problems({"a": good, "b": good.half(), "c": good.double()}) == []
+    assert dtype_problems({"a": good, "b": good.int(), "c": good > 0}) == [
+        "2 tensors not floating point (b: dtype int32, c: dtype bool); forge imports float "
+        "weights (F32, BF16, F16)"
+    ]
+    assert finite_problems({"a": good}) == []
+    bad = {"a": good, "b": torch.tensor([1.0, math.nan]), "c": torch.tensor([-math.inf])}
+    (line,) = finite_problems(bad)
+    assert line.startswith("2 tensors holding NaN or infinity (b, c);")
+
+
+@pytest.mark.parametrize(
+    ("data", "cause"),
+    [
+        (b"", "header too small"),
+        (b"\x08\x00\x00\x00\x00\x00\x00\x00{not js}", "invalid JSON in header"),
+        (b"\x00\x00\x00\x00\x00\x00\x00\x40" + b"{}", "header too large"),
+    ],
+)
+def test_a_damaged_safetensors_file_is_one_line_naming_it(tmp_path, data, cause):
+    (tmp_path / "model.safetensors").write_bytes(data)
+    with pytest.raises(ExportError) as info:
+        read_shapes(find_weights(tmp_path))
+    (line,) = info.value.lines
+    assert (
+        line.startswith(f"{tmp_path / 'model.safetensors'}: not a safetensors file")
+        and cause in line
+    )
+
+
+def test_a_json_file_beyond_64_mib_is_refused_unread(tmp_path):
+    path = tmp_path / "config.json"
+    with path.open("wb") as f:
+        f.truncate(64 * 2**20 + 1)  # sparse: nothing written
+    with pytest.raises(ExportError) as info:
+        read_json(path, "")
+    assert info.value.lines == [
+        f"{path}: 67108865 bytes, beyond the 64 MiB a JSON file of a model holds"
+    ]
