@@ -21,10 +21,10 @@ from forge.checkpoint.export import (
     DTYPES,
     TokenizerInfo,
     export_model,
-    import_model,
     require_safetensors,
     tokenizer_info,
 )
+from forge.checkpoint.hf_import import import_model
 from forge.checkpoint.resume import load_newest_weights
 from forge.checkpoint.store import save_model_only
 from forge.config import JobConfig, ModelConfig

@@ -12,21 +12,21 @@ import torch
 
 from forge.checkpoint.export import (
     ExportError,
-    decode_json,
-    dtype_problems,
     export_model,
+    forge_name,
+    hf_name,
+    hf_tensors,
+    llama_config,
+)
+from forge.checkpoint.hf_config import decode_json, hf_config_problems, model_config_from_llama
+from forge.checkpoint.hf_import import (
+    dtype_problems,
     find_weights,
     finite_problems,
-    forge_name,
-    hf_config_problems,
-    hf_name,
     hf_shapes,
-    hf_tensors,
     import_model,
     index_problems,
     layer_problem,
-    llama_config,
-    model_config_from_llama,
     read_json,
     read_shapes,
     tensor_problems,

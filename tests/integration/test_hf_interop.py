@@ -8,7 +8,8 @@ import attrs
 import pytest
 import torch
 
-from forge.checkpoint.export import ExportError, TokenizerInfo, export_model, import_model
+from forge.checkpoint.export import ExportError, TokenizerInfo, export_model
+from forge.checkpoint.hf_import import import_model
 from forge.config import ModelConfig
 from forge.config.sections import MoeRouter
 from forge.model.generate import sample
