@@ -252,27 +252,8 @@ class Checkpointer:
             error = one_line(exc)
         if error := self._agree(error):  # before DCP's collectives: no rank enters them alone
             raise self._fail(step, tmp, error)
-        future, shards = None, {}
         try:
-            with single_process_dcp():
-                if self.mode is AsyncMode.DISABLED:  # shards checksummed while written
-                    writer = ChecksummingWriter(tmp, self._piece_pool())
-                    dcp_save(
-                        state,
-                        checkpoint_id=str(tmp),
-                        storage_writer=writer,
-                        process_group=self.group,
-                    )
-                    shards = writer.checksums()
-                else:
-                    result = async_save(
-                        state,
-                        checkpoint_id=str(tmp),
-                        process_group=self.group,
-                        async_checkpointer_type=self._executor_type,
-                        async_stager=self.stager,
-                    )
-                    future = result if isinstance(result, Future) else result.upload_completion
+            future, shards = self._write(state, tmp)
         except (Exception, CheckpointException) as exc:  # DCP reports all ranks' failures
             raise self._fail(step, tmp, one_line(exc)) from None
         if future is not None:  # checksum this rank's files in the background, once written
@@ -280,6 +261,27 @@ class Checkpointer:
         self.pending = PendingSave(step, tmp, train_state, future, shards)
         if self.mode is AsyncMode.DISABLED:
             self.wait()
+
+    def _write(
+        self, state: dict[str, Any], tmp: pathlib.Path
+    ) -> tuple[Future | None, dict[str, list]]:
+        """DCP's write of ``state`` into ``tmp``: synchronous, returning the shards' checksums
+        (computed as they were written), or started in the background, returning its future."""
+        with single_process_dcp():
+            if self.mode is AsyncMode.DISABLED:
+                writer = ChecksummingWriter(tmp, self._piece_pool())
+                dcp_save(
+                    state, checkpoint_id=str(tmp), storage_writer=writer, process_group=self.group
+                )
+                return None, writer.checksums()
+            result = async_save(
+                state,
+                checkpoint_id=str(tmp),
+                process_group=self.group,
+                async_checkpointer_type=self._executor_type,
+                async_stager=self.stager,
+            )
+            return (result if isinstance(result, Future) else result.upload_completion), {}
 
     def wait(self) -> pathlib.Path | None:
         """Finish and commit the save in flight, if any; returns the committed path. A failed

@@ -28,6 +28,7 @@ from cattrs.errors import (
 
 from forge.config.combinations import cross_section_problems
 from forge.config.help import USAGE
+from forge.config.overrides import apply_overrides, parse_cli
 from forge.config.ranges import usable_path
 from forge.config.sections import JobConfig, Problem
 from forge.errors import UserInputError
@@ -308,51 +309,6 @@ def structure_config(raw: Mapping[str, Any]) -> JobConfig:
     if checked.problems:
         raise ConfigError([f"{k}: {m}" for k, m in checked.problems])
     return checked.config
-
-
-def parse_override_value(text: str) -> Any:
-    """A CLI value in TOML syntax (``[0.9,0.95]``, ``true``, ``3e-4``); bare words stay strings."""
-    try:
-        return tomli.loads(f"v = {text}")["v"]
-    except tomli.TOMLDecodeError:
-        return text
-
-
-def parse_cli(argv: Sequence[str]) -> tuple[list[tuple[str, Any]], list[str]]:
-    """Split ``--a.b=value`` overrides from everything else; returns (overrides, problems)."""
-    overrides: list[tuple[str, Any]] = []
-    problems: list[str] = []
-    for arg in argv:
-        if not arg.startswith("--"):
-            problems.append(
-                f"{arg!r}: unexpected argument; overrides look like --section.key=value"
-            )
-            continue
-        key, sep, value = arg[2:].partition("=")
-        if not key or "." not in key:
-            problems.append(f"{arg!r}: overrides look like --section.key=value")
-            continue
-        overrides.append((key, parse_override_value(value) if sep else True))
-    return overrides, problems
-
-
-def apply_overrides(raw: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -> dict[str, Any]:
-    """A copy of ``raw`` with each dotted key set; intermediate tables are created."""
-    out = _deep_copy(raw)
-    for key, value in overrides:
-        node = out
-        *parents, leaf = key.split(".")
-        for part in parents:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                child = node[part] = {}
-            node = child
-        node[leaf] = value
-    return out
-
-
-def _deep_copy(raw: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
 
 
 def read_toml(path: pathlib.Path) -> dict[str, Any]:

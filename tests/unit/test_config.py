@@ -16,7 +16,7 @@ from forge.config import (
     structure_config,
     unstructure_config,
 )
-from forge.config.loader import apply_overrides, parse_cli, parse_override_value
+from forge.config.overrides import apply_overrides, parse_cli, parse_override_value
 from forge.config.sections import TrainConfig
 from tests.conftest import REPO
 
