@@ -7,6 +7,10 @@ import os
 
 import torch
 import torch.distributed as dist
+
+# torch.distributed.{PrefixStore,Store,TCPStore}, from where they are defined (pyright reads
+# torch.distributed's re-export of them as private)
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from forge.config.sections import DistributedConfig
@@ -44,6 +48,16 @@ def device_for(world: WorldInfo) -> torch.device:
     return torch.device("cpu")
 
 
+def round_store(world: WorldInfo, timeout: datetime.timedelta) -> Store | None:
+    """This restart round's part of torchrun's shared store (a client of the agent's TCPStore
+    under ``world.store_prefix``, so that no key of an earlier round is read); None to let
+    ``init_process_group`` make its store from ``MASTER_ADDR`` / ``MASTER_PORT`` as usual."""
+    if world.store_prefix is None:
+        return None
+    agent = TCPStore(world.master_addr, world.master_port, is_master=False, timeout=timeout)
+    return PrefixStore(world.store_prefix, agent)
+
+
 def init_process_group(
     world: WorldInfo, cfg: DistributedConfig, dims: MeshDims
 ) -> DeviceMesh | None:
@@ -53,11 +67,13 @@ def init_process_group(
     os.environ.setdefault("MASTER_ADDR", world.master_addr)
     os.environ.setdefault("MASTER_PORT", str(world.master_port))
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=cfg.timeout_s)
         dist.init_process_group(
             backend=usable_backend(cfg.backend, torch.cuda.is_available()),
+            store=round_store(world, timeout),
             rank=world.rank,
             world_size=world.world_size,
-            timeout=datetime.timedelta(seconds=cfg.timeout_s),
+            timeout=timeout,
         )
     split = dims.ep > 1 and dims.dp_shard_mod_ep > 1
     named = dims.expert_named() if split else dims.named()

@@ -23,6 +23,8 @@ class WorldInfo:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     launcher: str = "none"  # "torchrun", "slurm" or "none"
+    # under torchrun's shared store: the key prefix of this restart round (see restart_namespace)
+    store_prefix: str | None = None
 
 
 def first_host(nodelist: str) -> str:
@@ -42,6 +44,28 @@ def slurm_port(job_id: str) -> int:
     return 20000 + int(job_id) % 20000
 
 
+def restart_namespace(env: Mapping[str, str]) -> str | None:
+    """The store key prefix that keeps this restart round apart from torchrun's earlier rounds,
+    or None where the process group's own store needs none.
+
+    torchrun's elastic agent hosts one TCPStore for its whole life and every round of workers
+    joins it at the same ``MASTER_ADDR:MASTER_PORT`` (``TORCHELASTIC_USE_AGENT_STORE=True``), with
+    no per-round prefix. The keys a round's ``init_process_group`` writes (gloo publishes each
+    rank's listening address under ``default_pg/0//cpu//0/<rank>``) outlive it, so after a
+    restart a rank can read a dead peer's address before the peer has written its new one, and
+    gloo's ``connectFullMesh`` fails (connection refused, or a connect timeout).
+
+    ``TORCHELASTIC_RESTART_COUNT`` names the round, but only one agent's count is the same on
+    every rank: an agent restarted by another node's membership change does not count it. So a
+    prefix is returned only when the whole world is one agent's (``GROUP_WORLD_SIZE`` 1); with
+    several nodes, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives every round a new store
+    instead (docs/resilience.md, "Restarting after a failure").
+    """
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("GROUP_WORLD_SIZE") != "1":
+        return None
+    return f"forge/restart_{int(env.get('TORCHELASTIC_RESTART_COUNT', '0'))}/"
+
+
 def world_info(env: Mapping[str, str]) -> WorldInfo:
     """torchrun's variables win; else SLURM's (one task per rank under srun); else one process."""
     if "RANK" in env and "WORLD_SIZE" in env:
@@ -52,6 +76,7 @@ def world_info(env: Mapping[str, str]) -> WorldInfo:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", "29500")),
             launcher="torchrun",
+            store_prefix=restart_namespace(env),
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         return WorldInfo(
