@@ -39,27 +39,15 @@ def marked_kind(folder: pathlib.Path) -> OutputKind | None:
         return None
 
 
-# what an export writes (checkpoint/export.py): a folder of only these, with the weights and
-# their config among them, is an export written before forge marked its outputs
-EXPORT_FILES = frozenset(
-    {
-        "config.json",
-        "generation_config.json",
-        "model.safetensors",
-        "tokenizer.json",
-        "tokenizer_config.json",
-    }
-)
 MANIFEST = "manifest.json"
 
 
 def unmarked_kind(folder: pathlib.Path) -> OutputKind | None:
-    """The kind of an output written before forge marked its outputs, recognised by its files:
-    an export holds only what an export writes (``config.json`` and ``model.safetensors``
-    among them), an image–caption dataset only its manifest and the files it lists."""
+    """The kind of an output written before forge marked its outputs, where its files show it:
+    an image–caption dataset holds only its manifest (a format of forge's own) and the files
+    it lists. (An unmarked export is not recognised: ``save_pretrained`` writes the same
+    files, and replacing a user's model is what the markers exist to prevent.)"""
     names = {p.name for p in folder.iterdir()}
-    if {"config.json", "model.safetensors"} <= names <= EXPORT_FILES:
-        return OutputKind.HF_EXPORT
     listed = image_dataset_files(folder / MANIFEST)
     if listed is not None and names == listed | {MANIFEST}:
         return OutputKind.IMAGE_TEXT_DATASET

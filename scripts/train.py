@@ -28,7 +28,7 @@ from forge.training.effects import TrainingEffects
 from forge.training.hooks import Hooks, configured_hooks
 from forge.training.loaders import train_batches
 from forge.training.loop import conclude, run_training_loop
-from forge.training.outcome import exit_code, outcome_message
+from forge.training.outcome import exit_code, log_failure_line, outcome_message
 from forge.training.phases import (
     build_model_and_optim,
     claim_run_dir,
@@ -58,8 +58,8 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         data = setup_data(run, dist)
         lock = claim_run_dir(run, dist)
         ckpt = setup_checkpointing(run, dist, model, data)
-        prepare_run_dir(run, dist, ckpt)
         hooks = [*hooks, *configured_hooks(run.config.hooks)]
+        prepare_run_dir(run, dist, ckpt)  # last: a set-up that fails writes no records
     except UserInputError as exc:
         if lock is not None:
             lock.release(discard=True)  # a run that never started leaves no directory
@@ -120,8 +120,14 @@ def train(
         teardown(dist)
         return ExitCode.SAVE_FAILED
     effects.end(outcome, state)
-    if effects.log_failure is not None:
-        print_errors([effects.log_failure])
+    if effects.log_failure is not None:  # an error when it stopped the run, else a warning
+        line = log_failure_line(
+            effects.log_failure, outcome, state.step, run.config.checkpoint.enabled
+        )
+        if outcome is LoopOutcome.SHUTDOWN:
+            print_errors([line])
+        else:
+            print(f"[forge] warning: {line}", file=sys.stderr)
     if dist.is_main:
         print(f"[forge] {outcome.name} at step {state.step}; final save: {decision.reason.value}")
         message = outcome_message(outcome, state.step, policy.max_steps, str(run.run_dir))

@@ -52,7 +52,8 @@ class PendingSave:
     tmp: pathlib.Path
     train_state: dict[str, Any]
     future: Future | None  # the write, then this rank's checksums; None: a synchronous save
-    shards: Mapping[str, list] = attrs.field(factory=dict)  # a synchronous save's, as written
+    # a synchronous save's shard checksums, computed as they were written (waits for them)
+    shards: Callable[[], Mapping[str, list]] = dict
 
 
 class ReusingStager(AsyncStager):
@@ -264,16 +265,17 @@ class Checkpointer:
 
     def _write(
         self, state: dict[str, Any], tmp: pathlib.Path
-    ) -> tuple[Future | None, dict[str, list]]:
-        """DCP's write of ``state`` into ``tmp``: synchronous, returning the shards' checksums
-        (computed as they were written), or started in the background, returning its future."""
+    ) -> tuple[Future | None, Callable[[], Mapping[str, list]]]:
+        """DCP's write of ``state`` into ``tmp``: synchronous, returning how to get the shards'
+        checksums (computed as they were written; read in ``wait``, where every rank agrees on
+        a failure), or started in the background, returning its future."""
         with single_process_dcp():
             if self.mode is AsyncMode.DISABLED:
                 writer = ChecksummingWriter(tmp, self._piece_pool())
                 dcp_save(
                     state, checkpoint_id=str(tmp), storage_writer=writer, process_group=self.group
                 )
-                return None, writer.checksums()
+                return None, writer.checksums
             result = async_save(
                 state,
                 checkpoint_id=str(tmp),
@@ -281,7 +283,7 @@ class Checkpointer:
                 async_checkpointer_type=self._executor_type,
                 async_stager=self.stager,
             )
-            return (result if isinstance(result, Future) else result.upload_completion), {}
+            return (result if isinstance(result, Future) else result.upload_completion), dict
 
     def wait(self) -> pathlib.Path | None:
         """Finish and commit the save in flight, if any; returns the committed path. A failed
@@ -294,8 +296,9 @@ class Checkpointer:
             if pending.future is not None:
                 sums = pending.future.result()
             else:  # the shards' checksums came with the write; the small files' now
-                rest = [f for f in own_files(pending.tmp, self.rank) if f not in pending.shards]
-                sums = {**pending.shards, **checksums_of(pending.tmp, rest)}
+                shards = pending.shards()
+                rest = [f for f in own_files(pending.tmp, self.rank) if f not in shards]
+                sums = {**shards, **checksums_of(pending.tmp, rest)}
         except (Exception, CheckpointException) as exc:
             error = one_line(exc)
         # every rank's shards are written and checksummed, or none commits
@@ -329,6 +332,13 @@ class Checkpointer:
             self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forge-checksum")
         return self._hasher
 
+    def stop_threads(self) -> None:
+        """Shut the checksum threads down (after a fatal failure too: none is left running)."""
+        for pool in (self._hasher, self._pieces):
+            if pool is not None:
+                pool.shutdown()
+        self._hasher = self._pieces = None
+
     def _piece_pool(self) -> ThreadPoolExecutor:
         """The threads that checksum a synchronous save's shard pieces as they are written."""
         if self._pieces is None:
@@ -338,10 +348,7 @@ class Checkpointer:
     def close(self) -> None:
         """Commit the save in flight, stop the checkpoint process and release staging buffers."""
         self.wait()
-        for pool in (self._hasher, self._pieces):
-            if pool is not None:
-                pool.shutdown()
-        self._hasher = self._pieces = None
+        self.stop_threads()
         if self.mode is AsyncMode.ASYNC_PROCESS:
             stop_checkpoint_process()
         self.stager.close()
@@ -395,5 +402,8 @@ def save_checkpoint(
     """Write ``step_<step>`` synchronously, in one process; returns its path. (Training uses
     ``Checkpointer``, which also handles many ranks and async saves.)"""
     writer = Checkpointer(root, AsyncMode.DISABLED, rank, world_size=1)
-    writer.save(step, model, optimizer, train_state)
+    try:
+        writer.save(step, model, optimizer, train_state)
+    finally:
+        writer.close()
     return step_dir(root, step)

@@ -11,7 +11,6 @@ are still checksummed after the write (``integrity.checksums_of``).
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import pathlib
 from collections.abc import Generator
@@ -20,18 +19,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
-from forge.checkpoint.integrity import PIECE, checksum_threads, crc_hex
-
-
-def crc_of_range(path: pathlib.Path, offset: int, length: int) -> str:
-    """The CRC-32 of ``length`` bytes of ``path`` from ``offset`` (a multiple of the page
-    size), memory-mapped: no copy."""
-    with (
-        path.open("rb") as f,
-        mmap.mmap(f.fileno(), length, access=mmap.ACCESS_READ, offset=offset) as m,
-        memoryview(m) as view,  # released before its map closes
-    ):
-        return crc_hex(view)
+from forge.checkpoint.integrity import PIECE, checksum_threads, crc_of_range
 
 
 class PieceHasher:

@@ -208,7 +208,7 @@ def feature_problems(config: Mapping[str, Any]) -> list[str]:
     problems = [p for p in (rope_problem(config),) if p is not None]
     if config.get("attention_bias") or config.get("mlp_bias"):
         problems.append("attention or MLP biases; forge's decoder has none")
-    if given(config, "hidden_act", "silu") != "silu":
+    if given(config, "hidden_act", "silu") not in ("silu", "swish"):  # one function in HF
         problems.append(f"hidden_act {shown(config['hidden_act'])}; forge uses 'silu'")
     return problems
 

@@ -15,7 +15,6 @@ shard costs its read time divided by the cores.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import mmap
 import os
@@ -39,25 +38,29 @@ class IntegrityError(UserInputError):
 
 def checksums_of(folder: pathlib.Path, names: Iterable[str]) -> dict[str, list]:
     """``{name: [length, [crc32 of each piece]]}`` of the files ``names`` in ``folder``: each
-    file memory-mapped (no copy), its pieces checksummed in parallel threads."""
+    piece memory-mapped (no copy) and checksummed in parallel threads."""
     sums: dict[str, list] = {}
-    workers = checksum_threads()
-    with ThreadPoolExecutor(max_workers=workers) as pool, contextlib.ExitStack() as files:
+    with ThreadPoolExecutor(max_workers=checksum_threads()) as pool:
         for name in names:
-            size = (folder / name).stat().st_size
-            if size == 0:
-                sums[name] = [0, []]
-                continue
-            f = files.enter_context((folder / name).open("rb"))
-            view = memoryview(
-                files.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-            )
-            files.callback(view.release)  # before its map closes
-            pieces = [view[o : o + PIECE] for o in range(0, size, PIECE)]
-            sums[name] = [size, list(pool.map(crc_hex, pieces))]
-            for piece in pieces:
-                piece.release()
+            path = folder / name
+            size = path.stat().st_size
+            pieces = [
+                pool.submit(crc_of_range, path, offset, min(PIECE, size - offset))
+                for offset in range(0, size, PIECE)
+            ]
+            sums[name] = [size, [piece.result() for piece in pieces]]
     return sums
+
+
+def crc_of_range(path: pathlib.Path, offset: int, length: int) -> str:
+    """The CRC-32 of ``length`` bytes of ``path`` from ``offset`` (a multiple of the page
+    size, as a piece's is), memory-mapped: no copy."""
+    with (
+        path.open("rb") as f,
+        mmap.mmap(f.fileno(), length, access=mmap.ACCESS_READ, offset=offset) as m,
+        memoryview(m) as view,  # released before its map closes
+    ):
+        return crc_hex(view)
 
 
 def checksum_threads() -> int:

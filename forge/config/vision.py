@@ -7,7 +7,7 @@ import enum
 
 import attrs
 
-from forge.config.ranges import Problem, positive
+from forge.config.ranges import Problem, positive, usable_path
 
 
 class VlmArch(enum.Enum):
@@ -75,6 +75,7 @@ class VisionConfig:
                         "CLIPVisionModel (written by save_pretrained)",
                     )
                 )
+            usable_path(p, "model.vision.path", self.path)
             return p
         if self.patch_size > 0 and self.image_size % self.patch_size:
             p.append(

@@ -72,6 +72,16 @@ def sha256_of(path: pathlib.Path) -> str:
     return h.hexdigest()
 
 
+def sha256_and_largest(path: pathlib.Path, dtype: np.dtype) -> tuple[str, int]:
+    """The shard's SHA-256 and its largest token id, in one read."""
+    h, largest = hashlib.sha256(), -1
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):  # whole tokens: 4 MiB per block
+            h.update(block)
+            largest = max(largest, int(np.frombuffer(block, dtype).max()))
+    return h.hexdigest(), largest
+
+
 class ShardWriter:
     """Appends token arrays to ``<split>_<k>.bin`` files in ``folder``, starting a new shard at
     the first array boundary past ``shard_tokens``; hashes each shard as it is written."""
@@ -282,9 +292,13 @@ def open_split(
                 f"{path}: holds {len(arr)} tokens, manifest says {shard.num_tokens}; "
                 "re-prepare the data"
             )
-        if verify and sha256_of(path) != shard.sha256:
-            raise DataError(f"{path}: checksum mismatch with the manifest; re-prepare the data")
-        check_token_ids(path, arr, manifest.vocab_size)
+        largest = None  # read with the checksum, in the same pass over the shard
+        if verify:
+            digest, largest = sha256_and_largest(path, dtype)
+            if digest != shard.sha256:
+                raise DataError(f"{path}: checksum mismatch with the manifest; re-prepare the data")
+        if largest is None or largest >= manifest.vocab_size:
+            check_token_ids(path, arr, manifest.vocab_size)
         arrays.append(arr)
     return arrays
 

@@ -91,11 +91,8 @@ class TensorBoardSink:
     """Event files under ``log_dir``; the writer opens at the first record, purging events at
     or after its step that an earlier, crashed run left."""
 
-    config_key = "metrics.tensorboard"
-
     def __init__(self, log_dir: pathlib.Path) -> None:
         self.log_dir = log_dir
-        self.path = log_dir
         self.writer: Any = None
 
     def write(self, record: Mapping[str, Any]) -> None:

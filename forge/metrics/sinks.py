@@ -17,17 +17,17 @@ class MetricsSink(Protocol):
     def close(self) -> None: ...
 
 
-def sink_failure(sink: MetricsSink, exc: OSError) -> str | None:
-    """Why a run must stop when ``sink`` cannot write (its records would be lost), naming the
-    config key and the OS error; None for the console (it only echoes what files keep)."""
+def sink_failure(sink: MetricsSink, exc: OSError, step: int) -> str | None:
+    """What was lost when ``sink`` could not write step ``step``'s record, naming the config
+    key and the OS error (a run stops rather than train on unrecorded); None for the console
+    (it only echoes what the files keep)."""
     key = getattr(sink, "config_key", None)
     if key is None:
         return None
     where = getattr(sink, "path", None)
     return (
-        f"{key}: cannot write {where or 'its records'} ({exc.strerror or exc}); the run "
-        "stopped with a checkpoint rather than train on unrecorded: free space on that disk "
-        "or raise the file-size limit (ulimit -f), then run again to resume"
+        f"{key}: cannot write {where or 'its records'} ({exc.strerror or exc}): the records "
+        f"from step {step} on are lost"
     )
 
 

@@ -205,6 +205,7 @@ class TrainingEffects:
         if self.run.config.checkpoint.async_mode is AsyncMode.ASYNC_PROCESS:
             stop_checkpoint_process()
         self.checkpointer.stager.close()
+        self.checkpointer.stop_threads()
         for sink in self.sinks:
             sink.close()
         self.close_loaders()
@@ -269,7 +270,7 @@ class TrainingEffects:
         )
         self._emit({"step": state.step, "eval/loss": loss, "eval/perplexity": math.exp(loss)})
         if loads is not None:  # a table, not a scalar: for metrics.jsonl only
-            for sink in self.sinks:
+            for sink in list(self.sinks):  # _write drops a sink that fails
                 if isinstance(sink, JsonlSink):
                     self._write(sink, {"step": state.step, "moe/layer_loads": loads})
         self.hooks.on_eval_end(state, loss)
@@ -340,7 +341,8 @@ class TrainingEffects:
             self.sinks.remove(sink)
             with contextlib.suppress(OSError):
                 sink.close()
-            self.log_failure = self.log_failure or sink_failure(sink, exc)
+            step = int(record.get("step", 0))
+            self.log_failure = self.log_failure or sink_failure(sink, exc, step)
 
 
 def add_sources(a: SourceTotals | None, b: SourceTotals | None) -> SourceTotals | None:

@@ -31,3 +31,13 @@ def outcome_message(outcome: LoopOutcome, step: int, max_steps: int, run_dir: st
             "--run.dir to start a new run"
         )
     return None
+
+
+def log_failure_line(failure: str, outcome: LoopOutcome, step: int, checkpointing: bool) -> str:
+    """The line for a run whose metrics could not be written (``failure`` says which records
+    were lost): it stopped at the next step, or it had ended anyway."""
+    fix = "free space on that disk or raise the file-size limit (ulimit -f)"
+    if outcome is LoopOutcome.SHUTDOWN:
+        saved = " with a checkpoint" if checkpointing else ""
+        return f"{failure}; the run stopped at step {step}{saved}: {fix}, then run again to resume"
+    return f"{failure}; the run ended {outcome.value} at step {step}: {fix} before the next run"

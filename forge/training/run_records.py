@@ -21,7 +21,7 @@ from forge.metrics.sinks import trim_records_after
 from forge.outputs import replace_file
 
 CONFIG_FILE = "config.toml"
-STEP_CONFIG = re.compile(r"config\.step_(\d+)\.toml")
+STEP_CONFIG = re.compile(r"config\.step_([1-9]\d*)\.toml")  # as step_config_file writes it
 
 
 def step_config_file(step: int) -> str:
@@ -61,7 +61,7 @@ class ConfigRecord:
 def config_record(recorded: Mapping[int, str], step: int, text: str) -> ConfigRecord:
     """Decide from the recorded configs' texts (by step) what a start at ``step`` with the
     resolved config ``text`` writes. A fresh start (step 0) writes ``config.toml``."""
-    drop = tuple(step_config_file(n) for n in sorted(recorded) if n > step and n > 0)
+    drop = tuple(step_config_file(n) for n in sorted(recorded) if n > step)
     kept = {n: t for n, t in recorded.items() if n <= step}
     if step == 0 or not kept:
         return ConfigRecord(CONFIG_FILE if kept.get(0) != text else None, drop)
@@ -77,25 +77,38 @@ class RunRecordsError(UserInputError):
 def write_run_records(
     run_dir: pathlib.Path, metrics_path: pathlib.Path, step: int, config_text: str
 ) -> str | None:
-    """Record the config (see ``config_record``) and trim ``metrics.jsonl`` to ``step``;
-    returns the problem, naming the file and the OS error, when a write fails."""
-    target = run_dir / CONFIG_FILE
+    """Trim ``metrics.jsonl`` to ``step``, then record the config (see ``config_record``);
+    returns the problem, naming the file and the OS error, when one cannot be read or
+    written. Each write is atomic, so a failure leaves that file as it was."""
+    configs = recorded_configs(run_dir)
+    recorded: dict[int, str] = {}
+    for n, path in configs.items():
+        try:
+            recorded[n] = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            return (
+                f"run.dir: cannot read {path} ({reason(exc)}); restore it, or move it away to "
+                "record this run's config afresh"
+            )
+    record = config_record(recorded, step, config_text)
+    target = metrics_path
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        recorded = {n: p.read_text(encoding="utf-8") for n, p in recorded_configs(run_dir).items()}
-        record = config_record(recorded, step, config_text)
+        trim_records_after(metrics_path, step)
         if record.write is not None:
             target = run_dir / record.write
             replace_file(target, config_text)
         for name in record.drop:
             target = run_dir / name
             target.unlink(missing_ok=True)
-        target = metrics_path
-        trim_records_after(metrics_path, step)
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    except OSError as exc:
         return (
-            f"run.dir: cannot write {target} ({reason}); free space on that disk or raise the "
-            "file-size limit (ulimit -f), then run again"
+            f"run.dir: cannot write {target} ({reason(exc)}); free space on that disk or raise "
+            "the file-size limit (ulimit -f), then run again"
         )
     return None
+
+
+def reason(exc: OSError | UnicodeDecodeError) -> str:
+    """The OS's words for ``exc`` (its strerror), else the exception's own."""
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)

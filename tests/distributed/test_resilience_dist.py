@@ -136,3 +136,44 @@ def test_a_full_disk_at_two_ranks_fails_both_alike_and_keeps_the_last_checkpoint
     ckpt = run_dir / "checkpoints"
     assert os.readlink(ckpt / "latest") == "step_3"
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_")) == ["step_3"]
+
+
+ONE_RANK_CANNOT_CHECKSUM = """
+import pathlib, sys
+import torch, torch.distributed as dist
+from forge.checkpoint import checksum_writer
+from forge.checkpoint.checkpointer import Checkpointer
+from forge.config.sections import AsyncMode
+from forge.errors import CheckpointSaveError
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+if rank == 1:  # this rank's disk fails while its shard is read back for the checksum
+    def broken(path, offset, length):
+        raise OSError(5, "Input/output error")
+    checksum_writer.crc_of_range = broken
+model = torch.nn.Linear(8, 8)
+opt = torch.optim.AdamW(model.parameters())
+saver = Checkpointer(pathlib.Path(sys.argv[1]), AsyncMode.DISABLED, rank, 2)
+try:
+    saver.save(1, model, opt, {"step": 1})
+    print(f"rank {rank}: committed", flush=True)
+except CheckpointSaveError as exc:
+    print(f"rank {rank}: refused: {exc}", flush=True)
+saver.close()
+dist.destroy_process_group()
+"""
+
+
+def test_a_checksum_that_fails_on_one_rank_fails_the_save_on_both(tmp_path):
+    script = tmp_path / "save.py"
+    script.write_text(ONE_RANK_CANNOT_CHECKSUM)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(script), str(tmp_path / "ckpt")]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=False)
+    ok(out)
+    for rank in (0, 1):  # both took the same branch: neither hung nor committed
+        assert f"rank {rank}: refused:" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert "Input/output error" in out.stdout
+    assert not (tmp_path / "ckpt" / "step_1").exists()

@@ -69,7 +69,7 @@ def a_dataset(root):
 
 
 def unmarked_export(root):
-    """An export written before forge marked its outputs."""
+    """An export written before forge marked its outputs, or a user's save_pretrained."""
     (root / "old").mkdir()
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         (root / "old" / name).write_text("x")
@@ -115,8 +115,7 @@ PROBLEMS = [
     ("inside a run", lambda r: a_run(r) / "export2", OutputKind.HF_EXPORT, True, "lies in the run"),
     ("the run's own export folder", lambda r: a_run(r) / "export", OutputKind.HF_EXPORT, False, None),
     ("the run's export folder, for a checkpoint", lambda r: a_run(r) / "export", OutputKind.IMPORTED_CHECKPOINT, True, "lies in the run"),
-    ("an export from before markers", unmarked_export, OutputKind.HF_EXPORT, False, "pass --overwrite"),
-    ("an export from before markers, --overwrite", unmarked_export, OutputKind.HF_EXPORT, True, None),
+    ("an unmarked export (or a user's save_pretrained), --overwrite", unmarked_export, OutputKind.HF_EXPORT, True, "did not write there"),
     ("such an export beside a user's file", unmarked_export_with_notes, OutputKind.HF_EXPORT, True, "did not write there"),
     ("an image dataset from before markers, --overwrite", unmarked_images, OutputKind.IMAGE_TEXT_DATASET, True, None),
     ("such a dataset, as an export", unmarked_images, OutputKind.HF_EXPORT, True, "did not write there"),

@@ -14,13 +14,13 @@ from tests.conftest import TINY
 # fragments no line starts with)
 CASES = [
     (
-        "a range error beside the data, a hook, a sink and the layout",
+        "a range error in [train] beside the data, a hook and a sink; the layout reads [train]",
         ["--train.max_steps=0", "--data.path=/nope", '--hooks.classes=["nowhere:Hook"]',
          "--metrics.wandb=true", "--distributed.tp=3"],
         "",
         ["train.max_steps: must be > 0", "data.path: /nope/manifest.json",
          "hooks.classes[0]: cannot import 'nowhere'", "metrics.wandb: no W&B credentials"],
-        [],
+        ["distributed"],
     ),
     (
         "a type error in [model] holds back the checks that read the model",

@@ -169,6 +169,7 @@ CONFIGS = [
     ("nulls for optional keys", {"num_key_value_heads": None, "head_dim": None, "rope_scaling": None, "rms_norm_eps": None, "max_position_embeddings": None}, None),
     ("an int rope_theta", {"rope_theta": 500000, "rope_parameters": ...}, None),
     ("the largest context", {"max_position_embeddings": 2**32}, None),
+    ("swish, HF's other name for silu", {"hidden_act": "swish"}, None),
     ("hidden_size missing", {"hidden_size": ...}, "hidden_size: missing; a Llama config.json states it"),
     ("num_hidden_layers missing", {"num_hidden_layers": ...}, "num_hidden_layers: missing"),
     ("num_attention_heads missing", {"num_attention_heads": ...}, "num_attention_heads: missing"),

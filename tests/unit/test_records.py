@@ -8,7 +8,9 @@ import json
 import pytest
 
 from forge.metrics.sinks import sink_failure, trim_records_after
-from forge.training.run_records import ConfigRecord, config_record
+from forge.training.outcome import log_failure_line
+from forge.training.run_records import ConfigRecord, config_record, write_run_records
+from forge.types import LoopOutcome
 
 
 def line(step: int) -> bytes:
@@ -79,10 +81,36 @@ class Console:
 
 def test_a_metrics_file_that_cannot_be_written_stops_the_run_and_the_console_does_not():
     full = OSError(28, "No space left on device")
-    failure = sink_failure(Failing(), full)  # type: ignore[arg-type]
-    assert failure is not None
-    assert failure.startswith(
-        "metrics.jsonl: cannot write runs/x/metrics.jsonl (No space left on device)"
+    failure = sink_failure(Failing(), full, 7)  # type: ignore[arg-type]
+    assert failure == (
+        "metrics.jsonl: cannot write runs/x/metrics.jsonl (No space left on device): the "
+        "records from step 7 on are lost"
     )
-    assert "run again to resume" in failure
-    assert sink_failure(Console(), full) is None  # type: ignore[arg-type]
+    assert sink_failure(Console(), full, 7) is None  # type: ignore[arg-type]
+
+
+# (outcome, checkpointing, what the line says after the failure)
+ENDINGS = [
+    (LoopOutcome.SHUTDOWN, True, "the run stopped at step 8 with a checkpoint: free space"),
+    (LoopOutcome.SHUTDOWN, False, "the run stopped at step 8: free space"),
+    (LoopOutcome.COMPLETED, True, "the run ended completed at step 8: free space"),
+    (LoopOutcome.NAN_ABORT, True, "the run ended nan_abort at step 8: free space"),
+]
+
+
+@pytest.mark.parametrize("outcome,checkpointing,said", ENDINGS)
+def test_a_lost_record_is_reported_by_how_the_run_ended(outcome, checkpointing, said):
+    line = log_failure_line("metrics.jsonl: cannot write x (E)", outcome, 8, checkpointing)
+    assert line.startswith("metrics.jsonl: cannot write x (E); ") and said in line
+    assert ("run again to resume" in line) is (outcome is LoopOutcome.SHUTDOWN)
+
+
+def test_a_recorded_config_that_cannot_be_read_is_named_and_nothing_is_written(tmp_path):
+    (tmp_path / "config.toml").write_bytes(b"[model]\ndim = \xff\n")
+    (tmp_path / "metrics.jsonl").write_bytes(line(1) + b"\n" + line(2) + b"\n")
+    problem = write_run_records(tmp_path, tmp_path / "metrics.jsonl", 1, "[model]\n")
+    assert problem is not None and problem.startswith(
+        f"run.dir: cannot read {tmp_path}/config.toml"
+    )
+    assert (tmp_path / "metrics.jsonl").read_bytes().count(b"\n") == 2  # not trimmed either
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.toml", "metrics.jsonl"]
