@@ -1,6 +1,6 @@
 """DCP's file writer, checksumming each shard while it is written (synchronous saves).
 
-A shard's 32 MiB pieces (``integrity.PIECE``) are CRC-32'd from the page cache as soon as the
+A shard's 4 MiB pieces (``integrity.PIECE``) are CRC-32'd from the page cache as soon as the
 write has passed them, in background threads (zlib releases the GIL), so the checksums overlap
 the rest of the write: a synchronous save waits only for the last piece of each shard instead
 of reading the whole checkpoint back once it is written. The bytes checksummed are the file's,

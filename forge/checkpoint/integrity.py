@@ -1,6 +1,6 @@
 """What a committed checkpoint's bytes must be: the length of every file it holds and a CRC-32
-of each 32 MiB piece of it, recorded in ``checksums.json`` at commit and verified before a
-resume loads anything.
+of each 4 MiB piece of it (``PIECE``), recorded in ``checksums.json`` at commit and verified
+before a resume loads anything.
 
 Each rank checksums the files it wrote (its shards and RNG file, rank 0 also ``.metadata``):
 in a synchronous save the shards while DCP writes them (``checksum_writer``), the small files
@@ -24,29 +24,38 @@ import zlib
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
+import attrs
+
 from forge.config.checkpoint import Verification
 from forge.errors import UserInputError
 
 CHECKSUMS = "checksums.json"
 CHECKSUMS_VERSION = 1
-PIECE = 32 << 20  # bytes per CRC-32: the unit of parallel work
+# bytes per CRC-32: the unit of parallel work, and what a synchronous save checksums as soon
+# as DCP has written it (small enough that a shard's checksums overlap its write). A record
+# names its piece size: checkpoints written with 32 MiB pieces verify as they were written.
+PIECE = 4 << 20
 
 
 class IntegrityError(UserInputError):
     """A checkpoint's bytes are not those it was committed with."""
 
 
-def checksums_of(folder: pathlib.Path, names: Iterable[str]) -> dict[str, list]:
-    """``{name: [length, [crc32 of each piece]]}`` of the files ``names`` in ``folder``: each
-    piece memory-mapped (no copy) and checksummed in parallel threads."""
+def checksums_of(
+    folder: pathlib.Path, names: Iterable[str], piece: int | None = None
+) -> dict[str, list]:
+    """``{name: [length, [crc32 of each piece]]}`` of the files ``names`` in ``folder``, in
+    pieces of ``piece`` bytes (``PIECE``): each memory-mapped (no copy) and checksummed in
+    parallel threads."""
+    piece = piece or PIECE
     sums: dict[str, list] = {}
     with ThreadPoolExecutor(max_workers=checksum_threads()) as pool:
         for name in names:
             path = folder / name
             size = path.stat().st_size
             pieces = [
-                pool.submit(crc_of_range, path, offset, min(PIECE, size - offset))
-                for offset in range(0, size, PIECE)
+                pool.submit(crc_of_range, path, offset, min(piece, size - offset))
+                for offset in range(0, size, piece)
             ]
             sums[name] = [size, [piece.result() for piece in pieces]]
     return sums
@@ -105,7 +114,15 @@ def write_checksums(folder: pathlib.Path, sums: Mapping[str, list]) -> None:
     tmp.replace(folder / CHECKSUMS)
 
 
-def recorded_checksums(folder: pathlib.Path) -> dict[str, list] | None:
+@attrs.frozen
+class Record:
+    """A committed checkpoint's ``checksums.json``: its piece size and each file's sums."""
+
+    piece: int
+    files: dict[str, list]
+
+
+def recorded_checksums(folder: pathlib.Path) -> Record | None:
     """The checksums recorded at commit; None for a checkpoint written before forge recorded
     them. A record that does not parse is an ``IntegrityError``."""
     path = folder / CHECKSUMS
@@ -113,21 +130,28 @@ def recorded_checksums(folder: pathlib.Path) -> dict[str, list] | None:
         return None
     try:
         record = json.loads(path.read_text())
-        files = record["files"]
-        if record.get("algorithm") != "crc32" or record.get("piece") != PIECE:
-            raise ValueError("not a record of 32 MiB CRC-32 pieces")
-        return {str(k): [int(v[0]), [str(c) for c in v[1]]] for k, v in files.items()}
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        piece = record.get("piece")
+        if record.get("algorithm") != "crc32" or not usable_piece(piece):
+            raise ValueError(f"not a record of CRC-32 pieces of a page-aligned size: {piece!r}")
+        files = {str(k): [int(v[0]), [str(c) for c in v[1]]] for k, v in record["files"].items()}
+        return Record(piece, files)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
         raise IntegrityError(f"{path}: unreadable checksum record ({exc})") from None
+
+
+def usable_piece(piece: object) -> bool:
+    """A piece size checksums can be read back in: a positive whole number of pages."""
+    return type(piece) is int and piece > 0 and piece % mmap.ALLOCATIONGRANULARITY == 0
 
 
 def verify_checkpoint(folder: pathlib.Path, mode: Verification = Verification.FULL) -> bool:
     """Check every file ``checksums.json`` lists against it (lengths only under
     ``METADATA``); an ``IntegrityError`` naming the first that differs. False when the
     checkpoint has no record (written before forge kept one), True when it verified."""
-    sums = recorded_checksums(folder)
-    if sums is None:
+    record = recorded_checksums(folder)
+    if record is None:
         return False
+    sums = record.files
     for name, (length, _) in sorted(sums.items()):
         path = folder / name
         where = f"{folder.name}/{name}"
@@ -138,7 +162,7 @@ def verify_checkpoint(folder: pathlib.Path, mode: Verification = Verification.FU
             raise IntegrityError(f"{where}: {size} bytes, {length} when committed")
     if mode is Verification.METADATA:
         return True
-    now = checksums_of(folder, sorted(sums))
+    now = checksums_of(folder, sorted(sums), record.piece)
     for name in sorted(sums):
         if now[name][1] != sums[name][1]:
             raise IntegrityError(

@@ -5,6 +5,7 @@ are never committed."""
 from __future__ import annotations
 
 import json
+import pathlib
 import shutil
 import struct
 
@@ -12,7 +13,14 @@ import pytest
 import torch
 
 from forge.checkpoint.checkpointer import Checkpointer
-from forge.checkpoint.integrity import CHECKSUMS, recorded_checksums, verify_checkpoint
+from forge.checkpoint.integrity import (
+    CHECKSUMS,
+    PIECE,
+    IntegrityError,
+    checksums_of,
+    recorded_checksums,
+    verify_checkpoint,
+)
 from forge.checkpoint.resume import first_loadable, resolve_resume
 from forge.checkpoint.store import TRAIN_STATE, CheckpointError, check_loadable, step_dir
 from forge.config import ModelConfig, OptimizerConfig
@@ -97,12 +105,46 @@ def truncate_the_rng_file(path):
 
 def test_every_file_of_a_committed_checkpoint_is_recorded(ckpt):
     path = step_dir(ckpt, 2)
-    sums = recorded_checksums(path)
-    assert sums is not None
+    record = recorded_checksums(path)
+    assert record is not None and record.piece == PIECE
     on_disk = {p.name for p in path.iterdir() if p.name != CHECKSUMS}
-    assert set(sums) == on_disk and {".metadata", TRAIN_STATE, "rng_rank0.pt"} <= on_disk
+    assert set(record.files) == on_disk and {".metadata", TRAIN_STATE, "rng_rank0.pt"} <= on_disk
     assert verify_checkpoint(path) is True
     check_loadable(path, Transformer(CFG))
+
+
+def rewritten_record(path: pathlib.Path, piece: object) -> None:
+    """``checksums.json`` as a forge with another piece size would have written it."""
+    record = json.loads((path / CHECKSUMS).read_text())
+    if isinstance(piece, int) and piece > 0 and piece % 4096 == 0:
+        record["files"] = checksums_of(path, list(record["files"]), piece)
+    record["piece"] = piece
+    (path / CHECKSUMS).write_text(json.dumps(record))
+
+
+# (piece size in the record, verifies; else a fragment of the refusal)
+PIECES = [
+    (32 << 20, True),  # the size forge wrote before
+    (8192, True),
+    (0, "unreadable checksum record"),
+    (1000, "unreadable checksum record"),  # not page-aligned: no memory map reads it
+    ("4194304", "unreadable checksum record"),
+    (None, "unreadable checksum record"),
+]
+
+
+@pytest.mark.parametrize("piece,verdict", PIECES)
+def test_a_record_is_verified_in_the_piece_size_it_names(ckpt, piece, verdict):
+    path = step_dir(ckpt, 2)
+    rewritten_record(path, piece)
+    if verdict is True:
+        assert verify_checkpoint(path) is True
+        flip_a_bit(path)
+        with pytest.raises(IntegrityError, match="checksum mismatch"):
+            verify_checkpoint(path)
+    else:
+        with pytest.raises(IntegrityError, match=verdict):
+            verify_checkpoint(path)
 
 
 # (case, damage, message, caught under verify = "metadata" too)
