@@ -10,28 +10,27 @@ DCP's collectives run on a dedicated gloo group so they never interleave with tr
 
 from __future__ import annotations
 
-import os
 import pathlib
 import shutil
-import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any
 
 import attrs
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint import _async_process_executor
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import KeyPath, keystr, tree_map_with_path
 
+from forge.checkpoint.async_staging import (
+    ReusingStager,
+    start_checkpoint_process,
+    stop_checkpoint_process,
+)
 from forge.checkpoint.checksum_writer import ChecksummingWriter, hashing_pool
 from forge.checkpoint.integrity import checksums_of, own_files
 from forge.checkpoint.store import (
@@ -54,104 +53,6 @@ class PendingSave:
     future: Future | None  # the write, then this rank's checksums; None: a synchronous save
     # a synchronous save's shard checksums, computed as they were written (waits for them)
     shards: Callable[[], Mapping[str, list]] = dict
-
-
-class ReusingStager(AsyncStager):
-    """Staging for ``async_save``: a private CPU copy of every tensor, made before it returns.
-
-    The copies go into buffers kept from the previous save (safe: at most one save is in
-    flight, and the next one starts only after it is committed), so only the first save pays
-    for allocating them. With ``shared=True`` the buffers live in shared memory, so handing
-    them to torch's checkpoint process sends handles, not the bytes. Replaces DCP's default
-    stager, which in a single process did not isolate the state from the next training step.
-    """
-
-    _synchronize_after_execute = False
-
-    def __init__(self, shared: bool) -> None:
-        self.shared = shared
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def _copy(self, key: str, source: torch.Tensor) -> torch.Tensor:
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu")
-            if self.shared:
-                buffer.share_memory_()
-            self._buffers[key] = buffer
-        return buffer.copy_(source.detach())
-
-    def _stage(self, path: KeyPath, value: Any) -> Any:
-        if isinstance(value, DTensor):
-            local = self._copy(keystr(path), value.to_local())
-            return DTensor.from_local(
-                local,
-                value.device_mesh,
-                value.placements,
-                run_check=False,
-                shape=value.shape,
-                stride=value.stride(),
-            )
-        if isinstance(value, torch.Tensor):
-            return self._copy(keystr(path), value)
-        return value
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return tree_map_with_path(self._stage, state_dict)
-
-    def synchronize_staging(self) -> None:
-        """Staging is synchronous: nothing to wait for."""
-
-    def close(self) -> None:
-        """Release the buffers."""
-        self._buffers.clear()
-
-
-def stop_checkpoint_process() -> None:
-    """Stop torch's checkpoint daemon process, if one was started.
-
-    torch keeps it in a module global and stops it only in ``__del__``, which never runs when
-    the script ends with ``os._exit``; the daemon would then die on a broken pipe, noisily.
-    """
-    process = _async_process_executor._CHECKPOINT_PROCESS
-    _async_process_executor._CHECKPOINT_PROCESS = None
-    if process is not None and process._save_process.is_alive():
-        process._send(_async_process_executor._CheckpointSaveProcessControlOpts.TERMINATE)
-        process._save_process.join(timeout=30)
-        if process._save_process.is_alive():
-            process._save_process.terminate()
-
-
-@contextmanager
-def stderr_to(log: pathlib.Path) -> Iterator[None]:
-    """Point file descriptor 2 at ``log`` inside the block (a process started there keeps it)."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with log.open("ab") as f:
-        os.dup2(f.fileno(), 2)
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def start_checkpoint_process(group: dist.ProcessGroup | None, log: pathlib.Path) -> None:
-    """Start torch's checkpoint process now, with its output going to ``log``.
-
-    torch would start it inside the first ``async_save``, from a background thread, writing
-    its log (a full traceback for every failed write) to the trainer's stderr, where forge
-    reports such a failure in one line. Starting it here, at set-up, also keeps the spawn out
-    of the first save. Collective: every rank calls it.
-    """
-    executor = _async_process_executor
-    if executor._CHECKPOINT_PROCESS is not None:
-        return
-    init_info = executor._ProcessGroupInitInfo(group)
-    with stderr_to(log):
-        executor._CHECKPOINT_PROCESS = executor._AsyncCheckpointProcess(pg_init_info=init_info)
 
 
 class Checkpointer:

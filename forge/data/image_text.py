@@ -20,6 +20,7 @@ from forge.data.shards import (
     DataError,
     Manifest,
     ShardWriter,
+    manifest_of,
     open_split,
     SplitInfo,
     publish,
@@ -84,13 +85,7 @@ def write_image_text_dataset(
                 "offsets": offset_file.name,
                 "offsets_sha256": sha256_of(offset_file),
             }
-        manifest = Manifest(
-            dtype=dtype.name,
-            vocab_size=tokenizer.vocab_size,
-            tokenizer=tokenizer.describe(),
-            splits=infos,
-            source=source,
-        )
+        manifest = manifest_of(tokenizer, dtype, infos, source)
         extra = {"image_size": image_size, IMAGES_KEY: images}
         publish(tmp, out, manifest, extra, kind=OutputKind.IMAGE_TEXT_DATASET)
         return manifest

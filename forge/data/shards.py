@@ -147,15 +147,22 @@ def write_dataset(
         for doc in docs:
             writer.append(tokenizer.frame(doc.data, dtype), documents=1)
         split_infos[split] = writer.close()
-    manifest = Manifest(
+    manifest = manifest_of(tokenizer, dtype, split_infos, source)
+    publish(tmp, out, manifest)
+    return manifest
+
+
+def manifest_of(
+    tokenizer: ByteTokenizer, dtype: np.dtype, splits: dict[str, SplitInfo], source: str
+) -> Manifest:
+    """The manifest of a dataset ``tokenizer`` wrote in ``dtype``: its splits and source."""
+    return Manifest(
         dtype=dtype.name,
         vocab_size=tokenizer.vocab_size,
         tokenizer=tokenizer.describe(),
-        splits=split_infos,
+        splits=splits,
         source=source,
     )
-    publish(tmp, out, manifest)
-    return manifest
 
 
 def publish(

@@ -17,7 +17,8 @@ import attrs
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from forge.checkpoint.checkpointer import Checkpointer, stop_checkpoint_process
+from forge.checkpoint.async_staging import stop_checkpoint_process
+from forge.checkpoint.checkpointer import Checkpointer
 from forge.checkpoint.export import export_model, tokenizer_info
 from forge.checkpoint.slots import Slots
 from forge.checkpoint.store import apply_retention
