@@ -7,18 +7,17 @@ ffn}_norm``, ``norm``, ``output``; with ``qk_norm``, ``layers.<i>.attention.{q,k
 
 from __future__ import annotations
 
-import hashlib
-import math
+import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from forge.config.sections import ModelConfig
 from forge.model.chunked_loss import LossSpec, chunked_lm_loss
 from forge.model.feed_forward import FeedForward
+from forge.model.init import fill_, initial_value
 from forge.model.moe import MoE, Router, empty_stats
 
 
@@ -226,13 +225,14 @@ class Transformer(nn.Module):
         """Initialise every parameter in place with ``initial_value`` (see there).
 
         With ``seed`` None the seed is drawn from torch's global generator, so
-        ``torch.manual_seed`` before construction still decides the weights. Works on sharded
-        (DTensor) parameters too: each rank builds the full value and keeps its own shard.
+        ``torch.manual_seed`` before construction still decides the weights. On sharded
+        (DTensor) parameters each rank computes only its own shard (``forge.model.init``).
         """
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         for name, p in self.named_parameters():
-            copy_full_(p, initial_value(canonical_name(name), tuple(p.shape), self.cfg, seed))
+            key, shape = canonical_name(name), tuple(p.shape)
+            fill_(p, functools.partial(initial_value, key, shape, self.cfg, seed))
 
     def materialize(self, device: torch.device | str) -> None:
         """Allocate a model built on the meta device: storage, tied weights, RoPE tables.
@@ -322,17 +322,6 @@ class Transformer(nn.Module):
         return self.output(h)
 
 
-@torch.no_grad()
-def copy_full_(p: torch.Tensor, full: torch.Tensor) -> None:
-    """Set parameter ``p`` to the full value ``full``; a sharded (DTensor) ``p`` keeps only
-    its own shard of it."""
-    if isinstance(p, DTensor):
-        local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
-        p.to_local().copy_(local.to_local())
-    else:
-        p.copy_(full)
-
-
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
@@ -342,38 +331,6 @@ def canonical_name(name: str) -> str:
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
     return name
-
-
-# the projections that write into the residual stream: their init is scaled down by depth
-RESIDUAL_OUTPUTS = (
-    "attention.wo.weight",
-    "feed_forward.w2.weight",
-    "feed_forward.experts.w2",
-    "feed_forward.shared.w2.weight",
-)
-
-
-def initial_value(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> torch.Tensor:
-    """The full initial value of parameter ``name``: a pure function of (name, shape, seed).
-
-    Norm weights are ones; residual output projections (``wo``, every ``w2``) are normal with
-    std ``init_std / sqrt(2 n_layers)``; everything else normal with ``init_std``. Because each
-    parameter has its own generator, the weights do not depend on construction order, device,
-    sharding or pipeline split, which is what makes a 2-rank run start where a 1-rank run does.
-    """
-    if name.endswith("norm.weight"):
-        return torch.ones(shape)
-    std = cfg.init_std
-    if name.endswith(RESIDUAL_OUTPUTS):
-        std = std / math.sqrt(2 * cfg.n_layers)
-    return seeded_normal(name, shape, std, seed)
-
-
-def seeded_normal(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
-    """Normal(0, ``std``) values from a generator of their own, seeded by (seed, name)."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
 def num_parameters(model: nn.Module) -> int:

@@ -18,6 +18,7 @@ below it) and, for cross-attention, ``cross_attention.<block>.…``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -27,14 +28,8 @@ from torch import nn
 from forge.config.sections import ModelConfig, VlmArch
 from forge.model.chunked_loss import LossSpec
 from forge.model.feed_forward import FeedForward
-from forge.model.transformer import (
-    RMSNorm,
-    Transformer,
-    canonical_name,
-    copy_full_,
-    initial_value,
-    seeded_normal,
-)
+from forge.model.init import Region, fill_, initial_value, region_shape, seeded_normal, whole
+from forge.model.transformer import RMSNorm, Transformer, canonical_name
 from forge.model.vision import Adapter, HFVisionTower, build_encoder
 
 DECODER = "decoder."
@@ -180,32 +175,38 @@ class VisionLanguageModel(nn.Module):
             pretrained = {f"vision_encoder.{k}": v for k, v in encoder_state.items()}
         for name, p in self.named_parameters():
             key = canonical_name(name)
-            full = pretrained.get(key)
-            if full is None:
-                full = vlm_initial_value(key, tuple(p.shape), self.cfg, seed)
-            copy_full_(p, full.to(p.dtype))
+            if (full := pretrained.get(key)) is not None:
+                fill_(p, functools.partial(part_of, full))
+            else:
+                fill_(p, functools.partial(vlm_initial_value, key, tuple(p.shape), self.cfg, seed))
         for name, buffer in self.vision_encoder.named_buffers():
             if (value := pretrained.get(f"vision_encoder.{name}")) is not None:
                 buffer.copy_(value)  # the tower's own (position ids); buffers are not sharded
 
 
 def vlm_initial_value(
-    name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int
+    name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int, region: Region | None = None
 ) -> torch.Tensor:
-    """The full initial value of a vision-language parameter, a pure function of (name,
-    shape, seed): the decoder's as ``initial_value``'s; elsewhere norm weights one, biases
-    and gates zero, the rest normal with std 0.02 (the cross-attention ``wo`` and ``w2``
-    scaled by depth as the decoder's)."""
+    """``region`` (default: all) of the initial value of a vision-language parameter, a pure
+    function of (name, shape, seed): the decoder's as ``initial_value``'s; elsewhere norm
+    weights one, biases and gates zero, the rest normal with std 0.02 (the cross-attention
+    ``wo`` and ``w2`` scaled by depth as the decoder's)."""
+    region = whole(shape) if region is None else region
     if name.startswith(DECODER):
-        return initial_value(name[len(DECODER) :], shape, cfg, seed)
+        return initial_value(name[len(DECODER) :], shape, cfg, seed, region)
     module = name.rsplit(".", 2)[-2] if name.count(".") else name
     if name.endswith(".weight") and "norm" in module:
-        return torch.ones(shape)
+        return torch.ones(region_shape(region))
     if name.endswith((".bias", "_gate")):
-        return torch.zeros(shape)
+        return torch.zeros(region_shape(region))
     if name.startswith("cross_attention."):
-        return initial_value(name, shape, cfg, seed)
-    return seeded_normal(name, shape, VISION_INIT_STD, seed)
+        return initial_value(name, shape, cfg, seed, region)
+    return seeded_normal(name, shape, VISION_INIT_STD, seed, region)
+
+
+def part_of(full: torch.Tensor, region: Region) -> torch.Tensor:
+    """The ``region`` of a full value (a pretrained tower's weight)."""
+    return full[tuple(slice(start, stop) for start, stop in region)]
 
 
 def build_model(cfg: ModelConfig) -> Transformer | VisionLanguageModel:

@@ -125,7 +125,7 @@ def test_materialize_keeps_tied_embeddings_tied():
 
 
 def test_initial_values_depend_on_name_and_seed_only():
-    from forge.model.transformer import initial_value
+    from forge.model.init import initial_value
 
     a = initial_value("layers.0.attention.wq.weight", (4, 4), CFG, 1)
     assert torch.equal(a, initial_value("layers.0.attention.wq.weight", (4, 4), CFG, 1))

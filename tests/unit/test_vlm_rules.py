@@ -132,7 +132,7 @@ def test_each_vision_parameter_starts_by_its_rule(name, rule):
 
 
 def test_the_decoder_starts_as_a_text_model_with_the_same_seed():
-    from forge.model.transformer import initial_value
+    from forge.model.init import initial_value
 
     for name in ("layers.0.attention.wo.weight", "tok_embeddings.weight", "norm.weight"):
         assert torch.equal(
