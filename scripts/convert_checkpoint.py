@@ -3,19 +3,25 @@
     python scripts/convert_checkpoint.py export runs/debug --out exports/debug --dtype bfloat16
     python scripts/convert_checkpoint.py import exports/debug --out ckpt/imported
 
-``export`` reads the run's newest complete checkpoint (the training resolver); ``import``
-writes a model-only forge checkpoint (``<out>/step_0``) to use as ``checkpoint.load_path``.
+``export`` reads the run's newest complete checkpoint (the training resolver) onto
+``cuda:<local rank>`` where torch sees GPUs, else the CPU (``--device``), in the checkpoint's
+dtype, and writes it in ``--dtype``; ``import`` writes a model-only forge checkpoint
+(``<out>/step_0``) to use as ``checkpoint.load_path`` (a file conversion, on the CPU). Under
+``torchrun`` every rank reads the checkpoint, rank 0 writes, and every rank exits with rank
+0's outcome.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import pathlib
 import sys
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
 from forge.checkpoint.export import (
     DTYPES,
@@ -33,9 +39,20 @@ from forge.config.toml_writer import dumps_toml
 from forge.data.shards import MANIFEST, read_manifest
 from forge.errors import UserInputError, one_line, print_errors
 from forge.model.transformer import Transformer
+from forge.model.vlm import empty_model
 from forge.optim.optimizers import evaluation_weights
 from forge.optim.param_groups import inference_optimizer
 from forge.outputs import OutputKind, output_problem, replace_output, staged_output
+from forge.parallel.devices import (
+    DeviceChoice,
+    DeviceRequest,
+    add_device_options,
+    choose_device,
+    end_script_world,
+    start_script_world,
+    stored_dtype,
+)
+from forge.parallel.world import WorldInfo, world_info
 from forge.training.run_dir import checkpoint_dir_of, load_run_config
 from forge.types import ExitCode
 
@@ -64,8 +81,18 @@ def check_output(out: pathlib.Path, kind: OutputKind, overwrite: bool) -> None:
         raise UserInputError(problem)
 
 
-def export(run_dir: pathlib.Path, out: pathlib.Path, dtype: str, overwrite: bool) -> None:
+def export(
+    run_dir: pathlib.Path,
+    out: pathlib.Path,
+    dtype: str,
+    overwrite: bool,
+    world: WorldInfo,
+    choice: DeviceChoice,
+) -> None:
+    """Write the run's newest checkpoint to ``out`` as a Hugging Face export (rank 0)."""
     require_safetensors()
+    if choice.problem is not None:
+        raise UserInputError(choice.problem)
     check_output(out, OutputKind.HF_EXPORT, overwrite)
     config = load_run_config(run_dir)
     if config.model.vlm is not None:
@@ -75,9 +102,12 @@ def export(run_dir: pathlib.Path, out: pathlib.Path, dtype: str, overwrite: bool
                 "its checkpoints serve scripts/generate.py --image and scripts/eval.py"
             ]
         )
-    model = Transformer(config.model)
+    device = start_script_world(world, choice, config.distributed.timeout_s)
+    model = empty_model(config.model, device, stored_dtype(config.train.param_dtype))
     optimizer = inference_optimizer(model, config.optimizer)
     path = load_newest_weights(checkpoint_dir_of(config, run_dir), None, model, report, optimizer)
+    if world.rank != 0:  # every rank read its part; one writes
+        return
     with evaluation_weights(optimizer), writing_to(out, OutputKind.HF_EXPORT):
         export_model(model.state_dict(), config.model, out, dtype, run_tokenizer_info(config))
     print(f"exported {path} to {out} ({dtype})")
@@ -148,16 +178,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--out", type=pathlib.Path, required=True, help="checkpoint folder to write (step_0)"
     )
     im.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    add_device_options(ex, dtype=False)
     args = parser.parse_args(argv)
+    world = world_info(os.environ)
     try:
-        if args.command == "export":
-            export(args.run_dir, args.out, args.dtype, args.overwrite)
-        else:
-            import_(args.folder, args.out, args.overwrite)
-    except UserInputError as exc:
-        print_errors(exc.lines)
+        problems = convert(args, world)
+    finally:
+        end_script_world()
+    if problems:
+        if world.rank == 0:
+            print_errors(problems)
         return ExitCode.CONFIG_ERROR
     return ExitCode.OK
+
+
+def convert(args: argparse.Namespace, world: WorldInfo) -> list[str]:
+    """Run the command; the problems that end it (rank 0's, on every rank), none if it
+    succeeded."""
+    problems: list[str] = []
+    try:
+        if args.command == "export":
+            cuda, gpus = torch.cuda.is_available(), torch.cuda.device_count()
+            choice = choose_device(args.device, cuda, gpus, world.local_rank)
+            export(args.run_dir, args.out, args.dtype, args.overwrite, world, choice)
+        else:
+            start_script_world(world, choose_device(DeviceRequest.CPU, False, 0, 0))
+            if world.rank == 0:
+                import_(args.folder, args.out, args.overwrite)
+    except UserInputError as exc:
+        problems = exc.lines
+    if dist.is_initialized():  # every rank ends with the outcome rank 0 had
+        outcome: list[object] = [problems]
+        dist.broadcast_object_list(outcome, src=0)
+        problems = list(outcome[0])  # type: ignore[arg-type]
+    return problems
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ and perplexity over every window of a prepared split (``--split validation`` of 
 by default the run's own data); for a vision-language run, over every caption of the split
 with its image (``--mismatched-images``: with the next example's image instead). Under
 ``torchrun --nproc_per_node=N`` each rank evaluates every N-th window (or caption) and the
-sums are combined, so the result is the same at any rank count.
+sums are combined, so the result is the same at any rank count. Each rank runs on
+``cuda:<local rank>`` where torch sees GPUs (NCCL between ranks), else on the CPU (gloo);
+``--device`` and ``--dtype`` override the device and the weights' dtype (default: the
+checkpoint's).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from collections.abc import Sequence
 
 import attrs
 import torch
-import torch.distributed as dist
 
 from forge.checkpoint.resume import first_loadable, load_newest_weights
 from forge.checkpoint.store import load_checkpoint
@@ -31,10 +33,19 @@ from forge.data.loader import Batch, caption_batch
 from forge.data.shards import read_manifest
 from forge.errors import UserInputError, print_errors
 from forge.model.chunked_loss import loss_spec_of
-from forge.model.vlm import build_model
+from forge.model.vlm import empty_model
 from forge.optim.optimizers import evaluation_weights
 from forge.optim.param_groups import inference_optimizer
-from forge.parallel.world import world_info
+from forge.parallel.devices import (
+    DeviceChoice,
+    add_device_options,
+    choose_device,
+    choose_dtype,
+    end_script_world,
+    start_script_world,
+    stored_dtype,
+)
+from forge.parallel.world import WorldInfo, world_info
 from forge.training.evaluate import evaluate_totals, totals_over_ranks
 from forge.training.run_dir import checkpoint_dir_of, load_run_config
 from forge.training.vlm import mismatched_images
@@ -97,11 +108,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="a vision-language run: give each caption the next example's image",
     )
+    add_device_options(parser)
     args = parser.parse_args(argv)
     world = world_info(os.environ)
-    if world.world_size > 1:
-        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    choice = choose_device(
+        args.device, torch.cuda.is_available(), torch.cuda.device_count(), world.local_rank
+    )
     try:
+        return evaluate(args, world, choice)
+    finally:
+        end_script_world()
+
+
+def evaluate(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice) -> int:
+    """The evaluation ``main`` describes, on ``choice``'s device; the exit code."""
+    try:
+        if choice.problem is not None:
+            raise UserInputError([choice.problem])
         if args.batch_size < 1:
             raise UserInputError([f"--batch-size: must be >= 1, got {args.batch_size}"])
         run_dir, checkpoint = run_dir_of(args.path)
@@ -122,7 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 [f"{data}: vocab size {manifest.vocab_size} is larger than the model's "
                  f"{config.model.vocab_size}; evaluate on data prepared with its tokenizer"]
             )  # fmt: skip
-        model = build_model(config.model)
+        device = start_script_world(world, choice, config.distributed.timeout_s)
+        dtype = choose_dtype(args.dtype, stored_dtype(config.train.param_dtype))
+        model = empty_model(config.model, device, dtype)
         optimizer = inference_optimizer(model, config.optimizer)
         if checkpoint is None:
             load_path = (
@@ -147,12 +172,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             batches = [mismatched_images(b) for b in batches]
     else:
         batches = batches_of(examples, world.rank, world.world_size, args.batch_size)
+    batches = [b.to(device) for b in batches]
     with evaluation_weights(optimizer):
         totals = evaluate_totals(model, batches, config.train.mixed_precision, loss_spec_of(config))
     # the loss and its count only: a rank without batches has no expert loads to add
-    totals = totals_over_ranks(attrs.evolve(totals, moe_loads=None), world.world_size)
-    if world.world_size > 1:
-        dist.destroy_process_group()
+    totals = totals_over_ranks(attrs.evolve(totals, moe_loads=None), world.world_size, device)
     loss, count = totals.loss_sum / totals.count, totals.count
     if world.rank == 0:
         result = {
@@ -162,6 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "tokens": int(count),
             "loss": loss,
             "perplexity": math.exp(loss),
+            "device": choice.device,
+            "dtype": str(dtype).removeprefix("torch."),
         }
         if args.json:
             print(json.dumps(result))

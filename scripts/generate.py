@@ -8,6 +8,11 @@ A vision-language run (``model.vlm``) captions an image instead (greedy unless
 ``--temperature`` is given; the prompt, if any, starts the caption)::
 
     python scripts/generate.py runs/vlm_debug --image shape.png
+
+The model runs on ``cuda:<local rank>`` where torch sees GPUs, else on the CPU, with the
+checkpoint's dtype (``--device``, ``--dtype`` to choose). Under ``torchrun
+--nproc_per_node=N`` each rank samples its own text (seed ``--seed + rank``) and rank 0 prints
+all N, in rank order.
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import pathlib
 import sys
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from forge.checkpoint.resume import load_newest_weights
 from forge.config import JobConfig
@@ -28,9 +35,18 @@ from forge.data.shards import MANIFEST, read_manifest
 from forge.data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_from_manifest
 from forge.errors import UserInputError, print_errors
 from forge.model.generate import caption, sample
-from forge.model.vlm import VisionLanguageModel, build_model
+from forge.model.vlm import VisionLanguageModel, empty_model
 from forge.optim.optimizers import evaluation_weights
 from forge.optim.param_groups import inference_optimizer
+from forge.parallel.devices import (
+    add_device_options,
+    choose_device,
+    choose_dtype,
+    end_script_world,
+    start_script_world,
+    stored_dtype,
+)
+from forge.parallel.world import world_info
 from forge.training.run_dir import checkpoint_dir_of, load_run_config
 from forge.types import ExitCode
 
@@ -165,13 +181,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--top-p", type=float, default=1.0, help="sample within this much probability (1: all)"
     )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    add_device_options(parser)
     args = parser.parse_args(argv)
+    try:
+        return generate(args)
+    finally:
+        end_script_world()
+
+
+def generate(args: argparse.Namespace) -> int:
+    """The sampling ``main`` describes; the exit code."""
+    world = world_info(os.environ)
     if args.temperature is None:
         args.temperature = 0.0 if args.image is not None else 0.8
     if args.prompt is None:
         args.prompt = "" if args.image is not None else "def "
     try:
         problems = sampling_problems(args)
+        gpus = torch.cuda.device_count()
+        choice = choose_device(args.device, torch.cuda.is_available(), gpus, world.local_rank)
+        if choice.problem is not None:
+            problems.append(choice.problem)
         if problems:
             raise UserInputError(problems)
         config = load_run_config(args.run_dir)
@@ -179,7 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             pathlib.Path(config.checkpoint.load_path) if config.checkpoint.load_path else None
         )
         image = image_problem_or_pixels(args.image, config)
-        model = build_model(config.model)
+        device = start_script_world(world, choice, config.distributed.timeout_s)
+        dtype = choose_dtype(args.dtype, stored_dtype(config.train.param_dtype))
+        model = empty_model(config.model, device, dtype)
         optimizer = inference_optimizer(model, config.optimizer)
         path = load_newest_weights(
             checkpoint_dir_of(config, args.run_dir), load_path, model, report, optimizer
@@ -192,24 +224,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UserInputError(problem)
         new_tokens = limit - len(prompt) if args.max_new_tokens is None else args.max_new_tokens
     except UserInputError as exc:
-        print_errors(exc.lines)
+        if world.rank == 0:
+            print_errors(exc.lines)
         return ExitCode.CONFIG_ERROR
     sampling = {
         "temperature": args.temperature,
         "top_k": args.top_k,
         "top_p": args.top_p,
         "stop_id": tok.eos_id,
-        "generator": torch.Generator().manual_seed(args.seed),
+        "generator": torch.Generator().manual_seed(args.seed + world.rank),
     }
     with evaluation_weights(optimizer):
         if isinstance(model, VisionLanguageModel):
             assert image is not None
             ids = caption(model, image, prompt, new_tokens, **sampling)
-            print(f"# captioned {args.image} with {path}", file=sys.stderr)
+            note = f"# captioned {args.image} with {path}"
         else:
             ids = sample(model, prompt, new_tokens, **sampling)
-            print(f"# sampled from {path}", file=sys.stderr)
-    print(tok.decode(ids))
+            note = f"# sampled from {path}"
+    texts = [tok.decode(ids)]
+    if world.world_size > 1:  # every rank's text, printed by rank 0
+        gathered: list[object] = [None] * world.world_size
+        dist.all_gather_object(gathered, texts[0])
+        texts = [str(t) for t in gathered]
+    if world.rank == 0:
+        print(note, file=sys.stderr)
+        for rank, text in enumerate(texts):
+            if len(texts) > 1:
+                print(f"# rank {rank} (seed {args.seed + rank})")
+            print(text)
     return ExitCode.OK
 
 

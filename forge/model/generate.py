@@ -37,6 +37,8 @@ def next_token(
     if temperature <= 0:
         return int(logits.argmax())
     probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)
+    if generator is not None:  # drawn where the generator lives: a seed gives one text anywhere
+        probs = probs.to(generator.device)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

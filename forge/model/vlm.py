@@ -218,3 +218,16 @@ def build_model(cfg: ModelConfig) -> Transformer | VisionLanguageModel:
 def is_vlm(model: nn.Module) -> bool:
     """Whether ``model`` (possibly FSDP-wrapped) takes images beside its tokens."""
     return isinstance(model, VisionLanguageModel)
+
+
+def empty_model(
+    cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype = torch.float32
+) -> Transformer | VisionLanguageModel:
+    """``build_model``'s model allocated on ``device`` in ``dtype`` and left uninitialised, for
+    weights about to be loaded (nothing is initialised only to be overwritten, nor built on
+    the CPU first); RoPE tables and other buffers are computed as usual, in fp32."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model.to(dtype=dtype)
+    model.materialize(device)
+    return model

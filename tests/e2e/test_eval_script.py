@@ -18,8 +18,10 @@ from forge.data.shards import read_manifest
 from forge.model.transformer import Transformer
 from forge.training.evaluate import evaluate_loss
 from tests.conftest import REPO
+from tests.e2e.test_train_script import load_script
 
 EVAL = [sys.executable, str(REPO / "scripts" / "eval.py")]
+EVAL_SCRIPT = load_script("eval")
 
 
 def evaluate(*args: str, ranks: int = 1) -> subprocess.CompletedProcess:
@@ -69,6 +71,16 @@ def test_eval_of_one_checkpoint_and_at_two_ranks_is_the_same_loss(trained):
     assert a["loss"] == pytest.approx(expected_loss(trained, 5), rel=1e-6)
 
 
+def test_bfloat16_weights_give_nearly_the_fp32_loss_and_say_so(trained):
+    done = evaluate(str(trained.ckpt / "step_5"), "--json", "--dtype", "bfloat16")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["dtype"] == "bfloat16" and result["device"] == "cpu"
+    reference = expected_loss(trained, 5)
+    assert result["loss"] == pytest.approx(reference, rel=2e-2)
+    assert result["loss"] != pytest.approx(reference, rel=1e-7)  # the weights were cast
+
+
 @pytest.mark.parametrize(
     "args,line",
     [
@@ -76,10 +88,17 @@ def test_eval_of_one_checkpoint_and_at_two_ranks_is_the_same_loss(trained):
         (["{run}", "--split", "test"], "no split 'test'; it has ['train', 'validation']"),
         (["{run}", "--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
         (["{run}", "--data", "/nonexistent/data"], "/nonexistent/data/manifest.json"),
+        pytest.param(
+            ["{run}", "--device", "cuda"],
+            "--device cuda: torch sees no GPU here",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible"),
+        ),
     ],
 )
-def test_bad_eval_input_is_one_line_exit_2(trained, args, line):
-    done = evaluate(*(a.format(run=trained.dir) for a in args))
-    assert done.returncode == 2
-    errors = done.stderr.strip().splitlines()
+def test_bad_eval_input_is_one_line_exit_2(trained, args, line, capsys):
+    code = EVAL_SCRIPT.main([a.format(run=trained.dir) for a in args])
+    assert code == 2
+    captured = capsys.readouterr()
+    errors = captured.err.strip().splitlines()
     assert len(errors) == 1 and line in errors[0], errors
+    assert captured.out == ""
