@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pathlib
 import sys
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,6 +18,29 @@ from torch.distributed.checkpoint import _async_process_executor
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import KeyPath, keystr, tree_map_with_path
+
+
+def pinned_staging(source_device: str, cuda_available: bool) -> bool:
+    """Whether a staging buffer is page-locked: for a tensor on a GPU, so that the copy out of
+    it is asynchronous and at full bandwidth (a CPU tensor's copy is a memcpy either way)."""
+    return source_device == "cuda" and cuda_available
+
+
+def host_buffer(
+    shape: torch.Size, dtype: torch.dtype, *, shared: bool, pinned: bool
+) -> torch.Tensor:
+    """A CPU buffer for staging: in shared memory with ``shared`` (torch's checkpoint process
+    reads it in place), page-locked with ``pinned`` (shared memory is registered with CUDA
+    and unregistered when the buffer is freed)."""
+    buffer = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pinned and not shared)
+    if shared:
+        buffer.share_memory_()
+        if pinned and buffer.numel() > 0:
+            cudart = torch.cuda.cudart()
+            assert cudart is not None, "pinned staging needs CUDA"
+            cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
+            weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+    return buffer
 
 
 class ReusingStager(AsyncStager):
@@ -34,15 +58,16 @@ class ReusingStager(AsyncStager):
     def __init__(self, shared: bool) -> None:
         self.shared = shared
         self._buffers: dict[str, torch.Tensor] = {}
+        self._pending_copies = False  # non-blocking device-to-host copies not yet waited for
 
     def _copy(self, key: str, source: torch.Tensor) -> torch.Tensor:
         buffer = self._buffers.get(key)
+        pinned = pinned_staging(source.device.type, torch.cuda.is_available())
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu")
-            if self.shared:
-                buffer.share_memory_()
+            buffer = host_buffer(source.shape, source.dtype, shared=self.shared, pinned=pinned)
             self._buffers[key] = buffer
-        return buffer.copy_(source.detach())
+        self._pending_copies |= pinned
+        return buffer.copy_(source.detach(), non_blocking=pinned)
 
     def _stage(self, path: KeyPath, value: Any) -> Any:
         if isinstance(value, DTensor):
@@ -60,7 +85,11 @@ class ReusingStager(AsyncStager):
         return value
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return tree_map_with_path(self._stage, state_dict)
+        staged = tree_map_with_path(self._stage, state_dict)
+        if self._pending_copies:  # the copies overlap each other; the next step waits for all
+            torch.cuda.current_stream().synchronize()
+            self._pending_copies = False
+        return staged
 
     def synchronize_staging(self) -> None:
         """Staging is synchronous: nothing to wait for."""

@@ -33,9 +33,9 @@ from forge.checkpoint.async_staging import (
 )
 from forge.checkpoint.checksum_writer import ChecksummingWriter, hashing_pool
 from forge.checkpoint.integrity import checksums_of, own_files
+from forge.checkpoint.rng import capture_rng
 from forge.checkpoint.store import (
     STATE_DICT_OPTIONS,
-    capture_rng,
     commit_checkpoint,
     single_process_dcp,
     step_dir,

@@ -16,7 +16,7 @@ import os
 import pathlib
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -38,6 +38,7 @@ from forge.checkpoint.integrity import (
     write_checksums,
 )
 from forge.checkpoint.policy import SaveSchedule, retention_plan, step_of
+from forge.checkpoint.rng import restore_rng
 from forge.checkpoint.safety import (
     UnreadableCheckpointError,
     load_tensors_safely,
@@ -103,26 +104,6 @@ def newest_complete(root: pathlib.Path) -> pathlib.Path | None:
         if is_complete(step_dir(root, step)):
             return step_dir(root, step)
     return None
-
-
-def capture_rng() -> dict[str, Any]:
-    """This process's RNG streams as tensors and plain values (loadable with weights_only)."""
-    import random
-
-    state: dict[str, Any] = {"torch_cpu": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["torch_cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    import random
-
-    torch.set_rng_state(state["torch_cpu"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "torch_cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["torch_cuda"])
 
 
 def _write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
@@ -226,9 +207,11 @@ def load_checkpoint(
     rank: int = 0,
     restore_rng_state: bool = True,
     verify: Verification = Verification.FULL,
+    say: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Load model (and optimizer) state in place, after ``check_loadable`` (``verify``: how
-    much of its bytes); returns the train state. Never unpickles code."""
+    much of its bytes); returns the train state. Never unpickles code. ``say`` gets the
+    warning when the saved GPU random state does not fit the GPUs visible now."""
     check_loadable(path, model, verify)
     if optimizer is None:
         state: dict[str, Any] = {"model": model.state_dict()}
@@ -247,7 +230,7 @@ def load_checkpoint(
         )
     rng_file = path / f"rng_rank{rank}.pt"
     if restore_rng_state and rng_file.is_file():
-        restore_rng(load_tensors_safely(rng_file))
+        restore_rng(load_tensors_safely(rng_file), say)
     return read_train_state(path)
 
 

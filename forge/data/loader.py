@@ -57,8 +57,19 @@ class Batch:
     def num_images(self) -> int:
         return 0 if self.images is None else self.images.shape[0]
 
+    def pin_memory(self) -> Batch:
+        """The same batch in page-locked host memory (as ``DataLoader(pin_memory=True)`` asks
+        of what it yields), so that the copy to a GPU is asynchronous."""
+        pinned = {
+            f.name: v.pin_memory()
+            for f in attrs.fields(Batch)
+            if isinstance(v := getattr(self, f.name), torch.Tensor)
+        }
+        return attrs.evolve(self, **pinned)
+
     def to(self, device: torch.device) -> Batch:
-        """The same batch with every tensor on ``device``."""
+        """The same batch with every tensor on ``device`` (asynchronously, from pinned
+        memory)."""
         if device.type == "cpu":
             return self
         move = {
@@ -148,9 +159,7 @@ class WindowReader(Dataset):
             batch = Batch(tokens[:, :-1], tokens[:, 1:], sources=sources, lr_scale=plan.lr_scale)
         else:
             p = pack(tokens, self.bos_id)
-            batch = Batch(
-                p.inputs, p.labels, p.positions, p.document_ids, sources, plan.lr_scale
-            )
+            batch = Batch(p.inputs, p.labels, p.positions, p.document_ids, sources, plan.lr_scale)
         return batch, plan.after
 
 
@@ -228,6 +237,7 @@ class TextLoader:
                 batch_size=None,
                 num_workers=self.num_workers,
                 collate_fn=_as_is,
+                pin_memory=pins_host_memory(self.device),  # pinned in DataLoader's own thread
             )
         )
 
@@ -235,6 +245,8 @@ class TextLoader:
         if self._stream is None:
             self._stream = self._open()
         batch, self.state = next(self._stream)
+        if self.num_workers == 0 and pins_host_memory(self.device):
+            batch = batch.pin_memory()
         return batch.to(self.device)
 
     def state_dict(self) -> dict[str, Any]:
@@ -267,6 +279,12 @@ class TextLoader:
     def rewind(self) -> None:
         """Back to the first micro-batch (the held-out loader, before each evaluation)."""
         self.load_state_dict({"micro_batch": 0, "cursors": [0] * len(self.sampling.sizes)})
+
+
+def pins_host_memory(device: torch.device) -> bool:
+    """Whether batches bound for ``device`` go through page-locked memory: for a GPU, so that
+    the host-to-device copy does not block the step (a CPU run copies nothing)."""
+    return device.type == "cuda"
 
 
 def step_batches(loader: Iterator[Batch], micro_batches: int) -> Iterator[tuple[Batch, ...]]:

@@ -160,7 +160,9 @@ def resume_run(
         if model.freezer is not None:  # the optimizer as in the last step run
             hold_checkpoint_stage(model.freezer, train_state, run.config.freeze)
         optimizer = None if verdict.fresh_optimizer else model.optimizer
-        load_checkpoint(path, model.model, optimizer, rank=dist.rank, verify=Verification.METADATA)
+        load_checkpoint(
+            path, model.model, optimizer, rank=dist.rank, verify=Verification.METADATA, say=say
+        )
         return train_state, verdict
 
     assert plan.path is not None
