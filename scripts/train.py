@@ -107,7 +107,7 @@ def train(
         outcome, state = run_training_loop(
             ckpt.initial_state,
             train_batches(data, run.config.train.grad_accum_steps),
-            guard_collectives(step),
+            guard_collectives(step, dist.rank, run.config.distributed.timeout_s),
             policy,
             effects,
             monitor,

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from forge.config.sections import Precision
-from forge.parallel.mesh import round_store
+from forge.parallel.mesh import nccl_environment, round_store
 from forge.parallel.world import WorldInfo
 
 
@@ -121,6 +121,7 @@ def start_script_world(
     if world.world_size > 1 and not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", world.master_addr)
         os.environ.setdefault("MASTER_PORT", str(world.master_port))
+        os.environ.update(nccl_environment(os.environ, timeout_s))
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=choice.backend,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,27 @@ def round_store(world: WorldInfo, timeout: datetime.timedelta) -> Store | None:
     return PrefixStore(world.store_prefix, agent)
 
 
+# the flight recorder's ring: enough for one step's collectives of a large FSDP model
+FR_ENTRIES = 2000
+
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=2, "clean up only": on a timeout the watchdog aborts the
+# communicators and leaves the process alive, so the error reaches the step as an exception
+CLEAN_UP_ONLY = "2"
+
+
+def nccl_environment(env: Mapping[str, str], timeout_s: float) -> dict[str, str]:
+    """The variables to set before the process group starts (those the user set are kept):
+    abort-not-kill error handling, the flight recorder that names a stalled collective
+    (``forge.resilience.stalls``), and a heartbeat monitor slower than the collective
+    timeout (else it kills a process whose watchdog is still waiting the timeout out)."""
+    wanted = {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": CLEAN_UP_ONLY,
+        "TORCH_FR_BUFFER_SIZE": str(FR_ENTRIES),
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(int(timeout_s) * 2 + 60),
+    }
+    return {k: v for k, v in wanted.items() if k not in env}
+
+
 def init_process_group(
     world: WorldInfo, cfg: DistributedConfig, dims: MeshDims
 ) -> DeviceMesh | None:
@@ -67,6 +89,7 @@ def init_process_group(
     os.environ.setdefault("MASTER_ADDR", world.master_addr)
     os.environ.setdefault("MASTER_PORT", str(world.master_port))
     if not dist.is_initialized():
+        os.environ.update(nccl_environment(os.environ, cfg.timeout_s))
         timeout = datetime.timedelta(seconds=cfg.timeout_s)
         dist.init_process_group(
             backend=usable_backend(cfg.backend, torch.cuda.is_available()),

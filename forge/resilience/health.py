@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
+from forge.resilience.stalls import failed_collective, flight_recorder_trace, stall_line
 from forge.types import LoopState, StepResult
 
 _MARKERS = ("Timed out", "Connection closed by peer", "Connection reset", "gloo", "NCCL")
@@ -35,8 +36,11 @@ def failed_step() -> StepResult:
 
 def guard_collectives(
     step_fn: Callable[[BatchT, LoopState], StepResult],
+    rank: int = 0,
+    timeout_s: float = 0.0,
 ) -> Callable[[BatchT, LoopState], StepResult]:
-    """``step_fn``, with a collective failure reported as ``failed_step()``."""
+    """``step_fn``, with a collective failure reported as ``failed_step()`` and one line
+    naming this rank and the collective that never completed (``stall_line``)."""
 
     def guarded(batch: BatchT, state: LoopState) -> StepResult:
         try:
@@ -44,7 +48,9 @@ def guard_collectives(
         except RuntimeError as exc:
             if not is_collective_failure(exc):
                 raise
-            print(f"[forge] collective failed in step {state.step + 1}: {exc}", file=sys.stderr)
+            pending = failed_collective(flight_recorder_trace())
+            line = stall_line(rank, state.step + 1, pending, timeout_s, str(exc))
+            print(f"[forge] error: {line}", file=sys.stderr)
             return failed_step()
 
     return guarded

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -88,6 +89,10 @@ def test_stalled_rank_ends_in_health_failure_without_hanging(tmp_path, small_cor
     assert out.returncode != 0
     assert "exitcode  : 4" in out.stderr  # HEALTH_FAILURE's exit code
     assert "HEALTH_FAILURE at step 3" in out.stdout  # step 3 timed out
+    for rank in (0, 1):  # one line each, naming the rank and the collective
+        lines = [x for x in out.stderr.splitlines() if f"[forge] error: rank {rank}:" in x]
+        assert len(lines) == 1, out.stderr[-3000:]
+        assert re.search(r"rank \d: \w+ #\d+ in step 3 failed or outlasted distributed", lines[0])
     assert elapsed < 60, elapsed
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == []
 
