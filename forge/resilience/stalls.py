@@ -82,8 +82,8 @@ def flight_recorder_trace() -> dict[str, Any]:
     """This process's flight-recorder dump, parsed (empty when it recorded nothing or this
     torch has none)."""
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
+        import torch._C._distributed_c10d as c10d
 
-        return json.loads(_dump_fr_trace_json(True, True))
+        return json.loads(c10d._dump_fr_trace_json(True, True))  # pyright: ignore[reportAttributeAccessIssue]
     except Exception:  # a diagnostic only: never a second failure on the way out
         return {}
