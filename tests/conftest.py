@@ -13,6 +13,20 @@ from forge.data.tokenizer import ByteTokenizer
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep the tests' cache (the measured CPU peak) out of the user's home: one folder per
+    session, shared by every run and script the tests start (they inherit the variable)."""
+    import atexit
+    import os
+    import shutil
+    import tempfile
+
+    if not os.environ.get("FORGE_CACHE_DIR"):
+        folder = tempfile.mkdtemp(prefix="forge-test-cache-")
+        os.environ["FORGE_CACHE_DIR"] = folder
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+
+
 def make_dataset(out: pathlib.Path, docs: dict[str, list[Document]]) -> pathlib.Path:
     write_dataset(out, {k: iter(v) for k, v in docs.items()}, ByteTokenizer(), source="test")
     return out

@@ -6,17 +6,23 @@ attention scores and their weighted sum add ``12 × n_layers × dim × seq_len``
 causal, attention, as PaLM counts it). The parameters counted are those a token passes
 through: every block, the final norm and the output projection (also when it is tied to the
 embedding), but not the embedding lookup, which is a gather.
+
+The peak MFU divides by is a datasheet figure for a known accelerator. A CPU has none: its
+peak is the best rate over a few matmul sizes and repetitions, measured once per machine,
+dtype, thread count and torch version and kept in a small JSON file in forge's cache folder
+(``forge.metrics.cpu_peak``). An MFU above 1 only says the peak was measured low: it is
+reported as 1.
 """
 
 from __future__ import annotations
 
-import functools
-import time
+import enum
 
 import attrs
 import torch
 
 from forge.config.sections import ModelConfig, Precision
+from forge.metrics.cpu_peak import MEASURE_SIZES, cpu_peak
 
 
 def feed_forward_parameters(cfg: ModelConfig, layer: int, active: bool = False) -> int:
@@ -69,68 +75,167 @@ class Peak:
     fp32: float
 
 
-# Most specific first: "H100 PCIe" and "H100 NVL" must match before "H100".
+# The longest marker contained in the device name wins: "NVIDIA H100 PCIe" is the PCIe card,
+# not the SXM one that a bare "H100" (e.g. "NVIDIA H100 80GB HBM3") stands for.
 PEAKS: tuple[Peak, ...] = (
+    Peak("H100", 989e12, 67e12),  # SXM5: "NVIDIA H100 80GB HBM3"
+    Peak("H100 SXM", 989e12, 67e12),
     Peak("H100 PCIe", 756e12, 51e12),
     Peak("H100 NVL", 835e12, 60e12),
-    Peak("H100", 989e12, 67e12),
-    Peak("H200", 989e12, 67e12),
+    Peak("H200", 989e12, 67e12),  # SXM
+    Peak("H200 NVL", 835e12, 60e12),
     Peak("H800", 989e12, 67e12),
+    Peak("H800 PCIe", 756e12, 51e12),
     Peak("GH200", 989e12, 67e12),
     Peak("B200", 2250e12, 80e12),
-    Peak("A100", 312e12, 19.5e12),
+    Peak("A100", 312e12, 19.5e12),  # 40 and 80 GB, PCIe and SXM4: the same dense peaks
+    Peak("A100-SXM4", 312e12, 19.5e12),
+    Peak("A100-PCIE", 312e12, 19.5e12),  # "NVIDIA A100-PCIE-40GB"
+    Peak("A100 80GB PCIe", 312e12, 19.5e12),
     Peak("A800", 312e12, 19.5e12),
+    Peak("L40S", 362e12, 91.6e12),
     Peak("MI300X", 1307.4e12, 163.4e12),
     Peak("MI325X", 1307.4e12, 163.4e12),
     Peak("MI300A", 980.6e12, 122.6e12),
 )
 
 
+def table_peak(device_name: str) -> Peak | None:
+    """The table row for a device name (the longest marker it contains), None if unknown."""
+    name = device_name.lower()
+    found = [p for p in PEAKS if p.marker.lower() in name]
+    return max(found, key=lambda p: len(p.marker), default=None)
+
+
 def table_peak_flops(device_name: str, dtype: Precision) -> float | None:
     """The peak FLOP/s of a known accelerator for compute in ``dtype``; None if unknown."""
-    name = device_name.lower()
-    for peak in sorted(PEAKS, key=lambda p: -len(p.marker)):  # longest marker wins
-        if peak.marker.lower() in name:
-            return peak.bf16 if dtype is Precision.BF16 else peak.fp32
-    return None
+    peak = table_peak(device_name)
+    if peak is None:
+        return None
+    return peak.bf16 if dtype is Precision.BF16 else peak.fp32
 
 
-@functools.cache
-def measured_matmul_flops(dtype: torch.dtype, size: int = 512, seconds: float = 0.05) -> float:
-    """The best FLOP/s of repeated ``size × size`` matmuls in ``dtype`` on the CPU: forge's
-    stand-in for a peak where no datasheet applies (a measurement, not a spec; once per
-    process)."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    torch.mm(a, b)  # warm-up: thread pool, kernels
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = max(best, 2 * size**3 / (time.perf_counter() - start))
-    return best
+class PeakSource(enum.Enum):
+    """Where a peak came from."""
+
+    DATASHEET = "the datasheet table"
+    CACHE = "the cache file"
+    MEASURED = "a measurement"
 
 
-def device_peak_flops(device: torch.device, dtype: Precision) -> float | None:
-    """The peak MFU is measured against: the datasheet's for a known accelerator, a measured
-    matmul peak on the CPU, None for an unknown accelerator (then no ``mfu`` is logged)."""
-    if device.type == "cuda":
-        return table_peak_flops(torch.cuda.get_device_name(device), dtype)
-    if device.type == "cpu":
-        return measured_matmul_flops(torch.bfloat16 if dtype is Precision.BF16 else torch.float32)
-    return None
+@attrs.frozen
+class PeakFlops:
+    """A peak FLOP/s and where it came from; ``detail`` names the device, the cache file, or
+    why a measurement could not be cached."""
+
+    flops: float
+    source: PeakSource
+    detail: str
+
+
+def peak_line(peak: PeakFlops | None, device_name: str) -> str:
+    """The one line a run logs about the peak its MFU is against."""
+    if peak is None:
+        return f"mfu: no peak known for {device_name!r}; tflops is logged, mfu is not"
+    rate = f"mfu peak: {peak.flops / 1e12:,.2f} TFLOP/s"
+    if peak.source is PeakSource.DATASHEET:
+        return f"{rate} from the datasheet table ({peak.detail})"
+    if peak.source is PeakSource.CACHE:
+        return f"{rate} from the cache file {peak.detail} (measured on this machine before)"
+    return f"{rate} measured now (best of {MEASURE_SIZES} matmuls); {peak.detail}"
+
+
+@attrs.frozen
+class Mfu:
+    """An MFU as reported (at most 1) and whether the achieved rate beat the peak: then the
+    peak is too low (a CPU's, measured on a loaded machine) or the FLOPs are overcounted, and
+    the figure means nothing."""
+
+    value: float
+    under_measured: bool
+
+
+def mfu_of(achieved: float, peak: float) -> Mfu:
+    """The MFU of ``achieved`` FLOP/s against a positive ``peak``, clamped at 1."""
+    ratio = achieved / peak
+    return Mfu(min(ratio, 1.0), ratio > 1.0)
+
+
+@attrs.frozen
+class Throughput:
+    """Per-device throughput of a step: tokens/s, achieved FLOP/s, MFU when a peak is known."""
+
+    tokens_per_sec_per_device: float
+    achieved: float
+    mfu: Mfu | None
+
+    def record(self) -> dict[str, float]:
+        """The metrics: ``tokens_per_sec_per_device``, ``tflops`` and (with a peak) ``mfu``."""
+        record = {"tokens_per_sec_per_device": self.tokens_per_sec_per_device}
+        record["tflops"] = self.achieved / 1e12
+        if self.mfu is not None:
+            record["mfu"] = self.mfu.value
+        return record
+
+
+def throughput(
+    tokens_per_sec: float, world_size: int, flops_per_token: float, peak: float | None
+) -> Throughput:
+    """Per-device throughput. ``tokens_per_sec`` is the whole job's; every device shares the
+    model FLOPs of every token (data parallel ranks take different tokens, TP and PP ranks
+    parts of the same ones)."""
+    per_device = tokens_per_sec / world_size
+    achieved = per_device * flops_per_token
+    mfu = mfu_of(achieved, peak) if peak is not None and peak > 0 else None
+    return Throughput(per_device, achieved, mfu)
 
 
 def throughput_record(
     tokens_per_sec: float, world_size: int, flops_per_token: float, peak: float | None
 ) -> dict[str, float]:
-    """Per-device throughput of a step: tokens/s, achieved TFLOP/s and, with a ``peak``, MFU.
+    """``throughput(...).record()``: tokens/s and TFLOP/s per device, MFU with a ``peak``."""
+    return throughput(tokens_per_sec, world_size, flops_per_token, peak).record()
 
-    ``tokens_per_sec`` is the whole job's; every device shares the model FLOPs of every token
-    (data parallel ranks take different tokens, TP and PP ranks parts of the same ones).
-    """
-    per_device = tokens_per_sec / world_size
-    achieved = per_device * flops_per_token
-    record = {"tokens_per_sec_per_device": per_device, "tflops": achieved / 1e12}
-    if peak is not None and peak > 0:
-        record["mfu"] = achieved / peak
-    return record
+
+def measured_matmul_flops(dtype: torch.dtype) -> float:
+    """The CPU peak MFU is measured against in ``dtype``: ``cpu_peak(dtype).flops``."""
+    return cpu_peak(dtype).flops
+
+
+def device_name(device: torch.device) -> str:
+    """The accelerator's name (a CUDA device's product name), else the device type."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def device_peak(device: torch.device, dtype: Precision) -> PeakFlops | None:
+    """The peak MFU is measured against: the datasheet's for a known accelerator, the cached
+    or measured matmul peak on a CPU, None for an unknown accelerator (then no ``mfu``)."""
+    if device.type == "cuda":
+        name = device_name(device)
+        flops = table_peak_flops(name, dtype)
+        return None if flops is None else PeakFlops(flops, PeakSource.DATASHEET, name)
+    if device.type == "cpu":
+        cpu = cpu_peak(torch.bfloat16 if dtype is Precision.BF16 else torch.float32)
+        return PeakFlops(
+            cpu.flops, PeakSource.CACHE if cpu.from_cache else PeakSource.MEASURED, cpu.detail
+        )
+    return None
+
+
+def device_peak_flops(device: torch.device, dtype: Precision) -> float | None:
+    """``device_peak``'s FLOP/s."""
+    peak = device_peak(device, dtype)
+    return None if peak is None else peak.flops
+
+
+def under_measured_line(peak: PeakFlops, achieved: float) -> str:
+    """The warning a run prints once when its MFU is clamped at 1."""
+    line = (
+        f"achieved {achieved / 1e12:,.2f} TFLOP/s per device is above the peak "
+        f"({peak.flops / 1e12:,.2f} TFLOP/s, from {peak.source.value}): mfu is reported as 1.0"
+    )
+    if peak.source is PeakSource.CACHE:
+        return f"{line}; the cached peak was measured low: delete {peak.detail} to measure again"
+    if peak.source is PeakSource.MEASURED:
+        return f"{line}; the peak was measured low (a loaded machine?)"
+    return f"{line}; the FLOPs per token overcount this model's work"

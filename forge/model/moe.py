@@ -27,6 +27,14 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor
 
 from forge.config.model import ModelConfig, MoeRouter
+from forge.model.expert_groups import (
+    ExpertKernel,
+    buffered_swiglu,
+    expert_kernel,
+    group_alignment,
+    padded_grouped_swiglu,
+    swiglu,
+)
 from forge.model.feed_forward import FeedForward
 
 # the columns of one MoE layer's statistics row; the per-expert loads follow them
@@ -122,9 +130,10 @@ def sort_by_expert(routing: Routing, n_experts: int, capacity: int | None) -> As
 
 
 def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes these operands: 2-D rows against a 3-D weight with
-    16-byte aligned rows, fp32 or bf16 on a CPU (bf16 only under ``torch.compile``), bf16 on
-    a Hopper-class GPU."""
+    """Whether ``torch._grouped_mm`` takes these operands without a host read: 2-D rows
+    against a 3-D weight with 16-byte aligned rows, fp32 or bf16 on a CPU (bf16 only under
+    ``torch.compile``), bf16 on a Hopper or Blackwell datacenter GPU (compute capability 9.x
+    or 10.x: elsewhere torch 2.13 runs it as a loop that reads the offsets on the host)."""
     if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
         return False
     if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
@@ -134,24 +143,30 @@ def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
         return aligned and x.dtype in (torch.float32, torch.bfloat16)
     if x.device.type == "cuda":
         major, _ = torch.cuda.get_device_capability(x.device)
-        return aligned and x.dtype == torch.bfloat16 and major >= 9
+        return aligned and x.dtype == torch.bfloat16 and major in (9, 10)
     return False
 
 
 def grouped_swiglu(
-    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    bound: int | None = None,
 ) -> torch.Tensor:
     """``w2(silu(x w1) * x w3)`` per expert, for rows ``x`` grouped by expert (``counts`` rows
-    each): one grouped GEMM per weight where supported, else one matmul per expert on its
-    contiguous slice."""
-    if grouped_mm_supported(x, w1):
-        offsets = counts.cumsum(0).to(torch.int32)
-        grouped_mm = torch._grouped_mm  # pyright: ignore[reportPrivateImportUsage]
-        gate = grouped_mm(x, w1, offs=offsets)
-        up = grouped_mm(x, w3, offs=offsets)
-        return grouped_mm(F.silu(gate) * up, w2, offs=offsets)
-    outs = [
-        (F.silu(rows @ w1[e]) * (rows @ w3[e])) @ w2[e]
+    each, at most ``bound`` per expert when known), by the kernel ``expert_kernel`` picks:
+    grouped GEMMs, fixed-capacity buffers, or one matmul per expert on its slice."""
+    device = x.device.type
+    kernel = expert_kernel(grouped_mm_supported(x, w1), device, x.shape[0], w1.shape[0], bound)
+    if kernel is ExpertKernel.GROUPED:
+        return padded_grouped_swiglu(x, counts, w1, w2, w3, group_alignment(x.dtype, device))
+    if kernel is ExpertKernel.BUFFERED:
+        assert bound is not None
+        return buffered_swiglu(x, counts, w1, w2, w3, bound)
+    outs = [  # the split sizes are read on the host: one sync per layer on a GPU
+        swiglu(rows @ w1[e], rows @ w3[e]) @ w2[e]
         for e, rows in enumerate(x.split(counts.tolist()))
     ]
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
@@ -203,8 +218,11 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.grad_scale = 1.0  # set by expert parallelism (see ``apply_ep``)
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows ``x`` grouped by (local) expert, ``counts`` per expert."""
+    def forward(
+        self, x: torch.Tensor, counts: torch.Tensor, bound: int | None = None
+    ) -> torch.Tensor:
+        """Rows ``x`` grouped by (local) expert, ``counts`` per expert, each at most ``bound``
+        (None: unknown)."""
         dtype = compute_dtype(x)
         weights = []
         for w in (self.w1, self.w2, self.w3):
@@ -212,7 +230,7 @@ class GroupedExperts(nn.Module):
             if self.grad_scale != 1.0:
                 local = _ScaleGrad.apply(local, self.grad_scale)
             weights.append(local.to(dtype))
-        return grouped_swiglu(x.to(dtype), counts, *weights)
+        return grouped_swiglu(x.to(dtype), counts, *weights, bound=bound)
 
 
 class Router(nn.Module):
@@ -270,8 +288,9 @@ class MoE(nn.Module):
         capacity = expert_capacity(flat.shape[0], self.top_k, self.n_experts, self.capacity_factor)
         chosen = sort_by_expert(routing, self.n_experts, capacity)
         rows = flat.index_select(0, chosen.tokens)  # (its backward is an index_add)
-        if self.ep_group is None:
-            out = self.experts(rows, chosen.counts)
+        if self.ep_group is None:  # a token goes to an expert once: at most all tokens each
+            bound = flat.shape[0] if capacity is None else min(capacity, flat.shape[0])
+            out = self.experts(rows, chosen.counts, bound)
         else:
             out = self.dispatched(rows, chosen.counts)
         weighted = (out.float() * chosen.weights[:, None]).to(x.dtype)

@@ -25,7 +25,15 @@ from forge.checkpoint.store import apply_retention
 from forge.config.sections import AsyncMode
 from forge.errors import CheckpointSaveError
 from forge.metrics.backends import TensorBoardSink, WandbSink
-from forge.metrics.flops import device_peak_flops, flops_per_token, throughput_record
+from forge.metrics.flops import (
+    PeakFlops,
+    device_name,
+    device_peak,
+    flops_per_token,
+    peak_line,
+    throughput,
+    under_measured_line,
+)
 from forge.metrics.memory import memory_record
 from forge.metrics.moe import moe_record
 from forge.metrics.sinks import JsonlSink, MetricsSink, console_sink, sink_failure
@@ -97,7 +105,8 @@ class TrainingEffects:
         self._mark_time = clock()
         self._mark_step = 0
         self._flops_per_token = flops_per_token(run.config.model, run.config.train.seq_len)
-        self._peak_flops: tuple[float | None] | None = None  # (peak,) after the first log
+        self._peak: tuple[PeakFlops | None] | None = None  # (peak,) after the first log
+        self._peak_warned = False  # an MFU clamped at 1 is reported once
         self._schedule = run.policy.schedule
         self._sources: SourceTotals | None = None  # a mixture's sums since the last log
         self._logged: StepResult | None = None  # the step whose sums the last log took
@@ -237,11 +246,7 @@ class TrainingEffects:
         tps = result.tokens / step_time if step_time > 0 else math.inf
         record = step_record(state, result, step_time, tps)
         if self.dist.is_main:  # only rank 0 writes metrics: the others skip the measurement
-            if self._peak_flops is None:  # looked up (or, on a CPU, measured) once
-                precision = self.run.config.train.mixed_precision
-                self._peak_flops = (device_peak_flops(self.dist.device, precision),)
-            world = self.dist.world_size
-            record |= throughput_record(tps, world, self._flops_per_token, self._peak_flops[0])
+            record |= self._throughput(tps)
             record |= memory_record(self.dist.device)
         if result.moe is not None:  # every rank holds its own statistics: summed here
             moe = result.moe
@@ -257,6 +262,25 @@ class TrainingEffects:
             )
         self._emit(record)
         self._restart_clock(state)
+
+    def _throughput(self, tokens_per_sec: float) -> dict[str, float]:
+        """Rank 0's throughput metrics. The peak is looked up (on a CPU: read from the cache
+        or measured) at the first log, which says where it came from; an MFU clamped at 1 is
+        reported once."""
+        if self._peak is None:
+            peak = device_peak(self.dist.device, self.run.config.train.mixed_precision)
+            self._peak = (peak,)
+            line = peak_line(peak, device_name(self.dist.device))
+            print(f"[forge] {line}", file=sys.stderr, flush=True)
+        peak = self._peak[0]
+        flops = None if peak is None else peak.flops
+        result = throughput(tokens_per_sec, self.dist.world_size, self._flops_per_token, flops)
+        clamped = result.mfu is not None and result.mfu.under_measured
+        if peak is not None and clamped and not self._peak_warned:
+            self._peak_warned = True
+            warning = under_measured_line(peak, result.achieved)
+            print(f"[forge] warning: {warning}", file=sys.stderr, flush=True)
+        return result.record()
 
     def evaluate(self, state: LoopState) -> None:
         loader = self.data.eval_loader

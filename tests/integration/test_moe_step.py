@@ -158,3 +158,36 @@ def test_an_injected_nan_skips_the_step_and_leaves_the_routing_statistics(chunk)
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, weights[name]), name
     assert step((batch(3),), LoopState(step=1)).finite
+
+
+@pytest.mark.parametrize("capacity", [0.0, 1.0], ids=["dropless", "capacity 1.0"])
+def test_a_step_is_the_same_whichever_expert_kernel_runs(capacity):
+    """Grouped GEMM as a CPU runs it, with groups padded to 8 rows as a GPU runs it, the
+    sync-free fixed-capacity buffers and the per-expert loop: one step, the same loss, grad
+    norm, statistics and weights."""
+    import attrs
+
+    from forge.model import moe as moe_module
+    from forge.model.expert_groups import ExpertKernel
+
+    runs = []
+    modes = [(ExpertKernel.GROUPED, 1), (ExpertKernel.GROUPED, 8), (ExpertKernel.BUFFERED, 1)]
+    for kernel, align in [*modes, (ExpertKernel.LOOP, 1)]:
+        cfg = attrs.evolve(CFG, moe_capacity_factor=capacity)
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
+        step = make_text_step(StepSpec(model, opt, NO_SCHEDULE, 1e-2, loss=SPEC, bias_rate=0.05))
+        with (
+            mock.patch.object(moe_module, "expert_kernel", lambda *_, k=kernel: k),
+            mock.patch.object(moe_module, "group_alignment", lambda *_, a=align: a),
+        ):
+            result = step((batch(1), batch(2)), LoopState())
+        runs.append((result, model.state_dict()))
+    (want, weights), others = runs[-1], runs[:-1]
+    for result, state in others:
+        assert result.loss == pytest.approx(want.loss, rel=1e-6)
+        assert result.grad_norm == pytest.approx(want.grad_norm, rel=1e-5)
+        assert result.moe == want.moe
+        for name, tensor in state.items():
+            torch.testing.assert_close(tensor, weights[name], atol=1e-6, rtol=1e-5, msg=name)
