@@ -1,0 +1,30 @@
+"""benchmarks/gpu_check.sh, the one GPU acceptance command: its CUDA tests are collected here
+and skipped with their reason, and the script says it needs a GPU (exit 2)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+
+SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the check would run")
+def test_without_a_gpu_the_check_skips_every_cuda_test_with_its_reason(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", str(SCRIPT), str(tmp_path)], capture_output=True, text=True,
+                          timeout=240, env=env, check=False)  # fmt: skip
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    log = (tmp_path / "cuda_tests.log").read_text()
+    skipped = [line for line in log.splitlines() if line.startswith("SKIPPED")]
+    assert skipped and all("needs a CUDA device" in line for line in skipped), log[-2000:]
+    count = sum(int(line.split("[")[1].split("]")[0]) for line in skipped)
+    assert f"{count} skipped" in log and count >= 30  # every CUDA test collected, none run
+    assert " passed" not in log and " failed" not in log
+    assert "no CUDA device here" in done.stderr.splitlines()[-1]
+    assert (tmp_path / "machine.txt").is_file()
