@@ -251,6 +251,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-compile", action="store_true", help="eager blocks")
     parser.add_argument("--data", default=None, help="a prepared dataset (default: prepare)")
     parser.add_argument("--timeout", type=float, default=1500.0, help="seconds per preset")
+    parser.add_argument("--log-dir", default=None, help="keep each preset's log here")
     parser.add_argument("--dry-run", action="store_true", help="validate and plan; no GPU")
     parser.add_argument("--gpus", type=int, default=1, help="with --dry-run: GPUs to plan for")
     parser.add_argument("--gpu-memory-gb", type=float, default=140.0, help="with --dry-run")
@@ -294,7 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         failures = 0
         for planned in plans:
             print(f"training {planned.name} ...", flush=True)
-            records = train(planned, gpus, pathlib.Path(tmp) / f"{planned.name}.log", args.timeout)
+            logs = pathlib.Path(args.log_dir) if args.log_dir else pathlib.Path(tmp)
+            records = train(planned, gpus, logs / f"{planned.name}.log", args.timeout)
             result = None if records is None else measured(records, args.last)
             if result is None:
                 failures += 1

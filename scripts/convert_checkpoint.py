@@ -3,12 +3,11 @@
     python scripts/convert_checkpoint.py export runs/debug --out exports/debug --dtype bfloat16
     python scripts/convert_checkpoint.py import exports/debug --out ckpt/imported
 
-``export`` reads the run's newest complete checkpoint (the training resolver) onto
-``cuda:<local rank>`` where torch sees GPUs, else the CPU (``--device``), in the checkpoint's
-dtype, and writes it in ``--dtype``; ``import`` writes a model-only forge checkpoint
-(``<out>/step_0``) to use as ``checkpoint.load_path`` (a file conversion, on the CPU). Under
-``torchrun`` every rank reads the checkpoint, rank 0 writes, and every rank exits with rank
-0's outcome.
+``export`` reads the run's newest complete checkpoint (the training resolver) on the CPU
+(``--device cuda`` or ``auto`` to read it onto a GPU), in the checkpoint's dtype, and writes it
+in ``--dtype``; ``import`` writes a model-only forge checkpoint (``<out>/step_0``) to use as
+``checkpoint.load_path``. Both are file conversions for one process: under ``torchrun`` rank 0
+converts and the other ranks exit at once.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import sys
 from collections.abc import Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 
 from forge.checkpoint.export import (
     DTYPES,
@@ -48,7 +46,6 @@ from forge.parallel.devices import (
     DeviceRequest,
     add_device_options,
     choose_device,
-    end_script_world,
     start_script_world,
     stored_dtype,
 )
@@ -82,14 +79,10 @@ def check_output(out: pathlib.Path, kind: OutputKind, overwrite: bool) -> None:
 
 
 def export(
-    run_dir: pathlib.Path,
-    out: pathlib.Path,
-    dtype: str,
-    overwrite: bool,
-    world: WorldInfo,
-    choice: DeviceChoice,
+    run_dir: pathlib.Path, out: pathlib.Path, dtype: str, overwrite: bool, choice: DeviceChoice
 ) -> None:
-    """Write the run's newest checkpoint to ``out`` as a Hugging Face export (rank 0)."""
+    """Write the run's newest checkpoint to ``out`` as a Hugging Face export, reading it onto
+    ``choice``'s device."""
     require_safetensors()
     if choice.problem is not None:
         raise UserInputError(choice.problem)
@@ -102,12 +95,10 @@ def export(
                 "its checkpoints serve scripts/generate.py --image and scripts/eval.py"
             ]
         )
-    device = start_script_world(world, choice, config.distributed.timeout_s)
+    device = start_script_world(WorldInfo(), choice)  # one process reads: no group
     model = empty_model(config.model, device, stored_dtype(config.train.param_dtype))
     optimizer = inference_optimizer(model, config.optimizer)
     path = load_newest_weights(checkpoint_dir_of(config, run_dir), None, model, report, optimizer)
-    if world.rank != 0:  # every rank read its part; one writes
-        return
     with evaluation_weights(optimizer), writing_to(out, OutputKind.HF_EXPORT):
         export_model(model.state_dict(), config.model, out, dtype, run_tokenizer_info(config))
     print(f"exported {path} to {out} ({dtype})")
@@ -178,40 +169,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--out", type=pathlib.Path, required=True, help="checkpoint folder to write (step_0)"
     )
     im.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    add_device_options(ex, dtype=False)
+    add_device_options(ex, dtype=False, default=DeviceRequest.CPU)
     args = parser.parse_args(argv)
-    world = world_info(os.environ)
-    try:
-        problems = convert(args, world)
-    finally:
-        end_script_world()
+    problems = convert(args, world_info(os.environ))
     if problems:
-        if world.rank == 0:
-            print_errors(problems)
+        print_errors(problems)
         return ExitCode.CONFIG_ERROR
     return ExitCode.OK
 
 
 def convert(args: argparse.Namespace, world: WorldInfo) -> list[str]:
-    """Run the command; the problems that end it (rank 0's, on every rank), none if it
-    succeeded."""
-    problems: list[str] = []
+    """Run the command on rank 0 (a file conversion needs one process; under torchrun the
+    other ranks check nothing and exit); the problems that end it, none if it succeeded."""
+    if world.rank != 0:
+        return []
     try:
         if args.command == "export":
             cuda, gpus = torch.cuda.is_available(), torch.cuda.device_count()
             choice = choose_device(args.device, cuda, gpus, world.local_rank)
-            export(args.run_dir, args.out, args.dtype, args.overwrite, world, choice)
+            export(args.run_dir, args.out, args.dtype, args.overwrite, choice)
         else:
-            start_script_world(world, choose_device(DeviceRequest.CPU, False, 0, 0))
-            if world.rank == 0:
-                import_(args.folder, args.out, args.overwrite)
+            import_(args.folder, args.out, args.overwrite)
     except UserInputError as exc:
-        problems = exc.lines
-    if dist.is_initialized():  # every rank ends with the outcome rank 0 had
-        outcome: list[object] = [problems]
-        dist.broadcast_object_list(outcome, src=0)
-        problems = list(outcome[0])  # type: ignore[arg-type]
-    return problems
+        return exc.lines
+    return []
 
 
 if __name__ == "__main__":

@@ -27,11 +27,13 @@ import torch
 
 from forge.checkpoint.resume import first_loadable, load_newest_weights
 from forge.checkpoint.store import load_checkpoint
+from forge.config import Precision
 from forge.data.dataset import open_windows
 from forge.data.image_text import ImageCaptions, open_image_captions
 from forge.data.loader import Batch, caption_batch
 from forge.data.shards import read_manifest
 from forge.errors import UserInputError, print_errors
+from forge.model.attention import runnable_here
 from forge.model.chunked_loss import loss_spec_of
 from forge.model.vlm import empty_model
 from forge.optim.optimizers import evaluation_weights
@@ -147,7 +149,8 @@ def evaluate(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice) -
             )  # fmt: skip
         device = start_script_world(world, choice, config.distributed.timeout_s)
         dtype = choose_dtype(args.dtype, stored_dtype(config.train.param_dtype))
-        model = empty_model(config.model, device, dtype)
+        bf16 = dtype is torch.bfloat16 or config.train.mixed_precision is Precision.BF16
+        model = empty_model(runnable_here(config.model, device.type, bf16), device, dtype)
         optimizer = inference_optimizer(model, config.optimizer)
         if checkpoint is None:
             load_path = (
@@ -163,7 +166,7 @@ def evaluate(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice) -
                 report,
             )
     except UserInputError as exc:
-        if world.rank == 0:
+        if world.rank == 0 or choice.problem is not None:  # a rank of its own: it says so
             print_errors(exc.lines)
         return ExitCode.CONFIG_ERROR
     if isinstance(examples, ImageCaptions):
@@ -172,9 +175,10 @@ def evaluate(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice) -
             batches = [mismatched_images(b) for b in batches]
     else:
         batches = batches_of(examples, world.rank, world.world_size, args.batch_size)
-    batches = [b.to(device) for b in batches]
     with evaluation_weights(optimizer):
-        totals = evaluate_totals(model, batches, config.train.mixed_precision, loss_spec_of(config))
+        on_device = (b.to(device) for b in batches)  # one batch on the device at a time
+        precision, loss = config.train.mixed_precision, loss_spec_of(config)
+        totals = evaluate_totals(model, on_device, precision, loss)
     # the loss and its count only: a rank without batches has no expert loads to add
     totals = totals_over_ranks(attrs.evolve(totals, moe_loads=None), world.world_size, device)
     loss, count = totals.loss_sum / totals.count, totals.count

@@ -12,7 +12,7 @@ A vision-language run (``model.vlm``) captions an image instead (greedy unless
 The model runs on ``cuda:<local rank>`` where torch sees GPUs, else on the CPU, with the
 checkpoint's dtype (``--device``, ``--dtype`` to choose). Under ``torchrun
 --nproc_per_node=N`` each rank samples its own text (seed ``--seed + rank``) and rank 0 prints
-all N, in rank order.
+all N, in rank order (greedy decoding, at temperature 0, gives one text: printed once).
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ import torch
 import torch.distributed as dist
 
 from forge.checkpoint.resume import load_newest_weights
-from forge.config import JobConfig
+from forge.config import JobConfig, Precision
 from forge.data.image_text import load_image
 from forge.data.shards import MANIFEST, read_manifest
 from forge.data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_from_manifest
 from forge.errors import UserInputError, print_errors
+from forge.model.attention import runnable_here
 from forge.model.generate import caption, sample
 from forge.model.vlm import VisionLanguageModel, empty_model
 from forge.optim.optimizers import evaluation_weights
@@ -196,10 +197,10 @@ def generate(args: argparse.Namespace) -> int:
         args.temperature = 0.0 if args.image is not None else 0.8
     if args.prompt is None:
         args.prompt = "" if args.image is not None else "def "
+    gpus = torch.cuda.device_count()
+    choice = choose_device(args.device, torch.cuda.is_available(), gpus, world.local_rank)
     try:
         problems = sampling_problems(args)
-        gpus = torch.cuda.device_count()
-        choice = choose_device(args.device, torch.cuda.is_available(), gpus, world.local_rank)
         if choice.problem is not None:
             problems.append(choice.problem)
         if problems:
@@ -211,7 +212,8 @@ def generate(args: argparse.Namespace) -> int:
         image = image_problem_or_pixels(args.image, config)
         device = start_script_world(world, choice, config.distributed.timeout_s)
         dtype = choose_dtype(args.dtype, stored_dtype(config.train.param_dtype))
-        model = empty_model(config.model, device, dtype)
+        bf16 = dtype is torch.bfloat16 or config.train.mixed_precision is Precision.BF16
+        model = empty_model(runnable_here(config.model, device.type, bf16), device, dtype)
         optimizer = inference_optimizer(model, config.optimizer)
         path = load_newest_weights(
             checkpoint_dir_of(config, args.run_dir), load_path, model, report, optimizer
@@ -224,7 +226,7 @@ def generate(args: argparse.Namespace) -> int:
             raise UserInputError(problem)
         new_tokens = limit - len(prompt) if args.max_new_tokens is None else args.max_new_tokens
     except UserInputError as exc:
-        if world.rank == 0:
+        if world.rank == 0 or choice.problem is not None:  # a rank of its own: it says so
             print_errors(exc.lines)
         return ExitCode.CONFIG_ERROR
     sampling = {
@@ -243,7 +245,7 @@ def generate(args: argparse.Namespace) -> int:
             ids = sample(model, prompt, new_tokens, **sampling)
             note = f"# sampled from {path}"
     texts = [tok.decode(ids)]
-    if world.world_size > 1:  # every rank's text, printed by rank 0
+    if world.world_size > 1 and args.temperature > 0:  # every rank's text, printed by rank 0
         gathered: list[object] = [None] * world.world_size
         dist.all_gather_object(gathered, texts[0])
         texts = [str(t) for t in gathered]

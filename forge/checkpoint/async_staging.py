@@ -36,11 +36,23 @@ def host_buffer(
     if shared:
         buffer.share_memory_()
         if pinned and buffer.numel() > 0:
-            cudart = torch.cuda.cudart()
-            assert cudart is not None, "pinned staging needs CUDA"
-            cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
-            weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+            register_with_cuda(buffer)
     return buffer
+
+
+def register_with_cuda(buffer: torch.Tensor) -> bool:
+    """Page-lock ``buffer``'s memory for CUDA (unregistered when it is freed); False, the
+    buffer left pageable, where the system refuses (a memlock limit, a sandbox)."""
+    cudart = torch.cuda.cudart()
+    assert cudart is not None, "pinned staging needs CUDA"
+    size = buffer.numel() * buffer.element_size()
+    if int(cudart.cudaHostRegister(buffer.data_ptr(), size, 1)) != 0:  # 1: portable, as torch's
+        clear = getattr(cudart, "cudaGetLastError", None)
+        if clear is not None:  # else a later kernel launch's check reports this error
+            clear()
+        return False
+    weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+    return True
 
 
 class ReusingStager(AsyncStager):
@@ -59,6 +71,7 @@ class ReusingStager(AsyncStager):
         self.shared = shared
         self._buffers: dict[str, torch.Tensor] = {}
         self._pending_copies = False  # non-blocking device-to-host copies not yet waited for
+        self._said_unpinned = False  # a refused page-lock is reported once
 
     def _copy(self, key: str, source: torch.Tensor) -> torch.Tensor:
         buffer = self._buffers.get(key)
@@ -66,6 +79,13 @@ class ReusingStager(AsyncStager):
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
             buffer = host_buffer(source.shape, source.dtype, shared=self.shared, pinned=pinned)
             self._buffers[key] = buffer
+            if pinned and buffer.numel() and not buffer.is_pinned() and not self._said_unpinned:
+                self._said_unpinned = True
+                print(
+                    "[forge] warning: the system refused to page-lock the checkpoint staging "
+                    "buffers (a memlock limit?): saves stage through pageable memory, slower",
+                    file=sys.stderr,
+                )
         self._pending_copies |= pinned
         return buffer.copy_(source.detach(), non_blocking=pinned)
 
@@ -85,6 +105,7 @@ class ReusingStager(AsyncStager):
         return value
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A private CPU copy of ``state_dict``'s tensors, complete when this returns."""
         staged = tree_map_with_path(self._stage, state_dict)
         if self._pending_copies:  # the copies overlap each other; the next step waits for all
             torch.cuda.current_stream().synchronize()

@@ -156,6 +156,11 @@ def export_problem(cfg: ModelConfig) -> str | None:
             "model.qk_norm: transformers' LlamaForCausalLM has no query/key norms, so this "
             "model has no Llama export; train without qk_norm to export it"
         )
+    if cfg.sliding_window:
+        return (
+            f"model.sliding_window={cfg.sliding_window}: LlamaForCausalLM attends to the whole "
+            "context, so this model has no Llama export; train without a window to export it"
+        )
     if not cfg.moe:
         return None
     if cfg.moe_router is not MoeRouter.SOFTMAX:

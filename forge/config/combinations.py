@@ -41,7 +41,24 @@ def cross_section_problems(config: JobConfig) -> list[Problem]:
                 "ids); set one of them off",
             )
         )
-    if config.checkpoint.export_final and config.model.qk_norm:
+    p += export_problems(config)
+    window = config.checkpoint.dyn_ckpt_window
+    if window is not None and window.start > config.train.max_steps:
+        p.append(
+            (
+                "checkpoint.dyn_ckpt_window.start",
+                f"is past train.max_steps={config.train.max_steps}; no milestone would fire",
+            )
+        )
+    return p
+
+
+def export_problems(config: JobConfig) -> list[Problem]:
+    """``checkpoint.export_final`` of a model the Llama export cannot hold."""
+    if not config.checkpoint.export_final:
+        return []
+    p: list[Problem] = []
+    if config.model.qk_norm:
         p.append(
             (
                 "checkpoint.export_final",
@@ -49,12 +66,12 @@ def cross_section_problems(config: JobConfig) -> list[Problem]:
                 "set one of them off",
             )
         )
-    window = config.checkpoint.dyn_ckpt_window
-    if window is not None and window.start > config.train.max_steps:
+    if config.model.sliding_window:
         p.append(
             (
-                "checkpoint.dyn_ckpt_window.start",
-                f"is past train.max_steps={config.train.max_steps}; no milestone would fire",
+                "checkpoint.export_final",
+                "model.sliding_window has no Llama export (LlamaForCausalLM attends to the "
+                "whole context); set one of them off",
             )
         )
     return p

@@ -20,6 +20,17 @@ class MoeRouter(enum.Enum):
     SIGMOID = "sigmoid"
 
 
+class AttentionBackend(enum.Enum):
+    """``model.attention``: which kernel computes self-attention (docs/configuration.md).
+    Every choice computes the same function; they differ in speed, memory and where they run
+    (``forge.model.attention.choose_backend`` resolves ``auto`` per device and batch)."""
+
+    AUTO = "auto"
+    SDPA = "sdpa"  # scaled_dot_product_attention: causal, per document, or a dense mask
+    FLEX = "flex"  # FlexAttention with a block mask (a CPU runs its forward only)
+    VARLEN = "varlen"  # torch's varlen_attn (flash attention): CUDA, bf16/fp16 only
+
+
 @attrs.frozen
 class ModelConfig:
     """A Llama-style decoder. ``n_kv_heads`` < ``n_heads`` gives grouped-query attention."""
@@ -37,6 +48,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     qk_norm: bool = False  # RMSNorm on each head's query and key (OLMo-2 / Qwen-3 style)
+    attention: AttentionBackend = AttentionBackend.AUTO
+    sliding_window: int = 0  # each query sees its last this-many keys (itself included); 0: off
     # Mixture of experts (docs/moe.md): 0 experts = every block dense
     moe_num_experts: int = 0
     moe_top_k: int = 2  # experts each token goes through
@@ -95,6 +108,7 @@ class ModelConfig:
         p: list[Problem] = []
         p += self.moe_problems()
         p += self.vlm_problems()
+        p += self.attention_problems()
         for key in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
             positive(p, f"model.{key}", getattr(self, key))
         positive(p, "model.norm_eps", self.norm_eps)
@@ -131,6 +145,31 @@ class ModelConfig:
                     "model.vlm",
                     "a vision-language model with mixture-of-experts blocks is not supported "
                     "yet; set model.moe_num_experts=0",
+                )
+            )
+        return p
+
+    def attention_problems(self) -> list[Problem]:
+        """``model.attention`` and ``model.sliding_window``: a window is a count of keys; a
+        vision-language decoder has its own image-prefix mask, computed by SDPA only."""
+        p: list[Problem] = []
+        non_negative(p, "model.sliding_window", self.sliding_window)
+        if self.vlm is None:
+            return p
+        if self.attention not in (AttentionBackend.AUTO, AttentionBackend.SDPA):
+            p.append(
+                (
+                    "model.attention",
+                    f"'{self.attention.value}' is not supported with model.vlm (its decoder "
+                    "masks the image prefix with SDPA); set model.attention='auto'",
+                )
+            )
+        if self.sliding_window:
+            p.append(
+                (
+                    "model.sliding_window",
+                    "is not supported with model.vlm (its image-prefix mask has no window); "
+                    "set it to 0",
                 )
             )
         return p

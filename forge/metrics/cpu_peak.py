@@ -161,6 +161,22 @@ def write_cached_peak(path: pathlib.Path, key: str, flops: float) -> str | None:
     return None
 
 
+def raise_cached_peak(dtype: torch.dtype, flops: float) -> str | None:
+    """Record ``flops`` as this CPU's peak in ``dtype`` where it beats the cached one (a run
+    achieved more than a measurement on a loaded machine found): later runs start from it.
+    None when recorded (or nothing to raise), else why not."""
+    try:
+        folder = cache_dir(os.environ, pathlib.Path.home())
+    except (RuntimeError, KeyError):
+        return "no home folder"
+    if folder is None:
+        return "no cache folder"
+    path, key = folder / CACHE_FILE, this_machine_key(dtype, torch.get_num_threads())
+    if cached_peaks(path).get(key, 0.0) >= flops:
+        return None
+    return write_cached_peak(path, key, flops)
+
+
 @attrs.frozen
 class CpuPeak:
     """A CPU's matmul peak FLOP/s, whether it came from the cache file, and what to say about

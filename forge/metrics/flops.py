@@ -22,7 +22,7 @@ import attrs
 import torch
 
 from forge.config.sections import ModelConfig, Precision
-from forge.metrics.cpu_peak import MEASURE_SIZES, cpu_peak
+from forge.metrics.cpu_peak import MEASURE_SIZES, cpu_peak, raise_cached_peak
 
 
 def feed_forward_parameters(cfg: ModelConfig, layer: int, active: bool = False) -> int:
@@ -142,7 +142,8 @@ def peak_line(peak: PeakFlops | None, device_name: str) -> str:
         return f"{rate} from the datasheet table ({peak.detail})"
     if peak.source is PeakSource.CACHE:
         return f"{rate} from the cache file {peak.detail} (measured on this machine before)"
-    return f"{rate} measured now (best of {MEASURE_SIZES} matmuls); {peak.detail}"
+    sizes = ", ".join(str(n) for n in MEASURE_SIZES)
+    return f"{rate} measured now (the best of {sizes}-square matmuls); {peak.detail}"
 
 
 @attrs.frozen
@@ -222,6 +223,13 @@ def device_peak(device: torch.device, dtype: Precision) -> PeakFlops | None:
     return None
 
 
+def raise_cpu_peak(precision: Precision, achieved: float) -> str | None:
+    """Cache ``achieved`` as this CPU's peak for compute in ``precision`` where it beats the
+    cached one (``raise_cached_peak``)."""
+    dtype = torch.bfloat16 if precision is Precision.BF16 else torch.float32
+    return raise_cached_peak(dtype, achieved)
+
+
 def device_peak_flops(device: torch.device, dtype: Precision) -> float | None:
     """``device_peak``'s FLOP/s."""
     peak = device_peak(device, dtype)
@@ -234,8 +242,9 @@ def under_measured_line(peak: PeakFlops, achieved: float) -> str:
         f"achieved {achieved / 1e12:,.2f} TFLOP/s per device is above the peak "
         f"({peak.flops / 1e12:,.2f} TFLOP/s, from {peak.source.value}): mfu is reported as 1.0"
     )
-    if peak.source is PeakSource.CACHE:
-        return f"{line}; the cached peak was measured low: delete {peak.detail} to measure again"
-    if peak.source is PeakSource.MEASURED:
-        return f"{line}; the peak was measured low (a loaded machine?)"
+    if peak.source in (PeakSource.CACHE, PeakSource.MEASURED):
+        return (
+            f"{line}; the peak was measured low (a loaded machine?): the achieved rate is "
+            "cached as this CPU's peak for later runs"
+        )
     return f"{line}; the FLOPs per token overcount this model's work"

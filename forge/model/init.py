@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from forge.config.sections import ModelConfig
 
@@ -118,12 +119,13 @@ def initial_value(
 
 def local_region(p: torch.Tensor) -> Region | None:
     """The part of the full value that ``p`` holds on this rank: all of it for a plain
-    tensor, its shard for a DTensor sharded by plain ``Shard`` / ``Replicate`` placements;
-    None for any other layout (a strided or partial placement), which then builds the full
+    tensor, its shard for a DTensor of ``Shard`` / ``Replicate`` placements and the strided
+    shard FSDP2 puts over a TP shard (FSDP×TP: a data-parallel chunk of the TP chunk, one
+    rectangle); None for any other layout (a partial placement), which then builds the full
     value and keeps its shard."""
     if not isinstance(p, DTensor):
         return whole(tuple(p.shape))
-    if any(type(pl) not in (Shard, Replicate) for pl in p.placements):
+    if any(type(pl) not in (Shard, Replicate, _StridedShard) for pl in p.placements):
         return None
     shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     if tuple(shape) != tuple(p.to_local().shape):  # a layout the offsets do not describe

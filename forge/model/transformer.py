@@ -11,10 +11,11 @@ import functools
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from forge.config.sections import ModelConfig
+from forge.model.attention import AttentionMask, Backend, attend, attention_mask, choose_backend
+from forge.model.attention import document_attention_mask as document_attention_mask
 from forge.model.chunked_loss import LossSpec, chunked_lm_loss
 from forge.model.feed_forward import FeedForward
 from forge.model.init import fill_, initial_value
@@ -34,14 +35,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
     return out.type_as(x)
-
-
-def document_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean ``(B, 1, T, T)`` from ``(B, T)`` ids: causal and within one document."""
-    t = document_ids.shape[-1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=document_ids.device).tril()
-    same = document_ids[:, :, None] == document_ids[:, None, :]
-    return (same & causal)[:, None]
 
 
 class KVCache:
@@ -85,6 +78,7 @@ class Attention(nn.Module):
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.kv_heads
         self.head_dim = cfg.dim // cfg.n_heads
+        self.sliding_window = cfg.sliding_window
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
@@ -98,11 +92,13 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        mask: AttentionMask = None,
         cache: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
-        """``cache``: this layer's key and value buffers and how many positions they hold;
-        the new keys and values are written after those and attention covers them all."""
+        """``mask``: what ``forge.model.attention.attention_mask`` built for this forward
+        (None: causal). ``cache``: this layer's key and value buffers and how many positions
+        they hold; the new keys and values are written after those and attention covers them
+        all."""
         b, t, _ = x.shape
         if cos.dim() == 2:  # one table for every row: t is the full length even under SP
             cos, sin = cos[:t], sin[:t]
@@ -121,12 +117,12 @@ class Attention(nn.Module):
             values[:, :, start : start + t] = v
             k, v = keys[:, :, : start + t], values[:, :, : start + t]
             if start > 0:  # query i sits at position start + i: it sees keys up to there
-                visible = torch.arange(start + t, device=x.device)
-                mask = visible[None, :] <= (start + torch.arange(t, device=x.device))[:, None]
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:  # packed documents: causal within each document only
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+                visible = torch.arange(start + t, device=x.device)[None, :]
+                query = (start + torch.arange(t, device=x.device))[:, None]
+                mask = visible <= query
+                if self.sliding_window:
+                    mask = mask & (query - visible < self.sliding_window)
+        out = attend(q, k, v, mask, gqa)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -152,7 +148,7 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        mask: AttentionMask = None,
         cache: tuple[torch.Tensor, torch.Tensor, int] | None = None,
         moe_stats: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -281,11 +277,10 @@ class Transformer(nn.Module):
         usual. With a ``cache`` (generation), ``tokens`` continue the cached positions.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin, mask = self.rope_cos, self.rope_sin, None
+        cos, sin = self.rope_cos, self.rope_sin
         if positions is not None:  # (B, 1, T, D/2): one table per row, broadcast over heads
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-        if document_ids is not None:
-            mask = document_attention_mask(document_ids)
+        mask = self.attention_mask(h.device, tuple(tokens.shape[:2]), document_ids, cache)
         if self.cfg.moe and moe_stats is None:
             moe_stats = empty_stats(self.cfg, h.device)
         start = 0
@@ -309,6 +304,23 @@ class Transformer(nn.Module):
             cache.length += tokens.shape[1]
         out = self.head(h, labels, loss)
         return out if moe_stats is None else with_moe_stats(out, moe_stats)
+
+    def attention_mask(
+        self,
+        device: torch.device,
+        shape: tuple[int, ...],
+        document_ids: torch.Tensor | None,
+        cache: KVCache | None,
+    ) -> AttentionMask:
+        """The attention mask every layer of this forward shares (``forge.model.attention``):
+        built once here, never per layer. Generation (a ``cache``) always runs SDPA."""
+        window = self.cfg.sliding_window
+        packed = document_ids is not None
+        backend = choose_backend(device.type, packed, self.cfg.attention, window)
+        if cache is not None:
+            backend = Backend.DENSE_MASK if window else Backend.CAUSAL
+        b, t = shape
+        return attention_mask(backend, document_ids, (b, t), window, device)
 
     def head(self, h: torch.Tensor, labels: torch.Tensor | None, loss: LossSpec | None) -> Any:
         """The final norm and output projection (or the chunked loss), where this stage has

@@ -152,10 +152,15 @@ class HFVisionTower(nn.Module):
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
-        """The normalisation constants again (after ``to_empty`` from the meta device)."""
+        """The normalisation constants and the tower's position ids again (after ``to_empty``
+        from the meta device: neither is in a checkpoint, both are non-persistent)."""
         mean, std = processor_stats(self.path)
         self.mean.copy_(torch.tensor(mean).view(1, 3, 1, 1))
         self.std.copy_(torch.tensor(std).view(1, 3, 1, 1))
+        for name, buffer in self.model.named_buffers():
+            if name.endswith("position_ids"):  # SigLIP's and CLIP's: 0 .. positions - 1
+                positions = torch.arange(buffer.shape[-1], device=buffer.device)
+                buffer.copy_(positions.expand_as(buffer))
 
 
 def processor_stats(path: pathlib.Path) -> tuple[list[float], list[float]]:

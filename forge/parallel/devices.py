@@ -12,6 +12,7 @@ import argparse
 import datetime
 import enum
 import os
+from collections.abc import Callable
 
 import attrs
 import torch
@@ -39,6 +40,11 @@ class DtypeRequest(enum.Enum):
     AUTO = "auto"
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
+
+    @classmethod
+    def _missing_(cls, value: object) -> DtypeRequest | None:
+        # the config's spelling of the same dtypes (train.param_dtype = "bf16")
+        return {"fp32": cls.FLOAT32, "bf16": cls.BFLOAT16}.get(str(value).lower())
 
     def __str__(self) -> str:  # as --help shows the default
         return self.value
@@ -85,14 +91,31 @@ def stored_dtype(param_dtype: Precision) -> torch.dtype:
     return torch.bfloat16 if param_dtype is Precision.BF16 else torch.float32
 
 
-def add_device_options(parser: argparse.ArgumentParser, dtype: bool = True) -> None:
+def request_parser(cls: type[enum.Enum]) -> Callable[[str], enum.Enum]:
+    """An argparse ``type`` for ``cls``: its value (any case), else one line naming them."""
+
+    def parse(text: str) -> enum.Enum:
+        try:
+            return cls(text.lower())
+        except ValueError:
+            names = ", ".join(str(member.value) for member in cls)
+            raise argparse.ArgumentTypeError(f"{text!r}: choose one of {names}") from None
+
+    return parse
+
+
+def add_device_options(
+    parser: argparse.ArgumentParser,
+    dtype: bool = True,
+    default: DeviceRequest = DeviceRequest.AUTO,
+) -> None:
     """``--device`` and (with ``dtype``) ``--dtype``, as the scripts beside training take
     them (an export has a ``--dtype`` of its own: the written weights')."""
     parser.add_argument(
         "--device",
-        type=DeviceRequest,
+        type=request_parser(DeviceRequest),
         choices=list(DeviceRequest),
-        default=DeviceRequest.AUTO,
+        default=default,
         metavar="{" + ",".join(r.value for r in DeviceRequest) + "}",
         help="auto: cuda:<local rank> where torch sees GPUs (NCCL between ranks), else the CPU",
     )
@@ -100,7 +123,7 @@ def add_device_options(parser: argparse.ArgumentParser, dtype: bool = True) -> N
         return
     parser.add_argument(
         "--dtype",
-        type=DtypeRequest,
+        type=request_parser(DtypeRequest),
         choices=list(DtypeRequest),
         default=DtypeRequest.AUTO,
         metavar="{" + ",".join(r.value for r in DtypeRequest) + "}",

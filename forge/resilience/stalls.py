@@ -7,7 +7,7 @@ process), so that the
 step's next collective raises instead of the watchdog ending the process. Either way the step
 becomes a health failure (``forge.resilience.health``) and the run ends HEALTH_FAILURE
 (exit 4). torch's flight recorder (``TORCH_FR_BUFFER_SIZE``) keeps the last collectives of
-every group; the first one not completed is the one the line names (``pending_collective``).
+every group; the first one not completed is the one the line names (``failed_collective``).
 """
 
 from __future__ import annotations
@@ -79,11 +79,16 @@ def stall_line(
 
 
 def flight_recorder_trace() -> dict[str, Any]:
-    """This process's flight-recorder dump, parsed (empty when it recorded nothing or this
-    torch has none)."""
-    try:
-        import torch._C._distributed_c10d as c10d
+    """This process's flight-recorder dump, parsed: NCCL's own recorder where this torch has
+    NCCL and it recorded anything (a CUDA build), else the one gloo records into; empty when
+    neither recorded anything."""
+    import torch._C._distributed_c10d as c10d
 
-        return json.loads(c10d._dump_fr_trace_json(True, True))  # pyright: ignore[reportAttributeAccessIssue]
-    except Exception:  # a diagnostic only: never a second failure on the way out
-        return {}
+    for dump in ("_dump_nccl_trace_json", "_dump_fr_trace_json"):
+        try:
+            trace = json.loads(getattr(c10d, dump)(True, False))  # collectives, not only active
+        except Exception:  # a diagnostic only: never a second failure on the way out
+            continue
+        if trace.get("entries"):
+            return trace
+    return {}

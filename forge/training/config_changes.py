@@ -72,6 +72,7 @@ KEY_GROUPS: dict[str, ChangeGroup] = {
     "train.activation_checkpointing": G.FREE,
     "train.compile": G.FREE,
     "train.z_loss_weight": G.NUMERICS,
+    "model.attention": G.NUMERICS,  # another kernel for the same function (identity.KERNELS)
     "train.loss_chunk_size": G.FREE,
     "optimizer.name": G.OPTIMIZER_STATE,
     "optimizer.lr": G.SCHEDULE,

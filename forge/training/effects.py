@@ -27,10 +27,12 @@ from forge.errors import CheckpointSaveError
 from forge.metrics.backends import TensorBoardSink, WandbSink
 from forge.metrics.flops import (
     PeakFlops,
+    PeakSource,
     device_name,
     device_peak,
     flops_per_token,
     peak_line,
+    raise_cpu_peak,
     throughput,
     under_measured_line,
 )
@@ -280,6 +282,8 @@ class TrainingEffects:
             self._peak_warned = True
             warning = under_measured_line(peak, result.achieved)
             print(f"[forge] warning: {warning}", file=sys.stderr, flush=True)
+            if peak.source is not PeakSource.DATASHEET:  # a CPU's: later runs start from it
+                raise_cpu_peak(self.run.config.train.mixed_precision, result.achieved)
         return result.record()
 
     def evaluate(self, state: LoopState) -> None:

@@ -3,6 +3,8 @@ over ranks: what the loop's ``evaluate`` effect and ``scripts/eval.py`` report."
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
 import torch
 import torch.distributed as torch_dist
@@ -37,7 +39,10 @@ class EvalTotals:
 
 @torch.no_grad()
 def evaluate_totals(
-    model: nn.Module, batches: list[Batch], precision: Precision, loss_spec: LossSpec = PLAIN_LOSS
+    model: nn.Module,
+    batches: Iterable[Batch],
+    precision: Precision,
+    loss_spec: LossSpec = PLAIN_LOSS,
 ) -> EvalTotals:
     """``EvalTotals`` over ``batches`` in eval mode (sums, so that ranks combine them into
     the mean over the union of their batches)."""

@@ -50,6 +50,11 @@ def _plain(value: Any) -> Any:
     return value
 
 
+# model keys that choose how the model is computed, not what it computes: a resume may
+# change them (``config_changes`` groups them with the numerics)
+KERNELS = frozenset({"attention"})
+
+
 def run_identity(
     config: JobConfig, dp_size: int | None, fingerprints: Sequence[str] | None = None
 ) -> dict[str, Any]:
@@ -64,6 +69,7 @@ def run_identity(
     identity: dict[str, Any] = {
         f"model.{f.name}": _plain(getattr(config.model, f.name))
         for f in attrs.fields(type(config.model))
+        if f.name not in KERNELS
     }
     identity |= {
         "train.seq_len": train.seq_len,

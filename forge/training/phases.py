@@ -64,6 +64,7 @@ from forge.training.identity import identity_differences, run_identity
 from forge.training.loaders import image_caption_loaders, text_loaders
 from forge.training.plan import starting_outcome
 from forge.training.problems import (
+    attention_problems,
     cpu_flags,
     data_problems,
     freeze_problems,
@@ -95,6 +96,7 @@ WORLD_CHECKS: tuple[tuple[frozenset[str], WorldCheck], ...] = (
         ],
     ),
     (frozenset({"data", "model"}), lambda run, world: data_problems(run.config)),
+    (frozenset({"model", "train"}), lambda run, world: attention_problems(run.config)),
     (frozenset({"hooks"}), lambda run, world: hook_problems(run.config.hooks)),
     (frozenset({"model", "freeze"}), lambda run, world: freeze_problems(run.config)),
     (

@@ -14,6 +14,7 @@ import torch
 from forge.config.freeze import schedule_problems
 from forge.config.sections import JobConfig, Precision
 from forge.data.shards import DataError, Manifest, read_manifest
+from forge.model.attention import attention_problem
 from forge.model.vlm import build_model
 from forge.optim.freezing import named_parameters
 from forge.parallel.memory_plan import GIB, MemoryPlan
@@ -26,6 +27,16 @@ def freeze_problems(config: JobConfig) -> list[str]:
     with torch.device("meta"):
         names = list(named_parameters(build_model(config.model)))
     return schedule_problems(names, config.freeze)
+
+
+def attention_problems(config: JobConfig, cuda: bool | None = None) -> list[str]:
+    """``model.attention`` against the device the run trains on (a GPU when ``cuda``; None:
+    when torch sees one) and its compute dtype: one line naming the key, before anything is
+    built."""
+    device = "cuda" if (torch.cuda.is_available() if cuda is None else cuda) else "cpu"
+    bf16 = config.train.mixed_precision is Precision.BF16
+    problem = attention_problem(config.model, device, bf16)
+    return [] if problem is None else [problem]
 
 
 def data_problems(config: JobConfig) -> list[str]:

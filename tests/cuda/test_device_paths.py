@@ -22,10 +22,25 @@ def test_gpu_tensors_are_staged_in_pinned_memory_and_equal(shared):
     source = torch.randn(1024, 1024, device="cuda")
     staged = stager.stage({"w": source})["w"]
     assert staged.device.type == "cpu" and torch.equal(staged, source.cpu())
-    if not shared:
-        assert staged.is_pinned()
+    assert staged.is_pinned()  # shared memory too: registered with CUDA
+    assert staged.is_shared() is shared
     source.add_(1)  # the next step: the copy is complete and isolated
     assert not torch.equal(staged, source.cpu())
+
+
+def test_the_loader_pins_its_batches_for_the_gpu_with_and_without_workers(small_corpus):
+    from forge.data.dataset import open_windows
+    from forge.data.loader import TextLoader, single_source
+    from forge.data.shards import read_manifest
+
+    manifest = read_manifest(small_corpus)
+    windows = open_windows(small_corpus, manifest, "train", 16, False)
+    for workers in (0, 1):
+        sampling = single_source(len(windows), batch_size=2, seed=0)
+        loader = TextLoader([windows], sampling, num_workers=workers, device="cuda")
+        batch = next(loader)
+        loader.close()
+        assert batch.inputs.is_cuda and batch.labels.is_cuda, workers
 
 
 def test_a_pinned_batch_reaches_the_gpu_whole():

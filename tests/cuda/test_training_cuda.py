@@ -65,8 +65,20 @@ def test_a_bf16_step_on_the_gpu_matches_the_fp32_cpu_reference():
         torch.testing.assert_close(b.cpu(), a, atol=WEIGHT_ATOL, rtol=0, msg=name)
 
 
+@pytest.fixture
+def deterministic():
+    """Deterministic kernels (cuBLAS needs CUBLAS_WORKSPACE_CONFIG, set by gpu_check.sh):
+    the reference and the resumed run must compute each step the same way, which an
+    atomics-based backward (SDPA's memory-efficient one) does not."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
 @pytest.mark.parametrize("mode", ["async", "async_process"])
-def test_an_async_save_on_the_gpu_resumes_bit_identically(tiny_config, tmp_path, mode):
+def test_an_async_save_on_the_gpu_resumes_bit_identically(
+    tiny_config, tmp_path, mode, deterministic
+):
     async_save = f"--checkpoint.async_mode={mode}"
     reference = reference_config(tiny_config, tmp_path)
     assert TRAIN.main([str(reference), async_save]) == 0

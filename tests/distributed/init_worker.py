@@ -1,8 +1,9 @@
 """torchrun worker: build models on the meta device under several layouts, initialise each
 rank's shards, and write every parameter's full-value digest (rank 0) to ``argv[1]``.
 
-Layouts over the world's ranks: FSDP2 over all of them, FSDP2 over pairs, TP over pairs, and
-(for a mixture of experts) EP over pairs, so one 4-rank launch covers 4-, 2- and 2-way splits.
+Layouts over the world's ranks: FSDP2 over all of them, FSDP2 over pairs, TP over pairs, FSDP2
+× TP (2-D), and (for a mixture of experts) EP over pairs, so one 4-rank launch covers 4-, 2-
+and 2 × 2-way splits.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from forge.config.sections import ActivationCheckpointing, ModelConfig, Precision
+from forge.model.init import local_region
 from forge.model.transformer import Transformer
 from forge.parallel.parallelize import parallelize
 
@@ -24,6 +26,11 @@ DENSE = ModelConfig(dim=320, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=600
 MOE = ModelConfig(
     dim=320, n_layers=2, n_heads=4, vocab_size=600, max_seq_len=16, moe_num_experts=4, moe_top_k=2
 )
+
+
+def fallbacks(model: torch.nn.Module) -> list[str]:
+    """The parameters whose shard is not computed alone (the full value is built instead)."""
+    return [name for name, p in model.named_parameters() if local_region(p) is None]
 
 
 def digests(model: torch.nn.Module) -> dict[str, str]:
@@ -36,6 +43,7 @@ def digests(model: torch.nn.Module) -> dict[str, str]:
 
 
 def built(cfg: ModelConfig, **meshes: DeviceMesh | None) -> dict[str, str]:
+    """The full-value digests of ``cfg`` built under ``meshes`` (and its ``fallbacks``)."""
     with torch.device("meta"):
         model = Transformer(cfg)
     parallelize(
@@ -49,7 +57,7 @@ def built(cfg: ModelConfig, **meshes: DeviceMesh | None) -> dict[str, str]:
     )
     model.materialize("cpu")
     model.init_weights(seed=7)
-    return digests(model)
+    return {**digests(model), "fallbacks": ",".join(fallbacks(model))}
 
 
 def main() -> None:
@@ -57,10 +65,12 @@ def main() -> None:
     world = dist.get_world_size()
     flat = init_device_mesh("cpu", (world,), mesh_dim_names=("all",))
     pairs = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("outer", "pair"))["pair"]
+    grid = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     result = {
         f"dense fsdp={world}": built(DENSE, dp=flat["all"]),
         "dense fsdp=2": built(DENSE, dp=pairs),
         "dense tp=2": built(DENSE, tp=pairs),
+        f"dense fsdp={world // 2} x tp=2": built(DENSE, dp=grid["dp"], tp=grid["tp"]),
         f"moe fsdp={world}": built(MOE, dp=flat["all"]),
         "moe ep=2": built(MOE, ep=pairs),
     }

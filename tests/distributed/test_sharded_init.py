@@ -40,6 +40,7 @@ def test_every_layout_at_4_and_2_ranks_starts_from_the_one_process_weights(tmp_p
     layouts = json.loads(out.read_text())
     assert sorted(layouts) == [
         "dense fsdp=2",
+        "dense fsdp=2 x tp=2",
         "dense fsdp=4",
         "dense tp=2",
         "moe ep=2",
@@ -48,6 +49,7 @@ def test_every_layout_at_4_and_2_ranks_starts_from_the_one_process_weights(tmp_p
     dense, moe = one_process(DENSE), one_process(MOE)
     assert any(".experts." in name for name in moe)  # the MoE case has expert weights
     for layout, got in layouts.items():
+        assert got.pop("fallbacks") == "", layout  # every shard computed alone
         assert got == (moe if layout.startswith("moe") else dense), layout
 
 

@@ -111,11 +111,18 @@ def test_raising_max_steps_of_a_decaying_schedule_names_the_decay(tiny_config, c
     ("change", "warned"),
     [
         ("--train.grad_clip_norm=5.0", "train.grad_clip_norm: 1.0 → 5.0"),
+        ("--model.attention=sdpa", "model.attention: 'auto' → 'sdpa'"),
         ("--metrics.log_interval=2", None),
         ("--eval.interval=3", None),
         ("--checkpoint.interval=3", None),
     ],
-    ids=["numerics: a warning", "logging: free", "evaluation: free", "checkpointing: free"],
+    ids=[
+        "numerics: a warning",
+        "attention kernel: a warning",
+        "logging: free",
+        "evaluation: free",
+        "checkpointing: free",
+    ],
 )
 def test_numerics_are_warned_about_and_the_free_keys_pass_silently(stopped, capsys, change, warned):
     capsys.readouterr()

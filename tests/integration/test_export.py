@@ -143,17 +143,24 @@ def test_convert_script_round_trip_through_a_run(tiny_config, tmp_path):
     assert first_new["loss"] < first_old["loss"]  # same first batch, trained initial weights
 
 
-def test_a_qk_norm_model_is_refused_by_export_in_one_line(tmp_path):
+@pytest.mark.parametrize(
+    ("option", "line"),
+    [
+        ({"qk_norm": True}, "model.qk_norm: transformers' LlamaForCausalLM has no query/key "
+         "norms, so this model has no Llama export; train without qk_norm to export it"),
+        ({"sliding_window": 8}, "model.sliding_window=8: LlamaForCausalLM attends to the whole "
+         "context, so this model has no Llama export; train without a window to export it"),
+    ],
+    ids=["qk_norm", "sliding_window"],
+)  # fmt: skip
+def test_a_model_llama_cannot_hold_is_refused_by_export_in_one_line(tmp_path, option, line):
     from forge.checkpoint.export import ExportError
 
-    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, max_seq_len=16, qk_norm=True)
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, max_seq_len=16, **option)
     state = Transformer(cfg).state_dict()
     with pytest.raises(ExportError) as info:
         export_model(state, cfg, tmp_path / "out", "float32")
-    assert info.value.lines == [
-        "model.qk_norm: transformers' LlamaForCausalLM has no query/key norms, so this model "
-        "has no Llama export; train without qk_norm to export it"
-    ]
+    assert info.value.lines == [line]
     assert not (tmp_path / "out").exists()
 
 

@@ -268,6 +268,21 @@ def test_a_local_hugging_face_tower_loads_its_weights(tmp_path, kind, n_tokens):
     )
 
 
+@pytest.mark.parametrize("kind", ["siglip", "clip"])
+def test_a_loaded_hugging_face_tower_computes_as_the_trained_one(tmp_path, kind):
+    """eval and generate allocate the model empty and load a checkpoint into it: the
+    tower's position ids (in no checkpoint) must come back too."""
+    from forge.model.vlm import empty_model
+
+    save_tower(tmp_path, kind)
+    cfg = vlm_config(VlmArch.JOINT_DECODER, encoder=VisionEncoderKind.HF, path=str(tmp_path))
+    trained = VisionLanguageModel(cfg)
+    loaded = empty_model(cfg, "cpu")
+    loaded.load_state_dict(trained.state_dict())
+    pics = images(2)
+    torch.testing.assert_close(loaded(tokens(2), pics), trained(tokens(2), pics), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     ("setup", "message"),
     [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from forge.parallel.devices import (
     DtypeRequest,
     choose_device,
     choose_dtype,
+    request_parser,
     stored_dtype,
 )
 
@@ -72,3 +75,28 @@ def test_a_runs_checkpoints_hold_its_param_dtype(param_dtype, dtype):
 @pytest.mark.parametrize("request_", list(DeviceRequest) + list(DtypeRequest))
 def test_the_requests_read_back_from_their_command_line_spelling(request_):
     assert type(request_)(str(request_)) is request_
+
+
+@pytest.mark.parametrize(
+    ("cls", "text", "member"),
+    [
+        (DtypeRequest, "bf16", DtypeRequest.BFLOAT16),  # the config's spelling
+        (DtypeRequest, "FP32", DtypeRequest.FLOAT32),
+        (DtypeRequest, "bfloat16", DtypeRequest.BFLOAT16),
+        (DeviceRequest, "CUDA", DeviceRequest.CUDA),
+    ],
+)
+def test_the_options_take_the_configs_spellings_in_any_case(cls, text, member):
+    assert request_parser(cls)(text) is member
+
+
+@pytest.mark.parametrize(
+    ("cls", "text", "line"),
+    [
+        (DeviceRequest, "gpu", "'gpu': choose one of auto, cpu, cuda"),
+        (DtypeRequest, "fp16", "'fp16': choose one of auto, float32, bfloat16"),
+    ],
+)
+def test_an_unknown_option_value_names_the_choices(cls, text, line):
+    with pytest.raises(argparse.ArgumentTypeError, match=line):
+        request_parser(cls)(text)

@@ -341,7 +341,7 @@ def test_the_run_logs_where_its_peak_came_from(peak, fragment):
 @pytest.mark.parametrize(
     ("source", "fragment"),
     [
-        (PeakSource.CACHE, "delete /c/cpu_peak_flops.json to measure again"),
+        (PeakSource.CACHE, "the achieved rate is cached as this CPU's peak for later runs"),
         (PeakSource.MEASURED, "measured low"),
         (PeakSource.DATASHEET, "overcount"),
     ],
@@ -381,3 +381,27 @@ def test_a_run_logs_its_peak_once_and_warns_once_when_the_mfu_is_clamped(monkeyp
         == "[forge] mfu peak: 4.00 TFLOP/s from the cache file /c/cpu_peak_flops.json (measured on this machine before)"
     )
     assert len(err) == 2 and err[1].startswith("[forge] warning: achieved 5.00 TFLOP/s")
+
+
+@pytest.mark.parametrize(
+    ("cached", "achieved", "after"),
+    [(1e11, 3e11, 3e11), (5e11, 3e11, 5e11), (None, 2e11, 2e11)],
+    ids=["raised", "kept: already higher", "none cached"],
+)
+def test_an_achieved_rate_above_the_cached_peak_raises_it(
+    monkeypatch, tmp_path, cached, achieved, after
+):
+    from forge.metrics.cpu_peak import (
+        CACHE_FILE,
+        cached_peaks,
+        raise_cached_peak,
+        this_machine_key,
+        write_cached_peak,
+    )
+
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path))
+    key = this_machine_key(torch.float32, torch.get_num_threads())
+    if cached is not None:
+        assert write_cached_peak(tmp_path / CACHE_FILE, key, cached) is None
+    assert raise_cached_peak(torch.float32, achieved) is None
+    assert cached_peaks(tmp_path / CACHE_FILE)[key] == after
