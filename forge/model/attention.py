@@ -25,15 +25,17 @@ import enum
 import functools
 import itertools
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import attrs
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from forge.config.model import AttentionBackend, ModelConfig
 from forge.errors import UserInputError
+
+if TYPE_CHECKING:  # flex_attention imports torch's compiler: only where a forward uses it
+    from torch.nn.attention.flex_attention import BlockMask
 
 
 class Backend(enum.Enum):
@@ -201,10 +203,12 @@ def segment_attention(
     return out.view(b, t, h, d).transpose(1, 2)
 
 
-# a Python loop over this batch's layout: traced by torch.compile, every batch would recompile
-uncompiled_segment_attention = cast(
-    Callable[..., torch.Tensor], torch.compiler.disable(segment_attention)
-)
+@functools.cache
+def uncompiled_segment_attention() -> Callable[..., torch.Tensor]:
+    """``segment_attention`` kept out of ``torch.compile``: a Python loop over this batch's
+    layout, which traced would recompile for every batch. Built at first use: wrapping it
+    imports torch's compiler, a second of every process's start-up."""
+    return cast(Callable[..., torch.Tensor], torch.compiler.disable(segment_attention))
 
 
 def dense_mask(
@@ -242,6 +246,8 @@ def flex_block_mask(
             keep = keep & (document_ids[batch, q_idx] == document_ids[batch, kv_idx])
         return keep
 
+    from torch.nn.attention.flex_attention import create_block_mask
+
     rows = b if document_ids is not None else None  # None: one mask broadcast over rows
     return create_block_mask(rule, rows, None, t, t, device=device)
 
@@ -249,6 +255,8 @@ def flex_block_mask(
 @functools.cache
 def compiled_flex() -> Callable[..., Any]:
     """FlexAttention through ``torch.compile``: uncompiled it materialises the scores."""
+    from torch.nn.attention.flex_attention import flex_attention
+
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -263,7 +271,7 @@ class VarlenSpans:
 
 
 # what a layer receives in the place of a mask tensor (None: plain causal)
-AttentionMask = torch.Tensor | DocumentSegments | BlockMask | VarlenSpans | None
+AttentionMask: TypeAlias = "torch.Tensor | DocumentSegments | BlockMask | VarlenSpans | None"
 
 
 def varlen_spans(
@@ -337,11 +345,13 @@ def attend(
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     if isinstance(mask, DocumentSegments):
-        return uncompiled_segment_attention(q, k, v, mask, gqa)
+        return uncompiled_segment_attention()(q, k, v, mask, gqa)
     if isinstance(mask, VarlenSpans):
         if q.dtype == torch.float32:
             raise UserInputError(VARLEN_FP32)
         return varlen(q, k, v, mask, gqa)
+    from torch.nn.attention.flex_attention import flex_attention
+
     flex = compiled_flex() if q.device.type == "cuda" else flex_attention
     out = flex(q, k, v, block_mask=mask, enable_gqa=gqa)
     assert isinstance(out, torch.Tensor)

@@ -84,7 +84,7 @@ def test_stalled_rank_ends_in_health_failure_without_hanging(tmp_path, small_cor
     config = write_config(tmp_path, small_corpus)
     args = [*FSDP, "--distributed.timeout_s=4", "--resilience.health_timeout_s=4"]
     out, elapsed = torchrun(
-        config, tmp_path / "run", *args, faults="stall:step=2:rank=1:seconds=20", timeout=120
+        config, tmp_path / "run", *args, faults="stall:step=2:rank=1:seconds=9", timeout=120
     )
     assert out.returncode != 0
     assert "exitcode  : 4" in out.stderr  # HEALTH_FAILURE's exit code

@@ -13,6 +13,7 @@ import attrs
 import pytest
 import torch
 import torch._dynamo
+import torch.nn.attention.flex_attention as flex_module
 from torch._dynamo.utils import counters
 
 from forge.config import ModelConfig, Precision, SchedulerConfig
@@ -104,13 +105,13 @@ def model_pass(cfg: ModelConfig, inputs: dict, backend: Backend | None = None):
 
 def counting_segment_calls(monkeypatch) -> list[int]:
     calls: list[int] = []
-    real = attention.uncompiled_segment_attention
+    real = attention.uncompiled_segment_attention()
 
     def spy(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "uncompiled_segment_attention", spy)
+    monkeypatch.setattr(attention, "uncompiled_segment_attention", lambda: spy)
     return calls
 
 
@@ -210,7 +211,9 @@ def test_flex_forward_on_the_cpu_equals_the_dense_path(layout, window):
     dense.load_state_dict(flex.state_dict())
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # uncompiled flex warns that it is unfused
-        with mock.patch.object(attention, "flex_attention", wraps=attention.flex_attention) as f:
+        with mock.patch.object(
+            flex_module, "flex_attention", wraps=flex_module.flex_attention
+        ) as f:
             out = flex(inputs["tokens"], **args)
         assert f.call_count == CFG.n_layers
         with mock.patch.object(transformer, "choose_backend", return_value=Backend.DENSE_MASK):
@@ -278,7 +281,9 @@ def cuda_step(cfg: ModelConfig, layout: str, backend: Backend | None, precision=
 @pytest.mark.parametrize("configured", [AttentionBackend.AUTO, AttentionBackend.FLEX])
 def test_flex_training_step_on_cuda_equals_sdpa_with_the_dense_mask(configured, layout, window):
     cfg = attrs.evolve(CFG, attention=configured, sliding_window=window)
-    with mock.patch.object(attention, "create_block_mask", wraps=attention.create_block_mask) as m:
+    with mock.patch.object(
+        flex_module, "create_block_mask", wraps=flex_module.create_block_mask
+    ) as m:
         loss, weights = cuda_step(cfg, layout, None)
     assert m.call_count == 1  # auto picks flex on CUDA; one block mask for every layer
     ref_loss, ref_weights = cuda_step(cfg, layout, Backend.DENSE_MASK)

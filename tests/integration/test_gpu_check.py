@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the check would run")
 def test_without_a_gpu_the_check_skips_every_cuda_test_with_its_reason(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
     done = subprocess.run(["bash", str(SCRIPT), str(tmp_path)], capture_output=True, text=True,
                           timeout=240, env=env, check=False)  # fmt: skip
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
