@@ -25,47 +25,26 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from forge.checkpoint.resume import first_loadable, load_newest_weights
-from forge.checkpoint.store import load_checkpoint
-from forge.config import Precision
 from forge.data.dataset import open_windows
 from forge.data.image_text import ImageCaptions, open_image_captions
 from forge.data.loader import Batch, caption_batch
 from forge.data.shards import read_manifest
 from forge.errors import UserInputError, print_errors
-from forge.model.attention import runnable_here
 from forge.model.chunked_loss import loss_spec_of
-from forge.model.vlm import empty_model
 from forge.optim.optimizers import evaluation_weights
-from forge.optim.param_groups import inference_optimizer
 from forge.parallel.devices import (
     DeviceChoice,
     add_device_options,
     choose_device,
-    choose_dtype,
     end_script_world,
     start_script_world,
-    stored_dtype,
 )
 from forge.parallel.world import WorldInfo, world_info
 from forge.training.evaluate import evaluate_totals, totals_over_ranks
-from forge.training.run_dir import checkpoint_dir_of, load_run_config
+from forge.training.inference import load_for_inference, run_dir_of
+from forge.training.run_dir import load_run_config
 from forge.training.vlm import mismatched_images
 from forge.types import ExitCode
-
-
-def run_dir_of(path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path | None]:
-    """(the run directory, the checkpoint asked for or None): ``path`` is either."""
-    if (path / "config.toml").is_file():
-        return path, None
-    if (path / "train_state.json").is_file():
-        for parent in path.parents[:3]:
-            if (parent / "config.toml").is_file():
-                return parent, path
-        raise UserInputError([f"{path}: no run config.toml above this checkpoint"])
-    raise UserInputError(
-        [f"{path}: neither a run directory (config.toml) nor a checkpoint (train_state.json)"]
-    )
 
 
 def batches_of(windows, rank: int, world: int, batch_size: int) -> list[Batch]:
@@ -148,23 +127,7 @@ def evaluate(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice) -
                  f"{config.model.vocab_size}; evaluate on data prepared with its tokenizer"]
             )  # fmt: skip
         device = start_script_world(world, choice, config.distributed.timeout_s)
-        dtype = choose_dtype(args.dtype, stored_dtype(config.train.param_dtype))
-        bf16 = dtype is torch.bfloat16 or config.train.mixed_precision is Precision.BF16
-        model = empty_model(runnable_here(config.model, device.type, bf16), device, dtype)
-        optimizer = inference_optimizer(model, config.optimizer)
-        if checkpoint is None:
-            load_path = (
-                pathlib.Path(config.checkpoint.load_path) if config.checkpoint.load_path else None
-            )
-            used = load_newest_weights(
-                checkpoint_dir_of(config, run_dir), load_path, model, report, optimizer
-            )
-        else:
-            used, _ = first_loadable(
-                (checkpoint,),
-                lambda p: load_checkpoint(p, model, optimizer, restore_rng_state=False),
-                report,
-            )
+        loaded = load_for_inference(config, run_dir, checkpoint, device, args.dtype, report)
     except UserInputError as exc:
         if world.rank == 0 or choice.problem is not None:  # a rank of its own: it says so
             print_errors(exc.lines)
@@ -175,30 +138,30 @@ def evaluate(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice) -
             batches = [mismatched_images(b) for b in batches]
     else:
         batches = batches_of(examples, world.rank, world.world_size, args.batch_size)
-    with evaluation_weights(optimizer):
+    with evaluation_weights(loaded.optimizer):
         on_device = (b.to(device) for b in batches)  # one batch on the device at a time
         precision, loss = config.train.mixed_precision, loss_spec_of(config)
-        totals = evaluate_totals(model, on_device, precision, loss)
+        totals = evaluate_totals(loaded.model, on_device, precision, loss)
     # the loss and its count only: a rank without batches has no expert loads to add
     totals = totals_over_ranks(attrs.evolve(totals, moe_loads=None), world.world_size, device)
     loss, count = totals.loss_sum / totals.count, totals.count
     if world.rank == 0:
         result = {
-            "checkpoint": str(used),
+            "checkpoint": str(loaded.checkpoint),
             "data": str(data),
             "split": args.split,
             "tokens": int(count),
             "loss": loss,
             "perplexity": math.exp(loss),
             "device": choice.device,
-            "dtype": str(dtype).removeprefix("torch."),
+            "dtype": str(loaded.dtype).removeprefix("torch."),
         }
         if args.json:
             print(json.dumps(result))
         else:
             print(
                 f"{args.split} loss {loss:.4f} | perplexity {math.exp(loss):.3f} | "
-                f"{int(count):,} tokens | {used}"
+                f"{int(count):,} tokens | {loaded.checkpoint}"
             )
     return ExitCode.OK
 

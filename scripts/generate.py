@@ -28,36 +28,23 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from forge.checkpoint.resume import load_newest_weights
-from forge.config import JobConfig, Precision
+from forge.config import JobConfig
 from forge.data.image_text import load_image
-from forge.data.shards import MANIFEST, read_manifest
-from forge.data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_from_manifest
+from forge.data.tokenizer import ByteTokenizer, Tokenizer
 from forge.errors import UserInputError, print_errors
-from forge.model.attention import runnable_here
 from forge.model.generate import caption, sample
-from forge.model.vlm import VisionLanguageModel, empty_model
+from forge.model.vlm import VisionLanguageModel
 from forge.optim.optimizers import evaluation_weights
-from forge.optim.param_groups import inference_optimizer
 from forge.parallel.devices import (
     add_device_options,
     choose_device,
-    choose_dtype,
     end_script_world,
     start_script_world,
-    stored_dtype,
 )
 from forge.parallel.world import world_info
-from forge.training.run_dir import checkpoint_dir_of, load_run_config
+from forge.training.inference import load_for_inference, run_tokenizer
+from forge.training.run_dir import load_run_config
 from forge.types import ExitCode
-
-
-def run_tokenizer(config: JobConfig) -> Tokenizer:
-    """The tokenizer the run's (first) data source was prepared with; bytes if it is gone."""
-    folder = pathlib.Path(config.data.source_list[0].path)
-    if not (folder / MANIFEST).is_file():
-        return ByteTokenizer()
-    return tokenizer_from_manifest(read_manifest(folder).tokenizer)
 
 
 def sampling_problems(args: argparse.Namespace) -> list[str]:
@@ -206,18 +193,10 @@ def generate(args: argparse.Namespace) -> int:
         if problems:
             raise UserInputError(problems)
         config = load_run_config(args.run_dir)
-        load_path = (
-            pathlib.Path(config.checkpoint.load_path) if config.checkpoint.load_path else None
-        )
         image = image_problem_or_pixels(args.image, config)
         device = start_script_world(world, choice, config.distributed.timeout_s)
-        dtype = choose_dtype(args.dtype, stored_dtype(config.train.param_dtype))
-        bf16 = dtype is torch.bfloat16 or config.train.mixed_precision is Precision.BF16
-        model = empty_model(runnable_here(config.model, device.type, bf16), device, dtype)
-        optimizer = inference_optimizer(model, config.optimizer)
-        path = load_newest_weights(
-            checkpoint_dir_of(config, args.run_dir), load_path, model, report, optimizer
-        )
+        loaded = load_for_inference(config, args.run_dir, None, device, args.dtype, report)
+        model, path = loaded.model, loaded.checkpoint
         tok = run_tokenizer(config)
         prompt = prompt_ids(tok, args.prompt)
         limit = config.model.max_seq_len
@@ -236,7 +215,7 @@ def generate(args: argparse.Namespace) -> int:
         "stop_id": tok.eos_id,
         "generator": torch.Generator().manual_seed(args.seed + world.rank),
     }
-    with evaluation_weights(optimizer):
+    with evaluation_weights(loaded.optimizer):
         if isinstance(model, VisionLanguageModel):
             assert image is not None
             ids = caption(model, image, prompt, new_tokens, **sampling)

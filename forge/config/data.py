@@ -92,14 +92,36 @@ class DataConfig:
 
 
 @attrs.frozen
+class EvalTask:
+    """One ``[[eval.tasks]]`` entry: an lm-eval task (or group) by ``name``, found among
+    lm-eval's own or in the task folder ``include_path``, on its first ``limit`` documents
+    (None: all of them). See docs/evaluation.md."""
+
+    name: str
+    include_path: str | None = None
+    limit: int | None = None
+
+
+@attrs.frozen
 class EvalConfig:
-    """Held-out loss every ``interval`` steps over ``steps`` batches (interval 0: off)."""
+    """Held-out loss every ``interval`` steps over ``steps`` batches (interval 0: off), and
+    beside it the downstream ``tasks`` through lm-eval, ``batch_size`` requests a forward."""
 
     interval: int = 0
     steps: int = 20
+    tasks: tuple[EvalTask, ...] = ()
+    batch_size: int = 8
 
     def problems(self) -> list[Problem]:
         p: list[Problem] = []
         non_negative(p, "eval.interval", self.interval)
         positive(p, "eval.steps", self.steps)
+        positive(p, "eval.batch_size", self.batch_size)
+        for i, task in enumerate(self.tasks):
+            key = f"eval.tasks[{i}]"
+            if not task.name.strip():
+                p.append((f"{key}.name", "must name an lm-eval task, e.g. 'hellaswag'"))
+            if task.limit is not None:
+                positive(p, f"{key}.limit", task.limit)
+            usable_path(p, f"{key}.include_path", task.include_path)
         return p

@@ -19,7 +19,7 @@ from forge.config.checkpoint import (
     ScheduleSource,
     Verification,
 )
-from forge.config.data import DataConfig, DataPhase, DataSource, EvalConfig
+from forge.config.data import DataConfig, DataPhase, DataSource, EvalConfig, EvalTask
 from forge.config.distributed import DistributedConfig, PipelineSchedule
 from forge.config.freeze import FreezeRule
 from forge.config.hooks import HooksConfig
@@ -41,6 +41,7 @@ __all__ = [
     "DistributedConfig",
     "DynamicWindow",
     "EvalConfig",
+    "EvalTask",
     "ExportDtype",
     "FreezeRule",
     "HooksConfig",

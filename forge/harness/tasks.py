@@ -1,0 +1,139 @@
+"""Which lm-eval tasks a run or the harness script can run, and running them.
+
+``lm_eval`` is imported inside the functions that need it: forge runs without the ``eval``
+extra, and a config that asks for tasks without it is refused with one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import pathlib
+import random
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from forge.config.data import EvalTask
+from forge.config.sections import JobConfig
+
+MISSING_EXTRA = (
+    "downstream tasks need lm-evaluation-harness, forge's 'eval' extra: pip install -e '.[eval]'"
+)
+
+
+def lm_eval_problem() -> str | None:
+    """Why lm-eval cannot be used here (it is not installed), if so."""
+    return MISSING_EXTRA if importlib.util.find_spec("lm_eval") is None else None
+
+
+def include_paths(tasks: Sequence[EvalTask]) -> list[str]:
+    """The task folders ``tasks`` name, each once, in order."""
+    return list(dict.fromkeys(t.include_path for t in tasks if t.include_path))
+
+
+def task_manager(paths: Sequence[str], names: Sequence[str]) -> Any:
+    """An lm-eval ``TaskManager`` that knows ``names``: one over ``paths`` alone when they
+    hold every name (lm-eval's own index of thousands of tasks takes seconds), else one
+    over lm-eval's tasks too."""
+    from lm_eval.tasks import TaskManager
+
+    quiet_lm_eval()
+    if paths:
+        local = TaskManager(include_path=list(paths), include_defaults=False)
+        if all(n in local.all_tasks for n in names):
+            return local
+        return TaskManager(include_path=list(paths))
+    return TaskManager()
+
+
+def unknown_task_lines(manager: Any, tasks: Sequence[EvalTask], where: str) -> list[str]:
+    """One line per task name ``manager`` does not know, naming ``where`` it was asked."""
+    lines = []
+    for i, task in enumerate(tasks):
+        if task.name not in manager.all_tasks:
+            found = f" or in {task.include_path}" if task.include_path else ""
+            lines.append(
+                f"{where.format(i=i)}: no lm-eval task {task.name!r} among lm-eval's "
+                f"tasks{found}; check the name (lm-eval --tasks list) or the include path"
+            )
+    return lines
+
+
+def path_lines(tasks: Sequence[EvalTask], where: str) -> list[str]:
+    """One line per ``include_path`` that is not a folder."""
+    return [
+        f"{where.format(i=i)}: include_path {t.include_path}: no such folder"
+        for i, t in enumerate(tasks)
+        if t.include_path and not pathlib.Path(t.include_path).is_dir()
+    ]
+
+
+def downstream_problems(config: JobConfig) -> list[str]:
+    """Why ``[[eval.tasks]]`` cannot run in this run, one line each (none without tasks)."""
+    tasks = config.eval.tasks
+    if not tasks:
+        return []
+    lines = []
+    if config.eval.interval <= 0:
+        lines.append("eval.tasks: set, but eval.interval is 0, so they would never run")
+    if config.distributed.pp > 1:
+        lines.append(
+            "eval.tasks: not supported with distributed.pp > 1 (a pipeline stage has no "
+            "logits of its own to score); score the checkpoints with scripts/eval_harness.py"
+        )
+    if config.model.vlm is not None:
+        lines.append("eval.tasks: lm-eval tasks score text models; model.vlm is set")
+    missing = lm_eval_problem()
+    if missing is not None:
+        return [*lines, f"eval.tasks: {missing}"]
+    lines += path_lines(tasks, "eval.tasks[{i}]")
+    if lines:
+        return lines
+    manager = task_manager(include_paths(tasks), [t.name for t in tasks])
+    return unknown_task_lines(manager, tasks, "eval.tasks[{i}].name")
+
+
+def quiet_lm_eval() -> None:
+    """lm-eval's own INFO lines off (forge reports what it ran); warnings stay."""
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def random_state_kept() -> Iterator[None]:
+    """Python's, NumPy's and torch's global generators as they were before the block:
+    lm-eval seeds them, and a run that scores tasks must train as one that does not."""
+    python, numpy_state = random.getstate(), np.random.get_state()
+    gpus = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=gpus):
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy_state)
+
+
+def run_tasks(
+    lm: Any, names: Sequence[str], manager: Any, limit: int | None, bootstrap_iters: int
+) -> dict[str, Any]:
+    """lm-eval's results (``results``, ``versions``, ``n-shot`` ...) for ``names`` scored by
+    ``lm``, zero-shot unless a task says otherwise, on at most ``limit`` documents each."""
+    from lm_eval.evaluator import simple_evaluate
+
+    quiet_lm_eval()
+    with random_state_kept():
+        out = simple_evaluate(
+            lm,
+            tasks=list(names),
+            task_manager=manager,
+            limit=limit,
+            bootstrap_iters=bootstrap_iters,
+            log_samples=False,
+            verbosity="WARNING",
+        )
+    if out is None:  # lm-eval returns None on ranks other than its rank 0
+        raise RuntimeError("lm-eval returned no results")
+    return dict(out)

@@ -1,0 +1,88 @@
+"""A trained run's model, loaded for inference on this rank's device: what ``eval.py``,
+``generate.py`` and ``eval_harness.py`` share (the same resolver as a resume)."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable
+
+import attrs
+import torch
+from torch import nn
+
+from forge.checkpoint.resume import first_loadable, load_newest_weights
+from forge.checkpoint.store import load_checkpoint
+from forge.config import JobConfig, Precision
+from forge.data.shards import MANIFEST, read_manifest
+from forge.data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_from_manifest
+from forge.errors import UserInputError
+from forge.model.attention import runnable_here
+from forge.model.vlm import empty_model
+from forge.optim.param_groups import inference_optimizer
+from forge.parallel.devices import DtypeRequest, choose_dtype, stored_dtype
+from forge.training.run_dir import checkpoint_dir_of
+
+
+@attrs.frozen
+class LoadedModel:
+    """The model in eval-ready weights, the optimizer whose ``evaluation_weights`` apply
+    (Schedule-Free's average), the checkpoint read, and the device and dtype it is in."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    checkpoint: pathlib.Path
+    device: torch.device
+    dtype: torch.dtype
+
+
+def run_dir_of(path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path | None]:
+    """(the run directory, the checkpoint asked for or None): ``path`` is either."""
+    if (path / "config.toml").is_file():
+        return path, None
+    if (path / "train_state.json").is_file():
+        for parent in path.parents[:3]:
+            if (parent / "config.toml").is_file():
+                return parent, path
+        raise UserInputError([f"{path}: no run config.toml above this checkpoint"])
+    raise UserInputError(
+        [f"{path}: neither a run directory (config.toml) nor a checkpoint (train_state.json)"]
+    )
+
+
+def load_for_inference(
+    config: JobConfig,
+    run_dir: pathlib.Path,
+    checkpoint: pathlib.Path | None,
+    device: torch.device,
+    dtype_request: DtypeRequest,
+    report: Callable[[str], None],
+) -> LoadedModel:
+    """The run's model built directly on ``device`` in the asked (or stored) dtype, with the
+    weights of ``checkpoint``, or of the newest loadable checkpoint of the run (then its
+    ``checkpoint.load_path``), as training would resume. Raises ``UserInputError``."""
+    dtype = choose_dtype(dtype_request, stored_dtype(config.train.param_dtype))
+    bf16 = dtype is torch.bfloat16 or config.train.mixed_precision is Precision.BF16
+    model = empty_model(runnable_here(config.model, device.type, bf16), device, dtype)
+    optimizer = inference_optimizer(model, config.optimizer)
+    if checkpoint is None:
+        load_path = (
+            pathlib.Path(config.checkpoint.load_path) if config.checkpoint.load_path else None
+        )
+        used = load_newest_weights(
+            checkpoint_dir_of(config, run_dir), load_path, model, report, optimizer
+        )
+    else:
+        used, _ = first_loadable(
+            (checkpoint,),
+            lambda p: load_checkpoint(p, model, optimizer, restore_rng_state=False),
+            report,
+        )
+    return LoadedModel(model, optimizer, used, device, dtype)
+
+
+def run_tokenizer(config: JobConfig) -> Tokenizer:
+    """The tokenizer the run's (first) data source was prepared with; bytes if it is gone."""
+    folder = pathlib.Path(config.data.source_list[0].path)
+    if not (folder / MANIFEST).is_file():
+        return ByteTokenizer()
+    return tokenizer_from_manifest(read_manifest(folder).tokenizer)

@@ -1,0 +1,185 @@
+"""Downstream scores of a trained model through lm-evaluation-harness: ``python
+scripts/eval_harness.py runs/debug --tasks stdlib_line_order --include-path configs/tasks``.
+
+Takes a run directory (the checkpoint training would resume from, found by the same resolver
+as ``eval.py``) or one checkpoint directory, reads the DCP checkpoint as it is (no conversion
+to Hugging Face), and scores lm-eval tasks with forge's model: log-likelihoods in batches of
+``--batch-size`` requests sorted by length, greedy generation with the KV cache. Under
+``torchrun --nproc_per_node=N`` each rank scores every N-th request and the results are
+gathered, so the scores are the same at any rank count. Prints lm-eval's table and writes the
+results as JSON into ``<run>/eval_harness/<checkpoint>.json`` (``--output`` elsewhere). Needs
+the ``eval`` extra: ``pip install -e '.[eval]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from forge.config.data import EvalTask
+from forge.errors import UserInputError, one_line, print_errors
+from forge.harness.tasks import (
+    include_paths,
+    lm_eval_problem,
+    path_lines,
+    run_tasks,
+    task_manager,
+    unknown_task_lines,
+)
+from forge.optim.optimizers import evaluation_weights
+from forge.outputs import replace_file
+from forge.parallel.devices import (
+    DeviceChoice,
+    add_device_options,
+    choose_device,
+    end_script_world,
+    start_script_world,
+)
+from forge.parallel.world import WorldInfo, world_info
+from forge.training.inference import LoadedModel, load_for_inference, run_dir_of, run_tokenizer
+from forge.training.run_dir import load_run_config
+from forge.types import ExitCode
+
+
+def report(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def task_names(value: str) -> list[str]:
+    """``--tasks a,b``: the names, each once, blanks dropped."""
+    return list(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
+
+
+def option_problems(args: argparse.Namespace) -> list[str]:
+    """The options' own problems, before anything is read."""
+    lines = []
+    if not args.tasks:
+        lines.append("--tasks: name at least one lm-eval task, e.g. --tasks hellaswag")
+    if args.batch_size < 1:
+        lines.append(f"--batch-size: must be >= 1, got {args.batch_size}")
+    if args.limit is not None and args.limit < 1:
+        lines.append(f"--limit: must be >= 1, got {args.limit}")
+    return lines
+
+
+def output_path(args: argparse.Namespace, run_dir: pathlib.Path, checkpoint: pathlib.Path):
+    """Where the JSON goes: ``--output``, else ``<run>/eval_harness/<checkpoint name>.json``."""
+    if args.output is not None:
+        return args.output
+    return run_dir / "eval_harness" / f"{checkpoint.name}.json"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("path", type=pathlib.Path, help="a run directory or one checkpoint")
+    parser.add_argument("--tasks", type=task_names, required=True, help="lm-eval tasks, a,b")
+    parser.add_argument("--limit", type=int, default=None, help="documents per task (all)")
+    parser.add_argument(
+        "--include-path", type=pathlib.Path, default=None, help="a folder of task YAMLs"
+    )
+    parser.add_argument("--batch-size", type=int, default=8, help="requests per forward")
+    parser.add_argument(
+        "--bootstrap-iters", type=int, default=100_000, help="lm-eval's stderr resamples"
+    )
+    parser.add_argument("--output", type=pathlib.Path, default=None, help="the JSON's path")
+    add_device_options(parser)
+    args = parser.parse_args(argv)
+    world = world_info(os.environ)
+    choice = choose_device(
+        args.device, torch.cuda.is_available(), torch.cuda.device_count(), world.local_rank
+    )
+    try:
+        return evaluate(args, world, choice)
+    finally:
+        end_script_world()
+
+
+def prepared(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice):
+    """(the run directory, the task manager, the loaded model, the run's config), or a
+    ``UserInputError`` naming every problem found before scoring starts."""
+    lines = option_problems(args)
+    if choice.problem is not None:
+        lines.append(choice.problem)
+    missing = lm_eval_problem()
+    if missing is not None:
+        lines.append(missing)
+    tasks = [EvalTask(n, str(args.include_path) if args.include_path else None) for n in args.tasks]
+    lines += path_lines(tasks, "--include-path")
+    if lines:
+        raise UserInputError(lines)
+    run_dir, checkpoint = run_dir_of(args.path)
+    config = load_run_config(run_dir)
+    if config.model.vlm is not None:
+        raise UserInputError([f"{run_dir}: a vision-language run; lm-eval tasks score text"])
+    manager = task_manager(include_paths(tasks), args.tasks)
+    unknown = unknown_task_lines(manager, tasks, "--tasks")
+    if unknown:
+        raise UserInputError(unknown)
+    device = start_script_world(world, choice, config.distributed.timeout_s)
+    loaded = load_for_inference(config, run_dir, checkpoint, device, args.dtype, report)
+    return run_dir, manager, loaded, config
+
+
+def scores(args, world: WorldInfo, loaded: LoadedModel, manager, config) -> dict[str, Any]:
+    """lm-eval's results for ``args.tasks``, every rank scoring its share."""
+    from forge.harness.backend import ForgeLM, Scoring, local_only, over_ranks
+    from forge.harness.requests import Share
+
+    gather = over_ranks if world.world_size > 1 else local_only
+    scoring = Scoring(args.batch_size, Share(world.rank, world.world_size), gather=gather)
+    lm = ForgeLM(loaded.model, run_tokenizer(config), loaded.device, scoring)
+    loaded.model.eval()
+    with evaluation_weights(loaded.optimizer):
+        return run_tasks(lm, args.tasks, manager, args.limit, args.bootstrap_iters)
+
+
+def evaluate(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice) -> int:
+    """The scoring ``main`` describes, on ``choice``'s device; the exit code."""
+    try:
+        run_dir, manager, loaded, config = prepared(args, world, choice)
+    except UserInputError as exc:
+        if world.rank == 0 or choice.problem is not None:  # a rank of its own: it says so
+            print_errors(exc.lines)
+        return ExitCode.CONFIG_ERROR
+    try:
+        results = scores(args, world, loaded, manager, config)
+    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as exc:
+        # lm-eval's own failures (a task's dataset that is not there, a bad YAML field)
+        if world.rank == 0:
+            print_errors([f"{', '.join(args.tasks)}: lm-eval failed: {one_line(exc)}"])
+        return ExitCode.CONFIG_ERROR
+    if world.rank != 0:
+        return ExitCode.OK
+    from lm_eval.utils import make_table
+
+    print(make_table(results))
+    out = output_path(args, run_dir, loaded.checkpoint)
+    record = {
+        "checkpoint": str(loaded.checkpoint),
+        "tasks": args.tasks,
+        "limit": args.limit,
+        "device": choice.device,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        **{k: results[k] for k in ("results", "versions", "n-shot", "n-samples") if k in results},
+    }
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        replace_file(out, json.dumps(record, indent=2, default=str) + "\n")
+    except OSError as exc:
+        print_errors([f"--output {out}: could not be written: {one_line(exc)}"])
+        return ExitCode.CONFIG_ERROR
+    print(f"# wrote {out}", file=sys.stderr)
+    return ExitCode.OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
