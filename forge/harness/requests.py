@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 
 DEFAULT_MAX_GEN_TOKS = 256
+NOT_METRICS = frozenset({"sample_len", "sample_count", "samples"})  # counts in lm-eval's table
 
 
 @attrs.frozen
@@ -125,12 +126,12 @@ def cut_at_stop(text: str, until: Sequence[str]) -> str:
 def flat_metrics(results: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
     """lm-eval's ``results`` table as ``eval/<task>/<metric>`` scalars: ``acc,none`` becomes
     ``acc``, another filter keeps its name (``exact_match,flexible``  becomes
-    ``exact_match_flexible``), standard errors and non-numbers are left out."""
+    ``exact_match_flexible``), standard errors, sample counts and non-numbers are left out."""
     out: dict[str, float] = {}
     for task, metrics in results.items():
         for key, value in metrics.items():
             name, _, filt = key.partition(",")
-            if "_stderr" in name or isinstance(value, bool):
+            if "_stderr" in name or name in NOT_METRICS or isinstance(value, bool):
                 continue
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 continue

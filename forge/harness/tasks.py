@@ -97,9 +97,20 @@ def downstream_problems(config: JobConfig) -> list[str]:
     return unknown_task_lines(manager, tasks, "eval.tasks[{i}].name")
 
 
+def custom_dataset_note(record: logging.LogRecord) -> bool:
+    """False for lm-eval's note on every task with a ``custom_dataset`` (it says how to pass
+    keyword arguments on lm-eval's command line, which forge's scripts do not have)."""
+    return "Custom kwargs can be passed" not in record.getMessage()
+
+
 def quiet_lm_eval() -> None:
-    """lm-eval's own INFO lines off (forge reports what it ran); warnings stay."""
-    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    """lm-eval's own INFO lines off (forge reports what it ran); warnings stay, but for one
+    note that does not apply."""
+    logger = logging.getLogger("lm_eval")
+    logger.setLevel(logging.WARNING)
+    for name in ("lm_eval", "lm_eval.api.task"):
+        if custom_dataset_note not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(custom_dataset_note)
 
 
 @contextlib.contextmanager
@@ -120,7 +131,8 @@ def run_tasks(
     lm: Any, names: Sequence[str], manager: Any, limit: int | None, bootstrap_iters: int
 ) -> dict[str, Any]:
     """lm-eval's results (``results``, ``versions``, ``n-shot`` ...) for ``names`` scored by
-    ``lm``, zero-shot unless a task says otherwise, on at most ``limit`` documents each."""
+    ``lm``, zero-shot unless a task says otherwise, on at most ``limit`` documents each; empty
+    on every rank but the first of its node (lm-eval tabulates there alone)."""
     from lm_eval.evaluator import simple_evaluate
 
     quiet_lm_eval()
@@ -134,6 +146,4 @@ def run_tasks(
             log_samples=False,
             verbosity="WARNING",
         )
-    if out is None:  # lm-eval returns None on ranks other than its rank 0
-        raise RuntimeError("lm-eval returned no results")
-    return dict(out)
+    return {} if out is None else dict(out)  # None: a rank other than LOCAL_RANK 0

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol, TextIO
 
 from forge.outputs import replace_file
+from forge.types import LoopState, StepResult
 
 
 class MetricsSink(Protocol):
@@ -148,3 +149,23 @@ def trim_records_after(path: pathlib.Path, step: int) -> int:
     if dropped:
         replace_file(path, "".join(line + "\n" for line in kept))
     return dropped
+
+
+def step_record(
+    state: LoopState, result: StepResult, step_time: float, tokens_per_sec: float
+) -> dict[str, Any]:
+    """The metrics one logged step writes (``z_loss`` only when the z-loss is on,
+    ``images_per_sec`` only for a vision-language step)."""
+    record: dict[str, Any] = {"step": state.step, "loss": result.loss}
+    if result.z_loss is not None:
+        record["z_loss"] = result.z_loss
+    record |= {
+        "grad_norm": result.grad_norm,
+        "lr": result.lr,
+        "tokens_seen": state.tokens_seen,
+        "tokens_per_sec": tokens_per_sec,
+        "step_time": step_time,
+    }
+    if result.images:
+        record["images_per_sec"] = result.images / step_time if step_time > 0 else math.inf
+    return record

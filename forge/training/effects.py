@@ -38,12 +38,13 @@ from forge.metrics.flops import (
 )
 from forge.metrics.memory import memory_record
 from forge.metrics.moe import moe_record
-from forge.metrics.sinks import JsonlSink, MetricsSink, console_sink, sink_failure
+from forge.metrics.sinks import JsonlSink, MetricsSink, console_sink, sink_failure, step_record
 from forge.metrics.sources import source_record
 from forge.optim.optimizers import evaluation_weights
 from forge.parallel.reduce import mean_over_ranks, sum_over_ranks
 from forge.training.config_changes import current_settings
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
+from forge.training.downstream import DownstreamTasks
 from forge.training.evaluate import held_out_loss
 from forge.training.hooks import HookList, Hooks
 from forge.training.identity import run_identity
@@ -58,26 +59,6 @@ from forge.training.train_state import (
 from forge.types import LoopOutcome, LoopState, SourceTotals, StepResult, stats_from_flat
 
 ROLLBACK_SLOT = "rollback"
-
-
-def step_record(
-    state: LoopState, result: StepResult, step_time: float, tokens_per_sec: float
-) -> dict[str, Any]:
-    """The metrics one logged step writes (``z_loss`` only when the z-loss is on,
-    ``images_per_sec`` only for a vision-language step)."""
-    record: dict[str, Any] = {"step": state.step, "loss": result.loss}
-    if result.z_loss is not None:
-        record["z_loss"] = result.z_loss
-    record |= {
-        "grad_norm": result.grad_norm,
-        "lr": result.lr,
-        "tokens_seen": state.tokens_seen,
-        "tokens_per_sec": tokens_per_sec,
-        "step_time": step_time,
-    }
-    if result.images:
-        record["images_per_sec"] = result.images / step_time if step_time > 0 else math.inf
-    return record
 
 
 class TrainingEffects:
@@ -113,6 +94,8 @@ class TrainingEffects:
         self._sources: SourceTotals | None = None  # a mixture's sums since the last log
         self._logged: StepResult | None = None  # the step whose sums the last log took
         self.slots = Slots(model.model, model.optimizer)
+        tasks = run.config.eval.tasks
+        self.downstream = DownstreamTasks(run, dist, model) if tasks else None
         self._save_reasons: dict[int, SaveReason] = {}
         self.checkpointer = Checkpointer(
             run.checkpoint_dir,
@@ -298,6 +281,10 @@ class TrainingEffects:
             self.model, self.dist, batches, train.mixed_precision, train.grad_accum_steps
         )
         self._emit({"step": state.step, "eval/loss": loss, "eval/perplexity": math.exp(loss)})
+        if self.downstream is not None:  # [[eval.tasks]]: on every rank (they score in step)
+            scores = self.downstream.scores(state.step)
+            if scores:
+                self._emit({"step": state.step, **scores})
         if loads is not None:  # a table, not a scalar: for metrics.jsonl only
             for sink in list(self.sinks):  # _write drops a sink that fails
                 if isinstance(sink, JsonlSink):

@@ -32,6 +32,7 @@ from forge.config.loader import ConfigError, load_config_checked, unstructure_co
 from forge.config.sections import JobConfig, Precision
 from forge.config.toml_writer import dumps_toml
 from forge.data.shards import dataset_fingerprint, read_manifest
+from forge.harness.tasks import downstream_problems
 from forge.metrics.backends import sink_problems
 from forge.model.chunked_loss import LossSpec, loss_spec_of
 from forge.model.transformer import Transformer, num_parameters
@@ -108,6 +109,10 @@ WORLD_CHECKS: tuple[tuple[frozenset[str], WorldCheck], ...] = (
         lambda run, world: sink_problems(run.config, os.environ) if world.rank == 0 else [],
     ),
     (frozenset({"run", "checkpoint"}), lambda run, world: run_dir_problems(run)),
+    (  # [[eval.tasks]]: lm-eval installed, every task found (its index read only then)
+        frozenset({"eval", "model", "distributed"}),
+        lambda run, world: downstream_problems(run.config),
+    ),
 )
 
 

@@ -23,6 +23,7 @@ FLOORS = {
     "parallel": 4,
     "checkpoint": 4,
     "resilience": 4,
+    "harness": 4,  # lm-eval over a forge model (docs/evaluation.md)
     "training": 5,
 }
 
