@@ -1,7 +1,8 @@
 """Plot training curves of one or more runs: ``python scripts/plot_metrics.py runs/a runs/b``.
 
 Reads each run's ``metrics.jsonl`` (a run directory or the file itself) and draws, against the
-step, the train and eval loss, the learning rate, the gradient norm and tokens per second, the
+step, the train and eval loss, the learning rate, the gradient norm and tokens per second (and
+the downstream scores ``eval/<task>/<metric>`` of ``[[eval.tasks]]`` where a run has them), the
 runs overlaid with a legend. Needs matplotlib: ``pip install 'forge[plot]'``.
 
 A run writes one JSON object per line. A last line without its newline is what a crash
@@ -117,16 +118,40 @@ def out_problems(out: pathlib.Path) -> list[str]:
     return []
 
 
+def downstream_keys(runs: dict[pathlib.Path, Records]) -> list[str]:
+    """Every ``eval/<task>/<metric>`` key the runs logged ([[eval.tasks]]), sorted."""
+    return sorted(
+        {
+            k
+            for records in runs.values()
+            for r in records
+            for k in r
+            if k.startswith("eval/") and k.count("/") == 2
+        }
+    )
+
+
+def panels_of(runs: dict[pathlib.Path, Records]) -> list[tuple[str, list[tuple[str, str]], bool]]:
+    """The four panels, and a fifth of downstream scores when the runs have any."""
+    keys = downstream_keys(runs)
+    extra = [("downstream tasks", [(k, k.removeprefix("eval/")) for k in keys], False)]
+    return list(PANELS) + (extra if keys else [])
+
+
 def plot(runs: dict[pathlib.Path, Records], out: pathlib.Path) -> None:
-    """Draw the four panels for every run into ``out`` (PNG, PDF or SVG by its suffix),
+    """Draw the panels for every run into ``out`` (PNG, PDF or SVG by its suffix),
     written to a temporary sibling and renamed: a failed save leaves no partial image."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    for ax, (title, keys, log) in zip(axes.flat, PANELS, strict=True):
+    panels = panels_of(runs)
+    columns = 2 if len(panels) <= 4 else 3
+    fig, axes = plt.subplots(2, columns, figsize=(6 * columns, 8))
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, (title, keys, log) in zip(axes.flat, panels, strict=False):
         for run, records in runs.items():
             name = run.name if run.is_dir() else run.parent.name
             for key, label in keys:
