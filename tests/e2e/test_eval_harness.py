@@ -1,0 +1,203 @@
+"""scripts/eval_harness.py: lm-eval tasks scored on forge checkpoints (DCP, no conversion), the
+shipped ``stdlib_line_order`` task, 1 and 2 ranks, and every refusal in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from forge.checkpoint.store import save_model_only
+from forge.config import load_config
+from forge.model.transformer import Transformer
+from forge.parallel.devices import DtypeRequest
+from tests.conftest import REPO
+from tests.e2e.test_train_script import load_script
+
+HARNESS = load_script("eval_harness")
+TASKS = REPO / "configs" / "tasks"
+TASK = ["--tasks", "stdlib_line_order", "--include-path", str(TASKS)]
+
+LEARNER = """\
+[model]
+dim = 64
+n_layers = 2
+n_heads = 4
+vocab_size = 259
+max_seq_len = 96
+
+[train]
+batch_size = 8
+seq_len = 96
+max_steps = 80
+mixed_precision = "fp32"
+seed = 5
+
+[optimizer]
+lr = 5e-3
+
+[scheduler]
+warmup_steps = 8
+
+[data]
+path = "{data}"
+
+[checkpoint]
+interval = 80
+
+[metrics]
+log_interval = 40
+
+[run]
+dir = "{run}"
+"""
+
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory, small_corpus) -> pathlib.Path:
+    """A small model trained 80 steps on the ``json`` and ``email`` packages: it has learned
+    enough Python to order a line's words, and nothing of the task's (held-out) files."""
+    root = tmp_path_factory.mktemp("learned")
+    config = root / "learner.toml"
+    config.write_text(LEARNER.format(data=small_corpus, run=root / "run"))
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train.py"), str(config)],
+        capture_output=True, text=True, timeout=600, env=env, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return root / "run"
+
+
+@pytest.fixture(scope="module")
+def untrained(learned, tmp_path_factory) -> pathlib.Path:
+    """The same model as initialised, as a model-only checkpoint under a run directory."""
+    root = tmp_path_factory.mktemp("untrained")
+    shutil.copy(learned / "config.toml", root / "config.toml")
+    cfg = load_config([str(root / "config.toml")]).config
+    model = Transformer(cfg.model)
+    model.init_weights(cfg.train.seed)
+    return save_model_only(root / "checkpoints", 0, model, {"step": 0})
+
+
+def scores(path: pathlib.Path, out: pathlib.Path, *extra: str) -> dict:
+    code = HARNESS.main([str(path), *TASK, "--output", str(out), *extra])
+    assert code == 0
+    return json.loads(out.read_text())["results"]["stdlib_line_order"]
+
+
+def test_a_trained_run_scores_above_chance_and_above_the_untrained_model(
+    learned, untrained, tmp_path
+):
+    trained = scores(learned, tmp_path / "trained.json", "--limit", "100")
+    initial = scores(untrained, tmp_path / "initial.json", "--limit", "100")
+    assert trained["acc,none"] >= 0.4  # four choices: chance is 0.25
+    assert trained["acc,none"] >= initial["acc,none"] + 0.15
+
+
+def test_the_results_are_written_into_the_run_directory_by_default(learned, capsys):
+    out = learned / "eval_harness" / "step_80.json"
+    out.unlink(missing_ok=True)
+    assert HARNESS.main([str(learned), *TASK, "--limit", "8"]) == 0
+    record = json.loads(out.read_text())
+    assert record["checkpoint"].endswith("step_80") and record["limit"] == 8
+    assert record["results"]["stdlib_line_order"]["acc,none"] >= 0
+    assert "stdlib_line_order" in capsys.readouterr().out  # lm-eval's table
+
+
+def test_one_and_two_ranks_give_the_same_scores(learned, tmp_path):
+    one = scores(learned, tmp_path / "one.json", "--limit", "24", "--batch-size", "5")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(REPO / "scripts" / "eval_harness.py"), str(learned), *TASK, "--limit", "24",
+         "--batch-size", "5", "--output", str(tmp_path / "two.json")],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    two = json.loads((tmp_path / "two.json").read_text())["results"]["stdlib_line_order"]
+    assert two["acc,none"] == one["acc,none"] and two["acc_norm,none"] == one["acc_norm,none"]
+    assert done.stdout.count("stdlib_line_order") == 1  # the table, printed by rank 0 alone
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["{run}", "--tasks", "no_such_task_xyz", "--include-path", str(TASKS)],
+         "--tasks: no lm-eval task 'no_such_task_xyz'"),
+        (["{run}", "--tasks", ",", "--include-path", str(TASKS)], "--tasks: name at least one"),
+        (["{run}", *TASK, "--limit", "0"], "--limit: must be >= 1, got 0"),
+        (["{run}", *TASK, "--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
+        (["{run}", "--tasks", "x", "--include-path", "{run}/nowhere"],
+         "--include-path: include_path {run}/nowhere: no such folder"),
+        (["{run}/checkpoints", *TASK],
+         "neither a run directory (config.toml) nor a checkpoint (train_state.json)"),
+        (["{run}/nothing", *TASK], "neither a run directory"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_and_exit_2(learned, capsys, args, says):
+    code = HARNESS.main([a.format(run=learned) for a in args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert says.format(run=learned) in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_damaged_checkpoint_is_one_line(learned, tmp_path, capsys):
+    copy = tmp_path / "run"
+    shutil.copytree(learned, copy)
+    for shard in (copy / "checkpoints" / "step_80").glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:100])
+    code = HARNESS.main([str(copy / "checkpoints" / "step_80"), *TASK])
+    err = capsys.readouterr().err
+    assert code == 2 and "step_80" in err and "Traceback" not in err
+
+
+def test_without_lm_eval_the_script_names_the_extra(learned, capsys, monkeypatch):
+    import forge.harness.tasks as tasks
+
+    real = tasks.importlib.util.find_spec
+    monkeypatch.setattr(
+        tasks.importlib.util, "find_spec", lambda n, *a: None if n == "lm_eval" else real(n, *a)
+    )
+    code = HARNESS.main([str(learned), *TASK])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert tasks.MISSING_EXTRA in err
+    assert "pip install -e '.[eval]'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_task_whose_data_is_missing_fails_in_one_line(learned, tmp_path, capsys):
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "gone.yaml").write_text(
+        "task: gone_task\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path}/missing.jsonl\n"
+        "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{q}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: label\n"
+    )
+    code = HARNESS.main([str(learned), "--tasks", "gone_task", "--include-path", str(folder)])
+    err = capsys.readouterr().err
+    assert code == 2 and "gone_task: lm-eval failed" in err and "missing.jsonl" in err
+    assert "Traceback" not in err
+
+
+def test_the_loaded_model_is_the_checkpoints(learned):
+    """The backend scores the weights of step 80, not an initialisation."""
+    from forge.training.inference import load_for_inference
+    from forge.training.run_dir import load_run_config
+
+    config = load_run_config(learned)
+    loaded = load_for_inference(
+        config, learned, None, torch.device("cpu"), DtypeRequest.AUTO, lambda _: None
+    )
+    assert loaded.checkpoint.name == "step_80"
+    fresh = Transformer(config.model)
+    fresh.init_weights(config.train.seed)
+    assert not torch.equal(fresh.output.weight, loaded.model.output.weight)
