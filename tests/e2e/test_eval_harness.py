@@ -201,3 +201,24 @@ def test_the_loaded_model_is_the_checkpoints(learned):
     fresh = Transformer(config.model)
     fresh.init_weights(config.train.seed)
     assert not torch.equal(fresh.output.weight, loaded.model.output.weight)
+
+
+def test_a_vision_language_run_is_refused_in_one_line(tmp_path, small_shapes, capsys):
+    from tests.conftest import TINY_VLM
+
+    run = tmp_path / "vlm"
+    run.mkdir()
+    config = TINY_VLM.format(arch="joint_decoder", data=small_shapes)
+    (run / "config.toml").write_text(config)
+    code = HARNESS.main([str(run), *TASK])
+    err = capsys.readouterr().err
+    assert code == 2 and "a vision-language run; lm-eval tasks score text" in err
+
+
+def test_an_unwritable_output_is_one_line_and_nothing_half_written(learned, tmp_path, capsys):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    code = HARNESS.main([str(learned), *TASK, "--limit", "4", "--output", f"{blocked}/r.json"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--output {blocked}/r.json: could not be written" in err
+    assert blocked.read_text() == "not a folder" and "Traceback" not in err
