@@ -113,12 +113,13 @@ def test_a_run_that_scores_tasks_trains_as_one_that_does_not(scored, tmp_path, s
     assert losses(run) == losses(plain)  # bit for bit: lm-eval's seeding is undone
 
 
-def test_two_ranks_score_in_lockstep_and_finish(tmp_path, small_corpus):
+@pytest.mark.parametrize("layout", ["--distributed.dp_shard=2", "--distributed.tp=2"])
+def test_two_ranks_score_in_lockstep_and_finish(tmp_path, small_corpus, layout):
     run = with_tasks(make_run(tmp_path, small_corpus), ("stdlib_line_order", TASKS, 10))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(REPO / "scripts" / "train.py"), str(run.config), "--train.max_steps=8"],
+         str(REPO / "scripts" / "train.py"), str(run.config), "--train.max_steps=8", layout],
         capture_output=True, text=True, timeout=300, env=env, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
