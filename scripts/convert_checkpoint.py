@@ -1,13 +1,15 @@
-"""Convert between forge checkpoints and a Hugging Face Llama export (safetensors + config.json).
+"""Convert between forge checkpoints and Hugging Face folders (safetensors + config.json).
 
     python scripts/convert_checkpoint.py export runs/debug --out exports/debug --dtype bfloat16
     python scripts/convert_checkpoint.py import exports/debug --out ckpt/imported
 
-``export`` reads the run's newest complete checkpoint (the training resolver) on the CPU
-(``--device cuda`` or ``auto`` to read it onto a GPU), in the checkpoint's dtype, and writes it
-in ``--dtype``; ``import`` writes a model-only forge checkpoint (``<out>/step_0``) to use as
-``checkpoint.load_path``. Both are file conversions for one process: under ``torchrun`` rank 0
-converts and the other ranks exit at once.
+Both directions take the Llama, Mixtral, Qwen3 and Qwen3-MoE families
+(``forge.checkpoint.hf_families``; docs/interop.md). ``export`` reads the run's newest
+complete checkpoint (the training resolver) on the CPU (``--device cuda`` or ``auto`` to read
+it onto a GPU), in the checkpoint's dtype, and writes it in ``--dtype``; ``import`` writes a
+model-only forge checkpoint (``<out>/step_0``) to use as ``checkpoint.load_path``. Both are
+file conversions for one process: under ``torchrun`` rank 0 converts and the other ranks exit
+at once.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from forge.checkpoint.hf_import import import_model
 from forge.checkpoint.resume import load_newest_weights
 from forge.checkpoint.store import save_model_only
 from forge.config import JobConfig, ModelConfig
+from forge.config.families import export_family
 from forge.config.loader import CONVERTER
 from forge.config.toml_writer import dumps_toml
 from forge.data.shards import MANIFEST, read_manifest
@@ -129,7 +132,7 @@ def imported_model(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transfor
 
 
 def import_(folder: pathlib.Path, out: pathlib.Path, overwrite: bool) -> None:
-    """Write ``folder`` (a Hugging Face Llama) as the model-only checkpoint ``out/step_0``;
+    """Write ``folder`` (a Hugging Face model) as the model-only checkpoint ``out/step_0``;
     every problem with the folder is found (``import_model``) before ``out`` is written."""
     require_safetensors()
     check_output(out, OutputKind.IMPORTED_CHECKPOINT, overwrite)
@@ -140,7 +143,11 @@ def import_(folder: pathlib.Path, out: pathlib.Path, overwrite: bool) -> None:
         save_model_only(tmp, 0, model, {"step": 0, "imported_from": str(folder)})
         replace_output(tmp, out, kind)
     path = out / "step_0"
-    print(f"wrote {path}; use it with --checkpoint.load_path={path} and this [model] section:")
+    family = export_family(cfg).label
+    print(
+        f"wrote {path} (a {family} model); use it with --checkpoint.load_path={path} and this "
+        "[model] section:"
+    )
     model = {k: v for k, v in CONVERTER.unstructure(cfg).items() if v is not None}
     print(dumps_toml({"model": model}).strip())
 
@@ -164,7 +171,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     im = sub.add_parser(
         "import", help="safetensors + config.json -> forge checkpoint", formatter_class=defaults
     )
-    im.add_argument("folder", type=pathlib.Path, help="a Llama export (config.json + safetensors)")
+    im.add_argument(
+        "folder",
+        type=pathlib.Path,
+        help="a Llama, Mixtral, Qwen3 or Qwen3-MoE folder (config.json + safetensors)",
+    )
     im.add_argument(
         "--out", type=pathlib.Path, required=True, help="checkpoint folder to write (step_0)"
     )

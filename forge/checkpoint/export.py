@@ -1,11 +1,13 @@
-"""Model-only export in Hugging Face Llama layout: ``model.safetensors`` plus ``config.json``.
+"""Model-only export in Hugging Face layout: ``model.safetensors`` plus ``config.json``.
 
-forge's decoder is a Llama (RoPE in the half-split layout of HF's ``rotate_half``, GQA,
-SwiGLU, RMSNorm), so the export is a rename and a dtype cast; it loads into
-``LlamaForCausalLM`` and back into forge. A mixture of experts with Mixtral's routing (softmax
-top-k, renormalised, in every block, no shared experts) exports to ``MixtralForCausalLM``
-instead, one ``w1/w2/w3`` per expert (the layout transformers v4 reads and v5 converts). Needs
-the optional ``safetensors`` package (``pip install 'forge[safetensors]'``).
+The export is a rename and a dtype cast into the family ``hf_families.export_family`` picks:
+``LlamaForCausalLM`` for a dense model, ``Qwen3ForCausalLM`` for one with ``model.qk_norm``,
+and for a mixture of experts with softmax top-k routing (renormalised, no shared experts)
+``MixtralForCausalLM`` (experts in every block) or ``Qwen3MoeForCausalLM`` (with
+``model.qk_norm``; dense blocks where forge has them), one tensor per expert (the layout
+transformers v4 reads and v5 converts). Every family loads back into forge
+(``hf_import``). Needs the optional ``safetensors`` package (``pip install
+'forge[safetensors]'``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import hashlib
 import importlib.util
 import json
 import pathlib
-import re
 import shutil
 from collections.abc import Mapping
 from typing import Any
@@ -22,41 +23,13 @@ from typing import Any
 import attrs
 import torch
 
+from forge.checkpoint.hf_families import ExportError, hf_names, is_expert_weight, sparse_layout
 from forge.checkpoint.hf_tokenizer import BYTE_SPECIAL_TOKENS, byte_tokenizer_json, tokenizer_config
-from forge.config.sections import ModelConfig, MoeRouter
-from forge.errors import UserInputError
+from forge.config.families import Family, export_family, export_problem
+from forge.config.sections import ModelConfig
 from forge.outputs import OutputKind, replace_output, staged_output
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-_LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-TOP_TENSORS = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_EXPERTS = {  # forge's (E, in, out) weight → Mixtral's per-expert (out, in) Linear weight
-    "feed_forward.experts.w1": "w1",
-    "feed_forward.experts.w2": "w2",
-    "feed_forward.experts.w3": "w3",
-}
-_MOE_GATE = ("feed_forward.router.gate.weight", "block_sparse_moe.gate.weight")
-_LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
-
-class ExportError(UserInputError):
-    """An export cannot be written or read."""
 
 
 @attrs.frozen
@@ -109,81 +82,36 @@ def write_tokenizer_files(folder: pathlib.Path, tokens: TokenizerInfo, max_len: 
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def hf_name(name: str) -> str:
-    """forge parameter name → HF Llama name."""
-    if name in TOP_TENSORS:
-        return TOP_TENSORS[name]
-    m = _LAYER_KEY.match(name)
-    if m and m.group(2) in _LAYER:
-        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
-    raise ExportError(f"parameter '{name}' has no Llama equivalent")
+def hf_tensors(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """forge tensor → its HF tensors in ``cfg``'s export family (``hf_names``): the stacked
+    experts' ``(E, in, out)`` weight as one ``(out, in)`` Linear weight per expert."""
+    names = hf_names(name, export_family(cfg), cfg.moe_num_experts)
+    if is_expert_weight(name):
+        return {hf: w.t() for hf, w in zip(names, tensor, strict=True)}
+    return {hf: tensor for hf in names}
 
 
-def forge_name(name: str) -> str:
-    """HF Llama name → forge parameter name."""
-    for ours, theirs in TOP_TENSORS.items():
-        if name == theirs:
-            return ours
-    m = _HF_LAYER_KEY.match(name)
-    if m:
-        for ours, theirs in _LAYER.items():
-            if m.group(2) == theirs:
-                return f"layers.{m.group(1)}.{ours}"
-    raise ExportError(f"tensor '{name}' is not part of a Llama model forge can read")
-
-
-def hf_tensors(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-    """forge tensor → its HF (Llama or Mixtral) tensors: one for most, one per expert for
-    the experts' stacked weights; none for the router's balancing bias (always 0 under
-    softmax routing, the only one exported)."""
-    m = _LAYER_KEY.match(name)
-    if m and m.group(2) in _EXPERTS:
-        prefix = f"model.layers.{m.group(1)}.block_sparse_moe.experts"
-        kind = _EXPERTS[m.group(2)]
-        return {f"{prefix}.{j}.{kind}.weight": w.t() for j, w in enumerate(tensor)}
-    if m and m.group(2) == _MOE_GATE[0]:
-        return {f"model.layers.{m.group(1)}.{_MOE_GATE[1]}": tensor}
-    if m and m.group(2) == "feed_forward.router.expert_bias":
-        return {}
-    return {hf_name(name): tensor}
-
-
-def export_problem(cfg: ModelConfig) -> str | None:
-    """Why ``cfg`` has no Llama (or, for a mixture of experts, Mixtral) export, if it has
-    none: one line naming the key."""
-    if cfg.qk_norm:
-        return (
-            "model.qk_norm: transformers' LlamaForCausalLM has no query/key norms, so this "
-            "model has no Llama export; train without qk_norm to export it"
-        )
-    if cfg.sliding_window:
-        return (
-            f"model.sliding_window={cfg.sliding_window}: LlamaForCausalLM attends to the whole "
-            "context, so this model has no Llama export; train without a window to export it"
-        )
-    if not cfg.moe:
-        return None
-    if cfg.moe_router is not MoeRouter.SOFTMAX:
-        return (
-            f"model.moe_router={cfg.moe_router.value!r}: MixtralForCausalLM routes by a "
-            "softmax over experts, so this model has no Mixtral export"
-        )
-    if cfg.moe_shared_experts:
-        return (
-            "model.moe_shared_experts: MixtralForCausalLM has no shared experts, so this model "
-            "has no Mixtral export"
-        )
-    if len(cfg.moe_layers) != cfg.n_layers:
-        return (
-            "model.moe_first_dense / model.moe_every: MixtralForCausalLM has experts in every "
-            "block, so a model with dense blocks has no Mixtral export"
-        )
-    return None
+def rope_config(cfg: ModelConfig) -> dict[str, Any]:
+    """RoPE's keys: transformers v5's ``rope_parameters`` and v4's ``rope_theta`` (and
+    ``rope_scaling`` under ``model.rope_scaling``), the same values in both."""
+    params: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    config: dict[str, Any] = {"rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        scaling = {
+            "rope_type": cfg.rope_scaling.type.value,
+            "factor": cfg.rope_scaling.factor,
+            "low_freq_factor": cfg.rope_scaling.low_freq_factor,
+            "high_freq_factor": cfg.rope_scaling.high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_scaling.original_max_seq_len,
+        }
+        params |= scaling
+        config["rope_scaling"] = scaling
+    return config | {"rope_parameters": params}
 
 
 def llama_config(cfg: ModelConfig, dtype: str, tokens: TokenizerInfo | None = None) -> dict:
-    """The ``config.json`` of ``LlamaForCausalLM`` for ``cfg`` (RoPE both as transformers v5's
-    ``rope_parameters`` and v4's ``rope_theta``), with the tokenizer's special ids."""
+    """The ``config.json`` of ``LlamaForCausalLM`` for ``cfg`` (``rope_config``'s RoPE),
+    with the tokenizer's special ids."""
     tokens = tokens or TokenizerInfo()
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -193,10 +121,10 @@ def llama_config(cfg: ModelConfig, dtype: str, tokens: TokenizerInfo | None = No
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_size,
         "vocab_size": cfg.vocab_size,
         "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"},
+        **rope_config(cfg),
         "max_position_embeddings": cfg.max_seq_len,
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
@@ -211,22 +139,39 @@ def llama_config(cfg: ModelConfig, dtype: str, tokens: TokenizerInfo | None = No
 
 
 def hf_config(cfg: ModelConfig, dtype: str, tokens: TokenizerInfo | None = None) -> dict:
-    """``config.json``: Llama's for a dense model, Mixtral's for a mixture of experts."""
+    """``config.json`` of ``cfg``'s export family: Llama's, with Mixtral's experts, Qwen3's
+    windowless attention, or both with Qwen3-MoE's layout of sparse blocks."""
     config = llama_config(cfg, dtype, tokens)
-    if not cfg.moe:
-        return config
-    config.pop("mlp_bias")
-    return config | {
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        "intermediate_size": cfg.expert_hidden_dim,
-        "num_local_experts": cfg.moe_num_experts,
+    family = export_family(cfg)
+    config.pop("mlp_bias")  # Llama's key alone
+    config |= {"architectures": [family.architecture], "model_type": family.value}
+    moe = {
         "num_experts_per_tok": cfg.moe_top_k,
         "router_aux_loss_coef": cfg.moe_aux_loss_weight,
         "output_router_logits": False,
-        "router_jitter_noise": 0.0,
-        "sliding_window": None,
     }
+    if family is Family.LLAMA:
+        config["mlp_bias"] = False
+    elif family is Family.MIXTRAL:
+        config |= moe | {
+            "intermediate_size": cfg.expert_hidden_dim,
+            "num_local_experts": cfg.moe_num_experts,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+        }
+    else:  # Qwen3 attends to the whole context in every block
+        config |= {"use_sliding_window": False, "sliding_window": None}
+        config["max_window_layers"] = cfg.n_layers
+    if family is Family.QWEN3_MOE:
+        step, dense = sparse_layout(cfg)
+        config |= moe | {
+            "moe_intermediate_size": cfg.expert_hidden_dim,
+            "num_experts": cfg.moe_num_experts,
+            "norm_topk_prob": True,  # forge renormalises the top-k weights
+            "decoder_sparse_step": step,
+            "mlp_only_layers": dense,
+        }
+    return config
 
 
 def generation_config(cfg: ModelConfig, tokens: TokenizerInfo) -> dict:
@@ -237,10 +182,6 @@ def generation_config(cfg: ModelConfig, tokens: TokenizerInfo) -> dict:
         "pad_token_id": tokens.pad_id,
         "max_length": cfg.max_seq_len,
     }
-
-
-# --- import: what a Hugging Face folder must hold. The checks are pure functions of what was
-# read (each returns its problems as lines); ``import_model`` reads, checks, then loads.
 
 
 def export_model(
@@ -265,7 +206,7 @@ def export_model(
     for name, tensor in state.items():
         if cfg.tie_embeddings and name == "output.weight":
             continue  # tied: the embedding is the head
-        for hf_key, value in hf_tensors(name, tensor.detach()).items():
+        for hf_key, value in hf_tensors(name, tensor.detach(), cfg).items():
             tensors[hf_key] = value.to(DTYPES[dtype]).contiguous().cpu()
     with staged_output(out) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})

@@ -1,17 +1,26 @@
-"""A Hugging Face ``config.json`` read as a forge model: every key checked (types, ranges,
-the shapes they imply, the features forge's decoder lacks) before a model is built, each
-problem one line naming the file and the key. Pure: no file is read here."""
+"""A Hugging Face ``config.json`` read as a forge model of one of the families forge imports
+(``hf_families``): every key checked (types, ranges, the shapes they imply, the features
+forge's decoder lacks) before a model is built, each problem one line naming the file and the
+key. Pure: no file is read here."""
 
 from __future__ import annotations
 
-import json
-import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from forge.checkpoint.export import ExportError
-from forge.config.sections import ModelConfig
+from forge.checkpoint.hf_families import DEFAULTS, FAMILIES_LINE, ExportError, forge_layout
+from forge.checkpoint.hf_json import (
+    INT_LIMIT,
+    bool_problem,
+    given,
+    int_problem,
+    json_kind,
+    number_problem,
+    shown,
+)
+from forge.config.families import Family
+from forge.config.sections import ModelConfig, RopeScaling
 
 CONFIG_JSON = "config.json"
 WEIGHTS = "model.safetensors"
@@ -26,128 +35,64 @@ _REQUIRED_INTS = (
 _OPTIONAL_INTS = ("num_key_value_heads", "max_position_embeddings", "head_dim")
 _OPTIONAL_NUMBERS = ("rms_norm_eps", "rope_theta", "initializer_range")
 _OPTIONAL_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
-_INT_LIMIT = 2**63  # forge's config holds 64-bit integers
+# the keys of a mixture of experts each family reads (Qwen3-MoE's expert count under either
+# name: transformers v5 writes num_local_experts, the released models' files num_experts)
+_FAMILY_INTS = {
+    Family.MIXTRAL: ("num_local_experts", "num_experts_per_tok"),
+    Family.QWEN3_MOE: (
+        "num_experts",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "decoder_sparse_step",
+    ),
+}
+_FAMILY_BOOLS: dict[Family, tuple[str, ...]] = {
+    Family.QWEN3: ("use_sliding_window",),
+    Family.QWEN3_MOE: ("use_sliding_window", "norm_topk_prob"),
+}
+_LLAMA3_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor")
 JSON_LIMIT = 64 * 2**20  # config.json is kilobytes, an index of 100k tensors megabytes
 _POSITIONS_LIMIT = 2**32  # RoPE tables hold a row per position: far beyond any real context
 LAYER_INDEX = re.compile(r"^model\.layers\.(\d{1,9})\.")
 IGNORED_TENSOR = re.compile(r"\.rotary_emb\.inv_freq$")  # RoPE tables old transformers saved
 
 
-def shown(value: object, limit: int = 80) -> str:
-    """``value`` as a message shows it: a string quoted, anything else as JSON writes it, cut
-    to ``limit`` characters (the value comes from the user's file)."""
-    try:
-        text = repr(value) if isinstance(value, str) else json.dumps(value)
-    except (TypeError, ValueError, RecursionError):
-        text = f"a {type(value).__name__}"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def listed(items: Sequence[str], limit: int = 3) -> str:
-    """The first ``limit`` items, comma-separated, and how many more there are."""
-    more = f" and {len(items) - limit} more" if len(items) > limit else ""
-    return ", ".join(items[:limit]) + more
-
-
-def counted(n: int, noun: str) -> str:
-    """``n`` and ``noun``, plural unless ``n`` is 1."""
-    return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
-def json_kind(value: object) -> str:
-    """What JSON calls ``value``'s type, with an article (for 'expected an object, got ...')."""
-    kinds = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
-    if value is None:
-        return "null"
-    return kinds.get(type(value), "a number")
-
-
-def decode_json(data: bytes) -> tuple[object, str | None]:
-    """The JSON document in ``data``, or None and why there is none (not UTF-8, empty, not
-    JSON, nested beyond what Python's parser follows)."""
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        where = f"byte 0x{data[exc.start]:02x} at offset {exc.start}"
-        return None, f"not UTF-8 ({where}); save it as UTF-8 JSON"
-    if not text.strip():
-        return None, "not JSON (the file is empty)"
-    try:
-        return json.loads(text), None
-    except json.JSONDecodeError as exc:
-        return None, f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
-    except RecursionError:
-        return None, "not JSON that can be read (nested too deeply)"
-
-
-def int_problem(key: str, value: object) -> str | None:
-    """Why ``value`` is not an integer > 0 that fits in 64 bits, if it is not."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        return f"{key}: expected an integer, got {shown(value)}"
-    if value >= _INT_LIMIT:
-        return f"{key}: {value} is out of range: must fit in 64 bits (< 2**63)"
-    if value <= 0:
-        return f"{key}: must be > 0, got {value}"
-    return None
-
-
-def number_problem(key: str, value: object) -> str | None:
-    """Why ``value`` is not a finite number > 0 (within 64 bits), if it is not."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return f"{key}: expected a number, got {shown(value)}"
-    if isinstance(value, float) and not math.isfinite(value):
-        return f"{key}: expected a finite number, got {shown(value)}"
-    if value >= _INT_LIMIT:
-        return f"{key}: {value} is out of range: must be < 2**63"
-    if value <= 0:
-        return f"{key}: must be > 0, got {value}"
-    return None
-
-
-def bool_problem(key: str, value: object) -> str | None:
-    """Why ``value`` is not a JSON boolean, if it is not."""
-    return None if isinstance(value, bool) else f"{key}: expected true or false, got {shown(value)}"
-
-
-def given(config: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    """``config[key]``, or ``default`` when it is absent or null (as transformers reads it)."""
-    value = config.get(key)
-    return default if value is None else value
-
-
 def identity_problems(config: Mapping[str, Any]) -> list[str]:
-    """Why ``config`` is not a dense Llama's: another model type or architecture, a mixture of
-    experts."""
+    """Why ``config`` is not of a family forge imports: another model type, or an
+    architecture other than the family's."""
     model_type = config.get("model_type")
-    if "num_local_experts" in config or model_type == "mixtral":
-        return [f"a mixture of experts ({model_type}); forge imports dense Llama models only"]
-    problems = []
     if model_type is None:
-        problems.append("model_type: missing; forge imports Llama models (model_type 'llama')")
-    elif model_type != "llama":
-        problems.append(
-            f"model_type {shown(model_type)}: forge imports Llama models only (model_type "
-            "'llama'); another model's weights do not fit forge's decoder"
-        )
+        return [f"model_type: missing; forge imports {FAMILIES_LINE}"]
+    if model_type not in [f.value for f in Family]:
+        return [
+            f"model_type {shown(model_type)}: forge imports {FAMILIES_LINE} only; another "
+            "model's weights do not fit forge's decoder"
+        ]
+    family = Family(model_type)
     arch = config.get("architectures")
     if arch is not None and not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
-        problems.append(f"architectures: expected a list of class names, got {shown(arch)}")
-    elif arch is not None and "LlamaForCausalLM" not in arch:
-        problems.append(f"architectures {shown(arch)}: forge imports LlamaForCausalLM only")
-    return problems
+        return [f"architectures: expected a list of class names, got {shown(arch)}"]
+    if arch is not None and family.architecture not in arch:
+        return [
+            f"architectures {shown(arch)}: forge imports model_type {family.value!r} as "
+            f"{family.architecture} only"
+        ]
+    return []
 
 
-def key_problems(config: Mapping[str, Any]) -> list[str]:
+def key_problems(config: Mapping[str, Any], family: Family) -> list[str]:
     """Each key forge reads present when required and of its type and range (null, for an
     optional key, means its default)."""
     problems: list[str | None] = [
-        f"{key}: missing; a Llama config.json states it"
+        f"{key}: missing; a {family.label} config.json states it"
         for key in _REQUIRED_INTS
         if key not in config
     ]
-    checks = [(k, int_problem) for k in (*_REQUIRED_INTS, *_OPTIONAL_INTS)]
+    ints = (*_REQUIRED_INTS, *_OPTIONAL_INTS, *_FAMILY_INTS.get(family, ()))
+    checks = [(k, int_problem) for k in ints]
     checks += [(k, number_problem) for k in _OPTIONAL_NUMBERS]
-    checks += [(k, bool_problem) for k in _OPTIONAL_BOOLS]
+    checks += [(k, bool_problem) for k in (*_OPTIONAL_BOOLS, *_FAMILY_BOOLS.get(family, ()))]
     for key, check in checks:
         if key in config and (config[key] is not None or key in _REQUIRED_INTS):
             problems.append(check(key, config[key]))
@@ -155,97 +100,261 @@ def key_problems(config: Mapping[str, Any]) -> list[str]:
         value = config.get(key)
         if value is not None and not isinstance(value, dict):
             problems.append(f"{key}: expected a JSON object, got {shown(value)}")
-    params = config.get("rope_parameters")
-    if isinstance(params, dict) and params.get("rope_theta") is not None:
-        problems.append(number_problem("rope_parameters.rope_theta", params["rope_theta"]))
+        elif isinstance(value, dict) and value.get("rope_theta") is not None:
+            problems.append(number_problem(f"{key}.rope_theta", value["rope_theta"]))
     positions = config.get("max_position_embeddings")
-    if isinstance(positions, int) and _POSITIONS_LIMIT < positions < _INT_LIMIT:
+    if isinstance(positions, int) and _POSITIONS_LIMIT < positions < INT_LIMIT:
         problems.append(
             f"max_position_embeddings: {positions} is beyond forge's limit of 2**32 positions "
             "(its RoPE tables hold a row per position); lower it to the context the model uses"
         )
+    problems += list_problems(config, family)
     return [p for p in problems if p is not None]
 
 
-def shape_problems(config: Mapping[str, Any]) -> list[str]:
+def list_problems(config: Mapping[str, Any], family: Family) -> list[str]:
+    """The list-valued keys: ``layer_types`` names, Qwen3-MoE's ``mlp_only_layers`` block
+    indices."""
+    problems = []
+    kinds = config.get("layer_types")
+    if kinds is not None and not (
+        isinstance(kinds, list) and all(isinstance(k, str) for k in kinds)
+    ):
+        problems.append(f"layer_types: expected a list of strings, got {shown(kinds)}")
+    dense = config.get("mlp_only_layers")
+    whole = isinstance(dense, list) and all(block_index(i) for i in dense)
+    if family is Family.QWEN3_MOE and dense is not None and not whole:
+        problems.append(
+            f"mlp_only_layers: expected a list of block indices (integers >= 0), got {shown(dense)}"
+        )
+    return problems
+
+
+def block_index(value: object) -> bool:
+    """Whether ``value`` is a JSON integer >= 0 within 64 bits."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < INT_LIMIT
+
+
+def head_size(config: Mapping[str, Any], family: Family) -> int | None:
+    """Each head's width as transformers reads it: ``head_dim``, else the family's default
+    (Qwen3's 128), else ``hidden_size / num_attention_heads`` (None when not whole)."""
+    head = given(config, "head_dim", DEFAULTS[family].get("head_dim"))
+    if head is not None:
+        return head
+    dim, heads = config["hidden_size"], config["num_attention_heads"]
+    return None if dim % heads else dim // heads
+
+
+def shape_problems(config: Mapping[str, Any], family: Family) -> list[str]:
     """The attention shape forge's decoder can hold: whole heads of an even size, key/value
     heads that divide the query heads (``config``'s keys have passed ``key_problems``)."""
     dim, heads = config["hidden_size"], config["num_attention_heads"]
-    if dim % heads:
+    head = head_size(config, family)
+    if head is None:
         return [f"hidden_size {dim} is not divisible by num_attention_heads {heads}"]
     problems = []
-    if (dim // heads) % 2:
+    if head % 2 and given(config, "head_dim", DEFAULTS[family].get("head_dim")) is None:
         problems.append(
-            f"the head size hidden_size / num_attention_heads = {dim // heads} is odd; RoPE "
-            "rotates pairs of channels, so forge needs it even"
+            f"the head size hidden_size / num_attention_heads = {head} is odd; RoPE rotates "
+            "pairs of channels, so forge needs it even"
+        )
+    elif head % 2:
+        problems.append(
+            f"head_dim {head} is odd; RoPE rotates pairs of channels, so forge needs it even"
         )
     kv_heads = given(config, "num_key_value_heads", heads)
     if heads % kv_heads:
         problems.append(
             f"num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}"
         )
-    head_dim = given(config, "head_dim")
-    if head_dim is not None and head_dim * heads != dim:
-        problems.append(f"head_dim {head_dim} is not hidden_size / num_attention_heads")
     return problems
 
 
-def rope_problem(config: Mapping[str, Any]) -> str | None:
-    """Why a Llama ``config.json``'s RoPE is not forge's plain RoPE, if it is not."""
-    params, scaling = given(config, "rope_parameters", {}), given(config, "rope_scaling", {})
-    params, scaling = (p if isinstance(p, dict) else {} for p in (params, scaling))
-    kinds = {params.get("rope_type"), scaling.get("rope_type"), scaling.get("type")}
-    for kind in sorted(k for k in kinds - {None, "default"} if isinstance(k, str)):
-        return (
-            f"RoPE type {kind!r} (rope scaling) is not implemented by forge, only plain RoPE "
-            "('default'); the model's logits would differ"
-        )
-    return None
+def rope_entry(config: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The key transformers reads RoPE's parameters from, and its object: ``rope_scaling``
+    when set (v4's key, which v5 still takes first), else ``rope_parameters``."""
+    for key in ("rope_scaling", "rope_parameters"):
+        value = config.get(key)
+        if isinstance(value, dict) and value:
+            return key, value
+    return "rope_parameters", {}
 
 
-def feature_problems(config: Mapping[str, Any]) -> list[str]:
-    """What forge's decoder does not have: RoPE scaling, biases, another activation."""
-    problems = [p for p in (rope_problem(config),) if p is not None]
+def rope_kind(rope: Mapping[str, Any]) -> object:
+    """RoPE's type in a ``rope_entry`` object (``type``: an older spelling)."""
+    return given(rope, "rope_type", given(rope, "type", "default"))
+
+
+def rope_problems(config: Mapping[str, Any]) -> list[str]:
+    """Why the RoPE of ``config`` is neither plain RoPE nor Llama 3.1's scaling with its
+    parameters, if it is not."""
+    key, rope = rope_entry(config)
+    kind = rope_kind(rope)
+    partial = given(rope, "partial_rotary_factor", given(config, "partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        return [f"partial_rotary_factor {shown(partial)}: forge rotates every channel of a head"]
+    if kind == "default":
+        return []
+    if kind != "llama3":
+        return [
+            f"RoPE type {shown(kind)} (rope scaling) is not implemented by forge, only plain "
+            "RoPE ('default') and Llama 3.1's ('llama3'); the model's logits would differ"
+        ]
+    problems: list[str | None] = [
+        f"{key}.{name}: missing; a 'llama3' RoPE states it"
+        if rope.get(name) is None
+        else number_problem(f"{key}.{name}", rope[name])
+        for name in _LLAMA3_NUMBERS
+    ]
+    if rope.get("original_max_position_embeddings") is not None:
+        original = rope["original_max_position_embeddings"]
+        problems.append(int_problem(f"{key}.original_max_position_embeddings", original))
+    return [p for p in problems if p is not None]
+
+
+def window_problems(config: Mapping[str, Any], family: Family) -> list[str]:
+    """A sliding window, which forge's imports lack: every block attends to the whole
+    context."""
+    window = config.get("sliding_window")
+    if family is Family.MIXTRAL and window is not None:
+        return [
+            f"sliding_window {shown(window)}: forge imports Mixtral attending to the whole "
+            "context (sliding_window null); the model's logits would differ"
+        ]
+    if family.qk_norm and config.get("use_sliding_window"):
+        return [
+            "use_sliding_window true: forge imports Qwen3 attending to the whole context in "
+            "every block; the model's logits would differ"
+        ]
+    kinds = config.get("layer_types") or []
+    if any(k != "full_attention" for k in kinds):
+        return [f"layer_types {shown(kinds)}: forge's blocks all attend to the whole context"]
+    return []
+
+
+def moe_problems(config: Mapping[str, Any], family: Family) -> list[str]:
+    """Qwen3-MoE's routing and layout where forge's differ: weights not renormalised, sparse
+    blocks that are not forge's layout (``hf_families.forge_layout``)."""
+    if family is not Family.QWEN3_MOE:
+        return []
+    if not given(config, "norm_topk_prob", DEFAULTS[family]["norm_topk_prob"]):
+        return [
+            "norm_topk_prob false (transformers' default when absent): the top-k routing "
+            "weights are not renormalised, and forge's router renormalises them; forge "
+            "imports Qwen3-MoE with norm_topk_prob true"
+        ]
+    step, dense = sparse_keys(config)
+    if forge_layout(config["num_hidden_layers"], step, dense) is None:
+        return [
+            f"decoder_sparse_step {step} with mlp_only_layers {shown(dense)}: forge places "
+            "experts in every model.moe_every-th block after model.moe_first_dense dense "
+            "ones, and these sparse blocks are not such a layout"
+        ]
+    return []
+
+
+def sparse_keys(config: Mapping[str, Any]) -> tuple[int, list[int]]:
+    """Qwen3-MoE's ``decoder_sparse_step`` and ``mlp_only_layers``, defaults filled in."""
+    step = given(config, "decoder_sparse_step", DEFAULTS[Family.QWEN3_MOE]["decoder_sparse_step"])
+    return step, given(config, "mlp_only_layers", [])
+
+
+def feature_problems(config: Mapping[str, Any], family: Family) -> list[str]:
+    """What forge's decoder does not have: other RoPE, biases, another activation, a sliding
+    window, Qwen3-MoE's routing without renormalisation."""
+    problems = rope_problems(config)
     if config.get("attention_bias") or config.get("mlp_bias"):
         problems.append("attention or MLP biases; forge's decoder has none")
     if given(config, "hidden_act", "silu") not in ("silu", "swish"):  # one function in HF
         problems.append(f"hidden_act {shown(config['hidden_act'])}; forge uses 'silu'")
-    return problems
+    return problems + window_problems(config, family) + moe_problems(config, family)
 
 
 def hf_config_problems(config: object, where: str = CONFIG_JSON) -> list[str]:
-    """Why ``config`` (a parsed ``config.json``) is not a Llama forge imports, one line per
+    """Why ``config`` (a parsed ``config.json``) is not a model forge imports, one line per
     problem, each starting with ``where``. Checked in stages (the model type, then each key's
     type, then shapes and features): a later stage's problems follow from an earlier's."""
     if not isinstance(config, dict):
         return [f"{where}: expected a JSON object ({{...}}), got {json_kind(config)}"]
-    problems = identity_problems(config) or key_problems(config)
+    problems = identity_problems(config)
     if not problems:
-        problems = shape_problems(config) + feature_problems(config)
+        family = Family(config["model_type"])
+        problems = key_problems(config, family)
+        if not problems:
+            problems = shape_problems(config, family) + feature_problems(config, family)
     return [f"{where}: {p}" for p in problems]
 
 
-def model_config_from_llama(config: object, where: str = CONFIG_JSON) -> ModelConfig:
-    """The forge ``ModelConfig`` of a Llama ``config.json``; ``ExportError`` with every
-    ``hf_config_problems`` line when it is not one forge imports."""
+def rope_of(config: Mapping[str, Any], family: Family) -> tuple[float, RopeScaling | None]:
+    """RoPE's base and scaling as transformers reads them (``rope_entry``'s object first)."""
+    _, rope = rope_entry(config)
+    theta = given(rope, "rope_theta", given(config, "rope_theta", DEFAULTS[family]["rope_theta"]))
+    if rope_kind(rope) != "llama3":
+        return theta, None
+    positions = given(
+        config, "max_position_embeddings", DEFAULTS[family]["max_position_embeddings"]
+    )
+    return theta, RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_seq_len=given(rope, "original_max_position_embeddings", positions),
+    )
+
+
+def moe_keys(config: Mapping[str, Any], family: Family) -> dict[str, Any]:
+    """The ``ModelConfig`` keys of a mixture of experts: Mixtral's experts in every block,
+    Qwen3-MoE's in the blocks its layout makes sparse."""
+    if not family.moe:
+        return {}
+    defaults = DEFAULTS[family]
+    keys = {"moe_top_k": given(config, "num_experts_per_tok", defaults["num_experts_per_tok"])}
+    if family is Family.MIXTRAL:
+        experts = given(config, "num_local_experts", defaults["num_local_experts"])
+        return keys | {"moe_num_experts": experts, "moe_hidden_dim": config["intermediate_size"]}
+    experts = given(
+        config, "num_experts", given(config, "num_local_experts", defaults["num_experts"])
+    )
+    layout = forge_layout(config["num_hidden_layers"], *sparse_keys(config))
+    assert layout is not None, "moe_problems refused the layout"
+    return keys | {
+        "moe_num_experts": experts,
+        "moe_hidden_dim": given(config, "moe_intermediate_size", defaults["moe_intermediate_size"]),
+        "moe_every": layout[0],
+        "moe_first_dense": layout[1],
+    }
+
+
+def model_config_from_hf(config: object, where: str = CONFIG_JSON) -> tuple[ModelConfig, Family]:
+    """The forge ``ModelConfig`` of a ``config.json`` and its family; ``ExportError`` with
+    every ``hf_config_problems`` line when it is not one forge imports."""
     problems = hf_config_problems(config, where)
     if problems or not isinstance(config, dict):
         raise ExportError(problems)
-    params = given(config, "rope_parameters", {})
+    family = Family(config["model_type"])
+    defaults = DEFAULTS[family]
+    dim, heads = config["hidden_size"], config["num_attention_heads"]
+    head = head_size(config, family)
+    assert head is not None, "shape_problems refused a head size that is not whole"
+    theta, scaling = rope_of(config, family)
     cfg = ModelConfig(
-        dim=config["hidden_size"],
+        dim=dim,
         n_layers=config["num_hidden_layers"],
-        n_heads=config["num_attention_heads"],
+        n_heads=heads,
         n_kv_heads=given(config, "num_key_value_heads"),
+        head_dim=None if head * heads == dim else head,  # None: dim / n_heads, as forge's own
         vocab_size=config["vocab_size"],
         ffn_hidden_dim=config["intermediate_size"],
-        norm_eps=given(config, "rms_norm_eps", 1e-5),
-        rope_theta=given(params, "rope_theta", given(config, "rope_theta", 10000.0)),
-        max_seq_len=given(config, "max_position_embeddings", 2048),
+        norm_eps=float(given(config, "rms_norm_eps", defaults["rms_norm_eps"])),
+        rope_theta=float(theta),  # JSON's 1000000 is forge's 1000000.0
+        rope_scaling=scaling,
+        max_seq_len=given(config, "max_position_embeddings", defaults["max_position_embeddings"]),
         tie_embeddings=given(config, "tie_word_embeddings", False),
-        init_std=given(config, "initializer_range", 0.02),
+        init_std=float(given(config, "initializer_range", 0.02)),
+        qk_norm=family.qk_norm,
+        **moe_keys(config, family),
     )
     leftover = [f"{where}: gives {key} {message}" for key, message in cfg.problems()]
     if leftover:  # a check forge's config makes that hf_config_problems lacks
         raise ExportError(leftover)
-    return cfg
+    return cfg, family

@@ -1,22 +1,19 @@
-"""``convert_checkpoint.py import``: a Hugging Face Llama folder (``config.json`` and
-``model.safetensors``, or a sharded index) read into forge's names, every file, key and tensor
+"""``convert_checkpoint.py import``: a Hugging Face folder of a family forge imports
+(``hf_families``: Llama, Mixtral, Qwen3, Qwen3-MoE; ``config.json`` and ``model.safetensors``,
+or a sharded index) read into forge's names, every file, key and tensor
 checked first (``hf_config`` for the config): a malformed folder is one line naming the file and
 the key or tensor, never a traceback, and nothing is built or allocated from unchecked sizes."""
 
 from __future__ import annotations
 
 import pathlib
+import re
 from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 import torch
 
-from forge.checkpoint.export import (
-    TOP_TENSORS,
-    ExportError,
-    forge_name,
-    require_safetensors,
-)
+from forge.checkpoint.export import require_safetensors
 from forge.checkpoint.hf_config import (
     CONFIG_JSON,
     IGNORED_TENSOR,
@@ -24,13 +21,19 @@ from forge.checkpoint.hf_config import (
     LAYER_INDEX,
     WEIGHTS,
     WEIGHTS_INDEX,
-    counted,
-    decode_json,
-    json_kind,
-    listed,
-    model_config_from_llama,
-    shown,
+    model_config_from_hf,
 )
+from forge.checkpoint.hf_families import (
+    ROUTER_BIAS,
+    TOP_TENSORS,
+    ExportError,
+    forge_shapes,
+    hf_names,
+    hf_shapes,
+    is_expert_weight,
+)
+from forge.checkpoint.hf_json import counted, decode_json, json_kind, listed, shown
+from forge.config.families import Family
 from forge.config.sections import ModelConfig
 from forge.errors import one_line
 
@@ -190,32 +193,6 @@ def read_shapes(weights: Weights) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of ``cfg``'s Llama checkpoint with its shape (``lm_head.weight`` too,
-    which a checkpoint with tied embeddings may leave out)."""
-    dim, hidden, head = cfg.dim, cfg.hidden_dim, cfg.dim // cfg.n_heads
-    q, kv = cfg.n_heads * head, cfg.kv_heads * head
-    layer = {
-        "self_attn.q_proj.weight": (q, dim),
-        "self_attn.k_proj.weight": (kv, dim),
-        "self_attn.v_proj.weight": (kv, dim),
-        "self_attn.o_proj.weight": (dim, q),
-        "mlp.gate_proj.weight": (hidden, dim),
-        "mlp.up_proj.weight": (hidden, dim),
-        "mlp.down_proj.weight": (dim, hidden),
-        "input_layernorm.weight": (dim,),
-        "post_attention_layernorm.weight": (dim,),
-    }
-    shapes = {
-        "model.embed_tokens.weight": (cfg.vocab_size, dim),
-        "model.norm.weight": (dim,),
-        "lm_head.weight": (cfg.vocab_size, dim),
-    }
-    for i in range(cfg.n_layers):
-        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
-    return shapes
-
-
 def layer_problem(n_layers: int, names: Iterable[str], weights: str) -> str | None:
     """Why the layers the tensor ``names`` hold are not ``0 .. n_layers - 1``, if they are
     not (checked before anything is listed per layer: ``n_layers`` comes from the user)."""
@@ -234,8 +211,28 @@ def layer_problem(n_layers: int, names: Iterable[str], weights: str) -> str | No
     )
 
 
+EXPERT_INDEX = re.compile(r"\.experts\.(\d{1,9})\.")
+
+
+def expert_problem(n_experts: int, names: Iterable[str], weights: str) -> str | None:
+    """Why the experts the tensor ``names`` hold are not ``0 .. n_experts - 1``, if they are
+    not (checked before a name is listed per expert: ``n_experts`` comes from the user)."""
+    held = sorted({int(m.group(1)) for n in names if (m := EXPERT_INDEX.search(n))})
+    if held == list(range(len(held))) and len(held) == n_experts:
+        return None
+    which = f" ({listed([str(i) for i in held], 5)})" if held else ""
+    return (
+        f"{counted(n_experts, 'expert')} a block, but {weights} holds "
+        f"{counted(len(held), 'expert')}{which}; the weights and config.json are not of one "
+        "model"
+    )
+
+
 def tensor_problems(
-    expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]], tied: bool
+    expected: Mapping[str, tuple[int, ...]],
+    found: Mapping[str, tuple[int, ...]],
+    tied: bool,
+    family: Family = Family.LLAMA,
 ) -> list[str]:
     """Tensors ``config.json`` implies that the weights lack, tensors forge has no place for,
     and tensors of another shape (``lm_head.weight`` may be left out when ``tied``)."""
@@ -256,8 +253,8 @@ def tensor_problems(
         )
     if unknown:
         problems.append(
-            f"{counted(len(unknown), 'tensor')} a Llama model forge reads has no place for "
-            f"({listed(unknown)}); forge's decoder has no biases or extra modules"
+            f"{counted(len(unknown), 'tensor')} a {family.label} model forge reads has no place "
+            f"for ({listed(unknown)}); forge's decoder has no biases or extra modules"
         )
     if wrong:
         problems.append(
@@ -316,9 +313,31 @@ def checked(problems: Sequence[str], where: pathlib.Path | str) -> None:
         raise ExportError([f"{where}: {p}" for p in problems])
 
 
+def forge_state(
+    tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, family: Family
+) -> dict[str, torch.Tensor]:
+    """forge's state dict from a checked folder's fp32 ``tensors``: each renamed, each
+    block's experts stacked into forge's ``(E, in, out)`` weights, the routers' balancing
+    bias 0 (softmax routing has none), the head the embedding when tied."""
+    state = {}
+    for name in forge_shapes(cfg):
+        names = hf_names(name, family, cfg.moe_num_experts)
+        if is_expert_weight(name):
+            state[name] = torch.stack([tensors[n].t() for n in names])
+        elif name.endswith(ROUTER_BIAS):
+            state[name] = torch.zeros(cfg.moe_num_experts)
+        elif not (cfg.tie_embeddings and name == "output.weight"):
+            state[name] = tensors[names[0]]
+    if cfg.tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    return state
+
+
 def import_model(folder: pathlib.Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a Hugging Face Llama folder (``config.json`` and ``model.safetensors``, or a
-    sharded checkpoint's index and shards) as forge's config and fp32 state dict.
+    """Read a Hugging Face folder (``config.json`` and ``model.safetensors``, or a sharded
+    checkpoint's index and shards) of a family forge imports as forge's config and fp32 state
+    dict (the family is ``forge.config.families.export_family`` of the config: an import
+    exports back as what it was).
     safetensors holds tensors only: nothing in it can run code. Everything is checked before
     a tensor is read (the config, the files, every tensor's name and shape), the values after
     (floating point, finite); each problem is an ``ExportError`` naming the file."""
@@ -328,20 +347,17 @@ def import_model(folder: pathlib.Path) -> tuple[ModelConfig, dict[str, torch.Ten
         raise ExportError(problem)
     config_path = folder / CONFIG_JSON
     missing = "a Hugging Face model folder holds config.json beside its weights"
-    cfg = model_config_from_llama(read_json(config_path, missing), str(config_path))
+    cfg, family = model_config_from_hf(read_json(config_path, missing), str(config_path))
     weights = find_weights(folder)
     shapes = read_shapes(weights)
-    checked(
-        [p for p in (layer_problem(cfg.n_layers, shapes, weights.label.name),) if p is not None],
-        config_path,
-    )
-    checked(tensor_problems(hf_shapes(cfg), shapes, cfg.tie_embeddings), weights.label)
+    count = (layer_problem(cfg.n_layers, shapes, weights.label.name),)
+    if family.moe:
+        count += (expert_problem(cfg.moe_num_experts, shapes, weights.label.name),)
+    checked([p for p in count if p is not None], config_path)
+    expected = hf_shapes(cfg, family)
+    checked(tensor_problems(expected, shapes, cfg.tie_embeddings, family), weights.label)
     tensors = read_tensors(weights)
     checked(dtype_problems(tensors), weights.label)
     floats = {k: v.float() for k, v in tensors.items()}
     checked(finite_problems(floats), weights.label)
-    head = TOP_TENSORS["output.weight"]
-    state = {forge_name(k): v for k, v in floats.items() if not (cfg.tie_embeddings and k == head)}
-    if cfg.tie_embeddings:
-        state["output.weight"] = state["tok_embeddings.weight"]
-    return cfg, state
+    return cfg, forge_state(floats, cfg, family)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from forge.config.families import export_problem
 from forge.config.sections import JobConfig, Problem, ScheduleName
 
 
@@ -54,24 +55,9 @@ def cross_section_problems(config: JobConfig) -> list[Problem]:
 
 
 def export_problems(config: JobConfig) -> list[Problem]:
-    """``checkpoint.export_final`` of a model the Llama export cannot hold."""
+    """``checkpoint.export_final`` of a model no Hugging Face family holds
+    (``forge.config.families.export_problem``, the export's own check)."""
     if not config.checkpoint.export_final:
         return []
-    p: list[Problem] = []
-    if config.model.qk_norm:
-        p.append(
-            (
-                "checkpoint.export_final",
-                "model.qk_norm has no Llama export (LlamaForCausalLM has no query/key norms); "
-                "set one of them off",
-            )
-        )
-    if config.model.sliding_window:
-        p.append(
-            (
-                "checkpoint.export_final",
-                "model.sliding_window has no Llama export (LlamaForCausalLM attends to the "
-                "whole context); set one of them off",
-            )
-        )
-    return p
+    problem = export_problem(config.model)
+    return [] if problem is None else [("checkpoint.export_final", f"{problem}, or set it off")]

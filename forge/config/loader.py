@@ -233,7 +233,9 @@ def known_keys_only(raw: Mapping[str, Any], cls: type) -> dict[str, Any]:
         if key not in hints:
             continue
         inner = _attrs_class(hints[key])
-        out[key] = known_keys_only(value, inner) if inner and isinstance(value, Mapping) else value
+        if inner is not None and not isinstance(value, Mapping):
+            continue  # reported by unknown_key_problems: a scalar where a table belongs
+        out[key] = known_keys_only(value, inner) if inner is not None else value
     return out
 
 

@@ -8,6 +8,7 @@ import math
 import attrs
 
 from forge.config.ranges import Problem, non_negative, positive
+from forge.config.rope import RopeScaling
 from forge.config.vision import VisionConfig, VlmArch
 
 
@@ -39,11 +40,13 @@ class ModelConfig:
     n_layers: int = 4
     n_heads: int = 4
     n_kv_heads: int | None = None  # None: same as n_heads (plain multi-head attention)
+    head_dim: int | None = None  # each head's width; None: dim / n_heads (Qwen3 sets its own)
     vocab_size: int = 259
     ffn_hidden_dim: int | None = None  # None: 8/3 * dim rounded up to `multiple_of`
     multiple_of: int = 32
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # [model.rope_scaling]; None: plain RoPE
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -74,6 +77,14 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        """Each attention head's width: ``head_dim``, or ``dim / n_heads`` when unset. Every
+        shape of attention (projections, RoPE tables, KV cache, counts) derives from it."""
+        if self.head_dim is not None:
+            return self.head_dim
+        return self.dim // self.n_heads if self.n_heads > 0 else 0
 
     @property
     def hidden_dim(self) -> int:
@@ -109,6 +120,9 @@ class ModelConfig:
         p += self.moe_problems()
         p += self.vlm_problems()
         p += self.attention_problems()
+        p += self.head_problems()
+        if self.rope_scaling is not None:
+            p += self.rope_scaling.problems()
         for key in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
             positive(p, f"model.{key}", getattr(self, key))
         positive(p, "model.norm_eps", self.norm_eps)
@@ -118,12 +132,22 @@ class ModelConfig:
             positive(p, "model.n_kv_heads", self.n_kv_heads)
         if self.ffn_hidden_dim is not None:
             positive(p, "model.ffn_hidden_dim", self.ffn_hidden_dim)
-        if self.n_heads > 0 and self.dim % self.n_heads:
+        if self.n_heads > 0 and self.kv_heads > 0 and self.n_heads % self.kv_heads:
+            p.append(("model.n_kv_heads", f"must divide model.n_heads={self.n_heads}"))
+        return p
+
+    def head_problems(self) -> list[Problem]:
+        """The head size: ``head_dim`` when set, else ``dim / n_heads`` (then whole); even
+        either way, for RoPE rotates pairs of channels."""
+        p: list[Problem] = []
+        if self.head_dim is not None:
+            positive(p, "model.head_dim", self.head_dim)
+            if self.head_dim > 0 and self.head_dim % 2:
+                p.append(("model.head_dim", f"must be even for RoPE, got {self.head_dim}"))
+        elif self.n_heads > 0 and self.dim % self.n_heads:
             p.append(("model.dim", f"must be divisible by model.n_heads={self.n_heads}"))
         elif self.n_heads > 0 and (self.dim // self.n_heads) % 2:
             p.append(("model.dim", "dim / n_heads (the head size) must be even for RoPE"))
-        if self.n_heads > 0 and self.kv_heads > 0 and self.n_heads % self.kv_heads:
-            p.append(("model.n_kv_heads", f"must divide model.n_heads={self.n_heads}"))
         return p
 
     def vlm_problems(self) -> list[Problem]:

@@ -1,6 +1,6 @@
 """The whole run configuration, one attribute per TOML table. Each section lives in a module
 named for its concern (``model``, ``vision``, ``train``, ``optim``, ``data``, ``checkpoint``,
-``run``, ``resilience``, ``distributed``, ``freeze``); this module composes them and
+``rope``, ``run``, ``resilience``, ``distributed``, ``freeze``); this module composes them and
 re-exports every name, so ``from forge.config.sections import ...`` keeps working.
 
 Each section's ``problems()`` returns every out-of-range value as ``(key, message)`` pairs, so
@@ -27,6 +27,7 @@ from forge.config.model import ModelConfig, MoeRouter
 from forge.config.optim import OptimizerConfig, OptimizerName, ScheduleName, SchedulerConfig
 from forge.config.ranges import Problem
 from forge.config.resilience import NonFinitePolicy, ResilienceConfig
+from forge.config.rope import RopeScaling, RopeScalingType
 from forge.config.run import MetricsConfig, ProfilerConfig, RunConfig
 from forge.config.train import ActivationCheckpointing, Precision, TrainConfig
 from forge.config.vision import VisionConfig, VisionEncoderKind, VlmArch
@@ -57,6 +58,8 @@ __all__ = [
     "Problem",
     "ProfilerConfig",
     "ResilienceConfig",
+    "RopeScaling",
+    "RopeScalingType",
     "RunConfig",
     "ScheduleName",
     "ScheduleSource",

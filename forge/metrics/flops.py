@@ -39,9 +39,9 @@ def feed_forward_parameters(cfg: ModelConfig, layer: int, active: bool = False) 
 def block_parameters(cfg: ModelConfig, layer: int = 0, active: bool = False) -> int:
     """Parameters of block ``layer``: attention (and its q/k norms), its feed-forward (see
     ``feed_forward_parameters``), two norms."""
-    head_dim = cfg.dim // cfg.n_heads
-    attention = 2 * cfg.dim * cfg.n_heads * head_dim + 2 * cfg.dim * cfg.kv_heads * head_dim
-    qk_norms = 2 * head_dim if cfg.qk_norm else 0
+    head = cfg.head_size
+    attention = 2 * cfg.dim * cfg.n_heads * head + 2 * cfg.dim * cfg.kv_heads * head
+    qk_norms = 2 * head if cfg.qk_norm else 0
     feed_forward = feed_forward_parameters(cfg, layer, active)
     return attention + qk_norms + feed_forward + 2 * cfg.dim
 
@@ -62,7 +62,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs (forward + backward) per token at ``seq_len``, counting the active
     parameters of a mixture of experts (the ``top_k`` routed experts a token goes through)."""
     matmuls = 6.0 * non_embedding_parameters(cfg, active=True)
-    return matmuls + 12.0 * cfg.n_layers * cfg.dim * seq_len
+    # scores and their weighted sum: 2 × (q·k + p·v) per head channel, × 3 with backward
+    return matmuls + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_size * seq_len
 
 
 @attrs.frozen

@@ -8,12 +8,13 @@ ffn}_norm``, ``norm``, ``output``; with ``qk_norm``, ``layers.<i>.attention.{q,k
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
 from torch import nn
 
-from forge.config.sections import ModelConfig
+from forge.config.sections import ModelConfig, RopeScaling, RopeScalingType
 from forge.model.attention import AttentionMask, Backend, attend, attention_mask, choose_backend
 from forge.model.attention import document_attention_mask as document_attention_mask
 from forge.model.chunked_loss import LossSpec, chunked_lm_loss
@@ -22,11 +23,36 @@ from forge.model.init import fill_, initial_value
 from forge.model.moe import MoE, Router, empty_stats
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, each ``(max_len, head_dim // 2)``, in fp32."""
+def llama3_frequencies(freqs: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's rescaled rotary frequencies: wavelengths beyond ``original / low`` slowed by
+    ``factor``, those below ``original / high`` kept, the band between interpolated. The same
+    operations in the same order as transformers' ``_compute_llama3_parameters``, so that an
+    imported Llama 3.x has its RoPE table bit for bit."""
+    original = scaling.original_max_seq_len
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    slowed = torch.where(wavelen > original / low, freqs / scaling.factor, freqs)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * slowed / scaling.factor + smooth * slowed
+    medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+    return torch.where(medium, smoothed, slowed)
+
+
+def rope_tables(
+    head_dim: int, max_len: int, theta: float, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each ``(max_len, head_dim // 2)``, in fp32, with the
+    frequencies rescaled by ``scaling`` (``model.rope_scaling``) when given."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is not None and scaling.type is RopeScalingType.LLAMA3:
+        freqs = llama3_frequencies(freqs, scaling)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), freqs)
     return angles.cos(), angles.sin()
+
+
+def model_rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RoPE tables of ``cfg``: its head size, context, base and scaling."""
+    return rope_tables(cfg.head_size, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -49,8 +75,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        head_dim = cfg.dim // cfg.n_heads
-        shape = (cfg.n_layers, batch, cfg.kv_heads, cfg.max_seq_len, head_dim)
+        shape = (cfg.n_layers, batch, cfg.kv_heads, cfg.max_seq_len, cfg.head_size)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = cfg.max_seq_len
@@ -77,7 +102,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.kv_heads
-        self.head_dim = cfg.dim // cfg.n_heads
+        self.head_dim = cfg.head_size
         self.sliding_window = cfg.sliding_window
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
@@ -208,7 +233,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = model_rope_tables(cfg)
         self.rope_cos: torch.Tensor
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -244,9 +269,7 @@ class Transformer(nn.Module):
     def reset_buffers(self) -> None:
         """Recompute the RoPE tables and zero the routers' balancing biases (needed after
         ``to_empty`` from the meta device)."""
-        cos, sin = rope_tables(
-            self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta
-        )
+        cos, sin = model_rope_tables(self.cfg)
         self.rope_cos = cos.to(self.rope_cos.device)
         self.rope_sin = sin.to(self.rope_sin.device)
         for module in self.modules():

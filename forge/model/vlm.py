@@ -53,7 +53,7 @@ class CrossAttentionBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.kv_heads
-        self.head_dim = cfg.dim // cfg.n_heads
+        self.head_dim = cfg.head_size
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)

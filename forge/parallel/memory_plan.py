@@ -99,7 +99,7 @@ def stage_parameters(
     # one stage: embedding, head and norm; else the first stage's embedding or the last's head
     ends = embedding * (1 if m.tie_embeddings else 2) if pp == 1 else embedding
     ends += m.dim
-    norms = 2 * m.dim + (2 * (m.dim // m.n_heads) if m.qk_norm else 0)
+    norms = 2 * m.dim + (2 * m.head_size if m.qk_norm else 0)
     block = largest_block_parameters(m)  # an upper bound where blocks differ (MoE)
     extra = vision.parameters  # a vision-language model is one stage
     return layers * block + ends + extra, layers * (block - norms) + extra
@@ -117,7 +117,7 @@ def optimizer_tensors(name: OptimizerName, total: int, hidden_matrices: int) -> 
 def activation_bytes_per_layer(config: JobConfig, tokens: int, tp: int) -> int:
     """What backward keeps for one block and ``tokens`` tokens (see the module docstring)."""
     m = config.model
-    kv_dim = m.kv_heads * (m.dim // m.n_heads)
+    kv_dim = m.kv_heads * m.head_size
     elements = 10 * m.dim + 4 * kv_dim + 4 * m.hidden_dim
     return tokens * elements * dtype_bytes(config.train.mixed_precision) // tp
 
@@ -125,7 +125,7 @@ def activation_bytes_per_layer(config: JobConfig, tokens: int, tp: int) -> int:
 def buffer_bytes(config: JobConfig) -> int:
     """The RoPE tables every rank keeps whole: cos and sin, ``max_seq_len × head_dim / 2``."""
     m = config.model
-    return 2 * m.max_seq_len * (m.dim // m.n_heads // 2) * 4
+    return 2 * m.max_seq_len * (m.head_size // 2) * 4
 
 
 def memory_plan(

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from forge.config.sections import FreezeRule, JobConfig
+from forge.config.sections import FreezeRule, JobConfig, ModelConfig
 
 
 class DifferenceKind(enum.Enum):
@@ -109,18 +109,25 @@ def recorded_freeze(recorded: Mapping[str, Any]) -> tuple[FreezeRule, ...] | Non
 def identity_differences(
     recorded: Mapping[str, Any], current: Mapping[str, Any]
 ) -> list[Difference]:
-    """Every key of ``current`` whose recorded value differs (keys a checkpoint predates are
-    not compared: an older checkpoint cannot say)."""
+    """Every key of ``current`` whose recorded value differs. A model key a checkpoint
+    predates is compared with its default (what the older code built: no ``rope_scaling``,
+    ``head_dim`` from ``dim / n_heads``); other keys it predates are not compared."""
+    predated = predated_model_defaults()
     return [
-        Difference(
-            key,
-            recorded[key],
-            value,
-            difference_kind(key),
-        )
+        Difference(key, earlier, value, difference_kind(key))
         for key, value in current.items()
-        if key in recorded and _plain(recorded[key]) != value
+        for earlier in ([recorded[key]] if key in recorded else [predated.get(key, value)])
+        if _plain(earlier) != value
     ]
+
+
+def predated_model_defaults() -> dict[str, Any]:
+    """Each ``model.*`` identity key's default, as ``run_identity`` records it."""
+    return {
+        f"model.{f.name}": _plain(f.default)
+        for f in attrs.fields(ModelConfig)
+        if f.name not in KERNELS and not isinstance(f.default, attrs.Factory)  # type: ignore[arg-type]
+    }
 
 
 def difference_kind(key: str) -> DifferenceKind:

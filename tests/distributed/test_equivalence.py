@@ -339,3 +339,22 @@ def test_chunked_loss_matches_the_plain_loss_under_each_layout(
     ranks = 1 if "--distributed.tp=2" not in args and "--distributed.pp=2" not in args else 2
     train(config, tmp_path / "run", *args, "--train.loss_chunk_size=7", ranks=ranks)
     assert_matches(plain_loss_reference, config, tmp_path / "run")
+
+
+def test_a_head_size_of_its_own_under_tp_matches_one_rank(tmp_path, small_corpus):
+    """``model.head_dim`` (Qwen3's: 12 beside dim / n_heads = 8) with its q/k norms: tensor
+    parallelism splits whole heads of that width, and 2 ranks equal 1."""
+
+    def config(tmp: pathlib.Path) -> pathlib.Path:
+        path = write_config(tmp, small_corpus)
+        head = "[model]\nqk_norm = true\nhead_dim = 12\n"
+        path.write_text(path.read_text().replace("[model]\n", head))
+        return path
+
+    (tmp_path / "ref").mkdir()
+    reference = config(tmp_path / "ref")
+    train(reference, tmp_path / "ref" / "run", "--train.batch_size=4", "--train.grad_accum_steps=2")
+    tp = config(tmp_path)
+    train(tp, tmp_path / "run", *dict(QK_NORM_LAYOUTS)["tp"], ranks=2)
+    assert_matches((reference, tmp_path / "ref" / "run"), tp, tmp_path / "run")
+    assert weights(tp, tmp_path / "run", 5)["layers.0.attention.wq.weight"].shape == (48, 32)

@@ -10,20 +10,13 @@ import pytest
 import tomli
 import torch
 
-from forge.checkpoint.export import (
-    ExportError,
-    export_model,
-    forge_name,
-    hf_name,
-    hf_tensors,
-    llama_config,
-)
-from forge.checkpoint.hf_config import decode_json, hf_config_problems, model_config_from_llama
+from forge.checkpoint.export import ExportError, export_model, hf_tensors, llama_config
+from forge.checkpoint.hf_config import hf_config_problems, model_config_from_hf
+from forge.checkpoint.hf_families import forge_name, hf_name, hf_shapes
 from forge.checkpoint.hf_import import (
     dtype_problems,
     find_weights,
     finite_problems,
-    hf_shapes,
     import_model,
     index_problems,
     layer_problem,
@@ -31,7 +24,9 @@ from forge.checkpoint.hf_import import (
     read_shapes,
     tensor_problems,
 )
+from forge.checkpoint.hf_json import decode_json
 from forge.config import ModelConfig
+from forge.config.families import Family, export_family
 from forge.config.loader import CONVERTER
 from forge.model.transformer import Transformer
 from tests.conftest import REPO
@@ -146,21 +141,22 @@ def test_convert_script_round_trip_through_a_run(tiny_config, tmp_path):
 @pytest.mark.parametrize(
     ("option", "line"),
     [
-        ({"qk_norm": True}, "model.qk_norm: transformers' LlamaForCausalLM has no query/key "
-         "norms, so this model has no Llama export; train without qk_norm to export it"),
-        ({"sliding_window": 8}, "model.sliding_window=8: LlamaForCausalLM attends to the whole "
-         "context, so this model has no Llama export; train without a window to export it"),
+        ({"sliding_window": 8}, "model.sliding_window=8: the Llama, Mixtral and Qwen3 exports "
+         "attend to the whole context, so this model has no export; train without a window to "
+         "export it"),
+        ({"qk_norm": True, "sliding_window": 8}, "model.sliding_window=8: the Llama, Mixtral and "
+         "Qwen3 exports attend to the whole context"),
     ],
-    ids=["qk_norm", "sliding_window"],
+    ids=["sliding_window", "qk_norm and sliding_window"],
 )  # fmt: skip
-def test_a_model_llama_cannot_hold_is_refused_by_export_in_one_line(tmp_path, option, line):
+def test_a_model_no_family_holds_is_refused_by_export_in_one_line(tmp_path, option, line):
     from forge.checkpoint.export import ExportError
 
     cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, max_seq_len=16, **option)
     state = Transformer(cfg).state_dict()
     with pytest.raises(ExportError) as info:
         export_model(state, cfg, tmp_path / "out", "float32")
-    assert info.value.lines == [line]
+    assert len(info.value.lines) == 1 and info.value.lines[0].startswith(line)
     assert not (tmp_path / "out").exists()
 
 
@@ -209,16 +205,26 @@ CONFIGS = [
     ("tie_word_embeddings a string", {"tie_word_embeddings": "yes"}, "tie_word_embeddings: expected true or false, got 'yes'"),
     ("tie_word_embeddings 1", {"tie_word_embeddings": 1}, "tie_word_embeddings: expected true or false, got 1"),
     ("attention_bias a string", {"attention_bias": "no"}, "attention_bias: expected true or false, got 'no'"),
-    ("hidden_size not divisible by heads", {"num_attention_heads": 5}, "hidden_size 32 is not divisible by num_attention_heads 5"),
-    ("an odd head size", {"hidden_size": 12}, "the head size hidden_size / num_attention_heads = 3 is odd"),
+    ("hidden_size not divisible by heads", {"num_attention_heads": 5, "head_dim": ...}, "hidden_size 32 is not divisible by num_attention_heads 5"),
+    ("an odd head size", {"hidden_size": 12, "head_dim": ...}, "the head size hidden_size / num_attention_heads = 3 is odd"),
     ("kv heads not dividing heads", {"num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
-    ("head_dim not the head size", {"head_dim": 16}, "head_dim 16 is not hidden_size / num_attention_heads"),
-    ("model_type missing", {"model_type": ...}, "model_type: missing; forge imports Llama models (model_type 'llama')"),
-    ("another model_type", {"model_type": "gpt2"}, "model_type 'gpt2': forge imports Llama models only"),
-    ("model_type a number", {"model_type": 7}, "model_type 7: forge imports Llama models only"),
-    ("another architecture", {"architectures": ["GPT2LMHeadModel"]}, 'architectures ["GPT2LMHeadModel"]: forge imports LlamaForCausalLM only'),
+    ("a head_dim of its own", {"head_dim": 16}, None),
+    ("an odd head_dim", {"head_dim": 7}, "head_dim 7 is odd; RoPE rotates pairs of channels"),
+    ("llama3 RoPE (v5's rope_parameters)", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8}}, None),
+    ("llama3 RoPE (v4's rope_scaling)", {"rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 4}}, None),
+    ("llama3 RoPE without its factor", {"rope_scaling": {"rope_type": "llama3", "low_freq_factor": 1, "high_freq_factor": 4}}, "rope_scaling.factor: missing; a 'llama3' RoPE states it"),
+    ("llama3 RoPE with a string factor", {"rope_parameters": {"rope_type": "llama3", "factor": "8", "low_freq_factor": 1, "high_freq_factor": 4}}, "rope_parameters.factor: expected a number, got '8'"),
+    ("llama3 RoPE with a float original context", {"rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 4, "original_max_position_embeddings": 8.5}}, "rope_scaling.original_max_position_embeddings: expected an integer, got 8.5"),
+    ("yarn RoPE", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE type 'yarn' (rope scaling) is not implemented by forge, only plain RoPE ('default') and Llama 3.1's ('llama3')"),
+    ("dynamic RoPE", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "RoPE type 'dynamic' (rope scaling) is not implemented by forge"),
+    ("partial rotary", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5: forge rotates every channel of a head"),
+    ("a sliding window in layer_types", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types [\"full_attention\", \"sliding_attention\"]: forge's blocks all attend to the whole context"),
+    ("model_type missing", {"model_type": ...}, "model_type: missing; forge imports Llama, Mixtral, Qwen3 and Qwen3-MoE models (model_type 'llama', 'mixtral', 'qwen3', 'qwen3_moe')"),
+    ("another model_type", {"model_type": "gpt2"}, "model_type 'gpt2': forge imports Llama, Mixtral, Qwen3 and Qwen3-MoE models (model_type 'llama', 'mixtral', 'qwen3', 'qwen3_moe') only"),
+    ("model_type a number", {"model_type": 7}, "model_type 7: forge imports Llama, Mixtral, Qwen3 and Qwen3-MoE models"),
+    ("another architecture", {"architectures": ["GPT2LMHeadModel"]}, "architectures [\"GPT2LMHeadModel\"]: forge imports model_type 'llama' as LlamaForCausalLM only"),
     ("architectures a string", {"architectures": "LlamaForCausalLM"}, "architectures: expected a list of class names, got 'LlamaForCausalLM'"),
-    ("a mixture of experts", {"num_local_experts": 8, "model_type": "mixtral"}, "a mixture of experts (mixtral); forge imports dense Llama models only"),
+    ("Mixtral's model_type on Llama's architecture", {"num_local_experts": 8, "model_type": "mixtral"}, "architectures [\"LlamaForCausalLM\"]: forge imports model_type 'mixtral' as MixtralForCausalLM only"),
     ("rope scaling", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE type 'linear' (rope scaling) is not implemented by forge"),
     ("biases", {"mlp_bias": True}, "attention or MLP biases; forge's decoder has none"),
     ("another activation", {"hidden_act": "gelu"}, "hidden_act 'gelu'; forge uses 'silu'"),
@@ -233,7 +239,7 @@ def test_hf_config_problems_names_the_key_in_one_line(change, line):
     problems = hf_config_problems(json.loads(json.dumps(config)), "hf/config.json")
     if line is None:
         assert problems == []
-        model_config_from_llama(config)  # and it builds a ModelConfig
+        model_config_from_hf(config)  # and it builds a ModelConfig
     else:
         assert len(problems) == 1 and problems[0].startswith(f"hf/config.json: {line}"), problems
 
@@ -250,7 +256,7 @@ def test_hf_config_problems_names_the_key_in_one_line(change, line):
 def test_a_config_json_that_is_no_object_is_one_line(config, line):
     assert hf_config_problems(config) == [line]
     with pytest.raises(ExportError) as info:
-        model_config_from_llama(config)
+        model_config_from_hf(config)
     assert info.value.lines == [line]
 
 
@@ -316,21 +322,31 @@ def test_layer_problem_compares_the_layers_held_without_listing_a_huge_count(
     assert said is None if problem is None else (said is not None and said.startswith(problem))
 
 
-@pytest.mark.parametrize("cfg", [CFG, attrs.evolve(CFG, tie_embeddings=True, n_kv_heads=None)])
+MOE = {"moe_num_experts": 3, "moe_top_k": 2, "moe_hidden_dim": 24}
+SHAPED = [
+    CFG,
+    attrs.evolve(CFG, tie_embeddings=True, n_kv_heads=None),
+    attrs.evolve(CFG, qk_norm=True, head_dim=16),  # Qwen3: a head wider than dim / n_heads
+    attrs.evolve(CFG, **MOE),  # Mixtral
+    attrs.evolve(CFG, qk_norm=True, moe_first_dense=1, **MOE),  # Qwen3-MoE, a dense block
+]
+
+
+@pytest.mark.parametrize("cfg", SHAPED, ids=["llama", "tied", "qwen3", "mixtral", "qwen3_moe"])
 def test_hf_shapes_are_the_shapes_the_export_writes(cfg):
     with torch.device("meta"):
         state = Transformer(cfg).state_dict()
     written = {
-        k: tuple(v.shape) for name, t in state.items() for k, v in hf_tensors(name, t).items()
+        k: tuple(v.shape) for name, t in state.items() for k, v in hf_tensors(name, t, cfg).items()
     }
-    assert hf_shapes(cfg) == written
+    assert hf_shapes(cfg, export_family(cfg)) == written
 
 
 Q0 = "model.layers.0.self_attn.q_proj.weight"
 
 
 def found_after(change) -> dict[str, tuple[int, ...]]:
-    found = hf_shapes(CFG)
+    found = hf_shapes(CFG, Family.LLAMA)
     change(found)
     return found
 
@@ -342,14 +358,14 @@ def found_after(change) -> dict[str, tuple[int, ...]]:
         (lambda f: f.pop("lm_head.weight"), True, None),  # tied: the head may be left out
         (lambda f: f.update({"model.layers.1.self_attn.rotary_emb.inv_freq": (4,)}), False, None),
         (lambda f: f.pop("lm_head.weight"), False, "missing 1 tensor config.json implies (lm_head.weight)"),
-        (lambda f: [f.pop(k) for k in list(f)[:5]], False, "missing 5 tensors config.json implies (model.embed_tokens.weight, model.norm.weight, lm_head.weight and 2 more)"),
+        (lambda f: [f.pop(k) for k in list(f)[:5]], False, "missing 5 tensors config.json implies (model.embed_tokens.weight, model.layers.0.input_layernorm.weight, model.layers.0.self_attn.q_proj.weight and 2 more)"),
         (lambda f: f.update({"model.layers.0.self_attn.q_proj.bias": (32,)}), False, "1 tensor a Llama model forge reads has no place for (model.layers.0.self_attn.q_proj.bias)"),
         (lambda f: f.update({Q0: (16, 32)}), False, f"1 tensor of another shape than config.json implies ({Q0}: shape [16, 32], config.json implies [32, 32])"),
         (lambda f: f.update({"model.norm.weight": ()}), False, "1 tensor of another shape than config.json implies (model.norm.weight: shape [], config.json implies [32])"),
     ],
 )  # fmt: skip
 def test_tensor_problems(change, tied, problem):
-    said = tensor_problems(hf_shapes(CFG), found_after(change), tied)
+    said = tensor_problems(hf_shapes(CFG, Family.LLAMA), found_after(change), tied)
     assert said == [] if problem is None else (len(said) == 1 and said[0].startswith(problem)), said
 
 

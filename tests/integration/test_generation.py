@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from forge.config import ModelConfig
+from forge.config.sections import RopeScaling
 from forge.model.generate import filter_logits, sample
 from forge.model.transformer import KVCache, Transformer
 
@@ -19,7 +20,16 @@ def model(**kw) -> Transformer:
 
 
 @pytest.mark.parametrize(
-    "kw", [{}, {"n_kv_heads": 4}, {"qk_norm": True}, {"tie_embeddings": True}], ids=str
+    "kw",
+    [
+        {},
+        {"n_kv_heads": 4},
+        {"qk_norm": True},
+        {"tie_embeddings": True},
+        {"head_dim": 24, "qk_norm": True},  # Qwen3's head, not dim / n_heads: the cache's size
+        {"rope_scaling": RopeScaling(factor=4.0, original_max_seq_len=8)},
+    ],
+    ids=str,
 )
 @torch.no_grad()
 def test_cached_logits_equal_the_full_context_at_every_position(kw):

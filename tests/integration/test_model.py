@@ -184,3 +184,36 @@ def test_qk_norm_weights_learn():
     m(torch.randint(0, 259, (2, 16))).sum().backward()
     grad = m.layers["0"].attention.q_norm.weight.grad
     assert grad is not None and bool(grad.abs().sum() > 0)
+
+
+def test_a_head_size_of_its_own_shapes_every_part_of_attention():
+    """``model.head_dim`` (Qwen3's: wider than dim / n_heads) sizes the projections, the q/k
+    norms and the RoPE tables; the model trains like any other."""
+    m = model(head_dim=12, qk_norm=True)
+    attention = m.layers["0"].attention
+    assert attention.wq.weight.shape == (4 * 12, 32) and attention.wo.weight.shape == (32, 48)
+    assert attention.wk.weight.shape == attention.wv.weight.shape == (2 * 12, 32)
+    assert attention.q_norm is not None and attention.q_norm.weight.shape == (12,)
+    assert m.rope_cos.shape == (16, 6)
+    x = torch.randint(0, 259, (2, 16))
+    m(x).sum().backward()
+    assert attention.wq.weight.grad is not None
+
+
+def test_rope_scaling_changes_only_the_low_frequencies():
+    """Llama 3.1's scaling keeps the wavelengths below original / high_freq_factor, slows
+    those above original / low_freq_factor by ``factor`` and interpolates between."""
+    from forge.config.sections import RopeScaling
+
+    scaling = RopeScaling(factor=8.0, original_max_seq_len=32)  # bands at 8 and 32
+    cos, sin = rope_tables(16, 2, 10000.0)
+    freqs = torch.atan2(sin[1], cos[1])  # position 1: the angle is the frequency
+    cos, sin = rope_tables(16, 2, 10000.0, scaling)
+    got = torch.atan2(sin[1], cos[1])
+    wavelengths = 2 * math.pi / freqs
+    kept, slowed = wavelengths < 8, wavelengths > 32
+    assert kept.any() and slowed.any() and (~kept & ~slowed).any()
+    torch.testing.assert_close(got[kept], freqs[kept])
+    torch.testing.assert_close(got[slowed], freqs[slowed] / 8)
+    between = ~kept & ~slowed
+    assert bool(((got[between] < freqs[between]) & (got[between] > freqs[between] / 8)).all())

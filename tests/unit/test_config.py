@@ -17,7 +17,7 @@ from forge.config import (
     unstructure_config,
 )
 from forge.config.overrides import apply_overrides, parse_cli, parse_override_value
-from forge.config.sections import TrainConfig
+from forge.config.sections import RopeScaling, TrainConfig
 from tests.conftest import REPO
 
 
@@ -226,7 +226,81 @@ BAD = [
         {"optimizer": {"betas": 0.9}},
         "optimizer.betas: expected a list of 2 values, got 0.9",
     ),
+    (
+        "an odd head_dim",
+        {"model": {"head_dim": 33}},
+        "model.head_dim: must be even for RoPE, got 33",
+    ),
+    ("a zero head_dim", {"model": {"head_dim": 0}}, "model.head_dim: must be > 0, got 0"),
+    (
+        "rope scaling of another type",
+        {"model": {"rope_scaling": {"type": "yarn"}}},
+        "model.rope_scaling.type: expected one of 'llama3', got 'yarn'",
+    ),
+    (
+        "a rope scaling factor below 1",
+        {"model": {"rope_scaling": {"factor": 0.5}}},
+        "model.rope_scaling.factor: must be >= 1 (it divides the low frequencies), got 0.5",
+    ),
+    (
+        "a rope scaling band of no width",
+        {"model": {"rope_scaling": {"low_freq_factor": 4.0, "high_freq_factor": 4.0}}},
+        "model.rope_scaling.high_freq_factor: must be > model.rope_scaling.low_freq_factor=4.0 "
+        "(the band between them is interpolated), got 4.0",
+    ),
+    (
+        "a rope scaling context of 0",
+        {"model": {"rope_scaling": {"original_max_seq_len": 0}}},
+        "model.rope_scaling.original_max_seq_len: must be > 0, got 0",
+    ),
+    (
+        "an unknown rope scaling key",
+        {"model": {"rope_scaling": {"factr": 8.0}}},
+        "model.rope_scaling.factr: unknown key; did you mean 'model.rope_scaling.factor'?",
+    ),
+    (
+        "an export of a model with a window",
+        {"checkpoint": {"export_final": True}, "model": {"sliding_window": 8}},
+        "checkpoint.export_final: model.sliding_window=8: the Llama, Mixtral and Qwen3 exports "
+        "attend to the whole context, so this model has no export; train without a window to "
+        "export it, or set it off",
+    ),
+    (
+        "an export of a sigmoid-routed Qwen3-MoE",
+        {
+            "checkpoint": {"export_final": True},
+            "model": {"qk_norm": True, "moe_num_experts": 4, "moe_router": "sigmoid"},
+        },
+        "checkpoint.export_final: model.moe_router='sigmoid': Qwen3MoeForCausalLM routes by a "
+        "softmax over experts, so this model has no Qwen3-MoE export, or set it off",
+    ),
+    (
+        "rope scaling a scalar",
+        {"model": {"rope_scaling": 8.0}},
+        "model.rope_scaling: is a table; set its keys as model.rope_scaling.<key>=...",
+    ),
 ]
+
+
+def test_a_qk_norm_model_may_export_at_the_end():
+    """Its export is Qwen3's (docs/interop.md): checkpoint.export_final takes it."""
+    raw = {"checkpoint": {"export_final": True}, "model": {"qk_norm": True, "head_dim": 128}}
+    assert structure_config(raw).model.qk_norm
+
+
+def test_rope_scaling_and_head_dim_load_from_a_toml_table_and_the_cli(tmp_path):
+    """``[model.rope_scaling]`` is a table of its own (unset keys: Llama 3.1's values), set
+    or changed key by key on the command line; a head size of its own needs no divisibility."""
+    path = tmp_path / "c.toml"
+    path.write_text(
+        "[model]\ndim = 30\nn_heads = 4\nhead_dim = 16\n"
+        '[model.rope_scaling]\ntype = "llama3"\nfactor = 32.0\n'
+    )
+    model = load_config([str(path), "--model.rope_scaling.original_max_seq_len=4096"]).config.model
+    assert model.head_size == 16 and model.dim % model.n_heads != 0
+    assert model.rope_scaling == RopeScaling(factor=32.0, original_max_seq_len=4096)
+    assert load_config([str(path), "--model.head_dim=32"]).config.model.head_size == 32
+    assert structure_config({}).model.rope_scaling is None
 
 
 @pytest.mark.parametrize("raw,line", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
@@ -313,9 +387,11 @@ def test_resolved_config_round_trips_through_toml():
             "checkpoint": {"dyn_ckpt_window": {"start": 0, "stop": 8}, "load_path": 'a b"c'},
             "train": {"mixed_precision": "fp32", "grad_clip_norm": 0.5},
             "hooks": {"classes": ["a.b:C"], "args": {"a.b:C": {"path": "x.jsonl", "n": [1, 2]}}},
+            "model": {"head_dim": 16, "rope_scaling": {"factor": 32.0}},  # a nested table
         }
     )
     text = dumps_toml(unstructure_config(cfg))
+    assert "[model.rope_scaling]" in text
     assert structure_config(tomli.loads(text)) == cfg
 
 

@@ -58,13 +58,31 @@ LLAMA3_8B = ModelConfig(
 #         norms 8192 -> 218112000 per block; ·32 + 4096 + 128256·4096 = 7504924672
 #         (+ the 525336576 embedding = 8.03B, the model card's count);
 #         6·7504924672 + 12·32·4096·8192 = 57914449920
+# Qwen3-0.6B: heads of 128 beside dim 1024 / 16 heads, so the attention's q/k/v width (2048)
+# is twice dim: a block is 2·1024·16·128 + 2·1024·8·128 + 2·128 (q/k norms) + 3·1024·3072 +
+# 2·1024 = 15,730,944; 28 blocks, the final norm and the (tied) head 151936·1024 make
+# 596,049,920; FLOPs 6·that + 12·28·(16·128)·4096 (the scores over the 2048-wide heads)
+QWEN3_0_6B = ModelConfig(
+    dim=1024,
+    n_layers=28,
+    n_heads=16,
+    n_kv_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    ffn_hidden_dim=3072,
+    qk_norm=True,
+    tie_embeddings=True,
+)
 FLOP_CASES = [
     (TINY, 32, 33_024, 222_720),
     (LLAMA3_8B, 8192, 7_504_924_672, 57_914_449_920),
+    (QWEN3_0_6B, 4096, 596_049_920, 6_394_871_808),
 ]
 
 
-@pytest.mark.parametrize(("cfg", "seq_len", "params", "flops"), FLOP_CASES, ids=["tiny", "8b"])
+@pytest.mark.parametrize(
+    ("cfg", "seq_len", "params", "flops"), FLOP_CASES, ids=["tiny", "8b", "qwen3_0_6b"]
+)
 def test_flops_per_token_equal_hand_computed_values(cfg, seq_len, params, flops):
     assert non_embedding_parameters(cfg) == params
     assert flops_per_token(cfg, seq_len) == flops
@@ -72,11 +90,15 @@ def test_flops_per_token_equal_hand_computed_values(cfg, seq_len, params, flops)
 
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_non_embedding_parameters_count_the_built_model_without_its_embedding(tied, qk_norm):
-    """Tied: the one matrix is the head a token passes through, counted once."""
+@pytest.mark.parametrize("head_dim", [None, 48])
+def test_non_embedding_parameters_count_the_built_model_without_its_embedding(
+    tied, qk_norm, head_dim
+):
+    """Tied: the one matrix is the head a token passes through, counted once. A head size of
+    its own (``model.head_dim``, Qwen3's) widens the attention projections and q/k norms."""
     import attrs
 
-    cfg = attrs.evolve(TINY, tie_embeddings=tied, qk_norm=qk_norm)
+    cfg = attrs.evolve(TINY, tie_embeddings=tied, qk_norm=qk_norm, head_dim=head_dim)
     with torch.device("meta"):
         model = Transformer(cfg)
     embedding = 0 if tied else cfg.vocab_size * cfg.dim

@@ -43,6 +43,39 @@ def test_each_preset_builds_with_its_model_cards_parameter_count(name, published
     assert count == non_embedding_parameters(cfg.model) + embedding
 
 
+# (preset, the exact count of the released model's config.json, its RoPE scaling factor)
+RELEASED = [
+    ("llama3_1b", 1_235_814_400, 32.0),  # Llama-3.2-1B
+    ("llama3_3b", 3_212_749_824, 32.0),  # Llama-3.2-3B
+    ("qwen3_0_6b", 596_049_920, None),  # Qwen3-0.6B: head_dim 128 beside dim 1024 / 16 heads
+]
+
+
+@pytest.mark.parametrize(("name", "count", "factor"), RELEASED, ids=[r[0] for r in RELEASED])
+def test_presets_of_released_models_have_their_exact_count_and_rope(name, count, factor):
+    cfg = preset(name).model
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    assert num_parameters(model) == count == non_embedding_parameters(cfg)  # tied
+    assert (cfg.rope_scaling.factor if cfg.rope_scaling else None) == factor
+
+
+@pytest.mark.parametrize("name", [r[0] for r in RELEASED])
+def test_the_presets_export_config_builds_transformers_model_of_the_same_count(name):
+    """transformers' own class, from the config.json forge's export writes for the preset,
+    on the meta device: the same parameters (so the preset is the released shape)."""
+    transformers = pytest.importorskip("transformers")
+    from forge.checkpoint.export import hf_config
+
+    config = hf_config(preset(name).model, "bfloat16")
+    kwargs = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    hf = transformers.AutoConfig.for_model(config["model_type"], **kwargs)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf)
+    assert type(model).__name__ == config["architectures"][0]
+    assert sum(p.numel() for p in model.parameters()) == dict((r[0], r[1]) for r in RELEASED)[name]
+
+
 # (preset, total parameters, active per token, tolerance): Mixtral's published counts exactly;
 # the DeepSeekMoE-16B model card's 16.4B / 2.8B to its rounding; the debug model's by hand
 # (blocks: attention 196,608 + 8 routed and 1 shared experts of 3·256·232 + router 2,048 +
@@ -217,3 +250,16 @@ def test_plan_script_refuses_each_out_of_range_option_in_one_line(tmp_path, opti
     assert done.returncode == 2
     assert done.stderr.splitlines() == [f"error: {e}" for e in errors]
     assert done.stdout == "" and list(tmp_path.iterdir()) == []  # no plan, nothing written
+
+
+def test_the_plan_counts_qwen3s_own_head_size():
+    """Qwen3-0.6B's heads are 128 wide (dim / n_heads is 64): its RoPE tables (cos and sin,
+    40960 positions x 64 fp32) and its key/value activations are counted at that width."""
+    cfg = preset("qwen3_0_6b")
+    plan = memory_plan(cfg, MeshDims(dp_shard=8))
+    assert plan.buffers == 2 * 40960 * 64 * 4
+    narrow = attrs.evolve(cfg, model=attrs.evolve(cfg.model, head_dim=64))
+    kv_width = 8 * (128 - 64)  # kv heads x the extra channels
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    extra = tokens * 4 * kv_width * 2  # 4·kv_dim elements per token in bf16, one block's
+    assert plan.activations - memory_plan(narrow, MeshDims(dp_shard=8)).activations == extra

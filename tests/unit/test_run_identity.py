@@ -31,6 +31,8 @@ TABLE = [
     ("same config", {}, 1, "abc", []),
     ("rope theta", {"model.rope_theta": 5e5}, 1, "abc", [("model.rope_theta", MODEL)]),
     ("norm eps", {"model.norm_eps": 1e-6}, 1, "abc", [("model.norm_eps", MODEL)]),
+    ("rope scaling set", {"model.rope_scaling": {"type": "llama3"}}, 1, "abc", [("model.rope_scaling", MODEL)]),
+    ("a head size of its own", {"model.head_dim": 128}, 1, "abc", [("model.head_dim", MODEL)]),
     ("max seq len", {"model.max_seq_len": 512}, 1, "abc", [("model.max_seq_len", MODEL)]),
     ("init std", {"model.init_std": 0.01}, 1, "abc", [("model.init_std", MODEL)]),
     ("seq len", {"train.seq_len": 128}, 1, "abc", [("train.seq_len", DATA)]),
@@ -68,6 +70,40 @@ def test_differences_name_both_values():
 def test_keys_an_older_checkpoint_lacks_are_not_compared():
     recorded = {k: v for k, v in identity({}).items() if k != "data.sources"}
     assert identity_differences(recorded, identity({}, fingerprints=("other",))) == []
+
+
+@pytest.mark.parametrize(
+    ("now", "differs"),
+    [
+        ({}, False),  # the default is what a checkpoint from before the key was built with
+        ({"model.rope_scaling": {"factor": 32.0}}, True),
+        ({"model.head_dim": 128}, True),
+    ],
+)
+def test_a_model_key_an_older_checkpoint_lacks_is_compared_with_its_default(now, differs):
+    """A preset that gained ``[model.rope_scaling]`` does not silently rescale the positions
+    of a checkpoint written before forge had the key."""
+    older = {
+        k: v for k, v in identity({}).items() if k not in ("model.rope_scaling", "model.head_dim")
+    }
+    found = [d.key for d in identity_differences(older, identity(now))]
+    assert bool(found) is differs
+    assert all(d.kind is MODEL for d in identity_differences(older, identity(now)))
+
+
+def test_another_rope_scaling_factor_is_another_model_even_through_json():
+    """A checkpoint records ``[model.rope_scaling]`` as a JSON object: a resume under another
+    factor is refused (it changes every position's angle), the same one is the same run."""
+    import json
+
+    scaled = {"model.rope_scaling": {"factor": 8.0}}
+    recorded = json.loads(json.dumps(identity(scaled)))
+    assert identity_differences(recorded, identity(scaled)) == []
+    (difference,) = identity_differences(
+        recorded, identity({"model.rope_scaling": {"factor": 32.0}})
+    )
+    assert difference.key == "model.rope_scaling" and difference.kind is MODEL
+    assert resume_verdict([difference], allow_config_change=False) is ResumeVerdict.REFUSE
 
 
 def test_the_identity_survives_a_json_round_trip():
