@@ -28,8 +28,9 @@ from forge.errors import UserInputError, one_line, print_errors
 from forge.harness.tasks import (
     include_paths,
     lm_eval_problem,
+    load_tasks,
     path_lines,
-    run_tasks,
+    score_tasks,
     task_manager,
     unknown_task_lines,
 )
@@ -43,12 +44,19 @@ from forge.parallel.devices import (
     start_script_world,
 )
 from forge.parallel.world import WorldInfo, world_info
-from forge.training.inference import LoadedModel, load_for_inference, run_dir_of, run_tokenizer
+from forge.training.inference import (
+    LoadedModel,
+    load_for_inference,
+    run_dir_of,
+    run_tokenizer,
+    tokenizer_problem,
+)
 from forge.training.run_dir import load_run_config
 from forge.types import ExitCode
 
 
 def report(line: str) -> None:
+    """A line about the checkpoint being read, on stderr."""
     print(line, file=sys.stderr)
 
 
@@ -77,6 +85,7 @@ def output_path(args: argparse.Namespace, run_dir: pathlib.Path, checkpoint: pat
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The script: options, the device, then ``evaluate``; the exit code."""
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -103,9 +112,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         end_script_world()
 
 
+def output_problem(out: pathlib.Path) -> str | None:
+    """Why the JSON could not be written at ``out``: found before hours of scoring."""
+    folder = next((p for p in (out.parent, *out.parent.parents) if p.exists()), None)
+    if folder is None or not folder.is_dir():
+        return f"--output {out}: {folder} is not a folder"
+    if not os.access(folder, os.W_OK):
+        return f"--output {out}: {folder} is not writable"
+    return None
+
+
 def prepared(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice):
-    """(the run directory, the task manager, the loaded model, the run's config), or a
-    ``UserInputError`` naming every problem found before scoring starts."""
+    """(the run directory, the loaded tasks, the loaded model, the run's config, the
+    output path), or a ``UserInputError`` naming the problems found before scoring."""
     lines = option_problems(args)
     if choice.problem is not None:
         lines.append(choice.problem)
@@ -120,40 +139,55 @@ def prepared(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice):
     config = load_run_config(run_dir)
     if config.model.vlm is not None:
         raise UserInputError([f"{run_dir}: a vision-language run; lm-eval tasks score text"])
+    problem = tokenizer_problem(config, run_dir)
+    if problem is not None:
+        raise UserInputError([problem])
     manager = task_manager(include_paths(tasks), args.tasks)
     unknown = unknown_task_lines(manager, tasks, "--tasks")
     if unknown:
         raise UserInputError(unknown)
+    try:  # a task's YAML, data or dependencies: read before the model is
+        loaded_tasks = load_tasks(manager, args.tasks)
+    except Exception as exc:  # lm-eval raises what its tasks' loaders raise
+        raise UserInputError([f"{', '.join(args.tasks)}: lm-eval failed: {one_line(exc)}"]) from exc
     device = start_script_world(world, choice, config.distributed.timeout_s)
     loaded = load_for_inference(config, run_dir, checkpoint, device, args.dtype, report)
-    return run_dir, manager, loaded, config
+    out = output_path(args, run_dir, loaded.checkpoint)
+    problem = output_problem(out)
+    if problem is not None:
+        raise UserInputError([problem])
+    return loaded_tasks, loaded, config, out
 
 
-def scores(args, world: WorldInfo, loaded: LoadedModel, manager, config) -> dict[str, Any]:
-    """lm-eval's results for ``args.tasks``, every rank scoring its share."""
+def scores(args, world: WorldInfo, loaded: LoadedModel, tasks, config) -> dict[str, Any]:
+    """lm-eval's results for the loaded ``tasks``, every rank scoring its share."""
     from forge.harness.backend import ForgeLM, Scoring, local_only, over_ranks
     from forge.harness.requests import Share
 
     gather = over_ranks if world.world_size > 1 else local_only
-    scoring = Scoring(args.batch_size, Share(world.rank, world.world_size), gather=gather)
+    scoring = Scoring(
+        args.batch_size,
+        Share(world.rank, world.world_size),
+        gather=gather,
+        max_len=config.train.seq_len,
+    )
     lm = ForgeLM(loaded.model, run_tokenizer(config), loaded.device, scoring)
     loaded.model.eval()
     with evaluation_weights(loaded.optimizer):
-        return run_tasks(lm, args.tasks, manager, args.limit, args.bootstrap_iters)
+        return score_tasks(lm, tasks, args.limit, args.bootstrap_iters)
 
 
 def evaluate(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice) -> int:
     """The scoring ``main`` describes, on ``choice``'s device; the exit code."""
     try:
-        run_dir, manager, loaded, config = prepared(args, world, choice)
+        tasks, loaded, config, out = prepared(args, world, choice)
     except UserInputError as exc:
         if world.rank == 0 or choice.problem is not None:  # a rank of its own: it says so
             print_errors(exc.lines)
         return ExitCode.CONFIG_ERROR
     try:
-        results = scores(args, world, loaded, manager, config)
-    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as exc:
-        # lm-eval's own failures (a task's dataset that is not there, a bad YAML field)
+        results = scores(args, world, loaded, tasks, config)
+    except Exception as exc:  # a task's failure while scoring: one line, not lm-eval's trace
         if world.rank == 0:
             print_errors([f"{', '.join(args.tasks)}: lm-eval failed: {one_line(exc)}"])
         return ExitCode.CONFIG_ERROR
@@ -162,7 +196,6 @@ def evaluate(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice) -
     from lm_eval.utils import make_table
 
     print(make_table(results))
-    out = output_path(args, run_dir, loaded.checkpoint)
     record = {
         "checkpoint": str(loaded.checkpoint),
         "tasks": args.tasks,

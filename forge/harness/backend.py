@@ -30,7 +30,7 @@ from forge.harness.requests import (
     scored_row,
     split_whitespace,
 )
-from forge.harness.scoring import greedy_tokens, score_rows
+from forge.harness.scoring import Stops, greedy_tokens, score_rows
 
 Gather = Callable[[dict[int, Any]], dict[int, Any]]  # this rank's results → every rank's
 
@@ -51,13 +51,15 @@ def over_ranks(results: dict[int, Any]) -> dict[int, Any]:
 class Scoring:
     """How the backend runs: requests per forward, this rank's share, whether every rank
     runs the same forwards (FSDP and TP need that: their forwards are collectives), the
-    sequence multiple TP needs, and how results travel between ranks."""
+    sequence multiple TP needs, how results travel between ranks, and the longest row (None:
+    ``model.max_seq_len``; a run's ``train.seq_len`` keeps scoring at trained lengths)."""
 
     batch_size: int = 8
     share: Share = attrs.Factory(Share)
     lockstep: bool = False
     multiple: int = 1
     gather: Gather = local_only
+    max_len: int | None = None
 
 
 class ForgeLM(LM):
@@ -71,10 +73,12 @@ class ForgeLM(LM):
         self.tok = tokenizer
         self._device = device
         self.scoring = scoring
-        self.max_len: int = model.cfg.max_seq_len  # type: ignore[assignment]
+        limit: int = model.cfg.max_seq_len  # type: ignore[assignment]
+        self.max_len = min(limit, scoring.max_len or limit)
 
     @property
     def tokenizer_name(self) -> str:
+        """The tokenizer's kind (lm-eval keys its request caches by it)."""
         return self.tok.name
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -88,9 +92,16 @@ class ForgeLM(LM):
     def loglikelihood(
         self, requests: list[Instance], disable_tqdm: bool = False
     ) -> list[tuple[float, bool]]:
-        """Each request's ``(log P(continuation | context), whether it is the greedy one)``."""
-        rows = [scored_row(*self.encode_pair(*r.args), self.max_len) for r in requests]
-        return self.score(rows)
+        """Each request's ``(log P(continuation | context), whether it is the greedy one)``;
+        a continuation that encodes to no tokens is certain: ``(0.0, True)``, as lm-eval's
+        own backend has it."""
+        pairs = [self.encode_pair(*r.args) for r in requests]
+        scored = [i for i, (_, continuation) in enumerate(pairs) if continuation]
+        rows = [scored_row(*pairs[i], self.max_len) for i in scored]
+        out = [(0.0, True)] * len(pairs)
+        for i, result in zip(scored, self.score(rows), strict=True):
+            out[i] = result
+        return out
 
     def loglikelihood_rolling(
         self, requests: list[Instance], disable_tqdm: bool = False
@@ -105,31 +116,37 @@ class ForgeLM(LM):
         return [sum(next(scores)[0] for _ in rows) for rows in windows]
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
-        """Each request's greedy continuation, cut at its first stop string."""
+        """Each request's greedy continuation, cut at its first stop string. In lockstep
+        every rank runs the busiest share's count of requests, each for the most steps any
+        request asks (its own are kept), so that all make the same forwards."""
         eos = self.tok.decode([self.tok.eos_id]) or None
         raw: list[tuple[Any, ...]] = [r.args for r in requests]
         asked = [(str(a[0]), generation_args(a[1], eos)) for a in raw]
-        mine = self.scoring.share.of(len(asked))
-        runs = self.scoring.share.largest(len(asked)) if self.scoring.lockstep else len(mine)
+        s = self.scoring
+        mine = s.share.of(len(asked))
+        runs = s.share.largest(len(asked)) if s.lockstep else len(mine)
+        longest = max((min(g.max_gen_toks, self.max_len - 1) for _, g in asked), default=0)
         texts: dict[int, str] = {}
         for n in range(runs):
             i = mine[n] if n < len(mine) else mine[0] if mine else 0
             context, wanted = asked[i]
-            steps = min(wanted.max_gen_toks, self.max_len - 1)
+            own = min(wanted.max_gen_toks, self.max_len - 1)
+            steps = longest if s.lockstep else own
             prompt = self.tok.encode(context, bos=True)[-(self.max_len - steps) :]
+            stops = Stops((self.tok.eos_id,), wanted.until, self.tok.decode)
             new = greedy_tokens(
                 self.model,
                 prompt,
                 steps,
                 self._device,
-                stop_ids=(self.tok.eos_id,),
-                use_cache=not self.scoring.lockstep,
+                stops=stops,
+                use_cache=not s.lockstep,
                 pad_id=self.tok.eos_id,
-                multiple=self.scoring.multiple,
-            )
+                multiple=s.multiple,
+            )[:own]
             if n < len(mine):
                 texts[i] = cut_at_stop(self.tok.decode(new), wanted.until)
-        everything = self.scoring.gather(texts)
+        everything = s.gather(texts)
         return [everything[i] for i in range(len(asked))]
 
     def score(self, rows: Sequence[Row]) -> list[tuple[float, bool]]:

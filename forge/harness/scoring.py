@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import attrs
 import torch
 from torch import nn
 
+from forge.config import ModelConfig
 from forge.harness.requests import Row, padded_length
 from forge.model.transformer import KVCache, split_moe_output
 
@@ -43,6 +45,25 @@ def score_rows(
     return out
 
 
+@attrs.frozen
+class Stops:
+    """When greedy decoding ends: after an id of ``ids``, or once ``decode`` of the new ids
+    holds one of ``texts`` (a request's ``until`` strings)."""
+
+    ids: tuple[int, ...] = ()
+    texts: tuple[str, ...] = ()
+    decode: Callable[[list[int]], str] | None = None
+
+    def reached(self, new: list[int]) -> bool:
+        """Whether decoding may stop after ``new``."""
+        if new and new[-1] in self.ids:
+            return True
+        if self.decode is None or not any(self.texts):
+            return False
+        text = self.decode(new)
+        return any(t and t in text for t in self.texts)
+
+
 @torch.no_grad()
 def greedy_tokens(
     model: nn.Module,
@@ -50,24 +71,28 @@ def greedy_tokens(
     steps: int,
     device: torch.device,
     *,
-    stop_ids: Sequence[int] = (),
+    stops: Stops = Stops(),
     use_cache: bool = True,
     pad_id: int = 0,
     multiple: int = 1,
 ) -> list[int]:
-    """Up to ``steps`` greedily decoded ids after ``prompt`` (stopping after a ``stop_ids``
-    id). Without ``use_cache`` every step recomputes the context and runs all ``steps``
-    forwards, on rows right-padded to a multiple of ``multiple`` (ranks in lockstep under
-    FSDP or TP make the same calls)."""
+    """Up to ``steps`` greedily decoded ids after ``prompt``, ending where ``stops`` says.
+    With ``use_cache`` decoding stops there, with a cache sized to this prompt and these
+    steps; without it every step recomputes the context on rows right-padded to a multiple
+    of ``multiple`` and all ``steps`` forwards run (ranks in lockstep under FSDP or TP make
+    the same calls; the ids after the stop are dropped)."""
     ids = list(prompt)
     new: list[int] = []
     stopped = False
-    cache = KVCache(model.cfg, dtype=next(model.parameters()).dtype, device=device)  # type: ignore[arg-type]
+    cache = None
+    if use_cache:
+        full: ModelConfig = model.cfg  # type: ignore[assignment]
+        cfg = attrs.evolve(full, max_seq_len=len(ids) + steps)
+        cache = KVCache(cfg, dtype=next(model.parameters()).dtype, device=device)
     pending = ids
     for _ in range(steps):
-        if use_cache:
-            logits = logits_of(model, torch.tensor([pending], device=device), cache)
-            last = -1
+        if cache is not None:
+            logits, last = logits_of(model, torch.tensor([pending], device=device), cache), -1
         else:
             seen = ids + new
             row = seen + [pad_id] * (padded_length(len(seen), multiple) - len(seen))
@@ -75,8 +100,8 @@ def greedy_tokens(
         nxt = int(logits[0, last].argmax())
         if not stopped:
             new.append(nxt)
-            stopped = nxt in stop_ids
+            stopped = stops.reached(new)
         pending = [nxt]
-        if stopped and use_cache:
+        if stopped and cache is not None:
             break
     return new

@@ -20,6 +20,7 @@ import torch
 from forge.config.data import EvalTask
 from forge.config.sections import JobConfig
 
+LM_EVAL_SEEDS = (0, 1234, 1234, 1234)  # simple_evaluate's: Python, NumPy, torch, few-shot
 MISSING_EXTRA = (
     "downstream tasks need lm-evaluation-harness, forge's 'eval' extra: pip install -e '.[eval]'"
 )
@@ -104,46 +105,78 @@ def custom_dataset_note(record: logging.LogRecord) -> bool:
 
 
 def quiet_lm_eval() -> None:
-    """lm-eval's own INFO lines off (forge reports what it ran); warnings stay, but for one
-    note that does not apply."""
-    logger = logging.getLogger("lm_eval")
-    logger.setLevel(logging.WARNING)
-    for name in ("lm_eval", "lm_eval.api.task"):
-        if custom_dataset_note not in logging.getLogger(name).filters:
-            logging.getLogger(name).addFilter(custom_dataset_note)
+    """lm-eval's INFO lines off (forge reports what it ran); its warnings stay, but for one
+    note that does not apply (filtered where it is logged: a filter sees only its own
+    logger's records)."""
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    task_logger = logging.getLogger("lm_eval.api.task")
+    if custom_dataset_note not in task_logger.filters:
+        task_logger.addFilter(custom_dataset_note)
 
 
 @contextlib.contextmanager
 def random_state_kept() -> Iterator[None]:
-    """Python's, NumPy's and torch's global generators as they were before the block:
-    lm-eval seeds them, and a run that scores tasks must train as one that does not."""
+    """Python's, NumPy's and torch's global generators as they were before the block, which
+    seeds them as ``lm_eval.simple_evaluate`` does: a run that scores tasks must train as one
+    that does not, and the scores must not depend on when they are taken."""
     python, numpy_state = random.getstate(), np.random.get_state()
     gpus = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=gpus):
         try:
+            random.seed(LM_EVAL_SEEDS[0])
+            np.random.seed(LM_EVAL_SEEDS[1])
+            torch.manual_seed(LM_EVAL_SEEDS[2])
             yield
         finally:
             random.setstate(python)
             np.random.set_state(numpy_state)
 
 
-def run_tasks(
-    lm: Any, names: Sequence[str], manager: Any, limit: int | None, bootstrap_iters: int
+def sampling_problem(loaded: dict[str, Any]) -> str | None:
+    """Why a loaded task cannot be scored: one that samples its generations (forge decodes
+    greedily, so that a score is a function of the weights)."""
+    for name, task in loaded.get("tasks", {}).items():
+        kwargs = task.get_config("generation_kwargs") or {}
+        if kwargs.get("do_sample") or float(kwargs.get("temperature", 0.0) or 0.0) > 0:
+            return (
+                f"{name}: its generation_kwargs sample (do_sample / temperature > 0); forge "
+                "decodes greedily: set them to greedy in a copy of the task"
+            )
+    return None
+
+
+def load_tasks(manager: Any, names: Sequence[str]) -> dict[str, Any]:
+    """lm-eval's loaded tasks (``{"tasks", "groups"}``) for ``names``, zero-shot unless a
+    task says otherwise: where a task's YAML, data or dependency errors raise, before any
+    scoring starts (so that ranks can agree on a failure before their forwards)."""
+    quiet_lm_eval()
+    loaded = dict(manager.load(list(names)))
+    problem = sampling_problem(loaded)
+    if problem is not None:
+        raise ValueError(problem)
+    for task in loaded.get("tasks", {}).values():
+        if task.get_config("num_fewshot") is None:
+            task.set_config(key="num_fewshot", value=0)
+        task.set_fewshot_seed(seed=LM_EVAL_SEEDS[3])
+    return loaded
+
+
+def score_tasks(
+    lm: Any, loaded: dict[str, Any], limit: int | None, bootstrap_iters: int
 ) -> dict[str, Any]:
-    """lm-eval's results (``results``, ``versions``, ``n-shot`` ...) for ``names`` scored by
-    ``lm``, zero-shot unless a task says otherwise, on at most ``limit`` documents each; empty
-    on every rank but the first of its node (lm-eval tabulates there alone)."""
-    from lm_eval.evaluator import simple_evaluate
+    """lm-eval's results (``results``, ``versions``, ``n-shot`` ...) of the ``loaded`` tasks
+    scored by ``lm``, on at most ``limit`` documents each, on every rank (``lm`` reports
+    itself as lm-eval's one rank: forge shares the requests out itself)."""
+    from lm_eval.evaluator import evaluate
 
     quiet_lm_eval()
     with random_state_kept():
-        out = simple_evaluate(
+        out = evaluate(
             lm,
-            tasks=list(names),
-            task_manager=manager,
+            loaded,  # type: ignore[arg-type]
             limit=limit,
             bootstrap_iters=bootstrap_iters,
             log_samples=False,
             verbosity="WARNING",
         )
-    return {} if out is None else dict(out)  # None: a rank other than LOCAL_RANK 0
+    return {} if out is None else dict(out)

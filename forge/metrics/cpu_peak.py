@@ -60,8 +60,10 @@ def measure_matmul_peak(
     timed up to ``MEASURE_REPS`` times within its share of what is left of ``budget_s``; the
     sizes go up until the next one would overrun the budget."""
     deadline, samples = clock() + budget_s, []
-    for i, size in enumerate(sizes):
-        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    operands = torch.Generator().manual_seed(0)  # not the global one: a run's saved RNG
+    for i, size in enumerate(sizes):  # state must not depend on whether the peak was cached
+        a = torch.randn(size, size, dtype=dtype, generator=operands)
+        b = torch.randn(size, size, dtype=dtype, generator=operands)
         torch.mm(a, b)  # warm-up: thread pool, kernels, caches
         stop = clock() + (deadline - clock()) / (len(sizes) - i)
         times: list[float] = []

@@ -53,6 +53,7 @@ class DownstreamTasks:
                 lockstep=multi,
                 multiple=self.dist.dims.tp,
                 gather=over_ranks if multi else local_only,
+                max_len=self.run.config.train.seq_len,
             )
             tok = run_tokenizer(self.run.config)
             self._lm = ForgeLM(self.model.model, tok, self.dist.device, scoring)
@@ -70,29 +71,51 @@ class DownstreamTasks:
 
     def scores(self, step: int) -> dict[str, float]:
         """``eval/<task>/<metric>`` of every task that has not failed, under the optimizer's
-        evaluation weights, on rank 0 (lm-eval tabulates there alone; the others score and
-        return nothing); a failure is warned about (on rank 0) once."""
-        from forge.harness.requests import flat_metrics
-        from forge.harness.tasks import run_tasks
-
+        evaluation weights and the run's precision. A task that fails to load (on any rank:
+        they agree before scoring) is warned about on rank 0, once, and skipped from then
+        on; one rank alone failing while scoring, where its peers wait in a forward, cannot
+        be agreed on: the error ends the run."""
         out: dict[str, float] = {}
         module = self.model.model
         was_training = module.training
         autocast = autocast_for(self.run.config.train.mixed_precision, device_type_of(module))
-        with evaluation_weights(self.model.optimizer), autocast():
-            module.eval()
-            for task in self.tasks:
-                if task.name in self.failed:
-                    continue
-                try:
-                    lm, manager = self.backend()
-                    results = run_tasks(lm, [task.name], manager, task.limit, 0)
-                    out |= flat_metrics(results.get("results", {}))
-                except Exception as exc:  # a task's error is a warning, never the run's end
-                    self.failed.add(task.name)
-                    if self.dist.is_main:
-                        print(f"[forge] warning: {failure_line(task, step, exc)}", file=sys.stderr)
-                if self.failed_anywhere(task.name in self.failed):  # no rank goes on alone
-                    self.failed.add(task.name)
+        from forge.harness.tasks import random_state_kept
+
+        try:  # loading a task draws too (datasets' fingerprints): every draw is undone
+            with random_state_kept(), evaluation_weights(self.model.optimizer), autocast():
+                module.eval()
+                for task in self.tasks:
+                    if task.name not in self.failed:
+                        out |= self.task_scores(task, step)
+        finally:
             module.train(was_training)
         return out
+
+    def task_scores(self, task: EvalTask, step: int) -> dict[str, float]:
+        """One task's scores (none if it fails): loaded on every rank, agreed, then scored."""
+        from forge.harness.requests import flat_metrics
+        from forge.harness.tasks import load_tasks, score_tasks
+
+        lm, loaded, error = None, None, None
+        try:
+            lm, manager = self.backend()
+            loaded = load_tasks(manager, [task.name])
+        except Exception as exc:  # a task's error is a warning, never the run's end
+            error = exc
+        if self.failed_anywhere(error is not None) or loaded is None or lm is None:
+            return self.skip(task, step, error)
+        try:
+            results = score_tasks(lm, loaded, task.limit, 0)
+        except Exception as exc:
+            if self.dist.world_size > 1:  # peers may be inside a collective: no agreement
+                raise
+            return self.skip(task, step, exc)
+        return flat_metrics(results.get("results", {}))
+
+    def skip(self, task: EvalTask, step: int, error: BaseException | None) -> dict[str, float]:
+        """Mark ``task`` failed and say so on rank 0 (its own error, or another rank's)."""
+        self.failed.add(task.name)
+        if self.dist.is_main:
+            cause = error if error is not None else RuntimeError("it failed on another rank")
+            print(f"[forge] warning: {failure_line(task, step, cause)}", file=sys.stderr)
+        return {}

@@ -80,6 +80,26 @@ def load_for_inference(
     return LoadedModel(model, optimizer, used, device, dtype)
 
 
+def tokenizer_problem(config: JobConfig, run_dir: pathlib.Path) -> str | None:
+    """Why the run's tokenizer cannot be trusted for scoring text: its data (and with it the
+    tokenizer's description) is gone and the model is not a byte-level one, or its vocabulary
+    is larger than the model's."""
+    folder = pathlib.Path(config.data.source_list[0].path)
+    vocab = config.model.vocab_size
+    if not (folder / MANIFEST).is_file():
+        if vocab == ByteTokenizer().vocab_size:
+            return None
+        return (
+            f"{run_dir}: the run's data {folder} is gone, and with it which tokenizer the "
+            f"model (vocab {vocab}) reads; restore the folder or point data.path in "
+            f"{run_dir}/config.toml at a copy"
+        )
+    tokens = read_manifest(folder).vocab_size
+    if tokens > vocab:
+        return f"{folder}: vocab size {tokens} is larger than the model's {vocab}"
+    return None
+
+
 def run_tokenizer(config: JobConfig) -> Tokenizer:
     """The tokenizer the run's (first) data source was prepared with; bytes if it is gone."""
     folder = pathlib.Path(config.data.source_list[0].path)

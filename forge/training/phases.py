@@ -109,10 +109,7 @@ WORLD_CHECKS: tuple[tuple[frozenset[str], WorldCheck], ...] = (
         lambda run, world: sink_problems(run.config, os.environ) if world.rank == 0 else [],
     ),
     (frozenset({"run", "checkpoint"}), lambda run, world: run_dir_problems(run)),
-    (  # [[eval.tasks]]: lm-eval installed, every task found (its index read only then)
-        frozenset({"eval", "model", "distributed"}),
-        lambda run, world: downstream_problems(run.config),
-    ),
+    (frozenset({"eval", "model", "distributed"}), lambda run, w: downstream_problems(run.config)),
 )
 
 

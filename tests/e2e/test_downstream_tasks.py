@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from forge.config.loader import ConfigError
 from forge.training.phases import load_and_validate_config
@@ -111,6 +112,14 @@ def test_a_run_that_scores_tasks_trains_as_one_that_does_not(scored, tmp_path, s
         return [(x["step"], x["loss"]) for x in records(r) if "loss" in x]
 
     assert losses(run) == losses(plain)  # bit for bit: lm-eval's seeding is undone
+    from forge.checkpoint.safety import load_tensors_safely
+
+    for step in (5, 10, 12):  # the generators each checkpoint saved, after evaluations
+        saved = [
+            load_tensors_safely(r.ckpt / f"step_{step}" / "rng_rank0.pt") for r in (run, plain)
+        ]
+        assert torch.equal(saved[0]["torch_cpu"], saved[1]["torch_cpu"])
+        assert saved[0]["python"] == saved[1]["python"]
 
 
 @pytest.mark.parametrize("layout", ["--distributed.dp_shard=2", "--distributed.tp=2"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -188,6 +189,36 @@ def test_a_task_whose_data_is_missing_fails_in_one_line(learned, tmp_path, capsy
     assert "Traceback" not in err
 
 
+def test_a_task_that_samples_is_refused_before_scoring(learned, tmp_path, capsys):
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "utils.py").write_text(
+        "import datasets\n\ndef load(**_):\n"
+        "    return {'test': datasets.Dataset.from_list([{'q': 'def', 'a': 'x'}])}\n"
+    )
+    (folder / "sampled.yaml").write_text(
+        "task: sampled_task\ncustom_dataset: !function utils.load\n"
+        "output_type: generate_until\ntest_split: test\ndoc_to_text: '{{q}}'\n"
+        "doc_to_target: '{{a}}'\ngeneration_kwargs:\n  do_sample: true\n  temperature: 0.7\n"
+        "metric_list:\n  - metric: exact_match\n"
+    )
+    code = HARNESS.main([str(learned), "--tasks", "sampled_task", "--include-path", str(folder)])
+    err = capsys.readouterr().err
+    assert code == 2 and "sampled_task: its generation_kwargs sample" in err
+    assert "Traceback" not in err
+
+
+def test_a_run_whose_tokenizer_is_gone_is_refused(learned, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(learned, run)
+    config = (run / "config.toml").read_text()
+    config = config.replace("vocab_size = 259", "vocab_size = 300")
+    (run / "config.toml").write_text(re.sub(r'path = ".*"', f'path = "{tmp_path}/gone"', config))
+    code = HARNESS.main([str(run), *TASK])
+    err = capsys.readouterr().err
+    assert code == 2 and f"the run's data {tmp_path}/gone is gone" in err
+
+
 def test_the_loaded_model_is_the_checkpoints(learned):
     """The backend scores the weights of step 80, not an initialisation."""
     from forge.training.inference import load_for_inference
@@ -220,5 +251,6 @@ def test_an_unwritable_output_is_one_line_and_nothing_half_written(learned, tmp_
     blocked.write_text("not a folder")
     code = HARNESS.main([str(learned), *TASK, "--limit", "4", "--output", f"{blocked}/r.json"])
     err = capsys.readouterr().err
-    assert code == 2 and f"--output {blocked}/r.json: could not be written" in err
+    assert code == 2 and f"--output {blocked}/r.json: {blocked} is not a folder" in err
+    assert "stdlib_line_order" not in capsys.readouterr().out  # refused before scoring
     assert blocked.read_text() == "not a folder" and "Traceback" not in err

@@ -139,15 +139,68 @@ def test_rolling_loglikelihood_of_a_short_text_is_its_log_probability_after_bos(
     assert got == pytest.approx(expected, abs=1e-5)
 
 
-def test_rolling_loglikelihood_of_a_long_text_covers_every_token_once():
+@torch.no_grad()
+def direct_rolling(model: Transformer, ids: list[int]) -> float:
+    """The sum over lm-eval's disjoint windows, computed here: the first window reads BOS and
+    the first L-1 tokens and predicts L; each next one predicts the next (up to) L tokens
+    from the L tokens before its last."""
+    length, total, done = model.cfg.max_seq_len, 0.0, 0
+    while done < len(ids):
+        if done == 0:
+            inputs, count = [TOK.bos_id, *ids[: length - 1]], min(length, len(ids))
+        else:
+            count = min(len(ids) - done, length)
+            end = done + count
+            inputs = ids[max(0, end - length - 1) : end - 1]
+        logits = model(torch.tensor([inputs]))[0].double()
+        logprobs = torch.log_softmax(logits[len(inputs) - count :], dim=-1)
+        targets = ids[done : done + count]
+        total += float(sum(logprobs[i, t] for i, t in enumerate(targets)))
+        done += count
+    return total
+
+
+def test_rolling_loglikelihood_of_a_long_text_sums_its_disjoint_windows():
     model = model_of(DENSE)
-    text = "x = 1\n" * 30  # 180 bytes, several windows of 48
+    text = "x = 1\n" * 30  # 180 bytes: windows of 48, 48, 48 and 36
     (total,) = backend(model).loglikelihood_rolling(requests("loglikelihood_rolling", [(text,)]))
-    per_token = backend(model).loglikelihood(
-        requests("loglikelihood", [(text[:i], text[i]) for i in range(0, len(text), 37)])
-    )
-    assert total < 0 and all(v < 0 for v, _ in per_token)
-    assert total < sum(v for v, _ in per_token)  # 180 tokens weigh more than 5
+    assert total == pytest.approx(direct_rolling(model, TOK.encode(text)), abs=1e-5)
+
+
+def test_an_empty_continuation_is_certain():
+    model = model_of(DENSE)
+    got = backend(model).loglikelihood(requests("loglikelihood", [("abc", ""), ("ab", "c")]))
+    assert got[0] == (0.0, True) and got[1][0] < 0
+
+
+def test_a_stop_string_ends_cached_decoding_early():
+    model = model_of(DENSE, seed=1)
+    ids = TOK.encode("def f(", bos=True)
+    text = TOK.decode(sample(model, ids, 12, temperature=0.0)[len(ids) :])
+    stop = text[1:3]
+    lm = backend(model)
+    asks = requests("generate_until", [("def f(", {"until": [stop], "max_gen_toks": 12})])
+    assert forwards(model, lambda: lm.generate_until(asks)) < 12
+    assert lm.generate_until(asks) == [text[: text.find(stop)]]
+
+
+def test_in_lockstep_requests_of_different_lengths_run_the_same_forwards():
+    """A group's subtasks may ask for different ``max_gen_toks``: every rank still runs the
+    longest, and each request keeps its own length."""
+    model = model_of(DENSE)
+    asks = requests("generate_until", [("x", {"max_gen_toks": 2}), ("y", {"max_gen_toks": 9})])
+    counts, texts = [], {}
+    for index in (0, 1):
+
+        def gather(r: dict) -> dict:
+            texts.update(r)
+            return dict.fromkeys(range(2), "") | r
+
+        lm = ForgeLM(model, TOK, torch.device("cpu"), Scoring(2, Share(index, 2), True, 1, gather))
+        counts.append(forwards(model, lambda lm=lm: lm.generate_until(asks)))
+    assert counts == [9, 9]
+    cached = backend(model).generate_until(asks)
+    assert [texts[0], texts[1]] == cached
 
 
 @pytest.mark.parametrize("lockstep", [False, True], ids=["kv-cache", "lockstep"])

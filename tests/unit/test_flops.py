@@ -198,6 +198,15 @@ def test_the_measurement_takes_the_best_of_several_sizes_within_its_budget():
     assert 1e6 < peak < 1e14  # a rate in FLOP/s, not a time
 
 
+def test_measuring_the_peak_leaves_the_global_generator_alone():
+    """A run measures the CPU peak only when no cache has it: its saved RNG state must not
+    depend on that."""
+    torch.manual_seed(11)
+    before = torch.get_rng_state()
+    measure_matmul_peak(torch.float32, sizes=(16,), budget_s=0.01)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 @pytest.mark.parametrize(
     ("environ", "home", "expected"),
     [

@@ -165,3 +165,32 @@ def test_results_flatten_to_eval_task_metric_scalars():
 def test_only_lm_evals_custom_dataset_note_is_dropped(message, kept):
     record = logging.LogRecord("lm_eval", logging.WARNING, __file__, 1, message, None, None)
     assert custom_dataset_note(record) is kept
+
+
+def test_scoring_seeds_like_lm_eval_and_leaves_the_runs_generators_as_they_were():
+    import random
+
+    import numpy as np
+    import torch
+
+    from forge.harness.tasks import random_state_kept
+
+    def draws() -> tuple[float, float, float]:
+        return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+    def seeded(python: int, numpy: int, torch_seed: int) -> tuple[float, float, float]:
+        random.seed(python)
+        np.random.seed(numpy)
+        torch.manual_seed(torch_seed)
+        return draws()
+
+    expected_inside = seeded(0, 1234, 1234)
+    expected_after = seeded(7, 7, 7)
+    seeded(7, 7, 7)
+    random.seed(7)
+    np.random.seed(7)
+    torch.manual_seed(7)
+    with random_state_kept():
+        inside = draws()
+    assert inside == expected_inside  # the scores do not depend on when they are taken
+    assert draws() == expected_after  # training goes on as if nothing had been drawn
