@@ -1,24 +1,39 @@
 """How fast the loader delivers tokens, against what debug training consumes; how long a resume
-seeks.
+seeks; how fast a corpus is prepared, against ``datasets.map``.
 
-Both measured in this run, on the prepared corpus (``make prepare-data``)::
+All measured in this run; the loader on the prepared corpus (``make prepare-data``)::
 
     python benchmarks/data.py [--config configs/train/debug.toml] [--batches 2000]
+    python benchmarks/data.py --part prepare [--prepare-mb 16] [--workers 2]
 
 Prints the training consumption (tokens/s of debug training steps), the loader's tokens/s in
 several set-ups as a multiple of it (target >= 20x), and the time from ``load_state_dict`` to
-the first batch at the start of an epoch and deep into a run.
+the first batch at the start of an epoch and deep into a run. Then preparation: a Parquet file
+of the embedded corpus (a row per stdlib file) tokenized by forge's preparation (read, tokenize,
+shards with checksums, manifest) and by ``datasets.map`` (batched, ``num_proc`` = the same
+worker count, the same tokenizer; its Arrow cache written), as tokens/s and a ratio (target
+>= 1.0x). Preparation needs the ``data`` extra (``pip install -e '.[data]'``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import pathlib
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
 from forge.config import DataSource, JobConfig, load_config
+from forge.data.corpus import stdlib_files, stdlib_root
 from forge.data.dataset import open_windows
 from forge.data.loader import Batch, Sampling, TextLoader
 from forge.data.mixture import resolve_phases
@@ -26,9 +41,12 @@ from forge.data.sampler import epoch_permutation
 from forge.data.shards import read_manifest
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer, resolve_schedule
+from forge.training.problems import cpu_flags
 from forge.training.steps.spec import StepSpec
 from forge.training.steps.text import make_text_step
 from forge.types import LoopState
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def training_tokens_per_s(config: JobConfig, steps: int) -> float:
@@ -85,12 +103,185 @@ def seek_seconds(loader: TextLoader, state: dict) -> float:
     return sorted(times)[2]
 
 
+def corpus_parquet(folder: pathlib.Path, megabytes: float) -> tuple[pathlib.Path, list[str]]:
+    """The embedded corpus's first ``megabytes`` MB as one Parquet file, a row per file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts, size = [], 0
+    for path in stdlib_files(stdlib_root()):
+        if size >= megabytes * 1e6:
+            break
+        texts.append(path.read_text("utf-8", errors="replace"))
+        size += len(texts[-1].encode())
+    out = folder / "corpus.parquet"
+    pq.write_table(pa.table({"text": texts}), out, row_group_size=64)
+    return out, texts
+
+
+def bpe_tokenizer(texts: list[str], path: pathlib.Path, vocab: int) -> pathlib.Path:
+    """A byte-level BPE ``tokenizer.json`` trained on the first texts."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
+    tok.train_from_iterator(texts[:200], trainer)
+    tok.save(str(path))
+    return path
+
+
+def cpu_seconds() -> float:
+    """CPU seconds used so far by this process and its finished descendants: less sensitive
+    than wall-clock time to other work on a shared machine."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def forge_preparation(
+    parquet: pathlib.Path, tokenizer: pathlib.Path | None, workers: int, out: pathlib.Path
+) -> tuple[int, float, float]:
+    """Tokens, wall-clock and CPU seconds of ``scripts/prepare_data.py`` on the Parquet file,
+    run as a user runs it (a fresh interpreter, spawned workers), from start to the manifest."""
+    command = [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--input", str(parquet)]
+    command += ["--out", str(out), f"--workers={workers}", "--quiet"]
+    command += ["--tokenizer", str(tokenizer)] if tokenizer is not None else []
+    start, cpu = time.perf_counter(), cpu_seconds()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    elapsed, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+    manifest = read_manifest(out)
+    return sum(s.num_tokens for s in manifest.splits.values()), elapsed, cpu
+
+
+def datasets_map(
+    parquet: pathlib.Path, frame: Callable[[dict], dict], workers: int, cache: pathlib.Path
+) -> tuple[int, float, float, float]:
+    """Tokens, load seconds (Parquet to datasets' Arrow cache), ``map`` wall-clock and CPU
+    seconds (its worker processes included)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    start = time.perf_counter()
+    ds = datasets.load_dataset(
+        "parquet", data_files=str(parquet), split="train", cache_dir=str(cache)
+    )
+    loaded, cpu = time.perf_counter(), cpu_seconds()
+    mapped = ds.map(frame, batched=True, num_proc=workers, remove_columns=ds.column_names)
+    done, cpu = time.perf_counter(), cpu_seconds() - cpu
+    lengths = mapped.data.column("input_ids").combine_chunks().value_lengths()
+    return int(sum(lengths.to_pylist())), loaded - start, done - loaded, cpu
+
+
+class ByteFrame:
+    """``datasets.map`` function: BOS + UTF-8 bytes + EOS, as forge's byte tokenizer frames."""
+
+    def __call__(self, batch: dict) -> dict:
+        return {"input_ids": [[256, *t.encode("utf-8"), 257] for t in batch["text"]]}
+
+
+class BPEFrame:
+    """``datasets.map`` function: BOS + ids + EOS with the tokenizer's batch encoding."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(str(path))
+        self.bos, self.eos = self.tok.token_to_id("<s>"), self.tok.token_to_id("</s>")
+
+    def __call__(self, batch: dict) -> dict:
+        encoded = self.tok.encode_batch(batch["text"], add_special_tokens=False)
+        return {"input_ids": [[self.bos, *e.ids, self.eos] for e in encoded]}
+
+
+def preparation(megabytes: float, workers: int, vocab: int, rounds: int) -> None:
+    """Print forge's preparation against ``datasets.map``, for the byte tokenizer and BPE."""
+    flags = cpu_flags()
+    print(
+        f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"avx2: {'avx2' in flags}, avx512: {'avx512f' in flags}; TOKENIZERS_PARALLELISM="
+        f"{os.environ.get('TOKENIZERS_PARALLELISM', 'unset')}"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = pathlib.Path(tmp)
+        parquet, texts = corpus_parquet(folder, megabytes)
+        bpe = bpe_tokenizer(texts, folder / "tokenizer.json", vocab)
+        size = sum(len(t.encode()) for t in texts)
+        print(
+            f"input: {len(texts)} stdlib files, {size / 1e6:.1f} MB, as Parquet; {workers} "
+            f"workers = num_proc; medians of {rounds} rounds, alternating which runs first"
+        )
+        for name, tokenizer, frame in [
+            ("byte", None, ByteFrame()),
+            (f"BPE {vocab}", bpe, BPEFrame(bpe)),
+        ]:
+            compare(
+                name, parquet, tokenizer, frame, workers, rounds, folder / name.replace(" ", "")
+            )
+
+
+def compare(
+    name: str,
+    parquet: pathlib.Path,
+    tokenizer: pathlib.Path | None,
+    frame: Callable[[dict], dict],
+    workers: int,
+    rounds: int,
+    folder: pathlib.Path,
+) -> None:
+    """One line: forge's tokens/s, ``datasets.map``'s (load excluded), their ratio, and the CPU
+    seconds each used."""
+    ours: list[tuple[float, float]] = []  # (wall-clock, CPU) seconds
+    theirs: list[tuple[float, float]] = []
+    loads: list[float] = []
+    for r in range(rounds):
+        for side in ("forge", "datasets") if r % 2 == 0 else ("datasets", "forge"):
+            if side == "forge":
+                tokens, wall, cpu = forge_preparation(parquet, tokenizer, workers, folder / f"o{r}")
+                ours.append((wall, cpu))
+            else:
+                mapped, load, wall, cpu = datasets_map(parquet, frame, workers, folder / f"c{r}")
+                theirs.append((wall, cpu))
+                loads.append(load)
+    assert tokens == mapped, (tokens, mapped)  # the same documents, framed alike
+    forge_s, map_s = (statistics.median(w for w, _ in side) for side in (ours, theirs))
+    forge_cpu, map_cpu = (statistics.median(c for _, c in side) for side in (ours, theirs))
+    ratios = ", ".join(f"{b[0] / a[0]:.2f}" for a, b in zip(ours, theirs, strict=True))
+    print(
+        f"prepare, {name:<9} forge {tokens / forge_s:>10,.0f} tokens/s ({forge_s:.2f} s) | "
+        f"datasets.map {tokens / map_s:>10,.0f} tokens/s ({map_s:.2f} s; loading the Parquet "
+        f"first: {statistics.median(loads):.2f} s more) | ratio {map_s / forge_s:.2f}x "
+        f"(rounds: {ratios}) | CPU s: forge {forge_cpu:.1f}, datasets.map {map_cpu:.1f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/train/debug.toml")
     parser.add_argument("--batches", type=int, default=2000)
     parser.add_argument("--train-steps", type=int, default=6)
+    parser.add_argument("--part", choices=["all", "loader", "prepare"], default="all")
+    parser.add_argument("--prepare-mb", type=float, default=16.0, help="input size, MB")
+    parser.add_argument("--workers", type=int, default=2, help="preparation processes")
+    parser.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary size")
+    parser.add_argument("--rounds", type=int, default=3, help="preparation rounds")
     args = parser.parse_args()
+    if args.part in ("all", "loader"):
+        loader_benchmark(args)
+    if args.part in ("all", "prepare"):
+        if importlib.util.find_spec("datasets") is None:
+            print("preparation: not measured, it needs the 'data' extra: pip install -e '.[data]'")
+            return
+        preparation(args.prepare_mb, args.workers, args.vocab, args.rounds)
+
+
+def loader_benchmark(args: argparse.Namespace) -> None:
+    """Print the loader's throughput against training, and resume seek times."""
     config = load_config([args.config]).config
     consumed = training_tokens_per_s(config, args.train_steps)
     t = config.train

@@ -1,11 +1,13 @@
 """Tokenize a corpus into shards plus a manifest, in parallel worker processes, resumably.
 
-The input is cut into *units* (a group of files, or a byte range of a JSONL file ending at a
-line end). Workers tokenize units into ``<out>.tmp/parts/``; a unit's small JSON record is
-written last, by rename, so a unit is either done or redone. An interrupted run started again
-with the same recipe skips the finished units. When all are done, the parts are joined in
-unit order (so the dataset does not depend on the number of workers) into shards, the
-manifest is written and ``<out>.tmp`` is renamed to ``<out>``.
+The input is cut into *units* by the reader of its format (``forge.data.recipe.Reader``: a
+group of files, a line-aligned byte range of a JSONL file, a range of Parquet row groups or
+Arrow record batches, a shard of a streamed Hugging Face dataset). Workers tokenize units into
+``<out>.tmp/parts/``; a unit's small JSON record is written last, by rename, so a unit is
+either done or redone. An interrupted run started again with the same recipe skips the
+finished units. When all are done, the parts are joined in unit order (so the dataset does
+not depend on the number of workers) into shards, the manifest is written and ``<out>.tmp``
+is renamed to ``<out>``.
 
 The *recipe* (inputs with their sizes, format, field, tokenizer, split share, shard size) is
 stored in the manifest: preparing into a folder that holds another recipe's dataset is refused.
@@ -13,7 +15,8 @@ stored in the manifest: preparing into a folder that holds another recipe's data
 
 from __future__ import annotations
 
-import enum
+import contextlib
+import functools
 import json
 import multiprocessing
 import os
@@ -21,13 +24,16 @@ import pathlib
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 import attrs
 import numpy as np
 
+from forge.data import hf_datasets, tables, text_inputs
 from forge.data.corpus import split_of
+from forge.data.recipe import InputFormat, Reader, Recipe, Skip, Unit
 from forge.data.shards import (
     MANIFEST,
     DataError,
@@ -36,186 +42,60 @@ from forge.data.shards import (
     publish,
     token_dtype,
 )
-from forge.data.tokenizer import tokenizer_from_manifest
+from forge.data.tokenizer import Tokenizer, tokenizer_from_manifest
 from forge.errors import one_line
 
 SPLITS = ("train", "validation")
 UNIT_BYTES = 4 << 20  # input bytes per unit: big enough to amortize, small enough to balance
-
-
-class InputFormat(enum.Enum):
-    FILES = "files"  # every file is one document
-    JSONL = "jsonl"  # every line is a JSON object; one field holds the document's text
-
-
-class TextErrors(enum.Enum):
-    """What a JSONL line that is not UTF-8 does."""
-
-    STRICT = "strict"  # refuse the input, naming file and line
-    REPLACE = "replace"  # decode with U+FFFD for each bad byte
-
-
-@attrs.frozen
-class Unit:
-    """One piece of work: whole files, or the bytes ``[start, end)`` of one JSONL file."""
-
-    index: int
-    files: tuple[str, ...]
-    start: int = 0
-    end: int = -1  # -1: whole files
-
-
-@attrs.frozen
-class Recipe:
-    """Everything the dataset is a function of; two runs with equal recipes make equal data."""
-
-    root: str
-    inputs: tuple[tuple[str, int], ...]  # (path relative to root, size in bytes)
-    input_format: InputFormat
-    field: str
-    tokenizer: dict[str, Any]
-    validation_percent: float
-    shard_tokens: int
-    errors: TextErrors = TextErrors.STRICT  # JSONL lines that are not UTF-8
-
-    def to_json(self) -> dict[str, Any]:
-        raw = attrs.asdict(self)
-        raw["input_format"] = self.input_format.value
-        raw["inputs"] = [list(x) for x in self.inputs]
-        if self.errors is TextErrors.STRICT:
-            del raw["errors"]  # recipes written before the option existed stay equal
-        else:
-            raw["errors"] = self.errors.value
-        return raw
-
-
-def find_inputs(
-    path: pathlib.Path, pattern: str, skip: Callable[[pathlib.Path], bool]
-) -> list[pathlib.Path]:
-    """Files to read: ``path`` itself, or the files under it matching ``pattern``, sorted."""
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise DataError(f"--input {path}: no such file or folder")
-    files = sorted(
-        (p for p in path.glob(pattern) if p.is_file() and not skip(p)),
-        key=lambda p: p.relative_to(path).as_posix(),
-    )
-    if not files:
-        raise DataError(f"--input {path}: no file matches --glob '{pattern}'")
-    return files
+READERS: dict[InputFormat, Reader] = {
+    InputFormat.FILES: text_inputs.FILES,
+    InputFormat.JSONL: text_inputs.JSONL,
+    InputFormat.PARQUET: tables.PARQUET,
+    InputFormat.ARROW: tables.ARROW,
+    InputFormat.HF: hf_datasets.HF,
+}
 
 
 def make_units(root: pathlib.Path, recipe: Recipe) -> list[Unit]:
     """Cut the inputs into units of about ``UNIT_BYTES``, in input order."""
-    units: list[Unit] = []
-    if recipe.input_format is InputFormat.FILES:
-        group: list[str] = []
-        size = 0
-        for name, nbytes in recipe.inputs:
-            group.append(name)
-            size += nbytes
-            if size >= UNIT_BYTES:
-                units.append(Unit(len(units), tuple(group)))
-                group, size = [], 0
-        if group:
-            units.append(Unit(len(units), tuple(group)))
-        return units
-    for name, nbytes in recipe.inputs:
-        for start, end in line_ranges(root / name, nbytes, UNIT_BYTES):
-            units.append(Unit(len(units), (name,), start, end))
-    return units
+    return READERS[recipe.input_format].units(root, recipe, UNIT_BYTES)
 
 
-def line_ranges(path: pathlib.Path, size: int, target: int) -> Iterator[tuple[int, int]]:
-    """Byte ranges of about ``target`` bytes covering the file, each ending after a newline."""
-    start = 0
-    with path.open("rb") as f:
-        while start < size:
-            f.seek(min(start + target, size))
-            f.readline()  # run on to the end of the line
-            end = min(f.tell(), size)
-            yield start, end
-            start = end
-
-
-SNIFF_BYTES = 8192  # a NUL byte in a file's first 8 KiB marks it as binary
-
-
-def is_binary(data: bytes) -> bool:
-    """Text files hold no NUL bytes; images, archives and compiled files almost always do."""
-    return b"\0" in data[:SNIFF_BYTES]
-
-
-def line_number(path: pathlib.Path, offset: int) -> int:
-    """The 1-based number of the line starting at byte ``offset`` (read only on an error)."""
-    with path.open("rb") as f:
-        return f.read(offset).count(b"\n") + 1
-
-
-def read_documents(
-    root: pathlib.Path, unit: Unit, recipe: Recipe, skipped: list[str] | None = None
-) -> Iterator[tuple[str, bytes]]:
-    """``(name, raw bytes)`` of each document in the unit; a name is stable across runs.
-    Binary files (a NUL byte near the start) are not documents: their names go to
-    ``skipped``."""
-    if recipe.input_format is InputFormat.FILES:
-        for name in unit.files:
-            data = (root / name).read_bytes()
-            if is_binary(data):
-                if skipped is not None:
-                    skipped.append(name)
-                continue
-            yield name, data
-        return
-    name = unit.files[0]
-    with (root / name).open("rb") as f:
-        f.seek(unit.start)
-        offset = unit.start
-        while offset < unit.end:
-            line = f.readline()
-            start = offset
-            offset += len(line)
-            if not line.strip():
-                continue
-            try:
-                text = line.decode("utf-8", errors=recipe.errors.value)
-            except UnicodeDecodeError as exc:
-                where = f"{root / name}:{line_number(root / name, start)}"
-                raise DataError(
-                    f"{where}: not UTF-8 (byte {exc.start} of the line); fix the file, or pass "
-                    "--errors=replace to decode bad bytes as U+FFFD"
-                ) from None
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as exc:
-                where = f"{root / name}:{line_number(root / name, start)}"
-                raise DataError(f"{where}: not a JSON line ({exc.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get(recipe.field), str):
-                where = f"{root / name}:{line_number(root / name, start)}"
-                raise DataError(
-                    f"{where}: no string field '{recipe.field}'; choose the text field with --field"
-                )
-            yield f"{name}@{offset}", record[recipe.field].encode("utf-8")
+@functools.cache  # once per worker process, not once per unit
+def cached_tokenizer(description: str) -> Tokenizer:
+    """The tokenizer of a manifest description, given as JSON (hashable)."""
+    return tokenizer_from_manifest(json.loads(description))
 
 
 def tokenize_unit(args: tuple[pathlib.Path, pathlib.Path, Unit, Recipe]) -> dict[str, Any]:
     """Worker: tokenize one unit into ``parts/<index>.<split>.bin``; returns its record."""
     root, parts, unit, recipe = args
-    tokenizer = tokenizer_from_manifest(recipe.tokenizer)
+    tokenizer = cached_tokenizer(json.dumps(recipe.tokenizer, sort_keys=True))
     dtype = token_dtype(tokenizer.vocab_size)
-    arrays: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
-    skipped: list[str] = []
-    for name, data in read_documents(root, unit, recipe, skipped):
-        split = split_of(name, recipe.validation_percent)
-        arrays[split].append(tokenizer.frame(data, dtype))
-    record: dict[str, Any] = {"index": unit.index, "splits": {}, "skipped_binary": len(skipped)}
-    for split, docs in arrays.items():
-        tokens = np.concatenate(docs) if docs else np.empty(0, dtype)
-        tmp = parts / f"{unit.index:06d}.{split}.bin.tmp"
-        tokens.tofile(tmp)
-        os.replace(tmp, parts / f"{unit.index:06d}.{split}.bin")
-        record["splits"][split] = {"tokens": len(tokens), "documents": len(docs)}
+    skipped: Counter[Skip] = Counter()
+    counts = {split: {"tokens": 0, "documents": 0} for split in SPLITS}
+    paths = {split: parts / f"{unit.index:06d}.{split}.bin" for split in SPLITS}
+    with contextlib.ExitStack() as stack:
+        # written as they come: a unit's tokens (a whole shard of a streamed dataset) need
+        # not fit in memory
+        files = {
+            split: stack.enter_context(path.with_suffix(".bin.tmp").open("wb", 1 << 20))
+            for split, path in paths.items()
+        }
+        for name, data in READERS[recipe.input_format].documents(root, unit, recipe, skipped):
+            split = split_of(name, recipe.validation_percent)
+            tokens = tokenizer.frame(data, dtype)
+            files[split].write(tokens.tobytes())
+            counts[split]["tokens"] += len(tokens)
+            counts[split]["documents"] += 1
+    for path in paths.values():
+        os.replace(path.with_suffix(".bin.tmp"), path)
+    record: dict[str, Any] = {
+        "index": unit.index,
+        "splits": counts,
+        "skipped_binary": skipped[Skip.BINARY],
+        "skipped_null": skipped[Skip.NULL],
+    }
     done = parts / f"{unit.index:06d}.json"
     done.with_suffix(".tmp").write_text(json.dumps(record))
     os.replace(done.with_suffix(".tmp"), done)  # last: the unit is done
@@ -232,6 +112,7 @@ class Progress:
         self.start = time.perf_counter()
 
     def advance(self, tokens: int) -> None:
+        """One more unit done, holding ``tokens``: redraw the line."""
         self.done += 1
         self.tokens += tokens
         rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
@@ -243,6 +124,7 @@ class Progress:
         self.stream.flush()
 
     def close(self) -> None:
+        """End the line."""
         self.stream.write("\n")
 
 
@@ -292,11 +174,12 @@ def prepare(
 @attrs.frozen
 class PrepareReport:
     """What ``prepare`` did: the manifest (None: the dataset was already there), units reused
-    from an interrupted run, binary files skipped."""
+    from an interrupted run, binary files and null texts skipped."""
 
     manifest: Manifest | None
     reused_units: int = 0
     skipped_binary: int = 0
+    skipped_null: int = 0
 
 
 def _prepare(
@@ -330,7 +213,7 @@ def _prepare(
     shutil.rmtree(parts)
     (tmp / "recipe.json").unlink()
     publish(tmp, out, manifest, extra={"recipe": recipe.to_json()})
-    return PrepareReport(manifest, len(done), skipped)
+    return PrepareReport(manifest, len(done), skipped[Skip.BINARY], skipped[Skip.NULL])
 
 
 def _run(
@@ -350,33 +233,45 @@ def plural(n: int, noun: str) -> str:
     return f"{n} {noun}{'s' if n != 1 else ''}"
 
 
+def skips(records: Sequence[dict[str, Any]]) -> Counter[Skip]:
+    """What the units' records say was skipped, by kind."""
+    return Counter({kind: sum(r.get(f"skipped_{kind.value}", 0) for r in records) for kind in Skip})
+
+
 def check_has_text(records: Sequence[dict[str, Any]], recipe: Recipe) -> None:
     """Refuse (``DataError``) inputs that hold no text: every file binary, every JSONL line
-    blank, or every document empty. Such a dataset would hold nothing to train on."""
+    blank, every row null, or every document empty. Such a dataset would hold nothing to
+    train on."""
     documents = sum(s["documents"] for r in records for s in r["splits"].values())
     tokens = sum(s["tokens"] for r in records for s in r["splits"].values())
     if tokens > 2 * documents:  # every document is framed by exactly a BOS and an EOS
         return
-    skipped = sum(r.get("skipped_binary", 0) for r in records)
-    found = [f"{plural(skipped, 'binary file')} skipped"] if skipped else []
+    skipped = skips(records)
+    nouns = {Skip.BINARY: "binary file", Skip.NULL: "null text"}
+    found = [f"{plural(n, nouns[kind])} skipped" for kind, n in skipped.items() if n]
+    fmt = recipe.input_format
     if documents:
         found.append(plural(documents, "empty document"))
-    elif not skipped:
-        found.append("every line is blank")
+    elif not found:
+        found.append("every line is blank" if fmt is InputFormat.JSONL else "no rows")
     root = pathlib.Path(recipe.root)
-    name = root / recipe.inputs[0][0] if len(recipe.inputs) == 1 else root
-    if recipe.input_format is InputFormat.FILES:
+    name = root / recipe.inputs[0][0] if len(recipe.inputs) == 1 else recipe.root
+    if recipe.hf_split is not None:
+        name = recipe.root
+    if fmt is InputFormat.FILES:
         fix = "point --input at text files, or choose them with --glob"
-    else:
+    elif fmt is InputFormat.JSONL:
         fix = f"point --input at JSONL lines whose --field '{recipe.field}' holds text"
-    raise DataError(f"--input {name}: holds no text to tokenize ({', '.join(found)}); {fix}")
+    else:
+        fix = f"choose a column that holds text with --field (now '{recipe.field}')"
+    raise DataError(f"{recipe.flag} {name}: holds no text to tokenize ({', '.join(found)}); {fix}")
 
 
 def assemble(
     tmp: pathlib.Path, parts: pathlib.Path, n_units: int, recipe: Recipe
-) -> tuple[Manifest, int]:
-    """Join the units' parts, in unit order, into shards; the manifest of the result and the
-    number of binary files skipped."""
+) -> tuple[Manifest, Counter[Skip]]:
+    """Join the units' parts, in unit order, into shards; the manifest of the result and
+    what was skipped."""
     tokenizer = tokenizer_from_manifest(recipe.tokenizer)
     dtype = token_dtype(tokenizer.vocab_size)
     records = [json.loads((parts / f"{i:06d}.json").read_text()) for i in range(n_units)]
@@ -389,11 +284,10 @@ def assemble(
             if len(tokens):
                 writer.append(tokens, documents=record["splits"][split]["documents"])
         splits[split] = writer.close()
-    skipped = sum(r.get("skipped_binary", 0) for r in records)
     return Manifest(
         dtype=dtype.name,
         vocab_size=tokenizer.vocab_size,
         tokenizer=tokenizer.describe(),
         splits=splits,
         source=recipe.root,
-    ), skipped
+    ), skips(records)
