@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import pathlib
 import sys
 from collections.abc import Sequence
@@ -35,11 +34,10 @@ from forge.optim.optimizers import evaluation_weights
 from forge.parallel.devices import (
     DeviceChoice,
     add_device_options,
-    choose_device,
-    end_script_world,
+    run_on_chosen_device,
     start_script_world,
 )
-from forge.parallel.world import WorldInfo, world_info
+from forge.parallel.world import WorldInfo
 from forge.training.evaluate import evaluate_totals, totals_over_ranks
 from forge.training.inference import load_for_inference, run_dir_of
 from forge.training.run_dir import load_run_config
@@ -90,15 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a vision-language run: give each caption the next example's image",
     )
     add_device_options(parser)
-    args = parser.parse_args(argv)
-    world = world_info(os.environ)
-    choice = choose_device(
-        args.device, torch.cuda.is_available(), torch.cuda.device_count(), world.local_rank
-    )
-    try:
-        return evaluate(args, world, choice)
-    finally:
-        end_script_world()
+    return run_on_chosen_device(parser.parse_args(argv), evaluate)
 
 
 def evaluate(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice) -> int:

@@ -21,8 +21,6 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from forge.config.data import EvalTask
 from forge.errors import UserInputError, one_line, print_errors
 from forge.harness.tasks import (
@@ -39,11 +37,10 @@ from forge.outputs import replace_file
 from forge.parallel.devices import (
     DeviceChoice,
     add_device_options,
-    choose_device,
-    end_script_world,
+    run_on_chosen_device,
     start_script_world,
 )
-from forge.parallel.world import WorldInfo, world_info
+from forge.parallel.world import WorldInfo
 from forge.training.inference import (
     LoadedModel,
     load_for_inference,
@@ -101,15 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--output", type=pathlib.Path, default=None, help="the JSON's path")
     add_device_options(parser)
-    args = parser.parse_args(argv)
-    world = world_info(os.environ)
-    choice = choose_device(
-        args.device, torch.cuda.is_available(), torch.cuda.device_count(), world.local_rank
-    )
-    try:
-        return evaluate(args, world, choice)
-    finally:
-        end_script_world()
+    return run_on_chosen_device(parser.parse_args(argv), evaluate)
 
 
 def output_problem(out: pathlib.Path) -> str | None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from forge.config.sections import Precision
 from forge.parallel.mesh import nccl_environment, round_store
-from forge.parallel.world import WorldInfo
+from forge.parallel.world import WorldInfo, world_info
 
 
 class DeviceRequest(enum.Enum):
@@ -161,3 +161,18 @@ def end_script_world() -> None:
     """Destroy the process group ``start_script_world`` started, if any."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def run_on_chosen_device(
+    args: argparse.Namespace, body: Callable[[argparse.Namespace, WorldInfo, DeviceChoice], int]
+) -> int:
+    """A script's ``body`` on the device ``args.device`` asks for at this rank (its local GPU
+    where there is one), the process group it may start always ended; its exit code."""
+    world = world_info(os.environ)
+    choice = choose_device(
+        args.device, torch.cuda.is_available(), torch.cuda.device_count(), world.local_rank
+    )
+    try:
+        return body(args, world, choice)
+    finally:
+        end_script_world()
