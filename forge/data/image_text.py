@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
 from collections.abc import Iterable, Sequence
 
 import attrs
@@ -20,9 +19,9 @@ from forge.data.shards import (
     DataError,
     Manifest,
     ShardWriter,
+    SplitInfo,
     manifest_of,
     open_split,
-    SplitInfo,
     publish,
     read_manifest,
     sha256_of,

@@ -46,4 +46,3 @@ def pack(tokens: torch.Tensor, bos_id: int) -> Packed:
         positions=positions_in_document(ids[:, :-1]),
         document_ids=ids[:, :-1],
     )
-

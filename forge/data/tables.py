@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import pathlib
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -122,17 +122,31 @@ def open_parquet(path: pathlib.Path, field: str) -> Any:
     return parquet
 
 
-def parquet_units(root: pathlib.Path, recipe: Recipe, unit_bytes: int) -> list[Unit]:
-    """Ranges of row groups of about ``unit_target`` bytes (uncompressed), from the files'
-    footers."""
+def ranged_units(
+    root: pathlib.Path,
+    recipe: Recipe,
+    unit_bytes: int,
+    piece_sizes: Callable[[pathlib.Path], list[int]],
+) -> list[Unit]:
+    """Each input cut into ranges of its pieces (row groups, record batches) of about
+    ``unit_target`` bytes, ``piece_sizes`` giving a file's piece sizes in order."""
     units: list[Unit] = []
     target = unit_target(recipe, unit_bytes)
     for name, _ in recipe.inputs:
-        meta = open_parquet(root / name, recipe.field).metadata
-        sizes = [meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)]
-        for start, end in piece_ranges(sizes, target):
+        for start, end in piece_ranges(piece_sizes(root / name), target):
             units.append(Unit(len(units), (name,), start, end))
     return units
+
+
+def parquet_units(root: pathlib.Path, recipe: Recipe, unit_bytes: int) -> list[Unit]:
+    """Ranges of row groups of about ``unit_target`` bytes (uncompressed), from the files'
+    footers."""
+
+    def sizes(path: pathlib.Path) -> list[int]:
+        meta = open_parquet(path, recipe.field).metadata
+        return [meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)]
+
+    return ranged_units(root, recipe, unit_bytes, sizes)
 
 
 def parquet_documents(
@@ -192,15 +206,12 @@ def arrow_batches(reader: Any) -> Iterator[Any]:
 
 def arrow_units(root: pathlib.Path, recipe: Recipe, unit_bytes: int) -> list[Unit]:
     """Ranges of record batches of about ``unit_target`` bytes."""
-    units: list[Unit] = []
-    target = unit_target(recipe, unit_bytes)
-    for name, _ in recipe.inputs:
-        path = root / name
+
+    def sizes(path: pathlib.Path) -> list[int]:
         with open_arrow(path, recipe.field) as (reader, _), read_errors(str(path)):
-            sizes = [batch.nbytes for batch in arrow_batches(reader)]
-        for start, end in piece_ranges(sizes, target):
-            units.append(Unit(len(units), (name,), start, end))
-    return units
+            return [batch.nbytes for batch in arrow_batches(reader)]
+
+    return ranged_units(root, recipe, unit_bytes, sizes)
 
 
 def arrow_documents(
