@@ -56,6 +56,26 @@ def second_corpus(tmp_path_factory) -> pathlib.Path:
     return stdlib_packages(tmp_path_factory.mktemp("data") / "second", ("unittest",))
 
 
+@pytest.fixture(scope="session")
+def short_documents(tmp_path_factory) -> pathlib.Path:
+    """The ``json`` package cut into documents of 1 to 5 lines: a packed row of 33 tokens
+    holds several of them, so rows differ in how many labels survive the boundary mask."""
+    root = stdlib_root()
+    files = sorted(f for f in stdlib_files(root) if f.relative_to(root).parts[0] == "json")
+    docs: dict[str, list[Document]] = {"train": [], "validation": []}
+    for f in files:
+        lines = f.read_bytes().splitlines(keepends=True)
+        i = 0
+        while i < len(lines):
+            size = 1 + (i * 7 + len(lines[i])) % 5  # 1..5 lines, fixed by the file's bytes
+            name = f"{f.name}:{i}"
+            docs["validation" if split_of(name, 15) == "validation" else "train"].append(
+                Document(name, b"".join(lines[i : i + size]))
+            )
+            i += size
+    return make_dataset(tmp_path_factory.mktemp("data") / "short", docs)
+
+
 TINY = """\
 [model]
 dim = 32

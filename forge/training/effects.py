@@ -239,14 +239,18 @@ class TrainingEffects:
             summed = stats_from_flat(total, len(moe.loads), len(moe.loads[0]))
             record |= moe_record(summed, self.dist.world_size)
         if sources is not None:
-            sums = sum_over_ranks(sources.flat(), self.dist.world_size, self.dist.device)
-            n = len(sources.loss)
-            scale = self.dist.dp_size / self.dist.world_size  # TP peers count twice
-            record |= source_record(
-                self.data.source_names, [sums[:n], [t * scale for t in sums[n:]]]
-            )
+            record |= source_record(self.data.source_names, self._source_sums(sources))
         self._emit(record)
         self._restart_clock(state)
+
+    def _source_sums(self, sources: SourceTotals) -> list[list[float]]:
+        """A mixture's loss sums and token counts over every data slice: the sum over the
+        world counts each slice once per rank that holds it (tensor-parallel peers), so both
+        are scaled back to one count per slice."""
+        sums = sum_over_ranks(sources.flat(), self.dist.world_size, self.dist.device)
+        scale = self.dist.dp_size / self.dist.world_size
+        n = len(sources.loss)
+        return [[v * scale for v in sums[:n]], [v * scale for v in sums[n:]]]
 
     def _throughput(self, tokens_per_sec: float) -> dict[str, float]:
         """Rank 0's throughput metrics. The peak is looked up (on a CPU: read from the cache

@@ -239,6 +239,24 @@ def test_packed_documents_under_tensor_parallelism_match_one_rank(tmp_path, smal
     assert_matches((config, one), config, two)
 
 
+def test_packed_rows_at_two_ranks_weigh_every_label_as_one_rank_does(tmp_path, short_documents):
+    """2 ranks x 2 micro-batches of 2 packed rows equal 1 rank x 1 micro-batch of 8: the rows
+    hold different numbers of labels, and each label counts the same across micro-batches
+    and ranks (a mean of micro-batch means would differ)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    config = write_config(tmp_path, short_documents)
+    packed = ["--data.pack_documents=true"]
+    # the same 8 held-out rows: 1 micro-batch of 8 at one rank, 2 of 2 at each of two
+    train(config, one, *packed, "--train.batch_size=8", "--train.grad_accum_steps=1",
+          "--eval.steps=1")  # fmt: skip
+    fsdp = ["--distributed.dp_shard=2", "--train.batch_size=2", "--train.grad_accum_steps=2"]
+    train(config, two, *packed, *fsdp, "--eval.steps=2", ranks=2)
+    assert_matches((config, one), config, two)
+    ref = {r["step"]: r for r in records(one)}
+    for r in records(two):
+        assert r["loss"] == pytest.approx(ref[r["step"]]["loss"], rel=1e-6), r["step"]
+
+
 QK_NORM_LAYOUTS = [
     ("fsdp2", ["--distributed.dp_shard=2", "--train.batch_size=2", "--train.grad_accum_steps=2"]),
     ("tp", ["--distributed.tp=2", "--distributed.dp_shard=1", "--train.batch_size=4",

@@ -184,3 +184,69 @@ def test_the_z_loss_is_in_the_objective_but_not_in_the_reported_loss():
         torch.testing.assert_close(
             p_z.detach(), p_ref.detach() - 1e-2 * p_ref.grad, rtol=1e-5, atol=1e-6
         )
+
+
+def packed_rows(n_rows=8, seed=5):
+    """Rows of two or three documents each, labels masked at every boundary and in a
+    ragged tail, so that rows hold different numbers of labels (packing's shape)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 259, (n_rows, 17), generator=g)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:].clone()
+    positions = torch.zeros_like(inputs)
+    documents = torch.zeros_like(inputs)
+    for r in range(n_rows):
+        cuts = sorted(torch.randint(1, 15, (2,), generator=g).tolist())
+        for d, (lo, hi) in enumerate(zip([0, *cuts], [*cuts, 16], strict=True)):
+            documents[r, lo:hi] = d
+            positions[r, lo:hi] = torch.arange(hi - lo)
+            if hi < 16:
+                labels[r, hi - 1] = IGNORE_INDEX  # the label would be the next document's
+        labels[r, 16 - r :] = IGNORE_INDEX  # row r ends with r padded positions
+    return inputs, labels, positions, documents
+
+
+def split_rows(rows, micro, packed):
+    inputs, labels, positions, documents = rows
+    return tuple(
+        Batch(
+            inputs[i : i + micro],
+            labels[i : i + micro],
+            positions[i : i + micro] if packed else None,
+            documents[i : i + micro] if packed else None,
+        )
+        for i in range(0, len(inputs), micro)
+    )
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("micro,accum", [(8, 1), (2, 4), (1, 8)])
+def test_a_step_weighs_every_label_alike_however_the_batch_is_split(packed, micro, accum):
+    """The loss and the update of 8 rows do not depend on their split into micro-batches
+    (4x2 is the baseline), even when rows hold different numbers of labels."""
+    rows = packed_rows()
+    m_ref, _, step_ref = setup(sgd=True)
+    m, _, step = setup(sgd=True)
+    before = [p.detach().clone() for p in m.parameters()]
+    ref = step_ref(split_rows(rows, 4, packed), LoopState())
+    got = step(split_rows(rows, micro, packed), LoopState())
+    assert len(split_rows(rows, micro, packed)) == accum
+    assert got.loss == pytest.approx(ref.loss, rel=1e-6)
+    assert got.grad_norm == pytest.approx(ref.grad_norm, rel=1e-6)
+    for p0, p_ref, p in zip(before, m_ref.parameters(), m.parameters(), strict=True):
+        torch.testing.assert_close(p - p0, p_ref - p0, rtol=1e-5, atol=1e-7)
+
+
+def test_the_step_loss_is_the_mean_over_every_label_of_the_step():
+    """Not the mean of the micro-batches' means: rows with more labels count more."""
+    rows = packed_rows()
+    model, _, step = setup(sgd=True)
+    probe = copy.deepcopy(model)
+    inputs, labels, _, _ = rows
+    with torch.no_grad():
+        logits = probe(inputs).float()
+    per_token = torch.nn.functional.cross_entropy(
+        logits.transpose(1, 2), labels, reduction="none", ignore_index=IGNORE_INDEX
+    )
+    expected = (per_token.sum() / (labels != IGNORE_INDEX).sum()).item()
+    result = step(split_rows(rows, 1, packed=False), LoopState())
+    assert result.loss == pytest.approx(expected, rel=1e-6)

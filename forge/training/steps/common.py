@@ -99,7 +99,7 @@ def micro_batch_loss(
     mixture-of-experts model's auxiliary losses join the objective (``moe_terms``).
     """
     counted = batch.labels != IGNORE_INDEX
-    n = counted.sum()
+    n = counted.sum().clamp(min=1)  # a fully masked micro-batch adds nothing (its share is 0)
     z_weight = loss_spec.z_weight
     if loss_spec.chunked:
         with autocast():
@@ -149,17 +149,19 @@ def balance_after_update(
     return lambda: balance_experts(model, loads, rate)
 
 
-def label_shares(batches: Sequence[Batch], dp_size: int) -> list[torch.Tensor]:
+def label_shares(batches: Sequence[Batch], dp_size: int, world_size: int) -> list[torch.Tensor]:
     """Each micro-batch's weight when every labelled token of the step counts the same, on
     this rank and every other data-parallel one: its labels over the step's labels on all
-    ``dp_size`` ranks (one all-reduce), times ``dp_size`` (the gradient reduction averages
-    over ranks). Rows of unequal length (captions, packed documents) need it for a gradient
-    that does not depend on how the batch is split. The sum runs over the default group:
-    only for steps whose ranks are all data-parallel (the vision-language step)."""
+    ``dp_size`` ranks, times ``dp_size`` (the gradient reduction averages over ranks), so the
+    step's loss and gradient do not depend on how its rows are split into micro-batches and
+    ranks. One all-reduce of one number over the default group, which counts each data slice
+    once per rank that holds it (``world_size / dp_size``: tensor-parallel peers); it stays on
+    the device (no host sync)."""
     counts = torch.stack([(b.labels != IGNORE_INDEX).sum() for b in batches]).float()
     total = counts.sum()
     if dp_size > 1:
         torch_dist.all_reduce(total)
+        total = total / (world_size // dp_size)
     shares = counts * dp_size / total
     return list(shares.unbind())
 

@@ -26,7 +26,7 @@ from forge.training.steps.spec import StepFunction, StepSpec
 from forge.types import LoopState, StepResult
 
 
-def make_text_step(spec: StepSpec, *, token_weighted: bool = False) -> StepFunction:
+def make_text_step(spec: StepSpec) -> StepFunction:
     """The language-model step: accumulate gradients, clip, and update only if all is finite.
 
     One host sync per step (``finish_step``); the finiteness check comes before
@@ -35,8 +35,9 @@ def make_text_step(spec: StepSpec, *, token_weighted: bool = False) -> StepFunct
     this rank's; it is averaged over data-parallel ranks only when logged. With a z-loss the
     reported ``loss`` stays the cross-entropy, ``z_loss`` the mean term; a mixture's
     per-source sums and a MoE model's statistics are summed over micro-batches and reported.
-    With ``token_weighted`` every labelled token of the step weighs the same wherever it sits
-    (``label_shares``); else each micro-batch's mean counts ``1 / micro-batches``.
+    Every labelled token of the step weighs the same wherever it sits (``label_shares``):
+    packed rows, masked labels and captions of unequal length give a loss and gradient that
+    do not depend on how the batch is split into micro-batches and data-parallel ranks.
     """
     model, optimizer, loss_spec = spec.model, spec.optimizer, spec.loss
     autocast = (
@@ -55,7 +56,7 @@ def make_text_step(spec: StepSpec, *, token_weighted: bool = False) -> StepFunct
         stats = SourceStats(spec.sources, device) if spec.sources else None
         moe: torch.Tensor | None = None
         n = len(batches)
-        shares = label_shares(batches, spec.dp_size) if token_weighted else [1.0 / n] * n
+        shares = label_shares(batches, spec.dp_size, spec.world_size)
         for i, batch in enumerate(batches):
             set_gradient_sync(model, i == n - 1)
             terms = micro_batch_loss(model, batch, autocast, stats, loss_spec)
@@ -89,7 +90,7 @@ def make_vlm_step(spec: StepSpec) -> StepFunction:
     if spec.vlm is None:
         raise ValueError("a vision-language step needs spec.vlm (model.vlm)")
     arch = spec.vlm
-    text_step = make_text_step(spec, token_weighted=True)
+    text_step = make_text_step(spec)
 
     def vlm_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
         if any(b.images is None for b in batches):
