@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from forge.config.sections import OptimizerConfig, OptimizerName
 from forge.optim.optimizers import Lion, MuonAdamW, ScheduleFreeAdamW
@@ -73,8 +74,17 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
             ns_steps=cfg.ns_steps,
         )
     # fused kernels: one launch for all parameters on CUDA; on CPU one vectorised pass per
-    # tensor, 5-7x faster than foreach for the debug model (benchmarks/precision.py)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)
+    # tensor, 5-7x faster than foreach for the debug model (benchmarks/precision.py). They
+    # take no mix of DTensors and plain tensors (tensor parallelism without FSDP2 keeps a
+    # mixture-of-experts block's experts plain): then one parameter at a time
+    fused = {"fused": True} if uniform_tensors(groups) else {"foreach": False}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **fused)
+
+
+def uniform_tensors(groups: Iterable[dict[str, Any]]) -> bool:
+    """Whether the parameters are all ``DTensor``s or all plain tensors."""
+    kinds = {isinstance(p, DTensor) for g in groups for p in g["params"]}
+    return len(kinds) <= 1
 
 
 def inference_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer | None:

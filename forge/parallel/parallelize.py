@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -57,7 +58,8 @@ def sharding_units(model: nn.Module) -> list[nn.Module]:
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
     """Megatron-style TP with sequence parallelism: attention heads and FFN columns are split;
-    norms and the residual stream are sharded along the sequence."""
+    norms and the residual stream are sharded along the sequence; a mixture-of-experts
+    block's experts stay whole (``moe_plan``)."""
     top: dict[str, object] = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
@@ -86,14 +88,39 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            ),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
         }
-        parallelize_module(block, tp_mesh, qk_norms | plan)
+        ffn = moe_plan() if isinstance(block.feed_forward, MoE) else dense_ffn_plan()
+        parallelize_module(block, tp_mesh, qk_norms | plan | ffn)
+
+
+def dense_ffn_plan() -> dict[str, ParallelStyle]:
+    """A SwiGLU block's FFN: columns of w1 and w3, rows of w2, back to the sequence shards."""
+    return {
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def moe_plan() -> dict[str, ParallelStyle]:
+    """A mixture-of-experts block's FFN keeps its experts whole (or split by expert
+    parallelism): every tensor-parallel rank routes the whole sequence (gathered from the
+    sequence shards) through the same experts, and keeps its own shard of the output. The
+    experts' gradients are then the same on every tensor-parallel peer, as are the MoE
+    statistics (the metrics' means and the bias update's signs count peers alike)."""
+    return {
+        "feed_forward": PrepareModuleInputOutput(
+            input_layouts=(Shard(1), None),  # (x, the MoE statistics)
+            desired_input_layouts=(Replicate(), None),
+            use_local_input=True,
+            output_layouts=(Replicate(), None),
+            desired_output_layouts=(Shard(1), None),
+            use_local_output=True,  # the residual stream holds plain sequence shards
+        )
+    }
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: ActivationCheckpointing) -> None:

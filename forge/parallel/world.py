@@ -242,12 +242,12 @@ def expert_problems(config: JobConfig, dims: MeshDims) -> list[Problem]:
     """What a mixture-of-experts model, or expert parallelism, cannot be combined with."""
     m, ep = config.model, config.distributed.ep
     p: list[Problem] = []
-    if m.moe and dims.tp > 1:
+    if m.moe and dims.tp > 1 and ep > 1:
         p.append(
             (
                 "distributed.tp",
-                "tensor parallelism is not supported with mixture-of-experts blocks "
-                "(model.moe_num_experts > 0); use distributed.ep and dp_shard instead",
+                "tensor parallelism is not supported together with expert parallelism "
+                "(distributed.ep > 1) yet; use one of them",
             )
         )
     if ep == 1:

@@ -75,18 +75,21 @@ def evaluate_loss(
 
 
 def totals_over_ranks(
-    totals: EvalTotals, world_size: int, device: torch.device | str = "cpu"
+    totals: EvalTotals, world_size: int, device: torch.device | str = "cpu", dp_size: int = 0
 ) -> EvalTotals:
-    """Every rank's ``totals`` summed (one all-reduce): TP peers add the same pair, which
-    leaves the mean as it is."""
+    """Every data slice's ``totals`` summed (one all-reduce over every rank, which counts a
+    slice once per rank holding it: tensor-parallel peers; divided back by that number
+    ``world_size / dp_size``, all of the world when ``dp_size`` is 0)."""
     flat_loads = [x for layer in totals.moe_loads or [] for x in layer]
     summed = sum_over_ranks([totals.loss_sum, float(totals.count), *flat_loads], world_size, device)
+    copies = world_size // dp_size if dp_size else 1
+    summed = [v / copies for v in summed]  # each is the sum of `copies` equal values
     loads = None
     if totals.moe_loads is not None:
         width = len(totals.moe_loads[0])
         rest = summed[2:]
         loads = [rest[i : i + width] for i in range(0, len(rest), width)]
-    return EvalTotals(summed[0], int(summed[1]), loads)
+    return EvalTotals(summed[0], round(summed[1]), loads)
 
 
 @torch.no_grad()
@@ -128,5 +131,5 @@ def held_out_loss(
             loss = evaluate_pipeline_loss(model.model, model.pipeline, batches, n_micro, model.loss)
             return mean_over_ranks(loss, dist.world_size, dist.device), None
         totals = evaluate_totals(model.model, batches, precision, model.loss)
-    summed = totals_over_ranks(totals, dist.world_size, dist.device)
+    summed = totals_over_ranks(totals, dist.world_size, dist.device, dist.dp_size)
     return summed.mean, summed.moe_loads

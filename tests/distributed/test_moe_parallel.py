@@ -44,6 +44,8 @@ PP = [
     "--eval.steps=8",
 ]
 ONE_RANK = [*ONE_ROW, "--train.grad_accum_steps=4", "--eval.steps=8"]
+# tensor parallelism on attention and the dense block, the experts whole on both peers
+TP = [*ONE_RANK, "--distributed.tp=2", "--distributed.dp_shard=1"]
 MOE_METRICS = ("moe/aux_loss", "moe/z_loss", "moe/dropped_fraction", "moe/load_cv")
 
 
@@ -92,6 +94,7 @@ LAYOUTS = [
     ("ep=2", EP, 2),
     ("fsdp2", FSDP2, 2),
     ("pp=2", PP, 2),
+    ("tp=2", TP, 2),
     ("ep=2 of dp_shard=4", EP_OF_FOUR, 4),
     ("dp_replicate=2 x ep=2", EP_REPLICATED, 4),
 ]

@@ -275,9 +275,14 @@ def problems_of(tmp_path, *args: str, world: int = 1) -> list[str]:
         (["--model.moe_num_experts=3", "--distributed.ep=2"], 2, "must divide model.moe_num"),
         (["--model.moe_num_experts=6", "--distributed.ep=3"], 4, "must divide distributed.dp_sh"),
         (
-            ["--model.moe_num_experts=4", "--distributed.tp=2", "--distributed.dp_shard=1"],
-            2,
-            "distributed.tp: tensor parallelism is not supported with mixture-of-experts",
+            [
+                "--model.moe_num_experts=4",
+                "--distributed.tp=2",
+                "--distributed.ep=2",
+                "--distributed.dp_shard=2",
+            ],
+            4,
+            "distributed.tp: tensor parallelism is not supported together with expert",
         ),
     ],
 )
@@ -293,6 +298,8 @@ def test_moe_config_refusals_name_the_key(tmp_path, args, world, fragment):
         (["--distributed.ep=2", "--distributed.dp_shard=4"], 4),  # experts FSDP-sharded 2 ways
         (["--distributed.ep=2", "--distributed.dp_replicate=2", "--distributed.dp_shard=2"], 4),
         (["--distributed.ep=2", "--distributed.pp=2", "--train.grad_accum_steps=2"], 4),
+        (["--distributed.tp=2", "--distributed.dp_shard=1"], 2),  # experts whole on each peer
+        (["--distributed.tp=2", "--distributed.dp_shard=2"], 4),
     ],
 )
 def test_valid_expert_parallel_layouts_have_no_problems(tmp_path, args, world):
