@@ -1,11 +1,12 @@
 """Lion, Muon for the hidden matrices with AdamW for the rest, and Schedule-Free AdamW, as
 ``torch.optim.Optimizer``s.
 
-Both work on plain tensors and on sharded ``DTensor`` parameters (FSDP2, TP). Lion's update is
+All work on plain tensors and on sharded ``DTensor`` parameters (FSDP2, TP). Lion's update is
 elementwise, so each shard updates itself. Muon orthogonalises each matrix's momentum with a
-Newton–Schulz iteration, which needs the whole matrix: a sharded update is gathered, every rank
-runs the same iteration on the full matrix, and keeps its own shard of the result, so a
-sharded run takes exactly the steps of a one-process run.
+Newton–Schulz iteration, which needs the whole matrix: under sharding each matrix has one owner
+rank that gathers it, iterates and sends every rank its shard of the result
+(``forge.optim.muon_dist``), so the ranks share the work and a sharded run takes exactly the
+steps of a one-process run.
 """
 
 from __future__ import annotations
@@ -16,35 +17,24 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-# Newton–Schulz quintic coefficients (Keller Jordan's Muon)
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+from forge.optim.muon_dist import (
+    NS_COEFFICIENTS,
+    newton_schulz,
+    orthogonalize_all,
+    orthogonalized,
+)
 
-
-def newton_schulz(matrix: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
-    """An approximately orthogonal matrix with ``matrix``'s singular vectors (US'V^T with
-    S' near 1), in fp32."""
-    a, b, c = NS_COEFFICIENTS
-    x = matrix.float()
-    tall = x.shape[0] > x.shape[1]
-    if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if tall else x
-
-
-def orthogonalized(update: torch.Tensor, steps: int) -> torch.Tensor:
-    """``newton_schulz`` of the full matrix, returned in ``update``'s layout (each rank keeps
-    its shard of a ``DTensor``; the full matrix is gathered once)."""
-    if not isinstance(update, DTensor):
-        return newton_schulz(update, steps).to(update.dtype)
-    full = newton_schulz(update.full_tensor(), steps).to(update.dtype)
-    # every rank computed the same full matrix: slice it locally, no communication
-    return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
+__all__ = [
+    "NS_COEFFICIENTS",
+    "Lion",
+    "MuonAdamW",
+    "ScheduleFreeAdamW",
+    "evaluation_weights",
+    "muon_lr_scale",
+    "newton_schulz",
+    "orthogonalized",
+]
 
 
 def muon_lr_scale(shape: torch.Size) -> float:
@@ -87,7 +77,12 @@ class Lion(torch.optim.Optimizer):
 
 class MuonAdamW(torch.optim.Optimizer):
     """Muon (momentum, Nesterov, Newton–Schulz orthogonalisation) for the groups marked
-    ``use_muon``, AdamW for the others: one optimizer object to the loop, one state dict."""
+    ``use_muon``, AdamW for the others: one optimizer object to the loop, one state dict.
+
+    Sharded matrices are orthogonalised owner-computes (``muon_dist.orthogonalize_all``):
+    each rank iterates on its share of the matrices. ``distributed_ns=False`` keeps the
+    gather-everything path (every rank iterates on every matrix), the benchmark's baseline;
+    both give the same steps and the same state (``momentum_buffer`` per matrix)."""
 
     def __init__(
         self,
@@ -98,6 +93,7 @@ class MuonAdamW(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         momentum: float = 0.95,
         ns_steps: int = 5,
+        distributed_ns: bool = True,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -109,18 +105,34 @@ class MuonAdamW(torch.optim.Optimizer):
             "use_muon": False,
         }
         super().__init__(params, defaults)
+        # an attribute, not a default: the param groups (and so checkpoints) stay as they were
+        self.distributed_ns = distributed_ns
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One update: Muon for ``use_muon`` groups, AdamW for the rest."""
         loss = closure() if closure is not None else None
+        muon: list[tuple[torch.Tensor, dict[str, Any]]] = []
+        updates: list[torch.Tensor] = []
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
-                    (self._muon if group["use_muon"] else self._adamw)(p, group)
+                if p.grad is None:  # the same parameters on every rank: FSDP2 and TP agree
+                    continue
+                if group["use_muon"]:  # state made in parameter order, as before
+                    muon.append((p, group))
+                    updates.append(self._nesterov(p, group))
+                else:
+                    self._adamw(p, group)
+        steps = [group["ns_steps"] for _, group in muon]
+        # all matrices at once, so the sharded ones travel in a few batched collectives
+        orthos = orthogonalize_all(updates, steps, distributed=self.distributed_ns)
+        for (p, group), ortho in zip(muon, orthos, strict=True):
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(ortho, alpha=-group["lr"] * muon_lr_scale(p.shape))
         return loss
 
-    def _muon(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+    def _nesterov(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """Advance ``p``'s momentum buffer; the Nesterov update to orthogonalise."""
         grad = p.grad
         assert grad is not None
         state = self.state[p]
@@ -128,10 +140,7 @@ class MuonAdamW(torch.optim.Optimizer):
             state["momentum_buffer"] = torch.zeros_like(p)
         buf = state["momentum_buffer"]
         buf.lerp_(grad, 1 - group["momentum"])
-        update = grad.lerp(buf, group["momentum"])  # Nesterov
-        ortho = orthogonalized(update, group["ns_steps"])
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(ortho, alpha=-group["lr"] * muon_lr_scale(p.shape))
+        return grad.lerp(buf, group["momentum"])
 
     def _adamw(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         state = self.state[p]
