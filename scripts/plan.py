@@ -14,9 +14,11 @@ import math
 import sys
 from collections.abc import Sequence
 
-from forge.config import load_config
+from forge.config import JobConfig, load_config
+from forge.config.distributed import PipelineSchedule
 from forge.errors import UserInputError, print_errors
 from forge.metrics.flops import flops_per_token, non_embedding_parameters
+from forge.parallel.bubble import bubble_fraction
 from forge.parallel.memory_plan import (
     GIB,
     HEADROOM,
@@ -24,6 +26,7 @@ from forge.parallel.memory_plan import (
     memory_plan,
     stage_parameters,
 )
+from forge.parallel.stages import V_SHAPED
 from forge.parallel.world import parallel_problems, resolve_dims
 from forge.training.vlm import vision_footprint
 from forge.types import ExitCode
@@ -72,6 +75,26 @@ def report(plan: MemoryPlan, device_gb: float) -> list[str]:
     return lines
 
 
+def pipeline_lines(config: JobConfig, pp: int) -> list[str]:
+    """Under ``pp > 1``: the stages, and the bubble of every schedule at the config's
+    micro-batches and stages per rank (``forge/parallel/bubble.py``'s model), the
+    configured one first."""
+    if pp <= 1:
+        return []
+    d, m = config.distributed, config.train.grad_accum_steps
+    chosen = d.pp_schedule
+    lines = [
+        f"pipeline: {pp * d.pp_stages_per_rank} stages ({d.pp_stages_per_rank} per rank), "
+        f"{m} micro-batches per step; bubble (idle share of a rank's step, F = B = W):"
+    ]
+    for schedule in sorted(PipelineSchedule, key=lambda s: s is not chosen):
+        v = 2 if schedule in V_SHAPED else d.pp_stages_per_rank
+        mark = "  <- distributed.pp_schedule" if schedule is chosen else ""
+        share = bubble_fraction(schedule, pp, v, m)
+        lines.append(f"  {schedule.value:24s} {share:6.1%} at {v} stage(s) per rank{mark}")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -112,13 +135,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     stage = stage_parameters(config, dims.pp, vision)[0]
     print(
         f"layout at {args.nproc} ranks: dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} "
-        f"tp={dims.tp} pp={dims.pp}; largest stage {stage:,} params"
+        f"tp={dims.tp} pp={dims.pp} cp={dims.cp}; largest stage {stage:,} params"
     )
     print(
         f"per rank: micro-batch {t.batch_size} x {t.seq_len}, {t.mixed_precision.value} compute, "
         f"{t.param_dtype.value} weights, {config.optimizer.name.value}, "
         f"activation checkpointing {t.activation_checkpointing.value}"
     )
+    for line in pipeline_lines(config, dims.pp):
+        print(line)
     for line in report(memory_plan(config, dims, vision), args.gpu_memory_gb):
         print(line)
     return ExitCode.OK

@@ -26,22 +26,6 @@ def cross_section_problems(config: JobConfig) -> list[Problem]:
                 "(the run would end inside warmup)",
             )
         )
-    if config.train.z_loss_weight > 0 and config.distributed.pp > 1:
-        p.append(
-            (
-                "train.z_loss_weight",
-                "is not supported with distributed.pp > 1 yet (the pipeline's loss has no "
-                "second output to log); set one of them off",
-            )
-        )
-    if config.data.pack_documents and config.distributed.pp > 1:
-        p.append(
-            (
-                "data.pack_documents",
-                "is not supported with distributed.pp > 1 (pipeline stages take only token "
-                "ids); set one of them off",
-            )
-        )
     p += export_problems(config)
     window = config.checkpoint.dyn_ckpt_window
     if window is not None and window.start > config.train.max_steps:

@@ -198,7 +198,8 @@ class TextLoader:
     (batches then carry the images). Its whole state is a ``LoaderState``:
     ``load_state_dict`` seeks there in O(1). With ``max_epochs`` set, iteration stops before
     any source starts epoch ``max_epochs``. Batches are placed on ``device`` (the training
-    device).
+    device). ``context`` ``(rank, cp)``: under context parallelism each batch is cut to this
+    rank's tokens of every row (``forge.data.context_split``).
     """
 
     def __init__(
@@ -209,6 +210,7 @@ class TextLoader:
         bos_id: int | None = None,
         num_workers: int = 0,
         device: torch.device | str = "cpu",
+        context: tuple[int, int] = (0, 1),
     ) -> None:
         self.reader: WindowReader | ImageCaptionReader
         if isinstance(sources, ImageCaptions):
@@ -220,6 +222,7 @@ class TextLoader:
         self.sampling = sampling
         self.num_workers = num_workers
         self.device = torch.device(device)
+        self.context = context
         self.state = LoaderState(cursors=(0,) * len(sampling.sizes))
         self._stream: Iterator[tuple[Batch, LoaderState]] | None = None
 
@@ -247,7 +250,12 @@ class TextLoader:
         batch, self.state = next(self._stream)
         if self.num_workers == 0 and pins_host_memory(self.device):
             batch = batch.pin_memory()
-        return batch.to(self.device)
+        batch = batch.to(self.device)
+        if self.context[1] > 1:
+            from forge.data.context_split import context_shard  # it imports Batch from here
+
+            batch = context_shard(batch, self.context[1], self.context[0])
+        return batch
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able position of the next micro-batch."""

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from forge.config.model import AttentionBackend, ModelConfig
 from forge.errors import UserInputError
+from forge.model.context_attention import ContextMask, uncompiled_context_attention
 
 if TYPE_CHECKING:  # flex_attention imports torch's compiler: only where a forward uses it
     from torch.nn.attention.flex_attention import BlockMask
@@ -271,7 +272,9 @@ class VarlenSpans:
 
 
 # what a layer receives in the place of a mask tensor (None: plain causal)
-AttentionMask: TypeAlias = "torch.Tensor | DocumentSegments | BlockMask | VarlenSpans | None"
+AttentionMask: TypeAlias = (
+    "torch.Tensor | DocumentSegments | BlockMask | VarlenSpans | ContextMask | None"
+)
 
 
 def varlen_spans(
@@ -346,6 +349,8 @@ def attend(
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     if isinstance(mask, DocumentSegments):
         return uncompiled_segment_attention()(q, k, v, mask, gqa)
+    if isinstance(mask, ContextMask):  # distributed.cp: keys and values over every CP rank
+        return uncompiled_context_attention()(q, k, v, mask, gqa)
     if isinstance(mask, VarlenSpans):
         if q.dtype == torch.float32:
             raise UserInputError(VARLEN_FP32)

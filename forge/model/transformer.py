@@ -13,11 +13,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from forge.config.sections import ModelConfig, RopeScaling, RopeScalingType
 from forge.model.attention import AttentionMask, Backend, attend, attention_mask, choose_backend
 from forge.model.attention import document_attention_mask as document_attention_mask
 from forge.model.chunked_loss import LossSpec, chunked_lm_loss
+from forge.model.context_attention import context_mask
 from forge.model.feed_forward import FeedForward
 from forge.model.init import fill_, initial_value
 from forge.model.moe import MoE, Router, empty_stats
@@ -223,6 +225,9 @@ class Transformer(nn.Module):
     tok_embeddings: nn.Embedding | None
     norm: RMSNorm | None
     output: nn.Linear | None
+    # distributed.cp: the context-parallel group (``forge.parallel.context_parallel``); the
+    # forward then takes this rank's head–tail part of every row
+    context_group: ProcessGroup | None = None
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -336,8 +341,11 @@ class Transformer(nn.Module):
         cache: KVCache | None,
     ) -> AttentionMask:
         """The attention mask every layer of this forward shares (``forge.model.attention``):
-        built once here, never per layer. Generation (a ``cache``) always runs SDPA."""
+        built once here, never per layer. Generation (a ``cache``) always runs SDPA; under
+        context parallelism the mask is over the all-gathered keys (``context_mask``)."""
         window = self.cfg.sliding_window
+        if self.context_group is not None and cache is None:
+            return context_mask(self.context_group, document_ids, shape[1], window, device)
         packed = document_ids is not None
         backend = choose_backend(device.type, packed, self.cfg.attention, window)
         if cache is not None:

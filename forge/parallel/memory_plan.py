@@ -128,6 +128,19 @@ def buffer_bytes(config: JobConfig) -> int:
     return 2 * m.max_seq_len * (m.head_size // 2) * 4
 
 
+def context_parallel_bytes(config: JobConfig, cp: int) -> tuple[int, int]:
+    """What ``distributed.cp > 1`` adds on a rank: per layer, the all-gathered keys and
+    values of the whole sequence (kept for the backward); once, the additive mask of this
+    rank's queries over every key (per row when packed, else one for all rows)."""
+    if cp <= 1:
+        return 0, 0
+    m, t = config.model, config.train
+    compute = dtype_bytes(t.mixed_precision)
+    kv = t.batch_size * t.seq_len * 2 * m.kv_heads * m.head_size * compute
+    rows = t.batch_size if config.data.pack_documents else 1
+    return kv, rows * (t.seq_len // cp) * t.seq_len * compute
+
+
 def memory_plan(
     config: JobConfig, dims: MeshDims, vision: VisionFootprint = TEXT_ONLY
 ) -> MemoryPlan:
@@ -136,15 +149,17 @@ def memory_plan(
     (the encoder's own activations are left out)."""
     m, t = config.model, config.train
     stage, hidden = stage_parameters(config, dims.pp, vision)
-    owned = stage / (dims.tp * dims.dp_shard)
+    shard = dims.dp_shard * dims.cp  # FSDP2 shards over dp_shard × cp
+    owned = stage / (dims.tp * shard)
     param_bytes = dtype_bytes(t.param_dtype)
     compute_bytes = dtype_bytes(t.mixed_precision)
     gathered = 0
-    if dims.dp_shard > 1:
+    if shard > 1:
         gathered = 2 * largest_block_parameters(m) * compute_bytes // dims.tp
-    tokens = t.batch_size * (t.seq_len + vision.decoder_tokens)
+    tokens = t.batch_size * (t.seq_len // dims.cp + vision.decoder_tokens)
     layers = -(-m.n_layers // dims.pp)
-    per_layer = activation_bytes_per_layer(config, tokens, dims.tp)
+    kv_gathered, cp_mask = context_parallel_bytes(config, dims.cp)
+    per_layer = activation_bytes_per_layer(config, tokens, dims.tp) + kv_gathered
     in_flight = 1
     if dims.pp > 1:
         n_micro = t.grad_accum_steps
@@ -161,7 +176,7 @@ def memory_plan(
     else:
         kept = without_ac
     vocab_rows = m.vocab_size // dims.tp
-    labelled = t.batch_size * t.seq_len  # image tokens have no logits
+    labelled = t.batch_size * t.seq_len // dims.cp  # image tokens have no logits
     if t.loss_chunk_size > 0:
         loss = 3 * min(t.loss_chunk_size, labelled) * vocab_rows * 4
     else:
@@ -171,11 +186,11 @@ def memory_plan(
         gradients=round(owned * param_bytes),
         optimizer_state=round(
             optimizer_tensors(config.optimizer.name, stage, hidden)
-            / (dims.tp * dims.dp_shard)
+            / (dims.tp * shard)
             * param_bytes
         ),
         gathered_weights=gathered,
-        activations=kept * in_flight,
+        activations=kept * in_flight + cp_mask,
         activations_without_ac=without_ac * in_flight,
         loss=loss,
         buffers=buffer_bytes(config),

@@ -19,7 +19,8 @@ from forge.parallel.world import MESH_ORDER, MeshDims, WorldInfo
 
 
 def coordinates(rank: int, dims: MeshDims) -> dict[str, int]:
-    """This rank's index along each dim of the row-major mesh (pp, dp_replicate, dp_shard, tp)."""
+    """This rank's index along each dim of the row-major mesh (pp, dp_replicate, dp_shard, cp,
+    tp)."""
     coords: dict[str, int] = {}
     rest = rank
     for name in reversed(MESH_ORDER):
@@ -108,6 +109,8 @@ def init_process_group(
     )
     if split:  # dense parameters shard over both parts together, under the usual name
         mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+    if dims.dp_shard > 1 and dims.cp > 1:  # FSDP2 shards (and averages) over both together
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     return mesh
 
 
@@ -130,6 +133,16 @@ def submesh(mesh: DeviceMesh | None, *names: str) -> DeviceMesh | None:
     if not present:
         return None
     return mesh[present[0]] if len(present) == 1 else mesh[tuple(present)]
+
+
+def data_parallel_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The mesh FSDP2 shards over and averages gradients across: every rank that holds
+    distinct tokens (``dp_replicate × dp_shard × cp``; context-parallel ranks compute
+    gradients from different tokens of the same rows). ``dp_shard`` and ``cp`` are one
+    flattened dim ``dp_shard_cp`` when both are there; None for one process."""
+    if mesh is not None and has_dim(mesh, "dp_shard_cp"):
+        return submesh(mesh, "dp_replicate", "dp_shard_cp")
+    return submesh(mesh, "dp_replicate", "dp_shard", "cp")
 
 
 def expert_meshes(

@@ -30,6 +30,7 @@ from forge.config.sections import ActivationCheckpointing, Precision
 from forge.model.moe import MoE
 from forge.model.transformer import Transformer, TransformerBlock
 from forge.model.vlm import VisionLanguageModel
+from forge.parallel.context_parallel import apply_context_parallel
 from forge.parallel.expert import apply_ep
 
 
@@ -191,9 +192,12 @@ def parallelize(
     param_dtype: Precision = Precision.FP32,
     ep_mesh: DeviceMesh | None = None,
     experts_mesh: DeviceMesh | None = None,
+    cp_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """The fixed order: TP, EP, activation checkpointing, FSDP2, compile. Returns the model.
-    ``ep_mesh`` and ``experts_mesh``: ``expert_meshes``'s."""
+    ``ep_mesh`` and ``experts_mesh``: ``expert_meshes``'s; ``cp_mesh``: the context-parallel
+    group the attention layers gather keys and values over (``apply_context_parallel``)."""
+    apply_context_parallel(model, cp_mesh)
     if tp_mesh is not None:
         apply_tp(decoder_of(model), tp_mesh)
     experts = apply_ep(model, ep_mesh) if ep_mesh is not None else set()

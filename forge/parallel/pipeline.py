@@ -1,25 +1,37 @@
-"""Pipeline parallelism with ``torch.distributed.pipelining``: stage split and schedules."""
+"""Pipeline parallelism with ``torch.distributed.pipelining``: this rank's stage modules, the
+module that holds their parameters under the full model's names, tied embeddings across
+stages. The decisions (split, layout, what a schedule needs) are pure, in
+``forge.parallel.stages``; the schedules themselves in ``forge.parallel.schedules``."""
 
 from __future__ import annotations
 
+import collections
 import copy
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import attrs
 import torch
-import torch.nn.functional as F
+import torch.distributed as torch_dist
+from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
-from forge.config.sections import PipelineSchedule
-from forge.data.packing import IGNORE_INDEX
+from forge.config.sections import DistributedConfig
 from forge.model.chunked_loss import LossSpec
-from forge.model.moe import moe_terms
-from forge.model.transformer import Transformer, split_moe_output
+from forge.model.transformer import Transformer
+from forge.parallel.stages import (
+    balanced_boundaries,
+    layer_costs,
+    local_stages,
+    stage_layers,
+)
 
 
 def split_layers(n_layers: int, n_stages: int) -> list[list[int]]:
-    """Contiguous, balanced layer ranges; earlier stages take the remainder."""
+    """Contiguous layer ranges balanced by count; earlier stages take the remainder."""
     base, extra = divmod(n_layers, n_stages)
     out, start = [], 0
     for s in range(n_stages):
@@ -29,89 +41,193 @@ def split_layers(n_layers: int, n_stages: int) -> list[list[int]]:
     return out
 
 
-def stage_module(model: Transformer, stage: int, n_stages: int) -> Transformer:
-    """A copy of ``model`` holding only stage ``stage``'s layers (global names kept); the
-    embedding lives on the first stage, the final norm and head on the last."""
-    keep = {str(i) for i in split_layers(model.cfg.n_layers, n_stages)[stage]}
+def count(module: nn.Module | None) -> int:
+    """The parameters of ``module`` (0 for None), on the meta device too."""
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+def stage_boundaries(model: Transformer, cfg: DistributedConfig) -> tuple[int, ...]:
+    """Where each stage after the first begins: ``pp_stage_boundaries`` when given, else the
+    split balanced by parameter count, the embedding counted on the first stage and the final
+    norm and head on the last (``balanced_boundaries``)."""
+    if cfg.pp_stage_boundaries:
+        return cfg.pp_stage_boundaries
+    layers = [count(block) for block in model.layers.values()]
+    head = count(model.norm) + count(model.output)  # a tied head still costs its stage a copy
+    costs = layer_costs(layers, count(model.tok_embeddings), head)
+    return balanced_boundaries(costs, cfg.n_stages)
+
+
+def stage_module(model: Transformer, layers: range, first: bool, last: bool) -> Transformer:
+    """A copy of ``model`` holding only ``layers`` (global names kept); the embedding lives on
+    the ``first`` stage, the final norm and head on the ``last``."""
+    keep = {str(i) for i in layers}
     part = copy.deepcopy(model)
     for name in list(part.layers.keys()):
         if name not in keep:
             del part.layers[name]
-    if stage != 0:
+    if not first:
         part.tok_embeddings = None
-    if stage != n_stages - 1:
+    if not last:
         part.norm = None
         part.output = None
     return part
 
 
-class StageLoss:
-    """The last stage's per-micro-batch loss: fp32 cross-entropy (mean over unmasked tokens)
-    from the logits, or the objective the stage computed chunk by chunk (``head_kwargs``),
-    plus a mixture-of-experts model's auxiliary losses (``moe_terms``).
-
-    The schedule keeps only the objective; each micro-batch's cross-entropy and MoE
-    statistics are kept here for the step to ``take`` (what ``micro_batch_loss`` returns
-    outside a pipeline).
-    """
-
-    def __init__(
-        self, moe: bool = False, moe_aux_weight: float = 0.0, moe_z_weight: float = 0.0
-    ) -> None:
-        self.moe = moe
-        self.moe_weights = (moe_aux_weight, moe_z_weight)
-        self._records: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-
-    def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
-        out, stats = split_moe_output(output, self.moe)
-        if isinstance(out, tuple):  # (objective, per-token loss, z) of the chunked loss
-            objective, per_token = out[0], out[1]
-            ce = per_token.detach().sum() / (labels != IGNORE_INDEX).sum()
-        else:
-            objective = F.cross_entropy(out.float().flatten(0, 1), labels.flatten())
-            ce = objective.detach()
-        if stats is not None:
-            objective = objective + moe_terms(stats, *self.moe_weights).objective
-            stats = stats.detach()
-        self._records.append((ce, stats))
-        return objective
-
-    def take(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """The last ``n`` micro-batches' (cross-entropy, MoE statistics), forgetting all.
-
-        Only the last ``n``: a schedule's first step also calls the loss on placeholder
-        tensors to infer the backward's shapes, and that call's values are garbage.
-        """
-        records, self._records = self._records[-n:] if n > 0 else [], []
-        return records
+def rank_stage_modules(
+    model: Transformer, cfg: DistributedConfig, pp_rank: int
+) -> list[Transformer]:
+    """The stage modules pipeline rank ``pp_rank`` holds, in stage order."""
+    ranges = stage_layers(stage_boundaries(model, cfg), model.cfg.n_layers)
+    last = cfg.n_stages - 1
+    stages = local_stages(cfg.pp_schedule, cfg.pp, cfg.pp_stages_per_rank, pp_rank)
+    return [stage_module(model, ranges[s], s == 0, s == last) for s in stages]
 
 
-def head_kwargs(labels: torch.Tensor, loss: LossSpec) -> dict[str, Any]:
+class HeldEmbedding(nn.Module):
+    """A tied embedding's weight where the stage holds only the head: registered under the
+    embedding's name, so this rank's parameter names, initial values, optimizer groups and
+    checkpoint keys are the full tied model's. Its forward passes the hidden states through
+    (a later stage gets no token ids)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+
+def first_of(modules: Iterable[nn.Module | None]) -> nn.Module | None:
+    """The first of ``modules`` that is not None."""
+    return next((m for m in modules if m is not None), None)
+
+
+class RankStages(Transformer):
+    """The parameters of a rank's several stage modules under the full model's names: what
+    the optimizer, the checkpoints, initialisation and the freeze schedule see (a state dict
+    is the union of the stages'). It shares the stages' submodules and is never run: the
+    schedule runs each stage module."""
+
+    def __init__(self, stages: Sequence[Transformer]) -> None:
+        nn.Module.__init__(self)  # no layers of its own: the stages' are registered below
+        self.cfg = stages[0].cfg
+        layers = nn.ModuleDict({k: v for s in stages for k, v in s.layers.items()})
+        # add_module registers a missing part too (as None), so a tied head's
+        # ``HeldEmbedding`` can take the embedding's place, first in the names
+        self.add_module("tok_embeddings", first_of(s.tok_embeddings for s in stages))
+        self.add_module("layers", layers)
+        self.add_module("norm", first_of(s.norm for s in stages))
+        self.add_module("output", first_of(s.output for s in stages))
+        self.register_buffer("rope_cos", stages[0].rope_cos, persistent=False)
+        self.register_buffer("rope_sin", stages[0].rope_sin, persistent=False)
+        self.stages = tuple(stages)  # a tuple: not registered, the names stay global
+
+    def register_forward_hook(self, hook: Any, *args: Any, **kwargs: Any) -> RemovableHandle:
+        """The hook on every stage module, as this module's forward never runs (a ``nan``
+        fault, ``forge.resilience.faults``, then reaches the rank's stages)."""
+        return StageHandles([s.register_forward_hook(hook, *args, **kwargs) for s in self.stages])
+
+
+class StageHandles(RemovableHandle):
+    """One handle for a hook on each of several modules."""
+
+    def __init__(self, handles: list[RemovableHandle]) -> None:
+        super().__init__(collections.OrderedDict())
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def rank_model(stages: Sequence[Transformer]) -> Transformer:
+    """The module that holds this rank's parameters (``RankStages``, or the one stage
+    itself), after the stages are materialized. A tied embedding is one weight where the
+    first and the last stage share the rank (V layout); where the rank holds only the last
+    stage, the head's weight is also registered as the embedding (``HeldEmbedding``)."""
+    first = next((s for s in stages if s.tok_embeddings is not None), None)
+    last = next((s for s in stages if s.output is not None), None)
+    tied = stages[0].cfg.tie_embeddings
+    if tied and first is not None and last is not None and first.tok_embeddings is not None:
+        assert last.output is not None
+        last.output.weight = first.tok_embeddings.weight
+    model = stages[0] if len(stages) == 1 else RankStages(stages)
+    if tied and first is None and last is not None and last.output is not None:
+        model.add_module("tok_embeddings", HeldEmbedding(last.output.weight))
+    return model
+
+
+@attrs.frozen
+class TiedWeight:
+    """This rank's end of an embedding tied across pipeline ranks: the first stage's
+    embedding or the last stage's head, and the group of the two ranks that hold them. Their
+    gradients are summed after backward (as Megatron does), so both copies take the same
+    update; the norm counts the weight once (``in_norm`` on the first stage's end)."""
+
+    weight: torch.Tensor
+    group: ProcessGroup
+    in_norm: bool
+
+    @torch.no_grad()
+    def sum_grads(self) -> None:
+        """Add the other end's gradient to this one's (both ends call it)."""
+        w = self.weight
+        if not w.requires_grad:  # frozen: both ends alike (one name, one freeze rule)
+            return
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
+        grad = w.grad
+        if isinstance(grad, DTensor) and isinstance(w, DTensor) and grad.placements != w.placements:
+            # TP's embedding leaves a replicated gradient of its vocab-sharded weight: both ends
+            # must add the same shard
+            grad = w.grad = grad.redistribute(w.device_mesh, w.placements)
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        torch_dist.all_reduce(local, group=self.group)
+
+
+def end_pairs(mesh: DeviceMesh, last_rank: int) -> list[list[int]]:
+    """For every data/tensor-parallel coordinate, the global ranks of pipeline rank 0 and
+    pipeline rank ``last_rank`` (the two ends of a tied embedding)."""
+    names = mesh.mesh_dim_names or ()
+    ranks = mesh.mesh.movedim(names.index("pp"), 0)
+    pp = ranks.shape[0]
+    ranks = ranks.reshape(pp, -1)
+    return [[int(a), int(b)] for a, b in zip(ranks[0], ranks[last_rank], strict=True)]
+
+
+def tied_weight(
+    stages: Sequence[Transformer],
+    mesh: DeviceMesh,
+    pp_group: ProcessGroup,
+    pp_rank: int,
+    last_rank: int,
+) -> TiedWeight | None:
+    """This rank's ``TiedWeight`` when the embedding is tied and its two ends lie on
+    different pipeline ranks (pipeline rank 0, whose first stage holds the embedding, and
+    ``last_rank``, whose last stage holds the head); None elsewhere. Every rank takes part
+    in creating the groups of every pair."""
+    if not stages[0].cfg.tie_embeddings or last_rank == 0:
+        return None
+    group = pp_group  # at pp = 2 the two ends are the whole pipeline group
+    if torch_dist.get_world_size(pp_group) > 2:
+        me = torch_dist.get_rank()
+        for pair in end_pairs(mesh, last_rank):  # every rank creates every group, in order
+            made = torch_dist.new_group(pair)
+            if me in pair:
+                assert isinstance(made, ProcessGroup)
+                group = made
+    embedding, head = stages[0].tok_embeddings, stages[-1].output  # in stage order
+    if pp_rank == 0 and embedding is not None:
+        return TiedWeight(embedding.weight, group, in_norm=True)
+    if pp_rank == last_rank and head is not None:
+        return TiedWeight(head.weight, group, in_norm=False)
+    return None
+
+
+def head_kwargs(labels: torch.Tensor, loss: LossSpec) -> dict[str, object]:
     """The last stage's keyword inputs: with a chunked loss the stage computes the loss from
     ``labels`` itself (the schedule splits them with the micro-batches)."""
     if not loss.chunked:
         return {}
     return {"labels": labels, "loss": loss}
-
-
-def build_schedule(
-    stage: Transformer,
-    stage_index: int,
-    n_stages: int,
-    device: torch.device,
-    group: ProcessGroup,
-    kind: PipelineSchedule,
-    n_microbatches: int,
-    loss_fn: StageLoss,
-) -> _PipelineSchedule:
-    """The schedule that runs one optimizer step's micro-batches through the pipeline.
-
-    Gradients are scaled by 1 / n_microbatches, so a step equals the mean over micro-batches,
-    as in gradient accumulation without a pipeline.
-    """
-    pipe_stage = PipelineStage(stage, stage_index, n_stages, device, group=group)
-    if kind is PipelineSchedule.GPIPE:
-        return ScheduleGPipe(pipe_stage, n_microbatches, loss_fn=loss_fn)
-    if kind is PipelineSchedule.ONE_F_ONE_B:
-        return Schedule1F1B(pipe_stage, n_microbatches, loss_fn=loss_fn)
-    raise ValueError(f"distributed.pp_schedule={kind.value!r} is not supported")

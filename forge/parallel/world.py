@@ -5,12 +5,19 @@ Everything here is pure (it reads a mapping, not ``os.environ``), so every rule 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 
 import attrs
 
-from forge.config.sections import DistributedConfig, JobConfig, PipelineSchedule, Problem
+from forge.config.sections import DistributedConfig, JobConfig, Problem
+from forge.parallel.stages import (
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    boundary_problems,
+    schedule_problems,
+)
 
 
 @attrs.frozen
@@ -91,7 +98,7 @@ def world_info(env: Mapping[str, str]) -> WorldInfo:
     return WorldInfo()
 
 
-MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @attrs.frozen
@@ -101,12 +108,18 @@ class MeshDims:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1  # context parallelism: ranks that split each sequence between them
     tp: int = 1
     ep: int = 1  # expert parallelism: a split of dp_shard, not a factor of the world size
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def token_slices(self) -> int:
+        """Ranks that hold distinct tokens of a step: ``dp × cp`` (the loss counts over them)."""
+        return self.dp * self.cp
 
     @property
     def dp_shard_mod_ep(self) -> int:
@@ -131,9 +144,11 @@ class MeshDims:
 
 def resolve_dims(cfg: DistributedConfig, world_size: int) -> MeshDims:
     """Fill in ``dp_shard = -1`` as the rest of the world (at least 1)."""
-    fixed = cfg.dp_replicate * cfg.tp * cfg.pp
+    fixed = cfg.dp_replicate * cfg.cp * cfg.tp * cfg.pp
     shard = cfg.dp_shard if cfg.dp_shard != -1 else max(1, world_size // fixed)
-    return MeshDims(pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=shard, tp=cfg.tp, ep=cfg.ep)
+    return MeshDims(
+        pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=shard, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep
+    )
 
 
 def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
@@ -141,24 +156,17 @@ def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
     d = config.distributed
     dims = resolve_dims(d, world_size)
     p: list[Problem] = []
-    product = dims.pp * dims.dp_replicate * dims.dp_shard * dims.tp
+    factors = [n for n in MESH_ORDER if n != "cp" or dims.cp > 1]  # cp named when it is set
+    product = math.prod(getattr(dims, n) for n in factors)
     if product != world_size:
         p.append(
             (
                 "distributed",
-                f"pp*dp_replicate*dp_shard*tp = {dims.pp}*{dims.dp_replicate}*{dims.dp_shard}*"
-                f"{dims.tp} = {product}, but the world size is {world_size}; make them equal",
+                f"{'*'.join(factors)} = {'*'.join(str(getattr(dims, n)) for n in factors)} = "
+                f"{product}, but the world size is {world_size}; make them equal",
             )
         )
     m = config.model
-    if m.tie_embeddings and dims.pp > 1:
-        p.append(
-            (
-                "model.tie_embeddings",
-                "is not supported with distributed.pp > 1 (the embedding lives on the first "
-                "stage, the head on the last); set one of them off",
-            )
-        )
     p += tensor_parallel_problems(config, dims)
     p += expert_problems(config, dims)
     if m.vlm is not None:
@@ -172,6 +180,7 @@ def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
                     )
                 )
     p += pipeline_problems(config, dims)
+    p += context_parallel_problems(config, dims)
     return p
 
 
@@ -195,10 +204,15 @@ def tensor_parallel_problems(config: JobConfig, dims: MeshDims) -> list[Problem]
 
 
 def pipeline_problems(config: JobConfig, dims: MeshDims) -> list[Problem]:
-    """What ``distributed.pp > 1`` needs: layers and micro-batches for every stage, a
-    supported schedule, eval steps in whole groups; what it cannot export."""
+    """What ``distributed.pp > 1`` needs: layers for every stage, what the schedule needs of
+    the stages per rank and the micro-batches (``forge.parallel.stages``), eval steps in whole
+    groups; what it cannot export, compile or tie."""
     d, m, p = config.distributed, config.model, list[Problem]()
     if dims.pp <= 1:
+        needless = {"pp_stages_per_rank": d.pp_stages_per_rank != 1,
+                    "pp_stage_boundaries": bool(d.pp_stage_boundaries)}  # fmt: skip
+        for key in (k for k, set_ in needless.items() if set_):
+            p.append((f"distributed.{key}", "needs distributed.pp > 1 (pipeline stages)"))
         return p
     if config.checkpoint.export_final:
         p.append(
@@ -208,15 +222,9 @@ def pipeline_problems(config: JobConfig, dims: MeshDims) -> list[Problem]:
                 "scripts/convert_checkpoint.py",
             )
         )
-    stages = dims.pp
-    if d.pp_schedule is PipelineSchedule.INTERLEAVED_1F1B:
-        p.append(
-            (
-                "distributed.pp_schedule",
-                "'interleaved_1f1b' is not supported yet (several stages per rank); "
-                "use 'gpipe' or '1f1b'",
-            )
-        )
+    p += schedule_problems(
+        d.pp_schedule, dims.pp, d.pp_stages_per_rank, config.train.grad_accum_steps
+    )
     if config.eval.interval > 0 and config.eval.steps < config.train.grad_accum_steps:
         p.append(
             (
@@ -225,14 +233,38 @@ def pipeline_problems(config: JobConfig, dims: MeshDims) -> list[Problem]:
                 "under distributed.pp > 1 (eval batches go through the pipeline in groups)",
             )
         )
+    stages = dims.pp * d.pp_stages_per_rank
     if m.n_layers < stages:
         p.append(("distributed.pp", f"needs model.n_layers >= {stages} stages, got {m.n_layers}"))
-    if config.train.grad_accum_steps < stages:
+    elif d.pp_stage_boundaries:
+        for problem in boundary_problems(d.pp_stage_boundaries, m.n_layers, stages):
+            p.append(("distributed.pp_stage_boundaries", problem))
+    p += schedule_feature_problems(config, dims)
+    return p
+
+
+def schedule_feature_problems(config: JobConfig, dims: MeshDims) -> list[Problem]:
+    """What a schedule cannot combine with: compiled blocks under the schedules that split
+    backward in two (measured: torch's compiled backward frees its buffers after the first
+    half), and tied embeddings in a V layout under FSDP2 (the
+    first and the last stage, both on rank 0, would shard one weight as two units)."""
+    kind, p = config.distributed.pp_schedule, list[Problem]()
+    if kind in SPLIT_BACKWARD and config.train.compile is True:  # unset: eager (splits_backward)
         p.append(
             (
-                "train.grad_accum_steps",
-                f"must be >= {stages} (the pipeline's micro-batches per step) with "
-                f"distributed.pp={dims.pp} and pp_schedule='{d.pp_schedule.value}'",
+                "train.compile",
+                f"is not supported with distributed.pp_schedule='{kind.value}' (its backward "
+                "runs in two halves, which torch 2.13 cannot do for compiled blocks); leave "
+                "train.compile unset or false",
+            )
+        )
+    if kind in V_SHAPED and config.model.tie_embeddings and dims.dp_shard > 1:
+        p.append(
+            (
+                "model.tie_embeddings",
+                f"is not supported with distributed.pp_schedule='{kind.value}' and "
+                "distributed.dp_shard > 1 (one weight in two FSDP2 units on rank 0); use a "
+                "looped schedule or set one of them off",
             )
         )
     return p
@@ -265,4 +297,40 @@ def expert_problems(config: JobConfig, dims: MeshDims) -> list[Problem]:
         )
     if m.moe_num_experts % ep:
         p.append(("distributed.ep", f"must divide model.moe_num_experts={m.moe_num_experts}"))
+    return p
+
+
+def context_parallel_problems(config: JobConfig, dims: MeshDims) -> list[Problem]:
+    """What ``distributed.cp > 1`` needs (``train.seq_len`` in ``2 × cp`` equal chunks, for
+    the head–tail split) and what it is not combined with yet, one line each naming the key."""
+    m, p = config.model, list[Problem]()
+    if dims.cp <= 1:
+        return p
+    seq_len = config.train.seq_len
+    if seq_len % (2 * dims.cp):
+        p.append(
+            (
+                "distributed.cp",
+                f"2*cp = {2 * dims.cp} must divide train.seq_len={seq_len} (each rank keeps a "
+                "head and a tail chunk of every sequence)",
+            )
+        )
+    unsupported = (
+        ("distributed.pp", dims.pp > 1, "pipeline parallelism"),
+        ("distributed.tp", dims.tp > 1, "tensor parallelism"),
+        ("model.vlm", m.vlm is not None, "a vision-language model"),
+        ("model.moe_num_experts", m.moe, "mixture-of-experts blocks (per-rank routing)"),
+        ("eval.tasks", bool(config.eval.tasks), "downstream evaluation (whole rows per rank)"),
+    )
+    for key, present, what in unsupported:
+        if present:
+            p.append((key, f"{what} is not supported with distributed.cp > 1 yet"))
+    if m.attention.value in ("flex", "varlen"):
+        p.append(
+            (
+                "model.attention",
+                f"'{m.attention.value}' is not supported with distributed.cp > 1 (its "
+                "all-gathered keys run SDPA with a boolean mask); set 'auto' or 'sdpa'",
+            )
+        )
     return p

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from forge.checkpoint.resume import ResumePlan
 from forge.config.sections import JobConfig
@@ -19,12 +19,16 @@ from forge.data.shards import Manifest
 from forge.model.chunked_loss import PLAIN_LOSS, LossSpec
 from forge.optim.freezing import Freezer
 from forge.optim.schedules import Schedule
-from forge.parallel.mesh import coordinates
-from forge.parallel.pipeline import StageLoss
+from forge.parallel.mesh import coordinates, data_parallel_mesh
+from forge.parallel.pipeline import TiedWeight
+from forge.parallel.pipeline_loss import StageLoss
 from forge.parallel.world import MeshDims, WorldInfo
 from forge.training.plan import LoopPolicy, loop_policy
 from forge.training.run_dir import checkpoint_dir_of
 from forge.types import LoopState
+
+if TYPE_CHECKING:  # torch's pipelining imports its compiler: only a pipeline run does
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 
 @attrs.frozen
@@ -81,7 +85,7 @@ class DistContext:
 
     @property
     def dp_rank(self) -> int:
-        """Index of this rank's data slice: ranks that differ only in pp or tp share it."""
+        """Index of this rank's rows: ranks that differ only in pp, cp or tp share them."""
         c = self.coords
         return c["dp_replicate"] * self.dims.dp_shard + c["dp_shard"]
 
@@ -89,24 +93,46 @@ class DistContext:
     def dp_size(self) -> int:
         return self.dims.dp
 
+    @property
+    def data_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards over: ``dp_replicate × dp_shard × cp`` (None: one process)."""
+        return data_parallel_mesh(self.mesh)
+
+    @property
+    def context_split(self) -> tuple[int, int]:
+        """``(rank, cp)``: which of the ``cp`` context-parallel parts of each row is this
+        rank's (``(0, 1)``: whole rows)."""
+        return self.coords["cp"], self.dims.cp
+
+    @property
+    def token_slices(self) -> int:
+        """Ranks that hold distinct tokens of a step (``dp × cp``): losses and label counts
+        are summed over them."""
+        return self.dims.token_slices
+
 
 @attrs.frozen
 class PipelineContext:
-    """This rank's pipeline stage and the schedule that drives it."""
+    """This rank's pipeline stages (``stage_indices`` of ``n_stages`` over all ranks) and the
+    schedule that drives them; the last stage's loss function; this rank's end of an
+    embedding tied across pipeline ranks (None: untied, or both ends on this rank)."""
 
     schedule: _PipelineSchedule
     group: ProcessGroup
-    stage_index: int
+    stage_indices: tuple[int, ...]
     n_stages: int
     loss: StageLoss = attrs.Factory(StageLoss)  # the last stage's loss function
+    tied: TiedWeight | None = None
 
     @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        """Whether this rank holds the first stage (it feeds the tokens)."""
+        return 0 in self.stage_indices
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.n_stages - 1
+        """Whether this rank holds the last stage (it computes the loss)."""
+        return self.n_stages - 1 in self.stage_indices
 
 
 @attrs.frozen

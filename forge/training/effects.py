@@ -248,7 +248,7 @@ class TrainingEffects:
         world counts each slice once per rank that holds it (tensor-parallel peers), so both
         are scaled back to one count per slice."""
         sums = sum_over_ranks(sources.flat(), self.dist.world_size, self.dist.device)
-        scale = self.dist.dp_size / self.dist.world_size
+        scale = self.dist.token_slices / self.dist.world_size
         n = len(sources.loss)
         return [[v * scale for v in sums[:n]], [v * scale for v in sums[n:]]]
 

@@ -16,7 +16,7 @@ from forge.data.packing import IGNORE_INDEX
 from forge.model.chunked_loss import PLAIN_LOSS, LossSpec
 from forge.model.moe import LOADS
 from forge.optim.optimizers import evaluation_weights
-from forge.parallel.reduce import mean_over_ranks, sum_over_ranks
+from forge.parallel.reduce import sum_over_ranks
 from forge.training.context import DistContext, ModelContext, PipelineContext
 from forge.training.steps.common import autocast_for, device_type_of, micro_batch_loss
 from forge.training.steps.pipeline import Pass, run_stage
@@ -93,30 +93,33 @@ def totals_over_ranks(
 
 
 @torch.no_grad()
-def evaluate_pipeline_loss(
+def evaluate_pipeline_totals(
     stage: nn.Module,
     pipeline: PipelineContext,
     batches: list[Batch],
     n_microbatches: int,
     loss_spec: LossSpec = PLAIN_LOSS,
-) -> float:
-    """Mean loss over ``batches`` run forward-only through the pipeline, on every stage.
+) -> EvalTotals:
+    """``EvalTotals`` over ``batches`` run forward-only through the pipeline, on every stage
+    (the last stage's sums, added over the pipeline group), so that ranks combine them as
+    ``evaluate_totals``'s: the loss per label over every batch, packed or not.
 
     Batches are concatenated in groups of ``n_microbatches`` (the schedule's split); a partial
     group at the end is left out.
     """
     was_training = stage.training
     stage.eval()
-    losses: list[torch.Tensor] = []
+    pipeline.loss.weigh(None)  # every micro-batch as it is: the sums weigh the labels
+    device = next(stage.parameters()).device
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, labels
     for start in range(0, len(batches) - n_microbatches + 1, n_microbatches):
         run_stage(pipeline, batches[start : start + n_microbatches], loss_spec, Pass.EVAL)
-        if pipeline.is_last:
-            losses += [ce for ce, _ in pipeline.loss.take(n_microbatches)]
+        for r in pipeline.loss.take(n_microbatches):
+            sums += torch.stack([(r.ce * r.labels).double(), r.labels.double()])
     stage.train(was_training)
-    device = next(stage.parameters()).device
-    loss = torch.stack(losses).mean().float() if losses else torch.zeros((), device=device)
-    torch_dist.all_reduce(loss, group=pipeline.group)
-    return float(loss)
+    torch_dist.all_reduce(sums, group=pipeline.group)
+    total, count = sums.tolist()
+    return EvalTotals(total, round(count))
 
 
 def held_out_loss(
@@ -128,8 +131,11 @@ def held_out_loss(
     ``n_micro`` micro-batches at a time)."""
     with evaluation_weights(model.optimizer):
         if model.pipeline is not None:
-            loss = evaluate_pipeline_loss(model.model, model.pipeline, batches, n_micro, model.loss)
-            return mean_over_ranks(loss, dist.world_size, dist.device), None
+            totals = evaluate_pipeline_totals(
+                model.model, model.pipeline, batches, n_micro, model.loss
+            )
+            summed = totals_over_ranks(totals, dist.world_size, dist.device, dist.token_slices)
+            return summed.mean, None
         totals = evaluate_totals(model.model, batches, precision, model.loss)
-    summed = totals_over_ranks(totals, dist.world_size, dist.device, dist.dp_size)
+    summed = totals_over_ranks(totals, dist.world_size, dist.device, dist.token_slices)
     return summed.mean, summed.moe_loads

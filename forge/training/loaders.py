@@ -64,9 +64,11 @@ def text_loaders(
     dp_rank: int,
     dp_size: int,
     device: torch.device,
+    context: tuple[int, int] = (0, 1),
 ) -> Loaders:
     """Windows of ``train.seq_len + 1`` tokens of every source (packed into documents'
-    rows under ``data.pack_documents``); held out from the first source when evaluating."""
+    rows under ``data.pack_documents``); held out from the first source when evaluating.
+    ``context`` ``(rank, cp)``: each batch cut to this context-parallel rank's tokens."""
     data, seq_len = config.data, config.train.seq_len
     train = [
         open_windows(folder, manifest, data.train_split, seq_len, data.verify_checksum)
@@ -89,6 +91,7 @@ def text_loaders(
         bos_id=bos_id,
         num_workers=data.num_workers,
         device=device,
+        context=context,
     )
     if config.eval.interval <= 0:
         return Loaders(loader, None)
@@ -104,7 +107,8 @@ def text_loaders(
         "--validation-percent",
     )
     sampling = held_out_sampling(config, len(held_out), dp_rank, dp_size)
-    return Loaders(loader, TextLoader([held_out], sampling, bos_id=bos_id, device=device))
+    held = TextLoader([held_out], sampling, bos_id=bos_id, device=device, context=context)
+    return Loaders(loader, held)
 
 
 def image_caption_loaders(

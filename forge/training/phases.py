@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
 from forge.checkpoint.resume import ResumeSource, resolve_resume
 from forge.checkpoint.store import (
@@ -34,8 +33,8 @@ from forge.config.toml_writer import dumps_toml
 from forge.data.shards import dataset_fingerprint, read_manifest
 from forge.harness.tasks import downstream_problems
 from forge.metrics.backends import sink_problems
-from forge.model.chunked_loss import LossSpec, loss_spec_of
-from forge.model.transformer import Transformer, num_parameters
+from forge.model.chunked_loss import loss_spec_of
+from forge.model.transformer import num_parameters
 from forge.model.vlm import build_model
 from forge.optim.freezing import Freezer, freeze_for_step
 from forge.optim.param_groups import build_optimizer
@@ -50,19 +49,20 @@ from forge.parallel.mesh import (
     submesh,
 )
 from forge.parallel.parallelize import parallelize
-from forge.parallel.pipeline import StageLoss, build_schedule, stage_module
+from forge.parallel.pipeline import rank_model
+from forge.parallel.stages import splits_backward
 from forge.parallel.world import WorldInfo, parallel_problems, resolve_dims, world_info
 from forge.training.context import (
     CheckpointContext,
     DataContext,
     DistContext,
     ModelContext,
-    PipelineContext,
     RunContext,
 )
 from forge.training.hooks import hook_problems
 from forge.training.identity import identity_differences, run_identity
 from forge.training.loaders import image_caption_loaders, text_loaders
+from forge.training.pipeline_setup import pipeline_of, pipeline_parts
 from forge.training.plan import starting_outcome
 from forge.training.problems import (
     attention_problems,
@@ -200,6 +200,8 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
     The model is built on the meta device, parallelized, then materialized: each rank allocates
     only its shards and initializes them from per-parameter generators, so a sharded run starts
     from exactly the weights of a one-process run, and a model larger than one device fits.
+    Under ``distributed.pp > 1`` each of the rank's stages is parallelized and materialized
+    on its own; ``rank_model`` holds their parameters under the full model's names.
     """
     cfg = run.config
     with torch.device("meta"):  # no memory until sharded: each rank materializes its part
@@ -208,65 +210,44 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
         model.to(dtype=torch.bfloat16)
     num_params = num_parameters(model)
     pp_mesh = submesh(dist.mesh, "pp")
-    if pp_mesh is not None:
-        stage_index, n_stages = pp_mesh.get_local_rank(), pp_mesh.size()
-        assert isinstance(model, Transformer), "a vision-language model has no pipeline stages"
-        model = stage_module(model, stage_index, n_stages)
-    dp_mesh = submesh(dist.mesh, "dp_replicate", "dp_shard")
+    stages = None if pp_mesh is None else pipeline_parts(model, cfg.distributed, pp_mesh)
     compiled = cfg.train.compile_enabled(dist.device.type, cxx_compiler_found())
+    compiled = compiled and not splits_backward(dist.dims.pp, cfg.distributed.pp_schedule)
     ep_mesh, experts_mesh = expert_meshes(dist.mesh, dist.dims)
-    parallelize(
-        model,
-        tp_mesh=submesh(dist.mesh, "tp"),
-        dp_mesh=dp_mesh,
-        precision=cfg.train.mixed_precision,
-        activation_checkpointing=cfg.train.activation_checkpointing,
-        compile_blocks=compiled,
-        param_dtype=cfg.train.param_dtype,
-        ep_mesh=ep_mesh,
-        experts_mesh=experts_mesh,
-    )
-    model.materialize(dist.device)
+    for part in [model] if stages is None else stages:  # each stage is a root of its own
+        parallelize(
+            part,
+            tp_mesh=submesh(dist.mesh, "tp"),
+            dp_mesh=dist.data_mesh,  # dp_replicate × dp_shard × cp
+            cp_mesh=submesh(dist.mesh, "cp"),
+            precision=cfg.train.mixed_precision,
+            activation_checkpointing=cfg.train.activation_checkpointing,
+            compile_blocks=compiled,
+            param_dtype=cfg.train.param_dtype,
+            ep_mesh=ep_mesh,
+            experts_mesh=experts_mesh,
+        )
+        part.materialize(dist.device)
+    model = model if stages is None else rank_model(stages)
     model.init_weights(seed=cfg.train.seed)
     if cfg.freeze:  # the optimizer starts with step 1's trainable parameters only
         freeze_for_step(model, cfg.freeze, 1)
     optimizer = build_optimizer(model, cfg.optimizer)
     loss = loss_spec_of(cfg, compiled)
     pipeline = None
-    if pp_mesh is not None:
-        assert isinstance(model, Transformer)
-        pipeline = pipeline_of(run, dist, model, pp_mesh, loss)
+    if pp_mesh is not None and stages is not None:
+        pipeline = pipeline_of(run, dist, stages, pp_mesh, loss)
     return ModelContext(
         model=model,
         optimizer=optimizer,
         schedule=resolve_schedule(cfg.scheduler, cfg.train.max_steps),
         num_params=num_params,
-        fsdp=dp_mesh is not None,
+        fsdp=dist.data_mesh is not None,
         pipeline=pipeline,
         compiled=compiled,
         freezer=Freezer(model, optimizer, cfg.freeze, cfg.optimizer),
         loss=loss,
     )
-
-
-def pipeline_of(
-    run: RunContext, dist: DistContext, stage: Transformer, pp_mesh: DeviceMesh, loss: LossSpec
-) -> PipelineContext:
-    """This rank's stage in its schedule, the last stage computing ``loss``."""
-    cfg = run.config
-    index, n_stages, group = pp_mesh.get_local_rank(), pp_mesh.size(), pp_mesh.get_group()
-    stage_loss = StageLoss(cfg.model.moe, loss.moe_aux_weight, loss.moe_z_weight)
-    schedule = build_schedule(
-        stage,
-        index,
-        n_stages,
-        dist.device,
-        group,
-        cfg.distributed.pp_schedule,
-        cfg.train.grad_accum_steps,
-        stage_loss,
-    )
-    return PipelineContext(schedule, group, index, n_stages, stage_loss)
 
 
 def cxx_compiler_found() -> bool:
@@ -286,7 +267,7 @@ def setup_data(run: RunContext, dist: DistContext) -> DataContext:
     if cfg.model.vlm is not None:
         loaders = image_caption_loaders(cfg, folders[0], manifests[0], **place)
     else:
-        loaders = text_loaders(cfg, folders, manifests, **place)
+        loaders = text_loaders(cfg, folders, manifests, **place, context=dist.context_split)
     if loaders.warning is not None:
         report_on_main(dist)(f"warning: {loaders.warning}")
     names = tuple(s.name for s in sources)
@@ -295,8 +276,7 @@ def setup_data(run: RunContext, dist: DistContext) -> DataContext:
         manifest=manifests[0],
         train_loader=loaders.train,
         eval_loader=loaders.held_out,
-        # per-source metrics need the per-row loss: the text step has it, pipeline stages not
-        source_names=names if len(names) > 1 and cfg.distributed.pp == 1 else (),
+        source_names=names if len(names) > 1 else (),
     )
 
 

@@ -5,7 +5,9 @@ Each layout trains 3 steps of a two-source mixture with tied embeddings and the 
 rank's (loss, grad norm, lr, tokens, the per-source losses and tokens, the eval loss) within
 1e-5, and so does every weight read back into one process (a reshard to 1 rank); resumed at 4
 ranks from its own step-2 checkpoint it reproduces step 3 bit for bit; resumed at 1 rank from
-that checkpoint it reproduces the one rank's step 3 within 1e-5.
+that checkpoint it reproduces the one rank's step 3 within 1e-5. A mixture-of-experts model
+does the same under pipeline stages, FSDP2 and expert parallelism at once (its MoE metrics
+among the compared ones).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import pytest
 import torch
 
 from tests.distributed.test_equivalence import records, train, weights, write_config
+from tests.distributed.test_moe_parallel import ONE_RANK as MOE_ONE_RANK
+from tests.distributed.test_moe_parallel import ONE_ROW, write_moe_config
 
 # metrics that measure the machine, not the training: they differ between any two runs
 MACHINE = ("step_time", "tokens_per_sec", "tokens_per_sec_per_device", "tflops", "mfu")
@@ -42,6 +46,10 @@ LAYOUTS = [
                    "--train.grad_accum_steps=2", "--eval.steps=4"]),
     ("hsdp", ["--distributed.dp_replicate=2", "--distributed.dp_shard=2",
               "--train.batch_size=1", "--train.grad_accum_steps=2", "--eval.steps=4"]),
+    ("pp x fsdp", ["--distributed.pp=2", "--distributed.dp_shard=2", "--train.batch_size=2",
+                   "--train.grad_accum_steps=2", "--eval.steps=4"]),
+    ("pp x tp", ["--distributed.pp=2", "--distributed.tp=2", "--distributed.dp_shard=1",
+                 "--train.batch_size=4", "--train.grad_accum_steps=2", "--eval.steps=4"]),
 ]  # fmt: skip
 
 ONE_RANK = ["--train.batch_size=4", "--train.grad_accum_steps=2", "--eval.steps=4"]
@@ -102,6 +110,8 @@ def mixture(tmp_path_factory, small_corpus, second_corpus):
     tmp = tmp_path_factory.mktemp("mixture")
     config = write_mixture_config(tmp, small_corpus, second_corpus)
     train(config, tmp / "one", *THREE_STEPS, *ONE_RANK)
+    logged = training_metrics(tmp / "one")[3]
+    assert "data/unittest/loss" in logged and "eval/loss" in logged  # what is compared
     return config, tmp / "one"
 
 
@@ -109,13 +119,30 @@ def mixture(tmp_path_factory, small_corpus, second_corpus):
 def test_a_composition_at_four_ranks_trains_resumes_and_reshards_as_one_rank(
     mixture, tmp_path, args
 ):
-    config, one = mixture
+    assert_composition(*mixture, tmp_path, args, ONE_RANK)
+
+
+# pipeline stages, each FSDP2-sharded over 2 ranks that split its experts; one row per
+# micro-batch at every layout (the capacity and balancing loss are per micro-batch)
+PP_FSDP_EP = [*ONE_ROW, "--distributed.pp=2", "--distributed.dp_shard=2", "--distributed.ep=2",
+              "--train.grad_accum_steps=2", "--eval.steps=4"]  # fmt: skip
+
+
+def test_moe_under_pp_x_fsdp_x_ep_trains_resumes_and_reshards_as_one_rank(tmp_path, small_corpus):
+    config = write_moe_config(tmp_path, small_corpus, "moe_first_dense = 1\n")
+    one_rank = MOE_ONE_RANK
+    train(config, tmp_path / "one", *THREE_STEPS, *one_rank)
+    assert "moe/load_cv" in training_metrics(tmp_path / "one")[3]
+    assert_composition(config, tmp_path / "one", tmp_path, PP_FSDP_EP, one_rank)
+
+
+def assert_composition(config, one, tmp_path, args, one_rank) -> None:
+    """``args`` at 4 ranks equals the one-rank run ``one`` in every logged metric and weight,
+    resumes from its own step-2 checkpoint bit for bit, and reshards to ``one_rank``."""
     run = tmp_path / "run"
     train(config, run, *THREE_STEPS, *args, ranks=4)
     ref = training_metrics(one)
     got = training_metrics(run)
-    assert any(k.startswith("data/unittest/") for k in ref[3])  # the per-source metrics
-    assert "eval/loss" in ref[3]
     assert_same_metrics(got, ref, steps=(1, 2, 3))
     assert_same_weights(config, one, run, step=3)
 
@@ -127,6 +154,6 @@ def test_a_composition_at_four_ranks_trains_resumes_and_reshards_as_one_rank(
     assert_same_weights(config, run, resumed, step=3, exact=True)
 
     alone = from_step_2(run, tmp_path / "alone")
-    train(config, alone, *THREE_STEPS, *ONE_RANK)
+    train(config, alone, *THREE_STEPS, *one_rank)
     assert_same_metrics(training_metrics(alone), ref, steps=(3,))
     assert_same_weights(config, one, alone, step=3)

@@ -109,6 +109,10 @@ def test_script_options_in_the_docs_exist(where, script, args):
         if (REPO / config).is_file():  # a config the repo ships: the whole line must validate
             load_config([str(REPO / config), *overrides])
         return
+    if script == "scripts/plan.py":  # takes training's overrides beside its own options
+        overrides = [a for a in args if a.startswith("--") and "." in a.split("=")[0]]
+        load_config([str(REPO / args[0]), *overrides])
+        args = [a for a in args if a not in overrides]
     subcommand = args[0] if script == "scripts/convert_checkpoint.py" else None
     known = set(re.findall(r"--[\w-]+", script_help(script, subcommand)))
     used = {a.split("=")[0] for a in args if a.startswith("--")}

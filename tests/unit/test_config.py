@@ -474,11 +474,6 @@ DATA_PROBLEMS = [
          "phases": [{"start_step": 2, "weights": {"a": 0.0, "b": 0.0}}]},
         "data.phases[0].weights",
     ),
-    (
-        "packing with pipeline parallelism",
-        {"pack_documents": True, "_distributed": {"pp": 2, "dp_shard": 1}},
-        "data.pack_documents",
-    ),
 ]  # fmt: skip
 
 

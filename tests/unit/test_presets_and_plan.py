@@ -205,8 +205,32 @@ def test_plan_script_reports_the_parts_and_the_verdict():
         text=True,
         check=True,
     ).stdout
-    assert "layout at 64 ranks: dp_replicate=1 dp_shard=8 tp=8 pp=1" in out
+    assert "layout at 64 ranks: dp_replicate=1 dp_shard=8 tp=8 pp=1 cp=1" in out
     assert "\nfits in 80 GiB" in out
+    assert "bubble" not in out  # no pipeline
+
+
+def test_plan_script_prints_each_schedules_bubble_under_a_pipeline():
+    args = ["--nproc", "32", "--distributed.pp=2", "--train.grad_accum_steps=8"]
+    out = subprocess.run(
+        [*PLAN, str(REPO / "configs/train/llama3_70b.toml"), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "pipeline: 2 stages (1 per rank), 8 micro-batches per step" in out
+    lines = out.split("pipeline: ")[1].splitlines()[1:7]
+    assert lines[0].split()[:2] == ["1f1b", "11.1%"]  # (p - 1) / (m + p - 1), chosen first
+    assert lines[0].endswith("<- distributed.pp_schedule")
+    shares = {line.split()[0]: line.split()[1] for line in lines}
+    assert shares == {
+        "1f1b": "11.1%",
+        "gpipe": "11.1%",
+        "interleaved_1f1b": "11.1%",  # one stage per rank: no gain
+        "interleaved_zero_bubble": "4.0%",
+        "zbv": "0.0%",
+        "dualpipev": "0.0%",
+    }
 
 
 def test_plan_script_refuses_an_impossible_layout_in_one_line():

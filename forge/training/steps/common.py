@@ -61,11 +61,14 @@ def logits_and_stats(
 
 
 def input_kwargs(batch: Batch) -> dict[str, torch.Tensor | None]:
-    """The model's keyword inputs beside the tokens: per-token positions and documents of
-    packed rows, the images of image–caption rows."""
+    """The model's keyword inputs beside the tokens: per-token positions (packed rows, and
+    a context-parallel rank's part of a row) and documents of packed rows, the images of
+    image–caption rows."""
     kwargs: dict[str, torch.Tensor | None] = {}
+    if batch.positions is not None:
+        kwargs["positions"] = batch.positions
     if batch.document_ids is not None:
-        kwargs |= {"positions": batch.positions, "document_ids": batch.document_ids}
+        kwargs["document_ids"] = batch.document_ids
     if batch.images is not None:
         kwargs["images"] = batch.images
     return kwargs

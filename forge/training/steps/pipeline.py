@@ -1,17 +1,23 @@
-"""The pipeline step, and the one place that drives this rank's stage through a schedule
+"""The pipeline step, and the one place that drives this rank's stages through a schedule
 (training and evaluation alike)."""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
+from typing import Any
 
+import attrs
 import torch
 import torch.distributed as torch_dist
 
 from forge.data.loader import Batch
+from forge.data.packing import IGNORE_INDEX
+from forge.metrics.sources import SourceStats
 from forge.model.chunked_loss import LossSpec
 from forge.parallel.grad_norm import global_grad_norm
 from forge.parallel.pipeline import head_kwargs
+from forge.parallel.pipeline_loss import source_sums, stage_sums, with_sources
 from forge.training.context import PipelineContext
 from forge.training.steps.common import (
     StepTotals,
@@ -31,50 +37,120 @@ class Pass(enum.Enum):
     EVAL = "eval"
 
 
-def run_stage(
-    pipeline: PipelineContext, batches: list[Batch] | tuple[Batch, ...], loss: LossSpec, mode: Pass
-) -> None:
-    """Run ``batches`` (concatenated; the schedule splits them again, one per pipeline
-    micro-batch) through this rank's stage: the first stage feeds the tokens, the last the
-    labels (and, with a chunked ``loss``, computes it chunk by chunk), the others neither."""
-    run = pipeline.schedule.step if mode is Pass.TRAIN else pipeline.schedule.eval
-    if pipeline.is_first:
-        run(torch.cat([b.inputs for b in batches]))
-    elif pipeline.is_last:
+def stage_inputs(
+    pipeline: PipelineContext, batches: Sequence[Batch], loss: LossSpec
+) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+    """The schedule's positional and keyword inputs on this rank, each the concatenation of
+    ``batches`` (the schedule splits them again, one per micro-batch): the first stage feeds
+    the tokens, the last the labels (and, with a chunked ``loss``, computes it itself). Packed
+    rows' positions and document ids go to every stage as keyword inputs, split alike: each
+    stage's attention and RoPE need them (they are not activations to send on)."""
+    args = (torch.cat([b.inputs for b in batches]),) if pipeline.is_first else ()
+    kwargs: dict[str, Any] = {}
+    for key in ("positions", "document_ids"):
+        parts = [getattr(b, key) for b in batches]
+        if all(part is not None for part in parts):
+            kwargs[key] = torch.cat(parts)
+    if pipeline.is_last:
         labels = torch.cat([b.labels for b in batches])
-        run(target=labels, losses=[], return_outputs=False, **head_kwargs(labels, loss))
-    else:
-        run()
+        target = labels
+        if pipeline.loss.sources:
+            target = with_sources(labels, torch.cat([sources_of(b) for b in batches]))
+        kwargs |= {"target": target, "losses": [], "return_outputs": False}
+        kwargs |= head_kwargs(labels, loss)
+    return args, kwargs
+
+
+def sources_of(batch: Batch) -> torch.Tensor:
+    """Each row's source index (a mixture's batches carry them)."""
+    if batch.sources is None:
+        raise ValueError("a mixture's per-source losses need batches that carry sources")
+    return batch.sources
+
+
+def run_stage(
+    pipeline: PipelineContext, batches: Sequence[Batch], loss: LossSpec, mode: Pass
+) -> None:
+    """Run ``batches`` through this rank's stages (``stage_inputs``), with backward
+    (``Pass.TRAIN``) or forward only (``Pass.EVAL``)."""
+    args, kwargs = stage_inputs(pipeline, batches, loss)
+    if mode is Pass.TRAIN:
+        pipeline.schedule.step(*args, **kwargs)
+        return
+    from forge.parallel.schedules import forward_only  # a pipeline's: see pipeline_of
+
+    with forward_only(pipeline.schedule):
+        pipeline.schedule.eval(*args, **kwargs)
+
+
+def label_weight(batches: Sequence[Batch], dp_size: int, world_size: int) -> torch.Tensor:
+    """One label's share of the step: ``dp_size`` over the step's labels on every
+    data-parallel rank (``label_shares``'s rule; the gradient reduction averages over
+    ranks). One all-reduce over the default group when ``dp_size > 1``, which counts each
+    data slice once per rank that holds it (``world_size / dp_size``: pipeline and
+    tensor-parallel peers); it stays on the device."""
+    total = torch.stack([(b.labels != IGNORE_INDEX).sum() for b in batches]).sum().float()
+    if dp_size > 1:
+        torch_dist.all_reduce(total)
+        total = total / (world_size // dp_size)
+    return dp_size / total.clamp(min=1)
 
 
 def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunction:
     """One optimizer step through the pipeline (``run_stage``).
 
-    The loss (known on the last stage) reaches every rank by a sum over the pipeline group;
-    the grad norm is global across stages, so every rank takes the same finite/skip branch.
-    A mixture-of-experts model's statistics (``spec.moe_shape``) travel through the stages
-    with the hidden states and reach every stage the same way.
+    Every label of the step weighs the same across micro-batches and data-parallel ranks
+    (``StageLoss.weigh``), as in ``text_step``. The loss, z term and a mixture of experts'
+    statistics (known on the last stage; the statistics travel through the stages with the
+    hidden states) reach every rank by a sum over the pipeline group. An embedding tied
+    across pipeline ranks sums its two gradients first. The grad norm is global across
+    stages (the tied weight counted once), so every rank takes the same finite/skip branch.
     """
     stage = spec.model
+    with_z = spec.loss.z_weight > 0
 
     def pipeline_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
         lr = set_lr(spec.optimizer, step_lr(spec, state, batches))
         stage.train()
         params = trainable_parameters(stage)  # a freeze schedule may change them
-        run_stage(pipeline, batches, spec.loss, Pass.TRAIN)
+        device = next(stage.parameters()).device
+        pipeline.loss.weigh(label_weight(batches, spec.dp_size, spec.world_size))
+        pipeline.loss.track(bool(spec.sources))
+        try:
+            run_stage(pipeline, batches, spec.loss, Pass.TRAIN)
+        finally:
+            pipeline.loss.track(False)  # evaluation runs untracked
+        tied = pipeline.tied
+        if tied is not None:
+            tied.sum_grads()
         n = len(batches)
-        loss, moe = stage_totals(pipeline, n, next(stage.parameters()).device, spec.moe_shape)
+        measured = stage_totals(pipeline, n, device, spec.moe_shape, with_z, spec.sources)
+        counted = [p for p in params if tied is None or tied.in_norm or p is not tied.weight]
         totals = StepTotals(
-            loss=loss,
-            grad_norm=global_grad_norm(params, pipeline.group),
+            loss=measured.loss,
+            grad_norm=global_grad_norm(counted, pipeline.group),
             params=params,
             tokens=sum(b.num_tokens for b in batches) * spec.dp_size,
             micro_batches=n,
-            moe=moe,
+            z_loss=measured.z,
+            moe=measured.moe,
+            sources=measured.sources,
         )
         return finish_step(spec, totals, state.step + 1, lr)
 
     return pipeline_step
+
+
+@attrs.frozen
+class StageTotals:
+    """What the last stage measured of a step, on every stage: the token-weighted loss, its
+    z term (None when off), the MoE statistics (None when dense) and a mixture's per-source
+    sums ``(2, sources)`` (None without)."""
+
+    loss: torch.Tensor
+    z: torch.Tensor | None = None
+    moe: torch.Tensor | None = None
+    sources: torch.Tensor | None = None
 
 
 def stage_totals(
@@ -82,21 +158,28 @@ def stage_totals(
     n_micro: int,
     device: torch.device,
     moe_shape: tuple[int, int] | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The mean cross-entropy over the step's ``n_micro`` micro-batches and the MoE
-    statistics summed over them, on every stage: the last stage has them, the others add
-    zeros to the sum over the pipeline group."""
+    with_z: bool = False,
+    sources: tuple[str, ...] = (),
+) -> StageTotals:
+    """The step's ``StageTotals`` over its ``n_micro`` micro-batches, on every stage: the last
+    stage has them, the others add zeros to the sum over the pipeline group (one
+    all-reduce, in fp64: each value has one non-zero term, so the sum is exact)."""
     records = pipeline.loss.take(n_micro)
-    loss = torch.zeros((), device=device)
-    if records:
-        loss = torch.stack([ce for ce, _ in records]).mean().float()
+    loss, z = stage_sums(records, device, with_z)
     moe = torch.zeros(moe_shape or (0, 0), device=device)
-    for _, stats in records:
-        moe = moe + stats if stats is not None else moe
-    totals = torch.cat([loss.reshape(1), moe.flatten()])  # one all-reduce for both
+    for r in records:
+        moe = moe + r.moe if r.moe is not None else moe
+    per_source = torch.zeros((2, len(sources)), dtype=torch.float64, device=device)
+    if sources and records:
+        per_source = source_sums(records, SourceStats(sources, device))
+    scalars = [loss] if z is None else [loss, z]
+    parts = [torch.stack(scalars), moe.flatten(), per_source.flatten()]
+    totals = torch.cat([t.double() for t in parts])
     torch_dist.all_reduce(totals, group=pipeline.group)
-    loss = totals[0]
-    if moe_shape is None:
-        return loss, None
-    moe = totals[1:].view(moe_shape)
-    return loss, moe
+    n_scalar, n_moe = len(scalars), moe.numel()
+    return StageTotals(
+        loss=totals[0].float(),
+        z=totals[1].float() if with_z else None,
+        moe=totals[n_scalar : n_scalar + n_moe].float().view(moe_shape) if moe_shape else None,
+        sources=totals[n_scalar + n_moe :].view(2, len(sources)) if sources else None,
+    )

@@ -40,7 +40,9 @@ class StepSpec:
     precision: Precision = Precision.FP32
     grad_clip_norm: float | None = None  # None: no clipping (the norm is still measured)
     fsdp_mixed_precision: bool = False  # FSDP2 applies the compute dtype itself: no autocast
-    dp_size: int = 1  # data-parallel ranks: tokens and label shares count over them
+    # ranks holding distinct tokens (data-parallel × context-parallel): tokens and label
+    # shares count over them
+    dp_size: int = 1
     world_size: int = 1  # every rank: the MoE bias update sums the expert loads over them
     loss: LossSpec = PLAIN_LOSS
     moe_shape: tuple[int, int] | None = None  # (MoE layers, statistics columns); None: dense
@@ -88,7 +90,7 @@ def step_spec(
         precision=cfg.train.mixed_precision,
         grad_clip_norm=cfg.train.grad_clip_norm,
         fsdp_mixed_precision=model.fsdp,
-        dp_size=dist.dp_size,
+        dp_size=dist.token_slices,
         world_size=dist.world_size,
         loss=model.loss,
         moe_shape=moe_stats_shape(cfg.model),

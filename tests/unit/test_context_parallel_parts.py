@@ -1,0 +1,199 @@
+"""Context parallelism's pure parts: the head–tail split, batch slicing, the config's
+refusals, and the attention of each rank's queries over the gathered keys (in process: the
+gather simulated by indexing, so that its backward, a scatter-add, is the reduce-scatter's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from forge.config import ConfigError, structure_config
+from forge.data.context_split import context_shard, gathered_indices, head_tail_indices
+from forge.data.loader import Batch
+from forge.model.attention import document_attention_mask
+from forge.model.context_attention import context_keep
+from forge.parallel.memory_plan import memory_plan
+from forge.parallel.world import MeshDims, parallel_problems, resolve_dims
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "cp", "rank", "indices"),
+    [
+        (4, 1, 0, [0, 1, 2, 3]),  # one rank: the whole sequence
+        (8, 2, 0, [0, 1, 6, 7]),  # chunks 0 and 3 of 4
+        (8, 2, 1, [2, 3, 4, 5]),  # chunks 1 and 2
+        (12, 3, 0, [0, 1, 10, 11]),
+        (12, 3, 1, [2, 3, 8, 9]),
+        (12, 3, 2, [4, 5, 6, 7]),
+        (16, 2, 1, [4, 5, 6, 7, 8, 9, 10, 11]),
+    ],
+)
+def test_head_tail_indices(seq_len, cp, rank, indices):
+    assert head_tail_indices(seq_len, cp, rank).tolist() == indices
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_the_ranks_cover_the_sequence_once_with_equal_causal_work(cp):
+    seq_len = 8 * cp
+    every = gathered_indices(seq_len, cp)
+    assert sorted(every.tolist()) == list(range(seq_len))
+    # causal work of a rank: the keys its queries see, sum of (index + 1)
+    work = {int((head_tail_indices(seq_len, cp, r) + 1).sum()) for r in range(cp)}
+    assert len(work) == 1
+
+
+def test_head_tail_indices_refuse_an_uneven_split():
+    with pytest.raises(ValueError, match="multiple of 2\\*cp=4"):
+        head_tail_indices(6, 2, 0)
+
+
+def test_context_shard_of_plain_rows_carries_the_global_positions():
+    inputs = torch.arange(16).view(2, 8)
+    batch = Batch(inputs, inputs + 100, sources=torch.tensor([0, 1]))
+    part = context_shard(batch, 2, 1)
+    assert part.inputs.tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    assert part.labels.tolist() == [[102, 103, 104, 105], [110, 111, 112, 113]]
+    assert part.positions is not None and part.positions.tolist() == [[2, 3, 4, 5]] * 2
+    assert part.document_ids is None
+    assert part.sources is not None and part.sources.tolist() == [0, 1]  # rows are kept
+    assert context_shard(batch, 1, 0) is batch
+
+
+def test_context_shard_of_packed_rows_keeps_their_positions_and_documents():
+    inputs = torch.arange(8).view(1, 8)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    documents = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
+    part = context_shard(Batch(inputs, inputs, positions, documents), 2, 0)
+    assert part.inputs.tolist() == [[0, 1, 6, 7]]
+    assert part.positions is not None and part.positions.tolist() == [[0, 1, 1, 2]]
+    assert part.document_ids is not None and part.document_ids.tolist() == [[0, 0, 2, 2]]
+
+
+@pytest.mark.parametrize(("window", "packed"), [(0, False), (0, True), (5, False), (3, True)])
+def test_context_attention_equals_full_attention(window, packed):
+    """Each simulated rank's queries over the keys in the gather's order, under the mask of
+    global indices, give the full attention's outputs and (summed over ranks) its
+    gradients, grouped-query heads included."""
+    torch.manual_seed(0)
+    b, t, cp = 2, 16, 2
+    q = torch.randn(b, 4, t, 8, requires_grad=True)
+    k = torch.randn(b, 2, t, 8, requires_grad=True)
+    v = torch.randn(b, 2, t, 8, requires_grad=True)
+    docs = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16]) if packed else None
+    if docs is not None:
+        full_mask = document_attention_mask(docs, window)
+    else:
+        full_mask = context_keep(t, 1, 0, window, q.device)[None, None]
+    full = F.scaled_dot_product_attention(q, k, v, attn_mask=full_mask, enable_gqa=True)
+    weight = torch.randn_like(full)
+    (full * weight).sum().backward()
+    want = [x.grad.clone() for x in (q, k, v)]  # type: ignore[union-attr]
+    for x in (q, k, v):
+        x.grad = None
+    order = gathered_indices(t, cp)
+    loss = torch.zeros(())
+    for rank in range(cp):
+        mine = head_tail_indices(t, cp, rank)
+        keep = context_keep(t, cp, rank, window, q.device)
+        if docs is not None:
+            same = docs[:, mine][:, :, None] == docs[:, order][:, None, :]
+            keep = same & keep
+        mask = keep[:, None] if keep.dim() == 3 else keep[None, None]
+        out = F.scaled_dot_product_attention(
+            q[:, :, mine], k[:, :, order], v[:, :, order], attn_mask=mask, enable_gqa=True
+        )
+        torch.testing.assert_close(out, full[:, :, mine].detach(), rtol=1e-5, atol=1e-6)
+        loss = loss + (out * weight[:, :, mine]).sum()
+    loss.backward()
+    for got, expected in zip((q.grad, k.grad, v.grad), want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+BASE = {
+    "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2},
+    "train": {"seq_len": 32},
+}
+
+
+def cfg(**sections):
+    raw = {k: dict(v) for k, v in BASE.items()}
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return structure_config(raw)
+
+
+def lines(config, world):
+    return [f"{k}: {m}" for k, m in parallel_problems(config, world)]
+
+
+def test_cp_is_a_mesh_dim_and_counts_in_the_world():
+    config = cfg(distributed={"cp": 2})
+    dims = resolve_dims(config.distributed, 4)
+    assert dims == MeshDims(dp_shard=2, cp=2)
+    assert dims.named() == (("dp_shard", 2), ("cp", 2))
+    assert dims.token_slices == 4 and dims.dp == 2
+    assert lines(config, 4) == []
+    assert lines(cfg(distributed={"cp": 2, "dp_shard": 1}), 4) == [
+        "distributed: pp*dp_replicate*dp_shard*cp*tp = 1*1*1*2*1 = 2, but the world size "
+        "is 4; make them equal"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("sections", "world", "expected"),
+    [
+        (
+            {"distributed": {"cp": 3}, "train": {"seq_len": 32}},
+            3,
+            "distributed.cp: 2*cp = 6 must divide train.seq_len=32 (each rank keeps a head "
+            "and a tail chunk of every sequence)",
+        ),
+        (
+            {"distributed": {"cp": 2, "tp": 2, "dp_shard": 1}},
+            4,
+            "distributed.tp: tensor parallelism is not supported with distributed.cp > 1 yet",
+        ),
+        (
+            {"distributed": {"cp": 2, "pp": 2, "dp_shard": 1}},
+            4,
+            "distributed.pp: pipeline parallelism is not supported with distributed.cp > 1 yet",
+        ),
+        (
+            {"distributed": {"cp": 2}, "model": {"moe_num_experts": 4}},
+            2,
+            "model.moe_num_experts: mixture-of-experts blocks (per-rank routing) is not "
+            "supported with distributed.cp > 1 yet",
+        ),
+        (
+            {"distributed": {"cp": 2}, "model": {"attention": "flex"}},
+            2,
+            "model.attention: 'flex' is not supported with distributed.cp > 1 (its all-gathered "
+            "keys run SDPA with a boolean mask); set 'auto' or 'sdpa'",
+        ),
+        (
+            {"distributed": {"cp": 2}, "eval": {"tasks": [{"name": "hellaswag"}]}},
+            2,
+            "eval.tasks: downstream evaluation (whole rows per rank) is not supported with "
+            "distributed.cp > 1 yet",
+        ),
+    ],
+)
+def test_context_parallel_refusals_name_their_key(sections, world, expected):
+    assert expected in lines(cfg(**sections), world)
+
+
+def test_cp_must_be_positive():
+    with pytest.raises(ConfigError) as info:
+        structure_config({"distributed": {"cp": 0}})
+    assert info.value.lines == ["distributed.cp: must be > 0, got 0"]
+
+
+def test_memory_plan_splits_the_tokens_and_shards_over_cp():
+    config = cfg(train={"seq_len": 4096}, model={"max_seq_len": 4096})
+    one, two = memory_plan(config, MeshDims()), memory_plan(config, MeshDims(cp=2))
+    assert two.parameters == pytest.approx(one.parameters / 2, abs=1)
+    assert two.optimizer_state == pytest.approx(one.optimizer_state / 2, abs=1)
+    # half the tokens, plus the gathered keys and values of the whole sequence and the mask
+    # (0.625 here; benchmarks/context_parallel.py measures 0.63 at 4096 tokens)
+    assert one.activations / 2 < two.activations < 0.65 * one.activations
