@@ -39,7 +39,8 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/pyright forge
 
 test: $(VENV)/.installed lint
-	$(PY) -m pytest -q tests
+	# two workers (pytest-xdist): most tests are process start-up, one core each
+	$(PY) -m pytest -q -n 2 tests
 
 clean:
 	rm -rf runs
