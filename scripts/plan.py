@@ -26,7 +26,7 @@ from forge.parallel.memory_plan import (
     memory_plan,
     stage_parameters,
 )
-from forge.parallel.stages import V_SHAPED
+from forge.parallel.stages import SINGLE_STAGE, V_SHAPED
 from forge.parallel.world import parallel_problems, resolve_dims
 from forge.training.vlm import vision_footprint
 from forge.types import ExitCode
@@ -88,7 +88,7 @@ def pipeline_lines(config: JobConfig, pp: int) -> list[str]:
         f"{m} micro-batches per step; bubble (idle share of a rank's step, F = B = W):"
     ]
     for schedule in sorted(PipelineSchedule, key=lambda s: s is not chosen):
-        v = 2 if schedule in V_SHAPED else d.pp_stages_per_rank
+        v = 2 if schedule in V_SHAPED else 1 if schedule in SINGLE_STAGE else d.pp_stages_per_rank
         mark = "  <- distributed.pp_schedule" if schedule is chosen else ""
         share = bubble_fraction(schedule, pp, v, m)
         lines.append(f"  {schedule.value:24s} {share:6.1%} at {v} stage(s) per rank{mark}")

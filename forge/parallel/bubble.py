@@ -3,7 +3,8 @@
 The model is the one the schedules' papers use: per micro-batch and stage, a forward ``F``, a
 backward for the inputs ``B`` and one for the weights ``W``, each one unit (the whole work
 of a rank is ``3 m`` units for ``m`` micro-batches, whatever its number of virtual stages
-``v``). The idle time per rank is then
+``v``). The DeepSeek-V3 report's ``B`` is the whole backward, ``B'`` here; ``F&B`` a
+forward and a whole backward, not overlapped. The idle time per rank is then
 
 | schedule | idle units | source |
 |---|---|---|
@@ -11,7 +12,7 @@ of a rank is ``3 m`` units for ``m`` micro-batches, whatever its number of virtu
 | interleaved_1f1b | ``(p - 1)(F + B + W) / v`` | Narayanan et al. 2021 (Megatron-LM) |
 | interleaved_zero_bubble | ``(p - 1)(F + B - W) / v`` | Qi et al. 2023 (ZB-H1), looped |
 | zbv | ``(p - 1)(F + B - 2W)`` | Qi et al. 2023 (ZB-V) |
-| dualpipev | ``(p / 2 - 1)(F&B + B - 3W)``, ``F&B = F + B`` | DeepSeek-V3 report |
+| dualpipev | ``(p / 2 - 1)(F&B + B' - 3W)``, ``B' = B + W``, ``F&B = F + B'`` | DeepSeek-V3 |
 
 Communication, unequal stages and a slower ``B`` than ``F`` move every figure up; the table
 ranks the schedules, it does not predict a step time.
@@ -35,7 +36,8 @@ def idle_units(schedule: PipelineSchedule, pp: int, stages_per_rank: int) -> flo
         return (p - 1) * (F + B - W) / v
     if schedule is PipelineSchedule.ZBV:
         return max(0.0, (p - 1) * (F + B - 2 * W))
-    return max(0.0, (p / 2 - 1) * ((F + B) + B - 3 * W))  # DUALPIPEV
+    whole_backward = B + W
+    return max(0.0, (p / 2 - 1) * ((F + whole_backward) + whole_backward - 3 * W))  # DUALPIPEV
 
 
 def bubble_fraction(

@@ -36,6 +36,7 @@ from forge.config.sections import (
     Precision,
 )
 from forge.metrics.flops import largest_block_parameters
+from forge.parallel.stages import V_SHAPED
 from forge.parallel.world import MeshDims
 
 HEADROOM = 0.1  # of the device's memory, for what the estimate leaves out
@@ -96,8 +97,10 @@ def stage_parameters(
     m = config.model
     layers = -(-m.n_layers // pp)  # earlier stages take the remainder
     embedding = m.vocab_size * m.dim
-    # one stage: embedding, head and norm; else the first stage's embedding or the last's head
-    ends = embedding * (1 if m.tie_embeddings else 2) if pp == 1 else embedding
+    # one stage, or a V layout (rank 0 holds the first and the last stage): embedding, head
+    # and norm; else the first stage's embedding or the last's head
+    both_ends = pp == 1 or config.distributed.pp_schedule in V_SHAPED
+    ends = embedding * (1 if m.tie_embeddings else 2) if both_ends else embedding
     ends += m.dim
     norms = 2 * m.dim + (2 * m.head_size if m.qk_norm else 0)
     block = largest_block_parameters(m)  # an upper bound where blocks differ (MoE)

@@ -258,13 +258,14 @@ def schedule_feature_problems(config: JobConfig, dims: MeshDims) -> list[Problem
                 "train.compile unset or false",
             )
         )
-    if kind in V_SHAPED and config.model.tie_embeddings and dims.dp_shard > 1:
+    if kind in V_SHAPED and config.model.tie_embeddings and dims.dp > 1:
+        # FSDP2 shards over every data-parallel dim (a 1-D dp_replicate mesh too)
         p.append(
             (
                 "model.tie_embeddings",
                 f"is not supported with distributed.pp_schedule='{kind.value}' and "
-                "distributed.dp_shard > 1 (one weight in two FSDP2 units on rank 0); use a "
-                "looped schedule or set one of them off",
+                "data parallelism (distributed.dp_replicate or dp_shard > 1: one weight in "
+                "two FSDP2 units on rank 0); use a looped schedule or set one of them off",
             )
         )
     return p

@@ -17,7 +17,8 @@ CASES = [
     (S.INTERLEAVED_ZERO_BUBBLE, 2, 2, 4, 0.5 / 12.5),  # a third of interleaved 1F1B's
     (S.ZBV, 2, 2, 4, 0.0),
     (S.ZBV, 8, 2, 16, 0.0),
-    (S.DUALPIPEV, 4, 2, 8, 0.0),
+    (S.DUALPIPEV, 2, 2, 8, 0.0),  # (p / 2 - 1) idle: none at two ranks
+    (S.DUALPIPEV, 4, 2, 8, 2 / 26),
 ]
 
 

@@ -165,7 +165,7 @@ def label_shares(batches: Sequence[Batch], dp_size: int, world_size: int) -> lis
     if dp_size > 1:
         torch_dist.all_reduce(total)
         total = total / (world_size // dp_size)
-    shares = counts * dp_size / total
+    shares = counts * dp_size / total.clamp(min=1)  # no labels anywhere: every share 0
     return list(shares.unbind())
 
 
