@@ -28,12 +28,6 @@ def head_tail_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([head, torch.arange(tail_start, tail_start + chunk)])
 
 
-def gathered_indices(seq_len: int, cp: int) -> torch.Tensor:
-    """The global index of every token of an all-gather over the ``cp`` ranks, in the
-    gather's order (rank 0's tokens, then rank 1's, ...)."""
-    return torch.cat([head_tail_indices(seq_len, cp, r) for r in range(cp)])
-
-
 def context_shard(batch: Batch, cp: int, rank: int) -> Batch:
     """Rank ``rank``'s tokens of every row of ``batch``: inputs, labels and document ids, and
     the RoPE positions (the row's own ``arange(T)`` for rows that are one sequence, the packed

@@ -8,11 +8,11 @@ autograd-aware; ``torch.distributed.nn.functional.all_gather`` is not used: on g
 backward scatters from group ranks as if they were global ones, wrong in a subgroup), so each
 rank receives the key and value gradients of its own tokens from every query that saw them.
 Keys and values go in one gather per layer: two gathers of the same shape, whose backward
-order the ranks need not agree on, would swap their gradients. The gathered keys stay in the
-gather's order (attention is invariant to the order of its keys): the mask compares global
-token indices instead (causal: key index ≤ query index; a window; for packed rows equal
-document ids, whose gather needs no gradient). Grouped-query attention gathers the KV heads
-before SDPA repeats them.
+order the ranks need not agree on, would swap their gradients. The gathered chunks are put
+back in sequence order, and a rank's queries attend block by block
+(``forge.model.block_attention``): on a CPU no ``T_local × T`` mask or score matrix exists,
+so a rank's activation memory falls with ``cp`` but for the gathered keys and values.
+Elsewhere the same blocks make one boolean mask for SDPA.
 """
 
 from __future__ import annotations
@@ -28,57 +28,42 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from forge.data.context_split import gathered_indices, head_tail_indices
+from forge.model.block_attention import KeyBlock, block_attention, dense_keep, key_blocks
 
 
 @attrs.frozen
 class ContextMask:
     """What every layer of a context-parallel forward shares: the group to gather keys and
-    values over and the boolean mask ``(B or 1, 1, T_local, T)`` of this rank's queries over
-    the gathered keys (in the gather's order).
-
-    SDPA on a CPU turns a boolean mask into an additive one of the compute dtype at every
-    call and keeps that copy for the backward: one ``T_local × T`` float tensor per layer.
-    ``bias`` makes it once per forward and dtype, for every layer to share."""
+    values over and the key blocks of this rank's queries (``key_blocks``), built once per
+    forward."""
 
     group: ProcessGroup
-    mask: torch.Tensor
-    biases: dict[torch.dtype, torch.Tensor] = attrs.field(factory=dict, eq=False, repr=False)
+    blocks: tuple[KeyBlock, ...]
+    seq_len: int
 
-    def bias(self, dtype: torch.dtype) -> torch.Tensor:
-        """The additive mask in ``dtype``: 0 where a key is seen, -inf where not."""
-        if dtype not in self.biases:
-            zeros = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            self.biases[dtype] = zeros.masked_fill_(~self.mask, float("-inf"))
-        return self.biases[dtype]
+
+def in_sequence_order(gathered: torch.Tensor, dim: int) -> torch.Tensor:
+    """Every rank's head–tail chunks ``gathered`` ``(cp, ...)`` (rank order) as one tensor in
+    sequence order along ``dim`` of a part: rank ``r``'s head is chunk ``r``, its tail chunk
+    ``2·cp − 1 − r``."""
+    parts = gathered.unbind(0)
+    heads = [part.narrow(dim, 0, part.shape[dim] // 2) for part in parts]
+    tails = [part.narrow(dim, part.shape[dim] // 2, part.shape[dim] // 2) for part in parts]
+    return torch.cat([*heads, *reversed(tails)], dim=dim)
 
 
 def gather_sequence(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
-    """Every rank's ``x`` concatenated along ``dim`` in rank order, differentiable (the
-    backward reduce-scatters: each rank gets the sum of its part's gradients)."""
+    """Every rank's ``x`` in sequence order along ``dim``, differentiable (the backward
+    reduce-scatters: each rank gets the sum of its tokens' gradients)."""
     gathered = funcol.all_gather_single_autograd(x.contiguous()[None], 0, group)
-    parts = gathered.unbind(0)  # (cp, *x.shape) -> cp tensors of x's shape
-    return torch.cat(parts, dim=dim)
+    return in_sequence_order(gathered, dim)
 
 
 def gather_plain(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
     """``gather_sequence`` without a gradient (document ids)."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
-
-
-def context_keep(
-    seq_len: int, cp: int, rank: int, window: int, device: torch.device
-) -> torch.Tensor:
-    """Boolean ``(T_local, T)``: which gathered keys each of ``rank``'s queries may see by
-    position (causal, and within the last ``window`` keys; 0: no window)."""
-    query = head_tail_indices(seq_len, cp, rank).to(device)[:, None]
-    key = gathered_indices(seq_len, cp).to(device)[None, :]
-    keep = key <= query
-    if window:
-        keep = keep & (query - key < window)
-    return keep
+    return in_sequence_order(torch.stack(parts), dim)
 
 
 def context_mask(
@@ -91,12 +76,18 @@ def context_mask(
     """The ``ContextMask`` of a forward over this rank's ``t_local`` tokens of every row
     (``document_ids`` ``(B, t_local)`` for packed rows, else None)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    keep = context_keep(t_local * cp, cp, rank, window, device)
-    if document_ids is None:
-        return ContextMask(group, keep[None, None])
-    every = gather_plain(document_ids, group, dim=1)
-    same = document_ids[:, :, None] == every[:, None, :]
-    return ContextMask(group, (same & keep)[:, None])
+    seq_len = t_local * cp
+    documents = None
+    if document_ids is not None:
+        documents = (document_ids, gather_plain(document_ids, group, dim=1))
+    blocks = key_blocks(seq_len, cp, rank, window, documents)
+    return ContextMask(group, blocks, seq_len)
+
+
+def uses_blocks(device: torch.device) -> bool:
+    """Whether attention runs block by block (the fused kernel with a log-sum-exp exists
+    for the CPU) rather than as SDPA under one dense mask."""
+    return device.type == "cpu"
 
 
 def context_attention(
@@ -108,8 +99,10 @@ def context_attention(
     # one collective for both (its backward too): never two of the same shape whose order
     # ranks could disagree on
     k_all, v_all = gather_sequence(torch.stack([k, v]), mask.group, dim=3).unbind(0)
-    bias = mask.bias(q.dtype)
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=bias, enable_gqa=gqa)
+    if uses_blocks(q.device):
+        return block_attention(q, k_all, v_all, mask.blocks)
+    keep = dense_keep(mask.blocks, q.shape[2], mask.seq_len, q.device)
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=keep, enable_gqa=gqa)
 
 
 @functools.cache

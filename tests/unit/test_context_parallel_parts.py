@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from forge.config import ConfigError, structure_config
-from forge.data.context_split import context_shard, gathered_indices, head_tail_indices
+from forge.data.context_split import context_shard, head_tail_indices
 from forge.data.loader import Batch
 from forge.model.attention import document_attention_mask
-from forge.model.context_attention import context_keep
+from forge.model.block_attention import block_attention, dense_keep, key_blocks
+from forge.model.context_attention import in_sequence_order, uses_blocks
 from forge.parallel.memory_plan import memory_plan
 from forge.parallel.world import MeshDims, parallel_problems, resolve_dims
 
@@ -36,7 +37,7 @@ def test_head_tail_indices(seq_len, cp, rank, indices):
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_the_ranks_cover_the_sequence_once_with_equal_causal_work(cp):
     seq_len = 8 * cp
-    every = gathered_indices(seq_len, cp)
+    every = torch.cat([head_tail_indices(seq_len, cp, r) for r in range(cp)])
     assert sorted(every.tolist()) == list(range(seq_len))
     # causal work of a rank: the keys its queries see, sum of (index + 1)
     work = {int((head_tail_indices(seq_len, cp, r) + 1).sum()) for r in range(cp)}
@@ -70,44 +71,104 @@ def test_context_shard_of_packed_rows_keeps_their_positions_and_documents():
     assert part.document_ids is not None and part.document_ids.tolist() == [[0, 0, 2, 2]]
 
 
-@pytest.mark.parametrize(("window", "packed"), [(0, False), (0, True), (5, False), (3, True)])
-def test_context_attention_equals_full_attention(window, packed):
-    """Each simulated rank's queries over the keys in the gather's order, under the mask of
-    global indices, give the full attention's outputs and (summed over ranks) its
-    gradients, grouped-query heads included."""
-    torch.manual_seed(0)
-    b, t, cp = 2, 16, 2
-    q = torch.randn(b, 4, t, 8, requires_grad=True)
-    k = torch.randn(b, 2, t, 8, requires_grad=True)
-    v = torch.randn(b, 2, t, 8, requires_grad=True)
-    docs = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16]) if packed else None
+def full_attention_mask(t: int, window: int, docs: torch.Tensor | None) -> torch.Tensor:
     if docs is not None:
-        full_mask = document_attention_mask(docs, window)
-    else:
-        full_mask = context_keep(t, 1, 0, window, q.device)[None, None]
-    full = F.scaled_dot_product_attention(q, k, v, attn_mask=full_mask, enable_gqa=True)
+        return document_attention_mask(docs, window)
+    query, key = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    keep = key <= query
+    return (keep & (query - key < window) if window else keep)[None, None]
+
+
+ATTENTION_CASES = [
+    # (cp, window, packed, dtype)
+    (2, 0, False, torch.float32),
+    (2, 0, True, torch.float32),
+    (2, 5, False, torch.float32),
+    (2, 3, True, torch.float32),
+    (4, 0, False, torch.float32),
+    (4, 3, True, torch.float32),
+    (2, 0, True, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["blocks", "dense"])
+@pytest.mark.parametrize(("cp", "window", "packed", "dtype"), ATTENTION_CASES)
+def test_context_attention_equals_full_attention(cp, window, packed, dtype, dense):
+    """Each simulated rank's queries over the keys in sequence order, block by block (or
+    under the blocks' dense mask), give the full attention's outputs and (summed over ranks)
+    its gradients, grouped-query heads included; a packed row has queries that see nothing
+    of an earlier block (a document that starts inside the chunk)."""
+    assert_context_attention(cp, window, packed, dtype, dense, torch.device("cpu"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("cp", "window", "packed", "dtype"), ATTENTION_CASES)
+def test_context_attention_on_a_gpu_is_sdpa_under_the_dense_mask(cp, window, packed, dtype):
+    """What a GPU runs (``uses_blocks`` is false there) equals the full attention too."""
+    device = torch.device("cuda")
+    assert not uses_blocks(device)
+    assert_context_attention(cp, window, packed, dtype, True, device)
+
+
+def assert_context_attention(cp, window, packed, dtype, dense, device):
+    torch.manual_seed(0)
+    b, t = 2, 16
+    q = torch.randn(b, 4, t, 8, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(b, 2, t, 8, dtype=dtype, device=device, requires_grad=True)
+    v = torch.randn(b, 2, t, 8, dtype=dtype, device=device, requires_grad=True)
+    docs = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16]) if packed else None
+    docs = None if docs is None else docs.to(device)
+    mask = full_attention_mask(t, window, docs).to(device)
+    full = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     weight = torch.randn_like(full)
-    (full * weight).sum().backward()
+    (full.float() * weight.float()).sum().backward()
     want = [x.grad.clone() for x in (q, k, v)]  # type: ignore[union-attr]
     for x in (q, k, v):
         x.grad = None
-    order = gathered_indices(t, cp)
-    loss = torch.zeros(())
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    loss = torch.zeros((), device=device)
     for rank in range(cp):
-        mine = head_tail_indices(t, cp, rank)
-        keep = context_keep(t, cp, rank, window, q.device)
-        if docs is not None:
-            same = docs[:, mine][:, :, None] == docs[:, order][:, None, :]
-            keep = same & keep
-        mask = keep[:, None] if keep.dim() == 3 else keep[None, None]
-        out = F.scaled_dot_product_attention(
-            q[:, :, mine], k[:, :, order], v[:, :, order], attn_mask=mask, enable_gqa=True
-        )
-        torch.testing.assert_close(out, full[:, :, mine].detach(), rtol=1e-5, atol=1e-6)
-        loss = loss + (out * weight[:, :, mine]).sum()
+        mine = head_tail_indices(t, cp, rank).to(device)
+        documents = None if docs is None else (docs[:, mine], docs)
+        blocks = key_blocks(t, cp, rank, window, documents)
+        if dense:
+            keep = dense_keep(blocks, len(mine), t, q.device)
+            out = F.scaled_dot_product_attention(
+                q[:, :, mine], k, v, attn_mask=keep, enable_gqa=True
+            )
+        else:
+            out = block_attention(q[:, :, mine], k, v, blocks)
+        torch.testing.assert_close(out, full[:, :, mine].detach(), **tol)
+        loss = loss + (out.float() * weight[:, :, mine].float()).sum()
     loss.backward()
     for got, expected in zip((q.grad, k.grad, v.grad), want, strict=True):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got, expected, **tol)
+
+
+@pytest.mark.parametrize(
+    ("cp", "rank", "window", "blocks"),
+    [
+        # rank 0 of 2 (chunks 0 and 3 of 4, 4 tokens each): chunk 0 only its diagonal
+        (2, 0, 0, [((0, 4), (0, 4), True), ((4, 8), (12, 16), True), ((4, 8), (0, 12), False)]),
+        (2, 1, 0, [((0, 4), (4, 8), True), ((0, 4), (0, 4), False), ((4, 8), (8, 12), True),
+                   ((4, 8), (0, 8), False)]),
+        # a window of 3 needs only the last 2 earlier keys of the chunk's first query
+        (2, 1, 3, [((0, 4), (4, 8), False), ((0, 4), (2, 4), False), ((4, 8), (8, 12), False),
+                   ((4, 8), (6, 8), False)]),
+    ],
+)  # fmt: skip
+def test_key_blocks_are_the_diagonal_then_the_earlier_keys(cp, rank, window, blocks):
+    got = key_blocks(16, cp, rank, window)
+    assert [(b.rows, b.keys, b.causal) for b in got] == blocks
+    assert all((b.keep is None) == (not window) for b in got)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_in_sequence_order_undoes_the_head_tail_split(cp):
+    seq_len = 4 * cp
+    parts = torch.stack([head_tail_indices(seq_len, cp, r) for r in range(cp)])
+    assert in_sequence_order(parts[:, None], dim=1).flatten().tolist() == list(range(seq_len))
 
 
 BASE = {
