@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from forge.config.model import AttentionBackend, ModelConfig
 from forge.errors import UserInputError
-from forge.model.context_attention import ContextMask, uncompiled_context_attention
+from forge.model.context_attention import ContextMask
 
 if TYPE_CHECKING:  # flex_attention imports torch's compiler: only where a forward uses it
     from torch.nn.attention.flex_attention import BlockMask
@@ -350,7 +350,7 @@ def attend(
     if isinstance(mask, DocumentSegments):
         return uncompiled_segment_attention()(q, k, v, mask, gqa)
     if isinstance(mask, ContextMask):  # distributed.cp: keys and values over every CP rank
-        return uncompiled_context_attention()(q, k, v, mask, gqa)
+        return mask.attend(q, k, v, mask, gqa)
     if isinstance(mask, VarlenSpans):
         if q.dtype == torch.float32:
             raise UserInputError(VARLEN_FP32)

@@ -35,11 +35,16 @@ from forge.model.block_attention import KeyBlock, block_attention, dense_keep, k
 class ContextMask:
     """What every layer of a context-parallel forward shares: the group to gather keys and
     values over and the key blocks of this rank's queries (``key_blocks``), built once per
-    forward."""
+    forward, outside the compiled blocks; ``attend`` is ``context_attention`` kept out of
+    ``torch.compile``, looked up there so that a compiled block calls it without tracing
+    the cached lookup."""
 
     group: ProcessGroup
     blocks: tuple[KeyBlock, ...]
     seq_len: int
+    attend: Callable[..., torch.Tensor] = attrs.field(
+        factory=lambda: uncompiled_context_attention(), eq=False, repr=False
+    )
 
 
 def in_sequence_order(gathered: torch.Tensor, dim: int) -> torch.Tensor:
