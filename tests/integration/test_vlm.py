@@ -144,7 +144,7 @@ def test_the_vlm_step_trains_and_reports_its_images():
             3e-3,
             Precision.FP32,
             1.0,
-            dp_size=2,
+            token_slices=2,
             world_size=2,
             vlm=VlmArch.JOINT_DECODER,
         )

@@ -152,21 +152,31 @@ def balance_after_update(
     return lambda: balance_experts(model, loads, rate)
 
 
-def label_shares(batches: Sequence[Batch], dp_size: int, world_size: int) -> list[torch.Tensor]:
-    """Each micro-batch's weight when every labelled token of the step counts the same, on
-    this rank and every other data-parallel one: its labels over the step's labels on all
-    ``dp_size`` ranks, times ``dp_size`` (the gradient reduction averages over ranks), so the
-    step's loss and gradient do not depend on how its rows are split into micro-batches and
-    ranks. One all-reduce of one number over the default group, which counts each data slice
-    once per rank that holds it (``world_size / dp_size``: tensor-parallel peers); it stays on
-    the device (no host sync)."""
-    counts = torch.stack([(b.labels != IGNORE_INDEX).sum() for b in batches]).float()
+def label_counts(batches: Sequence[Batch]) -> torch.Tensor:
+    """The labelled tokens of each micro-batch, as floats on the batches' device."""
+    return torch.stack([(b.labels != IGNORE_INDEX).sum() for b in batches]).float()
+
+
+def step_labels(counts: torch.Tensor, token_slices: int, world_size: int) -> torch.Tensor:
+    """The step's labelled tokens on every rank holding distinct tokens (``token_slices``:
+    data-parallel × context-parallel): one all-reduce of one number over the default group
+    when there are several, which counts each slice once per rank that holds it
+    (``world_size / token_slices``: tensor-parallel and pipeline peers). It stays on the
+    device (no host sync)."""
     total = counts.sum()
-    if dp_size > 1:
+    if token_slices > 1:
         torch_dist.all_reduce(total)
-        total = total / (world_size // dp_size)
-    shares = counts * dp_size / total.clamp(min=1)  # no labels anywhere: every share 0
-    return list(shares.unbind())
+        total = total / (world_size // token_slices)
+    return total
+
+
+def label_weight(total: torch.Tensor, token_slices: int) -> torch.Tensor:
+    """One label's weight when every labelled token of the step counts the same, on this
+    rank and every other: ``token_slices`` (the gradient reduction averages over them) over
+    the step's ``total`` labels, so the step's loss and gradient do not depend on how its
+    rows are split into micro-batches and ranks. No labels anywhere: any finite weight (none
+    is used)."""
+    return token_slices / total.clamp(min=1)
 
 
 def trainable_parameters(model: nn.Module) -> list[torch.Tensor]:

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as torch_dist
 
 from forge.data.loader import Batch
-from forge.data.packing import IGNORE_INDEX
 from forge.metrics.sources import SourceStats
 from forge.model.chunked_loss import LossSpec
 from forge.parallel.grad_norm import global_grad_norm
@@ -22,7 +21,10 @@ from forge.training.context import PipelineContext
 from forge.training.steps.common import (
     StepTotals,
     finish_step,
+    label_counts,
+    label_weight,
     set_lr,
+    step_labels,
     step_lr,
     trainable_parameters,
 )
@@ -83,19 +85,6 @@ def run_stage(
         pipeline.schedule.eval(*args, **kwargs)
 
 
-def label_weight(batches: Sequence[Batch], dp_size: int, world_size: int) -> torch.Tensor:
-    """One label's share of the step: ``dp_size`` over the step's labels on every
-    data-parallel rank (``label_shares``'s rule; the gradient reduction averages over
-    ranks). One all-reduce over the default group when ``dp_size > 1``, which counts each
-    data slice once per rank that holds it (``world_size / dp_size``: pipeline and
-    tensor-parallel peers); it stays on the device."""
-    total = torch.stack([(b.labels != IGNORE_INDEX).sum() for b in batches]).sum().float()
-    if dp_size > 1:
-        torch_dist.all_reduce(total)
-        total = total / (world_size // dp_size)
-    return dp_size / total.clamp(min=1)
-
-
 def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunction:
     """One optimizer step through the pipeline (``run_stage``).
 
@@ -114,7 +103,8 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
         stage.train()
         params = trainable_parameters(stage)  # a freeze schedule may change them
         device = next(stage.parameters()).device
-        pipeline.loss.weigh(label_weight(batches, spec.dp_size, spec.world_size))
+        labels = step_labels(label_counts(batches), spec.token_slices, spec.world_size)
+        pipeline.loss.weigh(label_weight(labels, spec.token_slices))
         pipeline.loss.track(bool(spec.sources))
         try:
             run_stage(pipeline, batches, spec.loss, Pass.TRAIN)
@@ -130,7 +120,7 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
             loss=measured.loss,
             grad_norm=global_grad_norm(counted, pipeline.group),
             params=params,
-            tokens=sum(b.num_tokens for b in batches) * spec.dp_size,
+            tokens=sum(b.num_tokens for b in batches) * spec.token_slices,
             micro_batches=n,
             z_loss=measured.z,
             moe=measured.moe,

@@ -42,7 +42,7 @@ class StepSpec:
     fsdp_mixed_precision: bool = False  # FSDP2 applies the compute dtype itself: no autocast
     # ranks holding distinct tokens (data-parallel × context-parallel): tokens and label
     # shares count over them
-    dp_size: int = 1
+    token_slices: int = 1
     world_size: int = 1  # every rank: the MoE bias update sums the expert loads over them
     loss: LossSpec = PLAIN_LOSS
     moe_shape: tuple[int, int] | None = None  # (MoE layers, statistics columns); None: dense
@@ -90,7 +90,7 @@ def step_spec(
         precision=cfg.train.mixed_precision,
         grad_clip_norm=cfg.train.grad_clip_norm,
         fsdp_mixed_precision=model.fsdp,
-        dp_size=dist.token_slices,
+        token_slices=dist.token_slices,
         world_size=dist.world_size,
         loss=model.loss,
         moe_shape=moe_stats_shape(cfg.model),

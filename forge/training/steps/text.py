@@ -15,10 +15,12 @@ from forge.training.steps.common import (
     autocast_for,
     device_type_of,
     finish_step,
-    label_shares,
+    label_counts,
+    label_weight,
     micro_batch_loss,
     set_gradient_sync,
     set_lr,
+    step_labels,
     step_lr,
     trainable_parameters,
 )
@@ -35,7 +37,7 @@ def make_text_step(spec: StepSpec) -> StepFunction:
     this rank's; it is averaged over data-parallel ranks only when logged. With a z-loss the
     reported ``loss`` stays the cross-entropy, ``z_loss`` the mean term; a mixture's
     per-source sums and a MoE model's statistics are summed over micro-batches and reported.
-    Every labelled token of the step weighs the same wherever it sits (``label_shares``):
+    Every labelled token of the step weighs the same wherever it sits (``label_weight``):
     packed rows, masked labels and captions of unequal length give a loss and gradient that
     do not depend on how the batch is split into micro-batches and data-parallel ranks.
     """
@@ -56,7 +58,11 @@ def make_text_step(spec: StepSpec) -> StepFunction:
         stats = SourceStats(spec.sources, device) if spec.sources else None
         moe: torch.Tensor | None = None
         n = len(batches)
-        shares = label_shares(batches, spec.dp_size, spec.world_size)
+        counts = label_counts(batches)
+        weight = label_weight(
+            step_labels(counts, spec.token_slices, spec.world_size), spec.token_slices
+        )
+        shares = (counts * weight).unbind()
         for i, batch in enumerate(batches):
             set_gradient_sync(model, i == n - 1)
             terms = micro_batch_loss(model, batch, autocast, stats, loss_spec)
@@ -70,7 +76,7 @@ def make_text_step(spec: StepSpec) -> StepFunction:
             loss=total,
             grad_norm=global_grad_norm(params),
             params=params,
-            tokens=sum(b.num_tokens for b in batches) * spec.dp_size,
+            tokens=sum(b.num_tokens for b in batches) * spec.token_slices,
             micro_batches=n,
             z_loss=total_z,
             moe=moe,
@@ -96,7 +102,7 @@ def make_vlm_step(spec: StepSpec) -> StepFunction:
         if any(b.images is None for b in batches):
             raise ValueError(f"{arch.value}: a vision-language step needs batches with images")
         result = text_step(batches, state)
-        return attrs.evolve(result, images=sum(b.num_images for b in batches) * spec.dp_size)
+        return attrs.evolve(result, images=sum(b.num_images for b in batches) * spec.token_slices)
 
     vlm_step.__name__ = vlm_step.__qualname__ = f"{arch.value}_step"
     return vlm_step
