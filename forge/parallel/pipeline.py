@@ -30,17 +30,6 @@ from forge.parallel.stages import (
 )
 
 
-def split_layers(n_layers: int, n_stages: int) -> list[list[int]]:
-    """Contiguous layer ranges balanced by count; earlier stages take the remainder."""
-    base, extra = divmod(n_layers, n_stages)
-    out, start = [], 0
-    for s in range(n_stages):
-        size = base + (1 if s < extra else 0)
-        out.append(list(range(start, start + size)))
-        start += size
-    return out
-
-
 def count(module: nn.Module | None) -> int:
     """The parameters of ``module`` (0 for None), on the meta device too."""
     return 0 if module is None else sum(p.numel() for p in module.parameters())

@@ -242,6 +242,7 @@ CONFIG_CASES = [
     ("model too large to allocate", args("--model.dim=4194304"), 2, "model.dim: this run needs an estimated", no_run_dir),
     ("max seq len too large to allocate", args("--model.max_seq_len=4611686018427387904"), 2, "model.max_seq_len: this run needs an estimated", no_run_dir),
     ("micro-batch too large to allocate", args("--train.batch_size=1000000"), 2, "train.batch_size: this run needs an estimated", no_run_dir),
+    ("context parallelism beyond the world", args("--distributed.cp=2"), 2, "distributed: pp*dp_replicate*dp_shard*cp*tp = 1*1*1*2*1 = 2, but the world size is 1", no_run_dir),
 ]  # fmt: skip
 
 DATA_CASES = [

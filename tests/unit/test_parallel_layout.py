@@ -5,7 +5,6 @@ import pytest
 from forge.config import structure_config
 from forge.config.sections import DistributedConfig
 from forge.parallel.mesh import coordinates, usable_backend
-from forge.parallel.pipeline import split_layers
 from forge.parallel.world import (
     MeshDims,
     WorldInfo,
@@ -154,19 +153,6 @@ def test_coordinates_are_row_major(rank, dims, coords):
 )
 def test_usable_backend(spec, cuda, backend):
     assert usable_backend(spec, cuda) == backend
-
-
-@pytest.mark.parametrize(
-    "layers,stages,split",
-    [
-        (4, 2, [[0, 1], [2, 3]]),
-        (5, 2, [[0, 1, 2], [3, 4]]),
-        (4, 4, [[0], [1], [2], [3]]),
-        (3, 1, [[0, 1, 2]]),
-    ],
-)
-def test_split_layers(layers, stages, split):
-    assert split_layers(layers, stages) == split
 
 
 BASE = {
