@@ -193,11 +193,15 @@ def tensor_parallel_problems(config: JobConfig, dims: MeshDims) -> list[Problem]
         p.append(("distributed.tp", f"must divide model.n_heads={m.n_heads}"))
     if m.kv_heads % dims.tp:
         p.append(("distributed.tp", f"must divide model.n_kv_heads={m.kv_heads}"))
-    if config.train.seq_len % dims.tp:
+    seq_len = config.train.seq_len
+    if dims.cp == 1 and seq_len % dims.tp:
+        p.append(("distributed.tp", f"must divide train.seq_len={seq_len} (sequence parallelism)"))
+    elif seq_len % (dims.tp * dims.cp):  # it splits each context-parallel rank's tokens
         p.append(
             (
                 "distributed.tp",
-                f"must divide train.seq_len={config.train.seq_len} (sequence parallelism)",
+                f"must divide a context-parallel rank's tokens, train.seq_len / distributed.cp"
+                f" = {seq_len / dims.cp:g} (sequence parallelism)",
             )
         )
     return p
@@ -318,7 +322,6 @@ def context_parallel_problems(config: JobConfig, dims: MeshDims) -> list[Problem
         )
     unsupported = (
         ("distributed.pp", dims.pp > 1, "pipeline parallelism"),
-        ("distributed.tp", dims.tp > 1, "tensor parallelism"),
         ("model.vlm", m.vlm is not None, "a vision-language model"),
         ("model.moe_num_experts", m.moe, "mixture-of-experts blocks (per-rank routing)"),
         ("eval.tasks", bool(config.eval.tasks), "downstream evaluation (whole rows per rank)"),
@@ -331,7 +334,7 @@ def context_parallel_problems(config: JobConfig, dims: MeshDims) -> list[Problem
             (
                 "model.attention",
                 f"'{m.attention.value}' is not supported with distributed.cp > 1 (its "
-                "all-gathered keys run SDPA with a boolean mask); set 'auto' or 'sdpa'",
+                "all-gathered keys run forge's block attention); set 'auto' or 'sdpa'",
             )
         )
     return p

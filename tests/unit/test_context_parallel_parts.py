@@ -210,10 +210,15 @@ def test_cp_is_a_mesh_dim_and_counts_in_the_world():
             "distributed.cp: 2*cp = 6 must divide train.seq_len=32 (each rank keeps a head "
             "and a tail chunk of every sequence)",
         ),
-        (
-            {"distributed": {"cp": 2, "tp": 2, "dp_shard": 1}},
-            4,
-            "distributed.tp: tensor parallelism is not supported with distributed.cp > 1 yet",
+        (  # sequence parallelism splits each context-parallel rank's 10 tokens
+            {
+                "distributed": {"cp": 2, "tp": 4, "dp_shard": 1},
+                "model": {"n_kv_heads": 4},
+                "train": {"seq_len": 20},
+            },
+            8,
+            "distributed.tp: must divide a context-parallel rank's tokens, train.seq_len / "
+            "distributed.cp = 10 (sequence parallelism)",
         ),
         (
             {"distributed": {"cp": 2, "pp": 2, "dp_shard": 1}},
@@ -230,7 +235,7 @@ def test_cp_is_a_mesh_dim_and_counts_in_the_world():
             {"distributed": {"cp": 2}, "model": {"attention": "flex"}},
             2,
             "model.attention: 'flex' is not supported with distributed.cp > 1 (its all-gathered "
-            "keys run SDPA with a boolean mask); set 'auto' or 'sdpa'",
+            "keys run forge's block attention); set 'auto' or 'sdpa'",
         ),
         (
             {"distributed": {"cp": 2}, "eval": {"tasks": [{"name": "hellaswag"}]}},
