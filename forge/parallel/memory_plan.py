@@ -131,17 +131,22 @@ def buffer_bytes(config: JobConfig) -> int:
     return 2 * m.max_seq_len * (m.head_size // 2) * 4
 
 
-def context_parallel_bytes(config: JobConfig, cp: int) -> tuple[int, int]:
+def context_parallel_bytes(config: JobConfig, cp: int, tp: int = 1) -> tuple[int, int]:
     """What ``distributed.cp > 1`` adds on a rank: per layer, the all-gathered keys and
-    values of the whole sequence (kept for the backward); once, the additive mask of this
-    rank's queries over every key (per row when packed, else one for all rows)."""
+    values of the whole sequence (this rank's ``1 / tp`` of the KV heads, kept for the
+    backward); once, the boolean masks of the key blocks, which only packed rows or a
+    sliding window have (``forge.model.block_attention``: about ``(2·cp + 1)`` squares of a
+    ``seq_len / (2·cp)`` chunk, per row when packed)."""
     if cp <= 1:
         return 0, 0
     m, t = config.model, config.train
     compute = dtype_bytes(t.mixed_precision)
-    kv = t.batch_size * t.seq_len * 2 * m.kv_heads * m.head_size * compute
+    kv = t.batch_size * t.seq_len * 2 * (m.kv_heads // tp) * m.head_size * compute
+    if not (config.data.pack_documents or m.sliding_window):
+        return kv, 0
     rows = t.batch_size if config.data.pack_documents else 1
-    return kv, rows * (t.seq_len // cp) * t.seq_len * compute
+    chunk = t.seq_len // (2 * cp)
+    return kv, rows * (2 * cp + 1) * chunk * chunk
 
 
 def memory_plan(
@@ -161,7 +166,7 @@ def memory_plan(
         gathered = 2 * largest_block_parameters(m) * compute_bytes // dims.tp
     tokens = t.batch_size * (t.seq_len // dims.cp + vision.decoder_tokens)
     layers = -(-m.n_layers // dims.pp)
-    kv_gathered, cp_mask = context_parallel_bytes(config, dims.cp)
+    kv_gathered, cp_mask = context_parallel_bytes(config, dims.cp, dims.tp)
     per_layer = activation_bytes_per_layer(config, tokens, dims.tp) + kv_gathered
     in_flight = 1
     if dims.pp > 1:

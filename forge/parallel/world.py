@@ -17,6 +17,7 @@ from forge.parallel.stages import (
     V_SHAPED,
     boundary_problems,
     schedule_problems,
+    splits_backward,
 )
 
 
@@ -320,8 +321,17 @@ def context_parallel_problems(config: JobConfig, dims: MeshDims) -> list[Problem
                 "head and a tail chunk of every sequence)",
             )
         )
+    schedule = config.distributed.pp_schedule
+    if splits_backward(dims.pp, schedule):
+        p.append(
+            (
+                "distributed.pp_schedule",
+                f"'{schedule.value}' is not supported with distributed.cp > 1 yet (its backward "
+                "in two halves, inputs then weights, does not yet equal one rank there); use "
+                "'gpipe', '1f1b' or 'interleaved_1f1b'",
+            )
+        )
     unsupported = (
-        ("distributed.pp", dims.pp > 1, "pipeline parallelism"),
         ("model.vlm", m.vlm is not None, "a vision-language model"),
         ("model.moe_num_experts", m.moe, "mixture-of-experts blocks (per-rank routing)"),
         ("eval.tasks", bool(config.eval.tasks), "downstream evaluation (whole rows per rank)"),

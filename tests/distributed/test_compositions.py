@@ -52,6 +52,8 @@ LAYOUTS = [
                  "--train.batch_size=4", "--train.grad_accum_steps=2", "--eval.steps=4"]),
     ("cp x tp", ["--distributed.cp=2", "--distributed.tp=2", "--distributed.dp_shard=1",
                  "--train.batch_size=4", "--train.grad_accum_steps=2", "--eval.steps=4"]),
+    ("pp x cp", ["--distributed.pp=2", "--distributed.cp=2", "--distributed.dp_shard=1",
+                 "--train.batch_size=4", "--train.grad_accum_steps=2", "--eval.steps=4"]),
 ]  # fmt: skip
 
 ONE_RANK = ["--train.batch_size=4", "--train.grad_accum_steps=2", "--eval.steps=4"]

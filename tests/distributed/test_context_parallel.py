@@ -59,3 +59,16 @@ def test_cp2_packed_documents_match_one_rank(tmp_path, short_documents):
     train(config, tmp_path / "ref", *ONE_RANK, *packed)
     train(config, tmp_path / "cp", *CP2, *packed, ranks=2)
     assert_matches((config, tmp_path / "ref"), config, tmp_path / "cp")
+
+
+def test_pp2_x_cp2_interleaved_on_packed_documents_matches_one_rank(tmp_path, short_documents):
+    """Pipeline stages over context-parallel ranks (4 ranks, two stages per rank, 4 layers):
+    each stage's attention gathers its CP peers' keys, and the document ids and positions of
+    the rank's tokens travel with the hidden states."""
+    model = ["--model.n_layers=4", "--data.pack_documents=true"]
+    config = write_config(tmp_path, short_documents)
+    train(config, tmp_path / "ref", *ONE_RANK, *model)
+    pp = ["--distributed.pp=2", "--distributed.pp_schedule=interleaved_1f1b",
+          "--distributed.pp_stages_per_rank=2"]  # fmt: skip
+    train(config, tmp_path / "cp", *CP2, *pp, *model, ranks=4)
+    assert_matches((config, tmp_path / "ref"), config, tmp_path / "cp")
