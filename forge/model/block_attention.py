@@ -18,6 +18,8 @@ from typing import Any
 
 import attrs
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from forge.data.context_split import head_tail_indices
 
@@ -155,11 +157,35 @@ def block_attention(
     return BlockAttention.apply(q, k, v, blocks)  # type: ignore[no-any-return]
 
 
+def is_plain(blocks: tuple[KeyBlock, ...]) -> bool:
+    """Whether no block has a mask: causal rows, no documents, no window."""
+    return all(block.keep is None for block in blocks)
+
+
+def chunk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: tuple[KeyBlock, ...], gqa: bool
+) -> torch.Tensor:
+    """For devices without the CPU kernel, plain rows (``is_plain``): each query chunk over
+    the keys up to its own end, one SDPA call under a causal mask aligned to the last key
+    (``causal_lower_right``), which CUDA's fused kernels apply without materialising it."""
+    outs = []
+    for block in blocks:
+        if not block.causal:
+            continue
+        rows, end = block.rows, block.keys[1]
+        causal = causal_lower_right(rows[1] - rows[0], end)
+        query, key, value = _span(q, rows), k[:, :, :end], v[:, :, :end]
+        outs.append(
+            F.scaled_dot_product_attention(query, key, value, attn_mask=causal, enable_gqa=gqa)
+        )
+    return torch.cat(outs, dim=2)
+
+
 def dense_keep(
     blocks: tuple[KeyBlock, ...], t_local: int, seq_len: int, device: torch.device
 ) -> torch.Tensor:
     """The blocks as one boolean ``(B or 1, 1, T_local, T)`` mask, for devices without the
-    CPU kernel (plain SDPA with a mask)."""
+    CPU kernel when rows are packed or windowed (plain SDPA with a mask)."""
     batch = max((b.keep.shape[0] for b in blocks if b.keep is not None), default=1)
     keep = torch.zeros(batch, 1, t_local, seq_len, dtype=torch.bool, device=device)
     for block in blocks:

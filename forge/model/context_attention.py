@@ -12,7 +12,9 @@ order the ranks need not agree on, would swap their gradients. The gathered chun
 back in sequence order, and a rank's queries attend block by block
 (``forge.model.block_attention``): on a CPU no ``T_local × T`` mask or score matrix exists,
 so a rank's activation memory falls with ``cp`` but for the gathered keys and values.
-Elsewhere the same blocks make one boolean mask for SDPA.
+Elsewhere (CUDA) plain rows attend chunk by chunk under SDPA's lower-right causal mask,
+which the fused kernels apply without materialising it; packed or windowed rows make one
+boolean mask of the blocks for SDPA.
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from forge.model.block_attention import KeyBlock, block_attention, dense_keep, key_blocks
+from forge.model.block_attention import (
+    KeyBlock,
+    block_attention,
+    chunk_attention,
+    dense_keep,
+    is_plain,
+    key_blocks,
+)
 
 
 @attrs.frozen
@@ -41,7 +50,6 @@ class ContextMask:
 
     group: ProcessGroup
     blocks: tuple[KeyBlock, ...]
-    seq_len: int
     attend: Callable[..., torch.Tensor] = attrs.field(
         factory=lambda: uncompiled_context_attention(), eq=False, repr=False
     )
@@ -85,14 +93,28 @@ def context_mask(
     documents = None
     if document_ids is not None:
         documents = (document_ids, gather_plain(document_ids, group, dim=1))
-    blocks = key_blocks(seq_len, cp, rank, window, documents)
-    return ContextMask(group, blocks, seq_len)
+    return ContextMask(group, key_blocks(seq_len, cp, rank, window, documents))
 
 
 def uses_blocks(device: torch.device) -> bool:
     """Whether attention runs block by block (the fused kernel with a log-sum-exp exists
     for the CPU) rather than as SDPA under one dense mask."""
     return device.type == "cpu"
+
+
+def attend_gathered(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: tuple[KeyBlock, ...], gqa: bool
+) -> torch.Tensor:
+    """This rank's queries ``(B, H, T_local, D)`` over the whole sequence's keys and values
+    ``(B, H_kv, T, D)`` (sequence order) in ``blocks``: block by block on a CPU; elsewhere
+    chunk by chunk for plain rows, under the blocks' one dense mask for packed or windowed
+    ones."""
+    if uses_blocks(q.device):
+        return block_attention(q, k, v, blocks)
+    if is_plain(blocks):
+        return chunk_attention(q, k, v, blocks, gqa)
+    keep = dense_keep(blocks, q.shape[2], k.shape[2], q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=gqa)
 
 
 def context_attention(
@@ -104,10 +126,7 @@ def context_attention(
     # one collective for both (its backward too): never two of the same shape whose order
     # ranks could disagree on
     k_all, v_all = gather_sequence(torch.stack([k, v]), mask.group, dim=3).unbind(0)
-    if uses_blocks(q.device):
-        return block_attention(q, k_all, v_all, mask.blocks)
-    keep = dense_keep(mask.blocks, q.shape[2], mask.seq_len, q.device)
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=keep, enable_gqa=gqa)
+    return attend_gathered(q, k_all, v_all, mask.blocks, gqa)
 
 
 @functools.cache

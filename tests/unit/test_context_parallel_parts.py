@@ -12,8 +12,14 @@ from forge.config import ConfigError, structure_config
 from forge.data.context_split import context_shard, head_tail_indices
 from forge.data.loader import Batch
 from forge.model.attention import document_attention_mask
-from forge.model.block_attention import block_attention, dense_keep, key_blocks
-from forge.model.context_attention import in_sequence_order, uses_blocks
+from forge.model.block_attention import (
+    block_attention,
+    chunk_attention,
+    dense_keep,
+    is_plain,
+    key_blocks,
+)
+from forge.model.context_attention import attend_gathered, in_sequence_order, uses_blocks
 from forge.parallel.memory_plan import context_parallel_bytes, memory_plan
 from forge.parallel.world import MeshDims, parallel_problems, resolve_dims
 
@@ -91,27 +97,55 @@ ATTENTION_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dense", [False, True], ids=["blocks", "dense"])
-@pytest.mark.parametrize(("cp", "window", "packed", "dtype"), ATTENTION_CASES)
-def test_context_attention_equals_full_attention(cp, window, packed, dtype, dense):
-    """Each simulated rank's queries over the keys in sequence order, block by block (or
-    under the blocks' dense mask), give the full attention's outputs and (summed over ranks)
-    its gradients, grouped-query heads included; a packed row has queries that see nothing
-    of an earlier block (a document that starts inside the chunk)."""
-    assert_context_attention(cp, window, packed, dtype, dense, torch.device("cpu"))
+PATHS = [
+    # (path, the cases it serves): the CPU's blocks, and what other devices run
+    ("blocks", ATTENTION_CASES),
+    ("dense", ATTENTION_CASES),
+    ("chunks", [c for c in ATTENTION_CASES if not c[1] and not c[2]]),  # plain rows only
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "cp", "window", "packed", "dtype"),
+    [(path, *case) for path, cases in PATHS for case in cases],
+)
+def test_context_attention_equals_full_attention(path, cp, window, packed, dtype):
+    """Each simulated rank's queries over the keys in sequence order, block by block, chunk
+    by chunk under a lower-right causal mask, or under the blocks' dense mask, give the full
+    attention's outputs and (summed over ranks) its gradients, grouped-query heads
+    included; a packed row has queries that see nothing of an earlier block (a document
+    that starts inside the chunk)."""
+
+    def attend(q, k, v, blocks):
+        if path == "blocks":
+            return block_attention(q, k, v, blocks)
+        if path == "chunks":
+            return chunk_attention(q, k, v, blocks, gqa=True)
+        keep = dense_keep(blocks, q.shape[2], k.shape[2], q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+
+    assert_context_attention(cp, window, packed, dtype, attend, torch.device("cpu"))
+
+
+def test_the_device_decides_the_path():
+    assert uses_blocks(torch.device("cpu")) and not uses_blocks(torch.device("cuda"))
+    assert is_plain(key_blocks(16, 2, 0, 0)) and not is_plain(key_blocks(16, 2, 0, 3))
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(("cp", "window", "packed", "dtype"), ATTENTION_CASES)
-def test_context_attention_on_a_gpu_is_sdpa_under_the_dense_mask(cp, window, packed, dtype):
-    """What a GPU runs (``uses_blocks`` is false there) equals the full attention too."""
-    device = torch.device("cuda")
-    assert not uses_blocks(device)
-    assert_context_attention(cp, window, packed, dtype, True, device)
+def test_context_attention_on_a_gpu_equals_full_attention(cp, window, packed, dtype):
+    """What a GPU runs (chunks for plain rows, the dense mask otherwise) equals the full
+    attention too."""
+
+    def attend(q, k, v, blocks):
+        return attend_gathered(q, k, v, blocks, gqa=True)
+
+    assert_context_attention(cp, window, packed, dtype, attend, torch.device("cuda"))
 
 
-def assert_context_attention(cp, window, packed, dtype, dense, device):
+def assert_context_attention(cp, window, packed, dtype, attend, device):
     torch.manual_seed(0)
     b, t = 2, 16
     q = torch.randn(b, 4, t, 8, dtype=dtype, device=device, requires_grad=True)
@@ -131,14 +165,7 @@ def assert_context_attention(cp, window, packed, dtype, dense, device):
     for rank in range(cp):
         mine = head_tail_indices(t, cp, rank).to(device)
         documents = None if docs is None else (docs[:, mine], docs)
-        blocks = key_blocks(t, cp, rank, window, documents)
-        if dense:
-            keep = dense_keep(blocks, len(mine), t, q.device)
-            out = F.scaled_dot_product_attention(
-                q[:, :, mine], k, v, attn_mask=keep, enable_gqa=True
-            )
-        else:
-            out = block_attention(q[:, :, mine], k, v, blocks)
+        out = attend(q[:, :, mine], k, v, key_blocks(t, cp, rank, window, documents))
         torch.testing.assert_close(out, full[:, :, mine].detach(), **tol)
         loss = loss + (out.float() * weight[:, :, mine].float()).sum()
     loss.backward()
