@@ -9,6 +9,9 @@ averaged over ``dp × cp`` by FSDP2 over ``forge.parallel.mesh.data_parallel_mes
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -23,3 +26,20 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh | None) -> None
     if not isinstance(model, Transformer):
         raise TypeError(f"context parallelism needs a Transformer, got {type(model).__name__}")
     model.context_group = cp_mesh.get_group()
+
+
+@contextlib.contextmanager
+def whole_rows(model: nn.Module) -> Iterator[None]:
+    """``model`` attending over whole rows while inside (downstream tasks hand every
+    context-parallel rank the same whole requests): its context-parallel group set aside,
+    and put back on the way out."""
+    group = getattr(model, "context_group", None)
+    if group is None:
+        yield
+        return
+    assert isinstance(model, Transformer)
+    model.context_group = None
+    try:
+        yield
+    finally:
+        model.context_group = group

@@ -334,7 +334,6 @@ def context_parallel_problems(config: JobConfig, dims: MeshDims) -> list[Problem
     unsupported = (
         ("model.vlm", m.vlm is not None, "a vision-language model"),
         ("model.moe_num_experts", m.moe, "mixture-of-experts blocks (per-rank routing)"),
-        ("eval.tasks", bool(config.eval.tasks), "downstream evaluation (whole rows per rank)"),
     )
     for key, present, what in unsupported:
         if present:

@@ -12,6 +12,7 @@ import torch.distributed as torch_dist
 from forge.config.data import EvalTask
 from forge.errors import one_line
 from forge.optim.optimizers import evaluation_weights
+from forge.parallel.context_parallel import whole_rows
 from forge.training.context import DistContext, ModelContext, RunContext
 from forge.training.inference import run_tokenizer
 from forge.training.steps.common import autocast_for, device_type_of
@@ -28,7 +29,8 @@ def failure_line(task: EvalTask, step: int, exc: BaseException) -> str:
 class DownstreamTasks:
     """Scores the run's tasks through ``forge.harness`` whenever the loop evaluates: every
     data-parallel rank scores a share of the requests, all ranks in lockstep (FSDP's and
-    TP's forwards are collectives), and every rank ends with the same scores."""
+    TP's forwards are collectives), and every rank ends with the same scores. Context-
+    parallel peers score their share over whole rows, the same on each (``whole_rows``)."""
 
     def __init__(self, run: RunContext, dist: DistContext, model: ModelContext) -> None:
         self.run = run
@@ -82,7 +84,13 @@ class DownstreamTasks:
         from forge.harness.tasks import random_state_kept
 
         try:  # loading a task draws too (datasets' fingerprints): every draw is undone
-            with random_state_kept(), evaluation_weights(self.model.optimizer), autocast():
+            # CP peers share a data-parallel rank, so they score the same share, whole rows
+            with (
+                random_state_kept(),
+                evaluation_weights(self.model.optimizer),
+                autocast(),
+                whole_rows(module),
+            ):
                 module.eval()
                 for task in self.tasks:
                     if task.name not in self.failed:

@@ -122,18 +122,45 @@ def test_a_run_that_scores_tasks_trains_as_one_that_does_not(scored, tmp_path, s
         assert saved[0]["python"] == saved[1]["python"]
 
 
-@pytest.mark.parametrize("layout", ["--distributed.dp_shard=2", "--distributed.tp=2"])
-def test_two_ranks_score_in_lockstep_and_finish(tmp_path, small_corpus, layout):
+def line_order_scores(run: Run) -> dict[int, float]:
+    key = "eval/stdlib_line_order/acc"
+    return {r["step"]: r[key] for r in records(run) if key in r}
+
+
+@pytest.fixture(scope="module")
+def one_rank_scores(tmp_path_factory, small_corpus) -> dict[int, float]:
+    run = with_tasks(
+        make_run(tmp_path_factory.mktemp("one_rank"), small_corpus),
+        ("stdlib_line_order", TASKS, 10),
+    )
+    result = train(run, "--train.max_steps=8")
+    assert result.code == 0, result.stderr
+    return line_order_scores(run)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--distributed.dp_shard=2", "--train.batch_size=2"],  # the one rank's global batch
+        ["--distributed.tp=2"],
+        ["--distributed.cp=2"],
+    ],
+    ids=["fsdp", "tp", "cp"],
+)
+def test_two_ranks_score_in_lockstep_as_one_rank(tmp_path, small_corpus, layout, one_rank_scores):
+    """Each data-parallel rank scores its share, tensor-parallel peers theirs together, and
+    context-parallel peers the same share over whole rows: the scores are one rank's."""
     run = with_tasks(make_run(tmp_path, small_corpus), ("stdlib_line_order", TASKS, 10))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(REPO / "scripts" / "train.py"), str(run.config), "--train.max_steps=8", layout],
+         str(REPO / "scripts" / "train.py"), str(run.config), "--train.max_steps=8", *layout],
         capture_output=True, text=True, timeout=300, env=env, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    scores = [r for r in records(run) if "eval/stdlib_line_order/acc" in r]
-    assert [r["step"] for r in scores] == [4, 8]
+    scores = line_order_scores(run)
+    assert list(scores) == [4, 8]
+    assert scores == pytest.approx(one_rank_scores, abs=1e-9)
 
 
 @pytest.mark.parametrize(

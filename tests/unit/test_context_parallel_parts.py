@@ -275,12 +275,6 @@ def test_cp_is_a_mesh_dim_and_counts_in_the_world():
             "model.attention: 'flex' is not supported with distributed.cp > 1 (its all-gathered "
             "keys run forge's block attention); set 'auto' or 'sdpa'",
         ),
-        (
-            {"distributed": {"cp": 2}, "eval": {"tasks": [{"name": "hellaswag"}]}},
-            2,
-            "eval.tasks: downstream evaluation (whole rows per rank) is not supported with "
-            "distributed.cp > 1 yet",
-        ),
     ],
 )
 def test_context_parallel_refusals_name_their_key(sections, world, expected):
