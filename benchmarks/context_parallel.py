@@ -18,6 +18,7 @@ at ``cp=2``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -90,6 +91,8 @@ def worker(out: str, args: argparse.Namespace) -> None:
 
 
 def measure(ranks: int, args: argparse.Namespace, budget_mib: int = 0) -> dict[str, float]:
+    """Rank 0's result (its peak growth, its loss or its allocation error) of one forward and
+    backward at ``ranks`` context-parallel ranks, under ``budget_mib`` per rank (0: none)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -98,9 +101,13 @@ def measure(ranks: int, args: argparse.Namespace, budget_mib: int = 0) -> dict[s
                f"--vocab={args.vocab}", f"--budget-mib={budget_mib}"]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
                "MALLOC_MMAP_THRESHOLD_": "65536"}  # fmt: skip
-        # a rank out of memory can leave its peer waiting in a collective: the elastic agent's
-        # timeout ends it, and rank 0's result is already written
-        subprocess.run(cmd, env=env, capture_output=True, timeout=600)
+        stderr = ""
+        # a rank out of memory can leave its peer in a collective: rank 0 has written by then
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+            stderr = run.stderr
+        if not out.exists():
+            raise SystemExit(f"cp={ranks}: no result from rank 0\n{stderr[-3000:]}")
         return json.loads(out.read_text())
 
 

@@ -3,8 +3,8 @@
 The sequence of ``T`` tokens is cut into ``2 × cp`` equal chunks; context-parallel rank ``i``
 keeps chunks ``i`` and ``2 × cp − 1 − i`` (head–tail). Under a causal mask a query's work
 grows with its position, so pairing an early chunk with a late one gives every rank the same
-number of query–key pairs. Pure functions: the model builds its attention mask from the
-same indices (``forge.model.context_attention``).
+number of query–key pairs. Pure functions: the model's attention blocks follow the same
+chunks (``forge.model.block_attention.key_blocks``).
 """
 
 from __future__ import annotations

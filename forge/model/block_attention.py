@@ -33,7 +33,7 @@ class KeyBlock:
     rows: tuple[int, int]
     keys: tuple[int, int]
     causal: bool = False
-    keep: torch.Tensor | None = None
+    keep: torch.Tensor | None = attrs.field(default=None, eq=False)
 
 
 def query_chunks(seq_len: int, cp: int, rank: int) -> tuple[tuple[int, int], ...]:
@@ -49,12 +49,15 @@ def key_blocks(
     rank: int,
     window: int,
     documents: tuple[torch.Tensor, torch.Tensor] | None = None,
+    device: torch.device | None = None,
 ) -> tuple[KeyBlock, ...]:
     """The blocks of ``rank``'s queries over the ``seq_len`` keys: causal, within the last
     ``window`` keys (0: no window), and for packed rows in the query's own document
-    (``documents``: this rank's ``(B, T_local)`` ids and the whole ``(B, T)`` row's). Each
-    chunk's diagonal block comes first, so a merge starts from a block every query sees."""
+    (``documents``: this rank's ``(B, T_local)`` ids and the whole ``(B, T)`` row's), their
+    masks on ``device``. Each chunk's diagonal block comes first, so a merge starts from a
+    block every query sees."""
     chunk = seq_len // (2 * cp)
+    window = 0 if window >= seq_len else window  # a window over the whole row is none
     blocks: list[KeyBlock] = []
     for row, start in query_chunks(seq_len, cp, rank):
         rows = (row, row + chunk)
@@ -67,8 +70,8 @@ def key_blocks(
             if not window and documents is None:
                 blocks.append(KeyBlock(rows, keys, causal=diagonal))
                 continue
-            query = torch.arange(start, start + chunk)[:, None]
-            key = torch.arange(*keys)[None, :]
+            query = torch.arange(start, start + chunk, device=device)[:, None]
+            key = torch.arange(*keys, device=device)[None, :]
             keep = key <= query
             if window:
                 keep = keep & (query - key < window)
@@ -76,7 +79,7 @@ def key_blocks(
             if documents is not None:
                 mine, every = documents
                 same = mine[:, row : row + chunk, None] == every[:, None, keys[0] : keys[1]]
-                keep = keep.to(same.device) & same[:, None]
+                keep = keep & same[:, None]
             blocks.append(KeyBlock(rows, keys, keep=keep))
     return tuple(blocks)
 
@@ -121,6 +124,8 @@ class BlockAttention(torch.autograd.Function):
                 o_acc.copy_(o)
                 lse_acc.copy_(block_lse)
                 continue
+            # the kernel rounds a bf16 block's output before this fp32 merge: a second
+            # rounding, within bf16's own error
             total = torch.logaddexp(lse_acc, block_lse)
             o_acc.mul_(torch.exp(lse_acc - total)[..., None])
             o_acc.add_(o.float() * torch.exp(block_lse - total)[..., None])
@@ -131,6 +136,7 @@ class BlockAttention(torch.autograd.Function):
         return result
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
         q, k, v, out, lse = ctx.saved_tensors

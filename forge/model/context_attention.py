@@ -50,6 +50,9 @@ class ContextMask:
 
     group: ProcessGroup
     blocks: tuple[KeyBlock, ...]
+    # off the CPU, packed or windowed rows: the blocks as one boolean mask, made once here
+    # rather than in every layer (SDPA still makes each layer an additive copy of it)
+    dense: torch.Tensor | None = attrs.field(default=None, eq=False, repr=False)
     attend: Callable[..., torch.Tensor] = attrs.field(
         factory=lambda: uncompiled_context_attention(), eq=False, repr=False
     )
@@ -93,7 +96,11 @@ def context_mask(
     documents = None
     if document_ids is not None:
         documents = (document_ids, gather_plain(document_ids, group, dim=1))
-    return ContextMask(group, key_blocks(seq_len, cp, rank, window, documents))
+    blocks = key_blocks(seq_len, cp, rank, window, documents, device)
+    dense = None
+    if not uses_blocks(device) and not is_plain(blocks):
+        dense = dense_keep(blocks, t_local, seq_len, device)
+    return ContextMask(group, blocks, dense)
 
 
 def uses_blocks(device: torch.device) -> bool:
@@ -103,17 +110,22 @@ def uses_blocks(device: torch.device) -> bool:
 
 
 def attend_gathered(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: tuple[KeyBlock, ...], gqa: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    blocks: tuple[KeyBlock, ...],
+    gqa: bool,
+    dense: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's queries ``(B, H, T_local, D)`` over the whole sequence's keys and values
     ``(B, H_kv, T, D)`` (sequence order) in ``blocks``: block by block on a CPU; elsewhere
-    chunk by chunk for plain rows, under the blocks' one dense mask for packed or windowed
-    ones."""
+    chunk by chunk for plain rows, under the blocks' one dense mask (``dense`` when already
+    made) for packed or windowed ones."""
     if uses_blocks(q.device):
         return block_attention(q, k, v, blocks)
     if is_plain(blocks):
         return chunk_attention(q, k, v, blocks, gqa)
-    keep = dense_keep(blocks, q.shape[2], k.shape[2], q.device)
+    keep = dense if dense is not None else dense_keep(blocks, q.shape[2], k.shape[2], q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=gqa)
 
 
@@ -126,7 +138,7 @@ def context_attention(
     # one collective for both (its backward too): never two of the same shape whose order
     # ranks could disagree on
     k_all, v_all = gather_sequence(torch.stack([k, v]), mask.group, dim=3).unbind(0)
-    return attend_gathered(q, k_all, v_all, mask.blocks, gqa)
+    return attend_gathered(q, k_all, v_all, mask.blocks, gqa, mask.dense)
 
 
 @functools.cache

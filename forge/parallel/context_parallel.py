@@ -5,6 +5,7 @@ keeps its head–tail part of every row's tokens (``forge.data.context_split``, 
 loader). ``apply_context_parallel`` hands the model its group: every attention layer then
 all-gathers keys and values over it (``forge.model.context_attention``). Gradients are
 averaged over ``dp × cp`` by FSDP2 over ``forge.parallel.mesh.data_parallel_mesh``.
+``whole_rows`` sets the group aside while downstream tasks score whole rows.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh | None) -> None
 def whole_rows(model: nn.Module) -> Iterator[None]:
     """``model`` attending over whole rows while inside (downstream tasks hand every
     context-parallel rank the same whole requests): its context-parallel group set aside,
-    and put back on the way out."""
+    and put back on the way out, an error's too. Nested, the inner one finds no group and
+    does nothing; not for two threads at once (scoring runs on one)."""
     group = getattr(model, "context_group", None)
     if group is None:
         yield

@@ -134,9 +134,11 @@ def buffer_bytes(config: JobConfig) -> int:
 def context_parallel_bytes(config: JobConfig, cp: int, tp: int = 1) -> tuple[int, int]:
     """What ``distributed.cp > 1`` adds on a rank: per layer, the all-gathered keys and
     values of the whole sequence (this rank's ``1 / tp`` of the KV heads, kept for the
-    backward); once, the boolean masks of the key blocks, which only packed rows or a
-    sliding window have (``forge.model.block_attention``: about ``(2·cp + 1)`` squares of a
-    ``seq_len / (2·cp)`` chunk, per row when packed)."""
+    backward); once per micro-batch, the boolean masks of the key blocks, which only packed
+    rows or a sliding window have (``forge.model.block_attention``: about ``(2·cp + 1)``
+    squares of a ``seq_len / (2·cp)`` chunk, per row when packed). The CPU's blocks: a GPU's
+    dense mask for such rows (``T / cp × T`` per layer, once SDPA makes it additive) and a
+    call's transient additive mask are not counted."""
     if cp <= 1:
         return 0, 0
     m, t = config.model, config.train
@@ -198,7 +200,7 @@ def memory_plan(
             * param_bytes
         ),
         gathered_weights=gathered,
-        activations=kept * in_flight + cp_mask,
+        activations=(kept + cp_mask) * in_flight,  # every micro-batch in flight has its masks
         activations_without_ac=without_ac * in_flight,
         loss=loss,
         buffers=buffer_bytes(config),

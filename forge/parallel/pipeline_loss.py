@@ -58,8 +58,8 @@ def head_terms(
 
 class StageLoss:
     """The schedule's ``loss_fn``: a micro-batch's objective (``head_terms`` plus a
-    mixture-of-experts model's ``moe_terms``) times its share of the step, ``labels ×
-    dp_size / labels of the step on every data-parallel rank`` (``weigh``), so that the sum
+    mixture-of-experts model's ``moe_terms``) times its share of the step, its labels times
+    ``label_weight`` (``weigh``: token slices over the step's labels on all of them), so the sum
     over micro-batches (the schedules run with ``scale_grads=False``) is the gradient of the
     token-weighted mean, as ``text_step`` takes it.
 

@@ -343,7 +343,7 @@ def context_parallel_problems(config: JobConfig, dims: MeshDims) -> list[Problem
             (
                 "model.attention",
                 f"'{m.attention.value}' is not supported with distributed.cp > 1 (its "
-                "all-gathered keys run forge's block attention); set 'auto' or 'sdpa'",
+                "gathered keys run forge's own attention); set 'auto' or 'sdpa'",
             )
         )
     return p

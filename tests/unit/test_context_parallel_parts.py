@@ -130,6 +130,7 @@ def test_context_attention_equals_full_attention(path, cp, window, packed, dtype
 def test_the_device_decides_the_path():
     assert uses_blocks(torch.device("cpu")) and not uses_blocks(torch.device("cuda"))
     assert is_plain(key_blocks(16, 2, 0, 0)) and not is_plain(key_blocks(16, 2, 0, 3))
+    assert is_plain(key_blocks(16, 2, 0, 16))  # a window over the whole row is none
 
 
 @pytest.mark.cuda
@@ -272,8 +273,8 @@ def test_cp_is_a_mesh_dim_and_counts_in_the_world():
         (
             {"distributed": {"cp": 2}, "model": {"attention": "flex"}},
             2,
-            "model.attention: 'flex' is not supported with distributed.cp > 1 (its all-gathered "
-            "keys run forge's block attention); set 'auto' or 'sdpa'",
+            "model.attention: 'flex' is not supported with distributed.cp > 1 (its gathered "
+            "keys run forge's own attention); set 'auto' or 'sdpa'",
         ),
     ],
 )
