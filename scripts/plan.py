@@ -75,10 +75,10 @@ def report(plan: MemoryPlan, device_gb: float) -> list[str]:
     return lines
 
 
-def pipeline_lines(config: JobConfig, pp: int, cp: int = 1) -> list[str]:
+def pipeline_lines(config: JobConfig, pp: int, sharded: bool = False) -> list[str]:
     """Under ``pp > 1``: the stages, and the bubble of every schedule at the config's
     micro-batches and stages per rank (``forge/parallel/bubble.py``'s model), the
-    configured one first; those context parallelism (``cp``) refuses marked."""
+    configured one first; those refused under FSDP2 (``sharded``) marked."""
     if pp <= 1:
         return []
     d, m = config.distributed, config.train.grad_accum_steps
@@ -90,8 +90,8 @@ def pipeline_lines(config: JobConfig, pp: int, cp: int = 1) -> list[str]:
     for schedule in sorted(PipelineSchedule, key=lambda s: s is not chosen):
         v = 2 if schedule in V_SHAPED else 1 if schedule in SINGLE_STAGE else d.pp_stages_per_rank
         mark = "  <- distributed.pp_schedule" if schedule is chosen else ""
-        if cp > 1 and splits_backward(pp, schedule):
-            mark = "  (refused with distributed.cp > 1)"
+        if sharded and splits_backward(pp, schedule):
+            mark = "  (refused under FSDP2: data or context parallelism)"
         share = bubble_fraction(schedule, pp, v, m)
         lines.append(f"  {schedule.value:24s} {share:6.1%} at {v} stage(s) per rank{mark}")
     return lines
@@ -144,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{t.param_dtype.value} weights, {config.optimizer.name.value}, "
         f"activation checkpointing {t.activation_checkpointing.value}"
     )
-    for line in pipeline_lines(config, dims.pp, dims.cp):
+    for line in pipeline_lines(config, dims.pp, dims.dp * dims.cp > 1):
         print(line)
     for line in report(memory_plan(config, dims, vision), args.gpu_memory_gb):
         print(line)

@@ -14,7 +14,6 @@ import attrs
 from forge.config.sections import DistributedConfig, JobConfig, Problem
 from forge.parallel.stages import (
     SPLIT_BACKWARD,
-    V_SHAPED,
     boundary_problems,
     schedule_problems,
     splits_backward,
@@ -251,8 +250,8 @@ def pipeline_problems(config: JobConfig, dims: MeshDims) -> list[Problem]:
 def schedule_feature_problems(config: JobConfig, dims: MeshDims) -> list[Problem]:
     """What a schedule cannot combine with: compiled blocks under the schedules that split
     backward in two (measured: torch's compiled backward frees its buffers after the first
-    half), and tied embeddings in a V layout under FSDP2 (the
-    first and the last stage, both on rank 0, would shard one weight as two units)."""
+    half), and those schedules under FSDP2 (data or context parallelism), whose gradients
+    were measured wrong."""
     kind, p = config.distributed.pp_schedule, list[Problem]()
     if kind in SPLIT_BACKWARD and config.train.compile is True:  # unset: eager (splits_backward)
         p.append(
@@ -263,14 +262,16 @@ def schedule_feature_problems(config: JobConfig, dims: MeshDims) -> list[Problem
                 "train.compile unset or false",
             )
         )
-    if kind in V_SHAPED and config.model.tie_embeddings and dims.dp > 1:
-        # FSDP2 shards over every data-parallel dim (a 1-D dp_replicate mesh too)
+    if splits_backward(dims.pp, kind) and dims.dp * dims.cp > 1:
+        # measured at pp=2 x dp_shard=2 and pp=2 x cp=2: step 1's loss equals one rank's,
+        # its grad norm does not (2.397 against 2.734); tied embeddings in a V layout would
+        # also put one weight in two FSDP2 units on rank 0
         p.append(
             (
-                "model.tie_embeddings",
-                f"is not supported with distributed.pp_schedule='{kind.value}' and "
-                "data parallelism (distributed.dp_replicate or dp_shard > 1: one weight in "
-                "two FSDP2 units on rank 0); use a looped schedule or set one of them off",
+                "distributed.pp_schedule",
+                f"'{kind.value}' is not supported with FSDP2 (distributed.dp_replicate, "
+                "dp_shard or cp > 1) yet: its backward in two halves, inputs then weights, "
+                "does not yet equal one rank there; use 'gpipe', '1f1b' or 'interleaved_1f1b'",
             )
         )
     return p
@@ -319,16 +320,6 @@ def context_parallel_problems(config: JobConfig, dims: MeshDims) -> list[Problem
                 "distributed.cp",
                 f"2*cp = {2 * dims.cp} must divide train.seq_len={seq_len} (each rank keeps a "
                 "head and a tail chunk of every sequence)",
-            )
-        )
-    schedule = config.distributed.pp_schedule
-    if splits_backward(dims.pp, schedule):
-        p.append(
-            (
-                "distributed.pp_schedule",
-                f"'{schedule.value}' is not supported with distributed.cp > 1 yet (its backward "
-                "in two halves, inputs then weights, does not yet equal one rank there); use "
-                "'gpipe', '1f1b' or 'interleaved_1f1b'",
             )
         )
     unsupported = (

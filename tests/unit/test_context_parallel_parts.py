@@ -260,9 +260,9 @@ def test_cp_is_a_mesh_dim_and_counts_in_the_world():
                 "model": {"n_layers": 4},
             },
             4,
-            "distributed.pp_schedule: 'zbv' is not supported with distributed.cp > 1 yet (its "
-            "backward in two halves, inputs then weights, does not yet equal one rank there); "
-            "use 'gpipe', '1f1b' or 'interleaved_1f1b'",
+            "distributed.pp_schedule: 'zbv' is not supported with FSDP2 (distributed.dp_replicate, "
+            "dp_shard or cp > 1) yet: its backward in two halves, inputs then weights, does not "
+            "yet equal one rank there; use 'gpipe', '1f1b' or 'interleaved_1f1b'",
         ),
         (
             {"distributed": {"cp": 2}, "model": {"moe_num_experts": 4}},

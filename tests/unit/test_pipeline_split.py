@@ -216,9 +216,12 @@ RULES = [
     ("tied across stages", cfg(distributed=PP2, model={"tie_embeddings": True}), 2, []),
     ("tied in a V", cfg(distributed=PP2 | {"pp_schedule": "zbv", "pp_stages_per_rank": 2}, model={"tie_embeddings": True}), 2, []),
     ("tied in a V under FSDP2", cfg(distributed={"pp": 2, "dp_shard": 2, "pp_schedule": "zbv", "pp_stages_per_rank": 2}, model={"tie_embeddings": True}), 4,
-     ["model.tie_embeddings: is not supported with distributed.pp_schedule='zbv' and data parallelism (distributed.dp_replicate or dp_shard > 1: one weight in two FSDP2 units on rank 0); use a looped schedule or set one of them off"]),
+     ["distributed.pp_schedule: 'zbv' is not supported with FSDP2 (distributed.dp_replicate, dp_shard or cp > 1) yet: its backward in two halves, inputs then weights, does not yet equal one rank there; use 'gpipe', '1f1b' or 'interleaved_1f1b'"]),
     ("tied in a V under FSDP2 over replicas", cfg(distributed={"pp": 2, "dp_replicate": 2, "dp_shard": 1, "pp_schedule": "dualpipev", "pp_stages_per_rank": 2}, model={"tie_embeddings": True}), 4,
-     ["model.tie_embeddings: is not supported with distributed.pp_schedule='dualpipev' and data parallelism (distributed.dp_replicate or dp_shard > 1: one weight in two FSDP2 units on rank 0); use a looped schedule or set one of them off"]),
+     ["distributed.pp_schedule: 'dualpipev' is not supported with FSDP2 (distributed.dp_replicate, dp_shard or cp > 1) yet: its backward in two halves, inputs then weights, does not yet equal one rank there; use 'gpipe', '1f1b' or 'interleaved_1f1b'"]),
+    ("looped zero bubble under FSDP2", cfg(distributed={"pp": 2, "dp_shard": 2, "pp_schedule": "interleaved_zero_bubble"}), 4,
+     ["distributed.pp_schedule: 'interleaved_zero_bubble' is not supported with FSDP2 (distributed.dp_replicate, dp_shard or cp > 1) yet: its backward in two halves, inputs then weights, does not yet equal one rank there; use 'gpipe', '1f1b' or 'interleaved_1f1b'"]),
+    ("1f1b under FSDP2", cfg(distributed={"pp": 2, "dp_shard": 2}), 4, []),
 ]  # fmt: skip
 
 
