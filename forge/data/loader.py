@@ -1,10 +1,13 @@
 """The training loader: mixtures, phases, packing, worker processes, exact O(1) resume.
 
-A *plan* (which windows one rank reads for one micro-batch) is a pure function of the loader
-state ``(micro_batch, cursors)``; see ``forge.data.mixture``. Plans are made in the training
-process and read (memmap, stack, pack) in worker processes when ``num_workers > 0``. Each
-batch carries the loader state after it, so prefetching workers never make the saved state
-run ahead of what training consumed, and a resume is a seek, never a replay.
+A run reads one stream of rows numbered over every rank and micro-batch; how a step is split
+(``train.batch_size`` × data-parallel ranks × ``train.grad_accum_steps``) only says which rows
+each rank reads when. A *plan* (the windows one rank reads for one micro-batch) is a pure
+function of the layout-free loader state ``(rows, steps, cursors)``; see
+``forge.data.mixture``. Plans are made in the training process and read (memmap, stack, pack)
+in worker processes when ``num_workers > 0``. Each batch carries the loader state after it, so
+prefetching workers never make the saved state run ahead of what training consumed, and a
+resume, on any layout of the same global batch, is a seek, never a replay.
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ from forge.data.image_text import ImageCaptions
 from forge.data.mixture import (
     Phase,
     active_phase,
-    draw_sources,
     row_cursors,
-    step_of_micro_batch,
+    row_sources,
 )
 from forge.data.packing import pack
+from forge.data.row_digest import add_rows, digest_hex, parse_digest, row_hashes
 from forge.data.sampler import epoch_permutation
 from forge.data.shards import DataError
 
@@ -82,10 +85,16 @@ class Batch:
 
 @attrs.frozen
 class LoaderState:
-    """Where the next micro-batch comes from: its index and each source's cursor."""
+    """Where the next micro-batch comes from, the same on every rank and for every layout:
+    the global rows consumed, the data steps completed (phases follow them), the rows of the
+    unfinished step already read, each source's cursor, and the digest of every row consumed
+    (``forge.data.row_digest``)."""
 
-    micro_batch: int = 0
+    rows: int = 0
+    steps: int = 0
     cursors: tuple[int, ...] = (0,)
+    digest: int = 0
+    step_rows: int = 0
 
 
 @attrs.frozen
@@ -110,6 +119,16 @@ class Sampling:
     grad_accum_steps: int = 1
     max_epochs: int | None = None
 
+    @property
+    def micro_rows(self) -> int:
+        """Rows of one micro-batch over every data-parallel rank."""
+        return self.batch_size * self.world_size
+
+    @property
+    def step_rows(self) -> int:
+        """Rows of one optimizer step: the global batch."""
+        return self.micro_rows * self.grad_accum_steps
+
 
 def single_source(size: int, batch_size: int, seed: int, **kwargs: Any) -> Sampling:
     """Sampling of one source of ``size`` windows (no mixture, no phases); ``kwargs`` as
@@ -117,24 +136,46 @@ def single_source(size: int, batch_size: int, seed: int, **kwargs: Any) -> Sampl
     return Sampling((size,), (Phase(1, (1.0,), 1.0),), seed, batch_size, **kwargs)
 
 
+def window_indices(
+    seed: int, sizes: Sequence[int], sources: np.ndarray, positions: np.ndarray
+) -> np.ndarray:
+    """The window each row reads: position ``k`` of source ``s`` is
+    ``perm_s(k // n_s)[k % n_s]``."""
+    windows = np.empty(len(sources), dtype=np.int64)
+    n = np.asarray(sizes, dtype=np.int64)[sources]
+    epochs, offsets = positions // n, positions % n
+    for source, epoch in {(int(a), int(b)) for a, b in zip(sources, epochs, strict=True)}:
+        same = (sources == source) & (epochs == epoch)
+        order = epoch_permutation(seed, epoch, sizes[source], source)
+        windows[same] = order[offsets[same]]
+    return windows
+
+
 def plan_at(state: LoaderState, s: Sampling) -> Plan | None:
-    """The plan of micro-batch ``state.micro_batch``; None once ``max_epochs`` is used up."""
-    phase = active_phase(s.phases, step_of_micro_batch(state.micro_batch, s.grad_accum_steps))
-    sources = draw_sources(
-        s.seed, state.micro_batch, phase.probabilities, s.batch_size * s.world_size
-    )
+    """The plan of the micro-batch that starts at global row ``state.rows``; None once
+    ``max_epochs`` is used up. Its rows belong to data step ``state.steps + 1``, whose phase
+    they follow."""
+    phase = active_phase(s.phases, state.steps + 1)
+    count = s.micro_rows
+    sources = row_sources(s.seed, state.rows, count, phase.probabilities)
     positions, after = row_cursors(sources, state.cursors)
-    epochs = positions // np.asarray(s.sizes)[sources]
-    if s.max_epochs is not None and int(epochs.max()) >= s.max_epochs:
-        return None
+    if s.max_epochs is not None:
+        epochs = positions // np.asarray(s.sizes, dtype=np.int64)[sources]
+        if int(epochs.max()) >= s.max_epochs:
+            return None
+    windows = window_indices(s.seed, s.sizes, sources, positions)
     mine = slice(s.rank * s.batch_size, (s.rank + 1) * s.batch_size)
-    rows = tuple(
-        (src, int(epoch_permutation(s.seed, int(ep), s.sizes[src], src)[pos % s.sizes[src]]))
-        for src, pos, ep in zip(
-            sources[mine].tolist(), positions[mine].tolist(), epochs[mine].tolist(), strict=True
-        )
+    rows = tuple(zip(sources[mine].tolist(), windows[mine].tolist(), strict=True))
+    into_step = state.step_rows + count
+    ends_step = into_step >= s.step_rows
+    following = LoaderState(
+        rows=state.rows + count,
+        steps=state.steps + int(ends_step),
+        cursors=after,
+        digest=add_rows(state.digest, row_hashes(state.rows, sources, windows)),
+        step_rows=0 if ends_step else into_step,
     )
-    return Plan(rows, phase.lr_scale, LoaderState(state.micro_batch + 1, after))
+    return Plan(rows, phase.lr_scale, following)
 
 
 def plans_from(state: LoaderState, sampling: Sampling) -> Iterator[Plan]:
@@ -258,22 +299,20 @@ class TextLoader:
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-able position of the next micro-batch."""
-        return {"micro_batch": self.state.micro_batch, "cursors": list(self.state.cursors)}
+        """JSON-able position of the next micro-batch, free of the layout."""
+        st = self.state
+        return {
+            "rows": st.rows,
+            "steps": st.steps,
+            "step_rows": st.step_rows,
+            "cursors": list(st.cursors),
+            "digest": digest_hex(st.digest),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Seek to a position saved by ``state_dict`` (worker processes restart from there)."""
-        if "micro_batch" not in state or "cursors" not in state:
-            raise DataError(
-                f"loader state {state} is not one this forge writes; start the run afresh"
-            )
-        cursors = tuple(int(c) for c in state["cursors"])
-        if len(cursors) != len(self.sampling.sizes):
-            raise DataError(
-                f"the checkpoint's loader has {len(cursors)} data sources, the config "
-                f"{len(self.sampling.sizes)}; resume with the [data] sources it was saved with"
-            )
-        self.state = LoaderState(int(state["micro_batch"]), cursors)
+        """Seek to a position saved by ``state_dict``, whatever layout saved it (worker
+        processes restart from there)."""
+        self.state = loader_state(state, self.sampling)
         self._stream = None
 
     def close(self) -> None:
@@ -286,7 +325,50 @@ class TextLoader:
 
     def rewind(self) -> None:
         """Back to the first micro-batch (the held-out loader, before each evaluation)."""
-        self.load_state_dict({"micro_batch": 0, "cursors": [0] * len(self.sampling.sizes)})
+        self.state = LoaderState(cursors=(0,) * len(self.sampling.sizes))
+        self._stream = None
+
+
+LOADER_KEYS = ("rows", "steps", "step_rows", "cursors", "digest")
+
+
+def loader_state(saved: dict[str, Any], sampling: Sampling) -> LoaderState:
+    """The ``LoaderState`` a saved position names, checked against ``sampling``: a
+    ``DataError`` naming what does not fit (another forge's record, another number of
+    sources, a position inside a step that this layout cannot split)."""
+    if "micro_batch" in saved:
+        raise DataError(
+            "the checkpoint's loader position is counted in micro-batches (an earlier forge, "
+            "whose sample order depended on how a step was split); this forge cannot continue "
+            "that order exactly: start the run afresh"
+        )
+    if set(saved) != set(LOADER_KEYS):
+        raise DataError(f"loader state {saved} is not one this forge writes; start afresh")
+    try:
+        cursors = tuple(int(c) for c in saved["cursors"])
+        state = LoaderState(
+            int(saved["rows"]),
+            int(saved["steps"]),
+            cursors,
+            parse_digest(str(saved["digest"])),
+            int(saved["step_rows"]),
+        )
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"loader state {saved} is not one this forge writes ({exc})") from None
+    if len(cursors) != len(sampling.sizes):
+        raise DataError(
+            f"the checkpoint's loader has {len(cursors)} data sources, the config "
+            f"{len(sampling.sizes)}; resume with the [data] sources it was saved with"
+        )
+    if min(state.rows, state.steps, state.step_rows, *cursors) < 0 or sum(cursors) != state.rows:
+        raise DataError(f"loader state {saved} does not add up (rows ≠ the sum of its cursors)")
+    if state.step_rows % sampling.micro_rows or state.step_rows >= sampling.step_rows:
+        raise DataError(
+            f"the checkpoint stopped {state.step_rows} rows into a step, which micro-batches "
+            f"of {sampling.micro_rows} rows (train.batch_size × data-parallel ranks) cannot "
+            "continue; resume with the layout it was saved with"
+        )
+    return state
 
 
 def pins_host_memory(device: torch.device) -> bool:

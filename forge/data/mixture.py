@@ -1,13 +1,17 @@
-"""Which source each row of a micro-batch comes from: pure functions of (seed, micro-batch).
+"""Which source each row comes from: pure functions of (seed, global row index).
 
-A mixture's state is one cursor per source (rows drawn from it so far, over all ranks); row
-``k`` of source ``s`` is window ``perm_s(epoch)[k % n_s]`` with ``epoch = k // n_s``. Drawing a
-micro-batch's sources depends only on ``(seed, micro_batch)`` and the active phase's
-probabilities, so a saved ``(micro_batch, cursors)`` resumes exactly, at O(1) cost.
+A run reads one stream of rows, numbered over every rank and micro-batch (the *global row
+index*); however a step is split (batch size, accumulation, data-parallel ranks), step ``k``
+reads the same rows. Row ``g`` draws its source from a uniform number that depends only on
+``(seed, g)``, under the probabilities of the phase of the step it belongs to. A mixture's
+state is one cursor per source (rows drawn from it so far); the ``k``-th row of source ``s``
+is window ``perm_s(epoch)[k % n_s]`` with ``epoch = k // n_s``. So a saved
+``(rows, steps, cursors)`` resumes exactly, on any layout, at O(1) cost.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import attrs
@@ -54,26 +58,43 @@ def active_phase(phases: Sequence[Phase], step: int) -> Phase:
     return current
 
 
-def step_of_micro_batch(micro_batch: int, grad_accum_steps: int) -> int:
-    """The (1-based) optimizer step that consumes micro-batch ``micro_batch`` (0-based)."""
-    return micro_batch // grad_accum_steps + 1
+UNIFORM_BLOCK = 4096  # rows whose uniforms are drawn together (cached): a layout-free unit
 
 
-def draw_sources(
-    seed: int, micro_batch: int, probabilities: Sequence[float], rows: int
-) -> np.ndarray:
-    """Source index of each of the ``rows`` rows (all ranks) of micro-batch ``micro_batch``."""
+@functools.lru_cache(maxsize=8)
+def block_uniforms(seed: int, block: int) -> np.ndarray:
+    """The uniform numbers of rows ``block * UNIFORM_BLOCK`` onwards (read-only)."""
+    u = np.random.default_rng([seed, block, 0x6D6978]).random(UNIFORM_BLOCK)  # "mix"
+    u.flags.writeable = False
+    return u
+
+
+def row_uniforms(seed: int, start: int, count: int) -> np.ndarray:
+    """The uniform numbers in [0, 1) of global rows ``start .. start + count - 1``."""
+    first, last = start // UNIFORM_BLOCK, (start + count - 1) // UNIFORM_BLOCK
+    joined = np.concatenate([block_uniforms(seed, b) for b in range(first, last + 1)])
+    offset = start - first * UNIFORM_BLOCK
+    return joined[offset : offset + count]
+
+
+def row_sources(seed: int, start: int, count: int, probabilities: Sequence[float]) -> np.ndarray:
+    """The source of each of global rows ``start .. start + count - 1``: row ``g`` takes the
+    first source whose cumulative probability exceeds its uniform, so a source of weight
+    zero is never drawn."""
     if len(probabilities) == 1:
-        return np.zeros(rows, dtype=np.int64)
-    rng = np.random.default_rng([seed, micro_batch, 0x6D6978])  # "mix": apart from shuffles
-    return rng.choice(len(probabilities), size=rows, p=np.asarray(probabilities))
+        return np.zeros(count, dtype=np.int64)
+    cumulative = np.cumsum(np.asarray(probabilities, dtype=np.float64))
+    cumulative /= cumulative[-1]  # the last edge is exactly 1, above every uniform
+    return np.searchsorted(cumulative, row_uniforms(seed, start, count), side="right")
 
 
 def row_cursors(sources: np.ndarray, cursors: Sequence[int]) -> tuple[np.ndarray, tuple[int, ...]]:
-    """Each row's position in its source's stream, and the cursors after the micro-batch."""
+    """Each row's position in its source's stream, and the cursors after these rows."""
     positions = np.empty(len(sources), dtype=np.int64)
     after = list(cursors)
-    for row, source in enumerate(sources.tolist()):
-        positions[row] = after[source]
-        after[source] += 1
+    for source in range(len(after)):
+        mine = sources == source
+        count = int(np.count_nonzero(mine))
+        positions[mine] = after[source] + np.arange(count)
+        after[source] += count
     return positions, tuple(after)

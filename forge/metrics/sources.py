@@ -7,7 +7,8 @@ steps between two logs and reduce them over ranks only on logging steps (``sourc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -42,3 +43,10 @@ def source_record(names: Sequence[str], sums: Sequence[Sequence[float]]) -> dict
         if tokens > 0:
             record[f"data/{name}/loss"] = loss / tokens
     return record
+
+
+def row_record(position: Mapping[str, Any]) -> dict[str, Any]:
+    """Sample accounting from the train loader's ``state_dict()``: ``data/rows`` consumed so
+    far over every rank, and ``data/rows_digest``, the digest of those rows
+    (``forge.data.row_digest``), equal in two runs that consumed the same rows in order."""
+    return {"data/rows": position["rows"], "data/rows_digest": position["digest"]}

@@ -22,6 +22,7 @@ from forge.checkpoint.checkpointer import Checkpointer
 from forge.checkpoint.export import export_model, tokenizer_info
 from forge.checkpoint.slots import Slots
 from forge.checkpoint.store import apply_retention
+from forge.config.loader import CONVERTER
 from forge.config.sections import AsyncMode
 from forge.errors import CheckpointSaveError
 from forge.metrics.backends import TensorBoardSink, WandbSink
@@ -39,7 +40,7 @@ from forge.metrics.flops import (
 from forge.metrics.memory import memory_record
 from forge.metrics.moe import moe_record
 from forge.metrics.sinks import JsonlSink, MetricsSink, console_sink, sink_failure, step_record
-from forge.metrics.sources import source_record
+from forge.metrics.sources import row_record, source_record
 from forge.optim.optimizers import evaluation_weights
 from forge.parallel.reduce import mean_over_ranks, sum_over_ranks
 from forge.training.config_changes import current_settings
@@ -125,7 +126,7 @@ class TrainingEffects:
                 tokens_seen=state.tokens_seen,
                 reason=reason,
                 loop_state=state,
-                loader=LoaderRecord(loader["micro_batch"], tuple(loader["cursors"])),
+                loader=CONVERTER.structure(loader, LoaderRecord),
                 schedule=ScheduleRecord(
                     schedule.name.value,
                     schedule.warmup_steps,
@@ -230,6 +231,7 @@ class TrainingEffects:
         step_time = elapsed / steps
         tps = result.tokens / step_time if step_time > 0 else math.inf
         record = step_record(state, result, step_time, tps)
+        record |= row_record(self.data.train_loader.state_dict())
         if self.dist.is_main:  # only rank 0 writes metrics: the others skip the measurement
             record |= self._throughput(tps)
             record |= memory_record(self.dist.device)

@@ -80,6 +80,7 @@ def run_identity(
             | ({"dataset": fingerprints[i]} if fingerprints else {})
             for i, s in enumerate(data.source_list)
         ],
+        "data.train_split": data.train_split,
         "data.temperature": data.temperature,
         "data.phases": _plain(data.phases),
         "data.pack_documents": data.pack_documents,

@@ -12,11 +12,11 @@ from cattrs.errors import ClassValidationError, IterableValidationError
 
 from forge.checkpoint.policy import step_of
 from forge.checkpoint.store import TRAIN_STATE, CheckpointError
-from forge.config.loader import CONVERTER, leaf_errors
+from forge.config.loader import CONVERTER, ConfigError, leaf_errors
 from forge.training.plan import SaveReason
 from forge.types import LoopState
 
-TRAIN_STATE_VERSION = 1
+TRAIN_STATE_VERSION = 2  # 2: the loader's position in global rows, free of the layout
 # Keys that older train states carry and this one no longer reads: dropped before structuring,
 # so that their checkpoints still resume (``identity`` compares the model since it was added).
 RETIRED_KEYS = ("model_fingerprint",)
@@ -24,10 +24,20 @@ RETIRED_KEYS = ("model_fingerprint",)
 
 @attrs.frozen
 class LoaderRecord:
-    """The loader's position: the next micro-batch and each source's cursor."""
+    """The loader's position, free of the layout (``forge.data.loader.LoaderState``): global
+    rows consumed, data steps completed, rows into the unfinished step, each source's cursor,
+    and the digest of the rows consumed."""
 
-    micro_batch: int
+    rows: int
+    steps: int
+    step_rows: int
     cursors: tuple[int, ...]
+    digest: str
+
+
+class EarlierLoaderError(ConfigError):
+    """A checkpoint whose loader position counts micro-batches: its sample order depended on
+    the split of a step, which this forge's does not, so it cannot be continued exactly."""
 
 
 @attrs.frozen
@@ -63,6 +73,14 @@ def parse_train_state(raw: Any, path: pathlib.Path) -> TrainState:
     """Structure ``raw`` strictly; a ``CheckpointError`` naming the first bad field otherwise."""
     if isinstance(raw, dict):
         raw = {k: v for k, v in raw.items() if k not in RETIRED_KEYS}
+        loader = raw.get("loader")
+        if isinstance(loader, dict) and "micro_batch" in loader:
+            raise EarlierLoaderError(
+                f"{path / TRAIN_STATE}: written by an earlier forge, whose data order depended "
+                "on how a step was split (its loader counts micro-batches); this forge cannot "
+                "continue that order exactly: start the run afresh (checkpoint.load_path can "
+                "take its weights)"
+            )
     try:
         state = CONVERTER.structure(raw, TrainState)
     except (ClassValidationError, IterableValidationError) as exc:

@@ -114,6 +114,32 @@ def test_mixture_resumes_exactly_across_the_phase_switch(mixture_config, tmp_pat
         assert torch.equal(tensor, final_weights(mixture_config, 12)[name]), name
 
 
+def test_a_changed_global_batch_continues_at_the_next_unconsumed_row(
+    tiny_config, small_corpus, second_corpus, tmp_path, capsys
+):
+    """A mixture (no phase) in steps of 4 rows to the step-5 checkpoint, then steps of 2 under
+    allow_config_change: after two steps of 2 the run has read rows 0-23, exactly what the
+    uninterrupted run of 4 had read at step 6 (the same row count and digest)."""
+    sources = MIXTURE.split("[[data.phases]]")[0].format(a=small_corpus, b=second_corpus)
+    tiny_config.write_text(tiny_config.read_text() + sources)
+    mixture_config = tiny_config
+    reference = reference_config(mixture_config, tmp_path)
+    assert TRAIN.main([str(reference)]) == 0
+    assert TRAIN.main([str(mixture_config)], hooks=[SignalAt(4)]) == 75
+    assert latest(mixture_config) == "step_5"
+    changed = ["--train.batch_size=2", "--checkpoint.allow_config_change=true"]
+    assert TRAIN.main([str(mixture_config), *changed]) == 0
+    assert "global batch" in capsys.readouterr().err  # the warning names the change
+    ref = {r["step"]: r for r in records(reference)}
+    got = {r["step"]: r for r in records(mixture_config)}
+    assert [got[s]["data/rows"] for s in (5, 6, 7, 8)] == [20, 22, 24, 26]
+    assert got[7]["data/rows_digest"] == ref[6]["data/rows_digest"]
+    assert got[6]["data/rows_digest"] not in (
+        ref[5]["data/rows_digest"],
+        ref[6]["data/rows_digest"],
+    )
+
+
 class EvalSpy:
     def __init__(self) -> None:
         self.calls: list[tuple[int, float]] = []

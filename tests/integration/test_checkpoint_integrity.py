@@ -199,12 +199,12 @@ def test_latest_pointing_at_a_damaged_older_checkpoint_gives_way_to_a_newer_one(
 def test_a_train_state_of_another_step_than_its_folder_is_refused(ckpt):
     raw = json.loads((step_dir(ckpt, 2) / TRAIN_STATE).read_text())
     good = {
-        "format_version": 1,
+        "format_version": 2,
         "step": 2,
         "tokens_seen": 0,
         "reason": "scheduled",
         "loop_state": {"step": 2},
-        "loader": {"micro_batch": 0, "cursors": [0]},
+        "loader": {"rows": 0, "steps": 0, "step_rows": 0, "cursors": [0], "digest": "0" * 16},
         "schedule": {"name": "cosine", "warmup_steps": 0, "decay_steps": 2, "total_steps": 2},
         "world_size": 1,
     }

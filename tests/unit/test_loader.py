@@ -25,13 +25,15 @@ def one_source(n_windows=40, batch=4, **kw) -> TextLoader:
     return TextLoader([windows(n_windows)], single_source(n_windows, batch, seed=5, **kw))
 
 
-def mixture(phases=(), workers=0, rank=0, world_size=1, grad_accum=1, sizes=(30, 50)):
+def mixture(
+    phases=(), workers=0, rank=0, world_size=1, grad_accum=1, sizes=(30, 50), batch=4, seed=11
+):
     sources = [DataSource("a", "-", 3.0), DataSource("b", "-", 1.0)]
     sampling = Sampling(
         sizes=sizes,
         phases=resolve_phases(sources, phases, temperature=1.0),
-        seed=11,
-        batch_size=4,
+        seed=seed,
+        batch_size=batch,
         rank=rank,
         world_size=world_size,
         grad_accum_steps=grad_accum,
@@ -56,7 +58,8 @@ def test_an_epoch_visits_every_window_once():
 def test_max_epochs_ends_iteration():
     loader = one_source(max_epochs=2)
     assert len(list(loader)) == 2 * 10
-    assert loader.state_dict() == {"micro_batch": 20, "cursors": [80]}
+    position = loader.state_dict()
+    assert (position["rows"], position["steps"], position["cursors"]) == (80, 20, [80])
 
 
 def test_ranks_take_disjoint_rows_of_each_micro_batch():
@@ -148,7 +151,7 @@ def test_worker_prefetch_does_not_advance_the_saved_state():
     loader = mixture(workers=2)
     for _ in range(3):
         next(loader)
-    assert loader.state_dict()["micro_batch"] == 3
+    assert loader.state_dict()["rows"] == 3 * 4
 
 
 def test_workers_read_the_same_batches_as_the_training_process():
@@ -157,11 +160,33 @@ def test_workers_read_the_same_batches_as_the_training_process():
         assert torch.equal(next(inline).inputs, next(workers).inputs)
 
 
+def position(**changes):
+    """A saved position of ``mixture()`` after 3 micro-batches, with ``changes``."""
+    loader = mixture()
+    for _ in range(3):
+        next(loader)
+    return loader.state_dict() | changes
+
+
 @pytest.mark.parametrize(
     ("state", "message"),
     [
         ({"epoch": 0, "batch": 3}, "not one this forge writes"),
-        ({"micro_batch": 3, "cursors": [1, 2, 3]}, "has 3 data sources, the config 2"),
+        ({"micro_batch": 3, "cursors": [1, 2]}, "counted in micro-batches"),
+        (position(cursors=[1, 2, 9]), "has 3 data sources, the config 2"),
+        (position(rows=13), "does not add up"),
+        (position(digest="xyz"), "not one this forge writes"),
+        (position(cursors=["a", 2]), "not one this forge writes"),
+        (position(step_rows=2), "cannot continue"),
+    ],
+    ids=[
+        "foreign keys",
+        "an earlier forge's micro-batch count",
+        "another number of sources",
+        "rows that are not the sum of the cursors",
+        "a digest that is not 16 hex digits",
+        "a cursor that is no number",
+        "a position inside a step that this layout cannot split",
     ],
 )
 def test_a_foreign_loader_state_is_refused(state, message):
@@ -169,6 +194,98 @@ def test_a_foreign_loader_state_is_refused(state, message):
 
     with pytest.raises(DataError, match=message):
         mixture().load_state_dict(state)
+
+
+# layouts of one global batch of 8 rows: (batch_size, data-parallel ranks, grad_accum_steps)
+LAYOUTS = {
+    "b8 x acc1": (8, 1, 1),
+    "b2 x acc4": (2, 1, 4),
+    "b1 x acc8": (1, 1, 8),
+    "2 ranks x b1 x acc4": (1, 2, 4),
+    "4 ranks x b2 x acc1": (2, 4, 1),
+}
+PHASE = [DataPhase(start_step=4, weights={"a": 0.0}, lr_scale=0.5)]
+
+
+def layout_loaders(layout, **kw):
+    batch, ranks, accum = LAYOUTS[layout]
+    return [
+        mixture(batch=batch, rank=r, world_size=ranks, grad_accum=accum, phases=PHASE, **kw)
+        for r in range(ranks)
+    ]
+
+
+def steps_read(loaders, steps, accum):
+    """Per step: the rows every rank read (their first tokens, in global row order: micro-batch
+    by micro-batch, rank by rank), the LR scales, and the digest after it."""
+    out, groups = [], [step_batches(loader, accum) for loader in loaders]
+    for _ in range(steps):
+        per_rank = [next(g) for g in groups]
+        rows = [int(t) for m in range(accum) for rank in per_rank for t in rank[m].inputs[:, 0]]
+        scales = {b.lr_scale for rank in per_rank for b in rank}
+        out.append((rows, scales, loaders[0].state_dict()["digest"]))
+    return out
+
+
+@pytest.mark.parametrize("layout", [k for k in LAYOUTS if k != "b8 x acc1"])
+def test_every_split_of_a_step_reads_the_same_rows_in_the_same_order(layout):
+    """A phase at step 4 (source a off, LR x0.5) fires at step 4 whatever the split."""
+    reference = steps_read(layout_loaders("b8 x acc1"), 8, 1)
+    assert steps_read(layout_loaders(layout), 8, LAYOUTS[layout][2]) == reference
+    assert [s for _, s, _ in reference] == [{1.0}] * 3 + [{0.5}] * 5
+    assert all(t >= 1000 for rows, _, _ in reference[3:] for t in rows)  # only source b
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [("b8 x acc1", "2 ranks x b1 x acc4"),
+                                                ("2 ranks x b1 x acc4", "b2 x acc4"),
+                                                ("4 ranks x b2 x acc1", "b1 x acc8")])  # fmt: skip
+def test_a_resume_on_another_layout_continues_the_same_rows(saved, resumed):
+    """3 steps on one layout, saved as the checkpoint stores it, 5 more on another: the rows
+    and digests of the uninterrupted run (the phase switch falls inside the resumed span)."""
+    reference = steps_read(layout_loaders("b8 x acc1"), 8, 1)
+    first = layout_loaders(saved)
+    head = steps_read(first, 3, LAYOUTS[saved][2])
+    state = json.loads(json.dumps(first[0].state_dict()))
+    assert all(loader.state_dict() == state for loader in first)  # the same on every rank
+    second = layout_loaders(resumed)
+    for loader in second:
+        loader.load_state_dict(state)
+    assert head + steps_read(second, 5, LAYOUTS[resumed][2]) == reference
+
+
+def test_the_digest_names_the_rows_and_their_order():
+    """Equal for the same rows in the same order; another seed, or the same rows in another
+    order, gives another digest."""
+    from forge.data.row_digest import add_rows, row_hashes
+
+    a = steps_read(layout_loaders("b8 x acc1"), 2, 1)
+    assert a == steps_read(layout_loaders("b8 x acc1"), 2, 1)
+    assert a[1][2] != steps_read(layout_loaders("b8 x acc1", seed=12), 2, 1)[1][2]
+    sources, windows = np.array([0, 1, 1]), np.array([5, 7, 9])
+    ordered = add_rows(0, row_hashes(0, sources, windows))
+    swapped = add_rows(0, row_hashes(0, sources[[1, 0, 2]], windows[[1, 0, 2]]))
+    assert ordered != swapped
+    split = add_rows(add_rows(0, row_hashes(0, sources[:1], windows[:1])),
+                     row_hashes(1, sources[1:], windows[1:]))  # fmt: skip
+    assert split == ordered
+
+
+def test_a_source_of_weight_zero_is_never_drawn_and_one_of_weight_one_always():
+    from forge.data.mixture import row_sources
+
+    assert set(row_sources(3, 0, 5000, (0.0, 1.0, 0.0)).tolist()) == {1}
+    assert set(row_sources(3, 4090, 20, (0.5, 0.5, 0.0)).tolist()) <= {0, 1}
+    assert set(row_sources(3, 0, 5000, (1.0, 0.0)).tolist()) == {0}
+
+
+def test_row_sources_are_a_function_of_the_global_row_alone():
+    """Rows drawn in one call or piece by piece, across a block of cached uniforms, agree."""
+    from forge.data.mixture import UNIFORM_BLOCK, row_sources
+
+    p = (0.2, 0.3, 0.5)
+    whole = row_sources(9, UNIFORM_BLOCK - 7, 20, p)
+    pieces = np.concatenate([row_sources(9, UNIFORM_BLOCK - 7 + k, 5, p) for k in range(0, 20, 5)])
+    assert np.array_equal(whole, pieces)
 
 
 def test_close_stops_the_worker_processes_and_reading_goes_on_after_it():

@@ -43,6 +43,7 @@ TABLE = [
     ("2 ranks x 4 -> 1 rank x 8: same global batch", {"train.batch_size": 8}, 1, "abc", []),
     ("temperature", {"data.temperature": 2.0}, 1, "abc", [("data.temperature", DATA)]),
     ("packing", {"data.pack_documents": True}, 1, "abc", [("data.pack_documents", DATA)]),
+    ("train split", {"data.train_split": "validation"}, 1, "abc", [("data.train_split", DATA)]),
     ("other data content", {}, 1, "xyz", [("data.sources", DATA)]),
     ("max steps, lr, eval: the same run", {"train.max_steps": 900, "optimizer.lr": 1e-3, "eval.interval": 5}, 1, "abc", []),
     ("checkpointing knobs: the same run", {"checkpoint.interval": 7, "checkpoint.keep_last_n": 1}, 1, "abc", []),

@@ -24,7 +24,7 @@ STATE = TrainState(
     tokens_seen=4096,
     reason=SaveReason.SCHEDULED,
     loop_state=LoopState(step=4, tokens_seen=4096, last_saved_step=4),
-    loader=LoaderRecord(8, (32,)),
+    loader=LoaderRecord(32, 8, 0, (32,), "00000000000000ff"),
     schedule=ScheduleRecord("cosine", 2, 10, 12),
     world_size=1,
 )
@@ -38,6 +38,16 @@ def test_a_train_state_round_trips():
 def test_an_older_train_state_with_the_retired_model_fingerprint_still_parses():
     older = train_state_to_json(STATE) | {"model_fingerprint": "3f2a9c0d1e4b5a6c"}
     assert parse_train_state(older, PATH) == STATE
+
+
+def test_an_earlier_forges_micro_batch_position_is_refused_by_name_not_skipped():
+    """Not damage (an older checkpoint would not fare better): a config error, exit 2."""
+    from forge.config.loader import ConfigError
+
+    earlier = train_state_to_json(STATE) | {"loader": {"micro_batch": 8, "cursors": [32]}}
+    with pytest.raises(ConfigError, match=r"earlier forge.*cannot continue that order") as err:
+        parse_train_state(earlier, PATH)
+    assert not isinstance(err.value, CheckpointError) and "train_state.json" in str(err.value)
 
 
 @pytest.mark.parametrize(
