@@ -43,13 +43,12 @@ from forge.metrics.sinks import JsonlSink, MetricsSink, console_sink, sink_failu
 from forge.metrics.sources import row_record, source_record
 from forge.optim.optimizers import evaluation_weights
 from forge.parallel.reduce import mean_over_ranks, sum_over_ranks
-from forge.training.config_changes import current_settings
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
 from forge.training.downstream import DownstreamTasks
 from forge.training.evaluate import held_out_loss
 from forge.training.hooks import HookList, Hooks
-from forge.training.identity import run_identity
 from forge.training.plan import SaveReason, save_failure_is_fatal
+from forge.training.run_record import current_settings, run_identity
 from forge.training.train_state import (
     TRAIN_STATE_VERSION,
     LoaderRecord,

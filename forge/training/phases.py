@@ -60,7 +60,6 @@ from forge.training.context import (
     RunContext,
 )
 from forge.training.hooks import hook_problems
-from forge.training.identity import identity_differences, run_identity
 from forge.training.loaders import image_caption_loaders, text_loaders
 from forge.training.pipeline_setup import pipeline_of, pipeline_parts
 from forge.training.plan import starting_outcome
@@ -74,6 +73,7 @@ from forge.training.problems import (
     precision_warning,
 )
 from forge.training.resume import RunMismatchError, resume_run
+from forge.training.resume_rules import changes
 from forge.training.run_dir import (
     RunDirBusyError,
     RunDirLock,
@@ -81,6 +81,7 @@ from forge.training.run_dir import (
     lock_directories,
     path_problem,
 )
+from forge.training.run_record import predated_model_defaults, run_identity
 from forge.training.run_records import RunRecordsError, write_run_records
 from forge.training.vlm import vision_footprint, vlm_problems
 from forge.types import LoopState
@@ -327,9 +328,10 @@ def setup_checkpointing(
             verify=cfg.verify,
         )
         recorded = read_train_state(plan.path).get("identity")
-        differences = identity_differences(
+        differences = changes(
             recorded if isinstance(recorded, dict) else {},
             run_identity(run.config, dist.dp_size, data.fingerprints),
+            predated_model_defaults(),
         )
         say(f"initial weights from {plan.path}")
         for difference in differences:

@@ -1,7 +1,7 @@
 """A resume from the run's own checkpoints (``resume_run``): what it checks beside the
-tensors (the run it continues: model, data order, freeze schedule, ``check_same_run``; the
-optimizer, schedule and numerics settings, ``check_settings``), the optimizer's stage under a
-freeze schedule, and what it restores."""
+tensors (the run it recorded against this config, ``check_changes``: the model, data order and
+freeze schedule, the optimizer, schedule and numerics), the optimizer's stage under a freeze
+schedule, and what it restores."""
 
 from __future__ import annotations
 
@@ -22,12 +22,6 @@ from forge.config.sections import CheckpointConfig, FreezeRule, ScheduleName, Ve
 from forge.optim.freezing import Freezer
 from forge.optim.schedules import Schedule
 from forge.parallel.mesh import broadcast_from_main
-from forge.training.config_changes import (
-    ChangeVerdict,
-    change_verdict,
-    current_settings,
-    setting_changes,
-)
 from forge.training.context import (
     CheckpointContext,
     DataContext,
@@ -35,11 +29,11 @@ from forge.training.context import (
     ModelContext,
     RunContext,
 )
-from forge.training.identity import (
-    ResumeVerdict,
-    identity_differences,
+from forge.training.resume_rules import ChangeOptions, ChangeVerdict, change_verdict, changes
+from forge.training.run_record import (
+    current_settings,
+    predated_model_defaults,
     recorded_freeze,
-    resume_verdict,
     run_identity,
 )
 from forge.training.train_state import TrainState, parse_train_state
@@ -47,28 +41,6 @@ from forge.training.train_state import TrainState, parse_train_state
 
 class RunMismatchError(ConfigError):
     """Resuming a checkpoint written by another model or another data order."""
-
-
-def check_same_run(
-    train_state: TrainState,
-    identity: dict,
-    path: pathlib.Path,
-    allow_change: bool,
-    say: Callable[[str], None],
-) -> None:
-    """Refuse (or, with ``checkpoint.allow_config_change``, warn about) a resume whose model or
-    data order differs from what the checkpoint recorded."""
-    differences = identity_differences(train_state.identity or {}, identity)
-    verdict = resume_verdict(differences, allow_change)
-    if verdict is ResumeVerdict.REFUSE:
-        kinds = " and ".join(sorted({d.kind.value for d in differences}))
-        raise RunMismatchError(
-            f"{path}: written with a different {kinds}: "
-            f"{'; '.join(d.describe() for d in differences)}; resume with the checkpoint's "
-            "values, or set checkpoint.allow_config_change=true to continue anyway"
-        )
-    for d in differences if verdict is ResumeVerdict.WARN else ():
-        say(f"warning: resuming {path} with a different {d.kind.value}: {d.describe()}")
 
 
 def hold_checkpoint_stage(
@@ -98,7 +70,7 @@ def verified_by_main(path: pathlib.Path, mode: Verification, dist: DistContext) 
         raise CheckpointError(problem)  # type: ignore[arg-type]
 
 
-def check_settings(
+def check_changes(
     train_state: TrainState,
     current: dict,
     path: pathlib.Path,
@@ -106,14 +78,15 @@ def check_settings(
     say: Callable[[str], None],
     trains: bool = True,
 ) -> ChangeVerdict:
-    """Refuse (``RunMismatchError``, a line per refused group) a resume whose optimizer or LR
-    schedule settings differ from the checkpoint's, unless ``checkpoint.exclude_from_loading``
-    or ``checkpoint.schedule_from`` says what to do; say what is accepted with a warning."""
-    changes = setting_changes(train_state.settings or {}, current)
-    exclude = "optimizer" in cfg.exclude_from_loading
-    verdict = change_verdict(
-        changes, str(path), train_state.step, exclude, cfg.schedule_from, trains
+    """Refuse (``RunMismatchError``, a line per refused kind) a resume whose recorded run
+    (identity and settings) differs from ``current`` in a way ``[checkpoint]`` does not say
+    what to do about (``forge.training.resume_rules``); say what is accepted with a warning."""
+    recorded = (train_state.identity or {}) | (train_state.settings or {})
+    found = changes(recorded, current, predated_model_defaults())
+    options = ChangeOptions(
+        cfg.allow_config_change, "optimizer" in cfg.exclude_from_loading, cfg.schedule_from
     )
+    verdict = change_verdict(found, str(path), train_state.step, options, trains)
     if verdict.refusals:
         raise RunMismatchError(list(verdict.refusals))
     for warning in verdict.warnings:
@@ -147,16 +120,16 @@ def resume_run(
     loader. Each is checked whole (bytes, train state, run identity, settings) before any
     tensor is loaded; a damaged one gives way to the next, a changed config is refused."""
     cfg = run.config.checkpoint
-    identity = run_identity(run.config, dist.dp_size, data.fingerprints)
-    current = current_settings(run.config, model.peak_lr, model.schedule)
+    current = run_identity(run.config, dist.dp_size, data.fingerprints) | current_settings(
+        run.config, model.peak_lr, model.schedule
+    )
 
     def load(path: pathlib.Path) -> tuple[TrainState, ChangeVerdict]:
         check_loadable(path, model.model, Verification.METADATA)  # safe reads first: a
         verified_by_main(path, cfg.verify, dist)  # file carrying code is refused, not skipped
         train_state = parse_train_state(read_train_state(path), path)
-        check_same_run(train_state, identity, path, cfg.allow_config_change, say)
         trains = train_state.step < run.config.train.max_steps
-        verdict = check_settings(train_state, current, path, cfg, say, trains)
+        verdict = check_changes(train_state, current, path, cfg, say, trains)
         if model.freezer is not None:  # the optimizer as in the last step run
             hold_checkpoint_stage(model.freezer, train_state, run.config.freeze)
         optimizer = None if verdict.fresh_optimizer else model.optimizer

@@ -21,7 +21,8 @@ import attrs
 from forge.config.loader import ConfigError, load_config
 from forge.config.sections import JobConfig
 from forge.errors import UserInputError
-from forge.training.identity import identity_differences, run_identity
+from forge.training.resume_rules import changes
+from forge.training.run_record import predated_model_defaults, run_identity
 from forge.training.run_records import config_in_force
 
 LOCK_FILE = ".forge.lock"
@@ -156,12 +157,13 @@ def foreign_records_problem(
             f"run.dir: {run_dir} holds the records of a run whose checkpoints are in "
             f"{previous_ckpt}, and {checkpoint_dir} has none to resume; {fix}"
         )
-    differences = identity_differences(run_identity(previous, None), run_identity(config, None))
-    if differences:
+    found = changes(
+        run_identity(previous, None), run_identity(config, None), predated_model_defaults()
+    )
+    if found:
         return (
-            f"run.dir: {run_dir} holds the records of another run "
-            f"({differences[0].describe().replace('in the checkpoint', 'there')}) and no "
-            f"checkpoint to resume; {fix}"
+            f"run.dir: {run_dir} holds the records of another run ({found[0].describe()}, "
+            f"its config's → this one's) and no checkpoint to resume; {fix}"
         )
     return None
 

@@ -60,8 +60,8 @@ class TrainState:
     loader: LoaderRecord
     schedule: ScheduleRecord
     world_size: int
-    identity: dict[str, Any] | None = None  # forge.training.identity; older checkpoints lack it
-    # forge.training.config_changes.recorded_settings: the optimizer, numerics and schedule
+    identity: dict[str, Any] | None = None  # forge.training.run_record.run_identity
+    # forge.training.run_record.recorded_settings: the optimizer, numerics and schedule
     settings: dict[str, Any] | None = None
 
 

@@ -262,10 +262,10 @@ DATA_CASES = [
 ]  # fmt: skip
 
 CHECKPOINT_CASES = [
-    ("resume with another rope theta", resume_with("--model.rope_theta=500000"), 2, "model.rope_theta: 10000.0 in the checkpoint, 500000.0 now", checkpoints_intact),
+    ("resume with another rope theta", resume_with("--model.rope_theta=500000"), 2, "model.rope_theta: 10000.0 → 500000.0", checkpoints_intact),
     ("resume with another norm eps", resume_with("--model.norm_eps=1e-6"), 2, "model.norm_eps", checkpoints_intact),
     ("resume with another max seq len", resume_with("--model.max_seq_len=64"), 2, "model.max_seq_len", checkpoints_intact),
-    ("resume with another seq len", resume_with("--train.seq_len=16"), 2, "train.seq_len: 32 in the checkpoint, 16 now", checkpoints_intact),
+    ("resume with another seq len", resume_with("--train.seq_len=16"), 2, "train.seq_len: 32 → 16", checkpoints_intact),
     ("resume with another seed", resume_with("--train.seed=4"), 2, "train.seed", checkpoints_intact),
     ("resume with another data seed", resume_with("--train.data_seed=9"), 2, "train.data_seed", checkpoints_intact),
     ("resume with another global batch", resume_with("--train.batch_size=2"), 2, "global batch", checkpoints_intact),

@@ -165,7 +165,7 @@ def test_allow_config_change_resumes_with_a_warning_listing_the_differences(sand
     )  # fmt: skip
     assert result.code == 0, result.stderr
     assert "warning: resuming" in result.stderr
-    assert "model.rope_theta: 10000.0 in the checkpoint, 500000.0 now" in result.stderr
+    assert "model.rope_theta: 10000.0 → 500000.0" in result.stderr
 
 
 def test_sigusr1_from_outside_saves_and_exits_75(sandbox):

@@ -1,24 +1,25 @@
-"""Every config key is in exactly one change group, and each group's verdict on a resume."""
+"""Every config key is in exactly one change group of the one table, and each group's verdict
+on a resume."""
 
 from __future__ import annotations
 
 import pytest
 
 from forge.config.sections import JobConfig, ScheduleName, ScheduleSource
-from forge.training.config_changes import (
+from forge.training.resume_rules import (
     DECAY,
-    KEY_GROUPS,
-    SECTION_GROUPS,
+    DERIVED,
+    GROUPS,
     TOTAL,
     Change,
     ChangeGroup,
+    ChangeOptions,
     change_verdict,
+    changes,
     config_keys,
     group_of,
-    recorded_settings,
-    schedule_shape,
-    setting_changes,
 )
+from forge.training.run_record import recorded_settings, schedule_shape
 
 G = ChangeGroup
 
@@ -28,24 +29,25 @@ def test_every_config_key_is_in_exactly_one_group(key):
     """Its own entry, or its section's; an entry inside a grouped section is an exception to
     it (model.attention: a kernel, in a section of identity keys), never a repeat."""
     section = key.split(".")[0]
-    assert (key in KEY_GROUPS) or (section in SECTION_GROUPS), key
-    if key in KEY_GROUPS and section in SECTION_GROUPS:
-        assert KEY_GROUPS[key] is not SECTION_GROUPS[section], key
+    assert (key in GROUPS) or (section in GROUPS), key
+    if key in GROUPS and section in GROUPS and key != section:
+        assert GROUPS[key] is not GROUPS[section], key
 
 
-def test_the_tables_name_only_real_keys_and_sections():
+def test_the_table_names_only_real_keys_sections_and_recorded_values():
     keys = set(config_keys())
-    assert set(KEY_GROUPS) <= keys
-    assert set(SECTION_GROUPS) <= {k.split(".")[0] for k in keys}
+    assert set(GROUPS) <= keys | {k.split(".")[0] for k in keys} | set(DERIVED)
 
 
 @pytest.mark.parametrize(
     ("key", "group"),
     [
-        ("model.dim", G.IDENTITY),
-        ("freeze", G.IDENTITY),
-        ("train.seq_len", G.IDENTITY),
-        ("data.sources", G.IDENTITY),
+        ("model.dim", G.MODEL),
+        ("freeze", G.FREEZE),
+        ("freeze[2]", G.FREEZE),
+        ("train.seq_len", G.DATA_ORDER),
+        ("data.sources", G.DATA_ORDER),
+        ("data.train_split", G.DATA_ORDER),
         ("optimizer.name", G.OPTIMIZER_STATE),
         ("optimizer.betas", G.OPTIMIZER_STATE),
         ("train.param_dtype", G.OPTIMIZER_STATE),
@@ -58,10 +60,16 @@ def test_the_tables_name_only_real_keys_and_sections():
         ("metrics.log_interval", G.FREE),
         ("eval.interval", G.FREE),
         ("checkpoint.interval", G.FREE),
-        ("data.num_workers", G.FREE),
+        ("data.num_workers", G.LAYOUT),
+        ("train.batch_size", G.LAYOUT),  # the global batch is another value, DATA_ORDER
+        ("train.grad_accum_steps", G.LAYOUT),
+        ("distributed.dp_shard", G.LAYOUT),
+        ("distributed.pp", G.LAYOUT),
+        ("distributed.cp", G.LAYOUT),
+        ("distributed.ep", G.LAYOUT),
+        ("distributed.timeout_s", G.FREE),
         ("hooks.classes", G.FREE),
         ("profiler.enabled", G.FREE),
-        ("distributed.dp_shard", G.FREE),
     ],
 )
 def test_what_a_change_of_each_kind_of_key_means(key, group):
@@ -102,7 +110,7 @@ def settings(**changes):
 
 def test_the_recorded_settings_cover_the_optimizer_numerics_and_schedule_groups():
     recorded = settings()
-    groups = {group_of(k) if k not in (DECAY, TOTAL) else G.SCHEDULE for k in recorded}
+    groups = {group_of(k) for k in recorded}
     assert groups == {G.OPTIMIZER_STATE, G.NUMERICS, G.SCHEDULE}
     assert recorded["optimizer.name"] == "adamw" and recorded["optimizer.lr"] == 3e-4
 
@@ -111,12 +119,14 @@ def test_changes_name_key_old_and_new_value_and_skip_what_a_checkpoint_lacks():
     recorded = settings()
     current = settings(**{"optimizer.name": "lion", DECAY: 1100})
     del recorded["train.grad_clip_norm"]
-    changes = setting_changes(recorded, current | {"train.grad_clip_norm": 5.0})
-    assert [(c.key, c.group) for c in changes] == [
+    found = changes(recorded, current | {"train.grad_clip_norm": 5.0})
+    assert sorted((c.key, c.group) for c in found) == [
         (DECAY, G.SCHEDULE),
         ("optimizer.name", G.OPTIMIZER_STATE),
     ]
-    assert changes[1].describe() == "optimizer.name: 'adamw' → 'lion'"
+    assert [c.describe() for c in found if c.key == "optimizer.name"] == [
+        "optimizer.name: 'adamw' → 'lion'"
+    ]
 
 
 OPT = Change("optimizer.name", "adamw", "lion", G.OPTIMIZER_STATE)
@@ -206,7 +216,8 @@ VERDICTS = [
 def test_the_verdict_on_a_changed_config(
     changes, exclude, source, n_refused, fragments, warned, fresh, keep
 ):
-    verdict = change_verdict(changes, "runs/x/checkpoints/step_8", 8, exclude, source)
+    options = ChangeOptions(exclude_optimizer=exclude, schedule_from=source)
+    verdict = change_verdict(changes, "runs/x/checkpoints/step_8", 8, options)
     text = " | ".join(verdict.refusals)
     assert len(verdict.refusals) == n_refused and all(f in text for f in fragments), text
     assert len(verdict.warnings) == warned
@@ -224,13 +235,13 @@ FINISHED = [
     ("changes", "n_refused"), [c[1:] for c in FINISHED], ids=[c[0] for c in FINISHED]
 )
 def test_a_resume_that_trains_nothing_ignores_schedule_changes(changes, n_refused):
-    verdict = change_verdict(changes, "step_12", 12, False, None, trains=False)
+    verdict = change_verdict(changes, "step_12", 12, ChangeOptions(), trains=False)
     assert len(verdict.refusals) == n_refused and not verdict.keep_schedule
 
 
 def test_every_optimizer_says_which_keys_it_ignores():
     from forge.config.sections import OptimizerName
-    from forge.training.config_changes import UNUSED_BY
+    from forge.training.run_record import UNUSED_BY
 
     assert set(UNUSED_BY) == {name.value for name in OptimizerName}
 
@@ -255,4 +266,4 @@ def test_a_key_the_optimizer_ignores_is_no_change(optimizer, key, value, changed
         config = attrs.evolve(base, optimizer=opt)
         return recorded_settings(config, 3e-4, ScheduleName.COSINE, 100, 900, 0.1, 1000)
 
-    assert bool(setting_changes(recorded(), recorded(**{key: value}))) is changed
+    assert bool(changes(recorded(), recorded(**{key: value}))) is changed
