@@ -1,14 +1,18 @@
-"""How fast the loader delivers tokens, against what debug training consumes; how long a resume
-seeks; how fast a corpus is prepared, against ``datasets.map``.
+"""How fast the loader delivers rows, against the loader of a base commit and what debug
+training consumes; how long a resume seeks; how fast a corpus is prepared, against
+``datasets.map``.
 
 All measured in this run; the loader on the prepared corpus (``make prepare-data``)::
 
-    python benchmarks/data.py [--config configs/train/debug.toml] [--batches 2000]
+    python benchmarks/data.py --part loader [--base c8acc33] [--batches 2000] [--rounds 3]
     python benchmarks/data.py --part prepare [--prepare-mb 16] [--workers 2]
 
-Prints the training consumption (tokens/s of debug training steps), the loader's tokens/s in
-several set-ups as a multiple of it (target >= 20x), and the time from ``load_state_dict`` to
-the first batch at the start of an epoch and deep into a run. Then preparation: a Parquet file
+The loader part prints the training consumption (tokens/s of debug training steps); then, for
+0 and 2 workers, plain and packed rows, one and two sources, this checkout's loader's rows/s
+against the base commit's (checked out in a temporary git worktree, each measured in a fresh
+process of its own, alternating, medians of ``--rounds``; target >= 1.0x); then the time from
+``load_state_dict`` to the first batch at global row 10^3 and at row 10^9 (target: equal
+within noise: a seek, never a replay). Then preparation: a Parquet file
 of the embedded corpus (a row per stdlib file) tokenized by forge's preparation (read, tokenize,
 shards with checksums, manifest) and by ``datasets.map`` (batched, ``num_proc`` = the same
 worker count, the same tokenizer; its Arrow cache written), as tokens/s and a ratio (target
@@ -36,7 +40,7 @@ from forge.config import DataSource, JobConfig, load_config
 from forge.data.corpus import stdlib_files, stdlib_root
 from forge.data.dataset import open_windows
 from forge.data.loader import Batch, Sampling, TextLoader
-from forge.data.mixture import resolve_phases
+from forge.data.mixture import block_uniforms, resolve_phases
 from forge.data.sampler import epoch_permutation
 from forge.data.shards import read_manifest
 from forge.model.transformer import Transformer
@@ -96,6 +100,7 @@ def seek_seconds(loader: TextLoader, state: dict) -> float:
     times = []
     for _ in range(5):
         epoch_permutation.cache_clear()
+        block_uniforms.cache_clear()
         start = time.perf_counter()
         loader.load_state_dict(state)
         next(loader)
@@ -263,13 +268,19 @@ def compare(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/train/debug.toml")
-    parser.add_argument("--batches", type=int, default=2000)
+    parser.add_argument("--batches", type=int, default=2000, help="micro-batches a measure")
     parser.add_argument("--train-steps", type=int, default=6)
+    parser.add_argument(
+        "--base",
+        default="c8acc33",
+        help="the commit whose loader this one is measured against (default: the last "
+        "commit whose rows depended on the split of a step)",
+    )
     parser.add_argument("--part", choices=["all", "loader", "prepare"], default="all")
     parser.add_argument("--prepare-mb", type=float, default=16.0, help="input size, MB")
     parser.add_argument("--workers", type=int, default=2, help="preparation processes")
     parser.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary size")
-    parser.add_argument("--rounds", type=int, default=3, help="preparation rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each comparison")
     args = parser.parse_args()
     if args.part in ("all", "loader"):
         loader_benchmark(args)
@@ -280,39 +291,131 @@ def main() -> None:
         preparation(args.prepare_mb, args.workers, args.vocab, args.rounds)
 
 
+# Runs in a fresh interpreter: the forge of the checkout at argv[1] (the editable install's
+# finder set aside), its loader over the prepared corpus, rows per second over argv[6] batches.
+MEASURE = """
+import sys, time
+sys.meta_path = [f for f in sys.meta_path if "__editable__" not in repr(f)]
+sys.path.insert(0, sys.argv[1])
+import forge
+assert forge.__file__.startswith(sys.argv[1]), forge.__file__
+import pathlib
+from forge.config import DataSource
+from forge.data.dataset import open_windows
+from forge.data.loader import Sampling, TextLoader
+from forge.data.mixture import resolve_phases
+from forge.data.shards import read_manifest
+folder = pathlib.Path(sys.argv[2])
+seq, sources, packed, workers, batches, batch = map(int, sys.argv[3:9])
+manifest = read_manifest(folder)
+windows = open_windows(folder, manifest, "train", seq, verify=False)
+named = [DataSource(f"s{i}", str(folder), weight=i + 1.0) for i in range(sources)]
+sampling = Sampling((len(windows),) * sources, resolve_phases(named, (), 1.0), 0, batch,
+                    grad_accum_steps=2)
+bos = int(manifest.tokenizer["bos_id"]) if packed else None
+loader = TextLoader([windows] * sources, sampling, bos_id=bos, num_workers=workers)
+next(loader)  # workers started, first shard pages touched
+start = time.perf_counter()
+rows = sum(next(loader).inputs.shape[0] for _ in range(batches))
+print(rows / (time.perf_counter() - start))
+loader.close()
+"""
+
+
+def rows_per_s(root: pathlib.Path, config: JobConfig, setup: tuple, batches: int) -> float:
+    """Rows/s of the loader of the checkout at ``root`` in ``setup`` (sources, packed,
+    workers), measured in a fresh process."""
+    sources, packed, workers = setup
+    t = config.train
+    argv = [config.data.path, t.seq_len, sources, int(packed), workers, batches, t.batch_size]
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(root), *map(str, argv)],
+        capture_output=True, text=True, check=True, cwd=REPO,
+    )  # fmt: skip
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def base_worktree(base: str, folder: pathlib.Path) -> pathlib.Path:
+    """A detached git worktree of ``base`` in ``folder`` (removed by ``drop_worktree``)."""
+    subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(folder), base],
+        check=True,
+    )
+    return folder
+
+
+def drop_worktree(folder: pathlib.Path) -> None:
+    subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "remove", "--force", str(folder)], check=False
+    )
+
+
 def loader_benchmark(args: argparse.Namespace) -> None:
-    """Print the loader's throughput against training, and resume seek times."""
+    """Print the training consumption, the loader against the base commit's in every set-up,
+    and the resume seek at row 10^3 against row 10^9."""
     config = load_config([args.config]).config
+    print(f"CPU: {platform.processor() or platform.machine()}, flags: {cpu_flags_line()}")
     consumed = training_tokens_per_s(config, args.train_steps)
     t = config.train
     print(
-        f"debug training consumes {consumed:,.0f} tokens/s "
+        f"debug training consumes {consumed / t.seq_len:,.1f} rows/s "
         f"(batch {t.batch_size} x {t.seq_len} x {t.grad_accum_steps} micro-batches)"
     )
     setups = [
-        ("1 source", 1, False, 0),
-        ("1 source, packed", 1, True, 0),
-        ("3-source mixture", 3, False, 0),
-        ("3-source mixture, packed, 2 workers", 3, True, 2),
+        (sources, packed, workers)
+        for workers in (0, 2)
+        for packed in (False, True)
+        for sources in (1, 2)
     ]
-    for name, sources, packed, workers in setups:
-        rate = loader_tokens_per_s(make_loader(config, sources, packed, workers), args.batches)
-        print(f"loader, {name:<36} {rate:>12,.0f} tokens/s = {rate / consumed:>6.0f}x training")
-    for name, sources in (("1 source", 1), ("3-source mixture", 3)):
+    with tempfile.TemporaryDirectory() as tmp:
+        base = base_worktree(args.base, pathlib.Path(tmp) / "base")
+        try:
+            for setup in setups:
+                ours, theirs = [], []
+                for r in range(args.rounds):  # alternating, so drift hits both alike
+                    for side in ("ours", "base") if r % 2 == 0 else ("base", "ours"):
+                        root = REPO if side == "ours" else base
+                        rate = rows_per_s(root, config, setup, args.batches)
+                        (ours if side == "ours" else theirs).append(rate)
+                sources, packed, workers = setup
+                name = f"{sources} source{'s' if sources > 1 else ''}, " + (
+                    f"{'packed' if packed else 'plain'}, {workers} workers"
+                )
+                mine, old = statistics.median(ours), statistics.median(theirs)
+                print(
+                    f"loader, {name:<28} {mine:>10,.0f} rows/s | base {old:>10,.0f} rows/s | "
+                    f"ratio {mine / old:.2f}x | {mine / (consumed / t.seq_len):,.0f}x training"
+                )
+        finally:
+            drop_worktree(base)
+    for sources in (1, 2):
         loader = make_loader(config, sources, packed=False, workers=0)
+        at = {row: seek_seconds(loader, position_at(row, loader)) for row in (10**3, 10**9)}
         n = loader.sampling.sizes[0]
-        start = {"micro_batch": 0, "cursors": [0] * sources}
-        # a million micro-batches in: dozens of epochs of every source, mid-epoch
-        deep_micro = 1_000_000
-        rows = deep_micro * t.batch_size // sources
-        deep = {"micro_batch": deep_micro, "cursors": [rows + n // 2 + i for i in range(sources)]}
-        at_start, at_depth = seek_seconds(loader, start), seek_seconds(loader, deep)
-        epochs = rows // n
         print(
-            f"resume seek, {name:<17} start of run {at_start * 1e3:6.2f} ms | "
-            f"micro-batch {deep_micro:,} (epoch {epochs}) {at_depth * 1e3:6.2f} ms | "
-            f"ratio {at_depth / at_start:.2f}"
+            f"resume seek, {sources} source{'s' if sources > 1 else ' '}  row 10^3 "
+            f"{at[10**3] * 1e3:6.2f} ms | row 10^9 (epoch ~{10**9 // sources // n:,}) "
+            f"{at[10**9] * 1e3:6.2f} ms | ratio {at[10**9] / at[10**3]:.2f}"
         )
+
+
+def position_at(row: int, loader: TextLoader) -> dict:
+    """A saved position ``row`` rows in, at a step boundary, shared between the sources
+    (mid-epoch for each)."""
+    s = loader.sampling
+    row -= row % s.step_rows
+    n = len(s.sizes)
+    cursors = [row // n + (1 if i < row % n else 0) for i in range(n)]
+    digest = "0" * 16  # any: the seek does not read it
+    return {"rows": row, "steps": row // s.step_rows, "step_rows": 0, "cursors": cursors,
+            "digest": digest}  # fmt: skip
+
+
+def cpu_flags_line() -> str:
+    """The CPU's vector flags that matter here."""
+    flags = cpu_flags()
+    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return ", ".join(shown) or "none of avx2/avx512"
 
 
 if __name__ == "__main__":

@@ -73,6 +73,42 @@ def restart_namespace(env: Mapping[str, str]) -> str | None:
     return f"forge/restart_{int(env.get('TORCHELASTIC_RESTART_COUNT', '0'))}/"
 
 
+def shared_store_problem(env: Mapping[str, str]) -> str | None:
+    """Why this torchrun launch could not restart, or None.
+
+    With several agents (``--nnodes`` > 1) and restarts allowed (``--max-restarts`` > 0),
+    torchrun shares its rendezvous store across restart rounds unless
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is in the agents' environment; the ranks of a
+    restarted round then read the dead round's addresses (``restart_namespace``), and no
+    prefix can keep the rounds apart, because each agent counts its own restarts. The
+    variable must be set where torchrun starts, so a worker can only refuse, at the first
+    launch rather than at the first restart.
+    """
+    shares = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    agents = int(env.get("GROUP_WORLD_SIZE", "1") or 1)
+    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if not (shares and agents > 1 and restarts > 0):
+        return None
+    return (
+        f"torchrun with {agents} nodes and --max-restarts={restarts} keeps one rendezvous store "
+        "across restarts, where a restarted round would read the dead round's addresses: "
+        "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun on every node (or launch "
+        "with --max-restarts=0)"
+    )
+
+
+def local_gpu_problem(local_rank: int, gpus: int) -> str | None:
+    """Why a rank of a GPU node has no GPU of its own (its local rank past the GPUs it sees),
+    or None; ``gpus`` 0 is a CPU run."""
+    if gpus == 0 or local_rank < gpus:
+        return None
+    return (
+        f"local rank {local_rank} has no GPU of its own ({gpus} visible to it): start at most "
+        f"{gpus} ranks per node, and let every rank see the node's GPUs (SLURM: "
+        "--gpus-per-node, not --gpus-per-task; forge takes cuda:<local rank>)"
+    )
+
+
 def world_info(env: Mapping[str, str]) -> WorldInfo:
     """torchrun's variables win; else SLURM's (one task per rank under srun); else one process."""
     if "RANK" in env and "WORLD_SIZE" in env:

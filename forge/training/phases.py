@@ -51,7 +51,14 @@ from forge.parallel.mesh import (
 from forge.parallel.parallelize import parallelize
 from forge.parallel.pipeline import rank_model
 from forge.parallel.stages import splits_backward
-from forge.parallel.world import WorldInfo, parallel_problems, resolve_dims, world_info
+from forge.parallel.world import (
+    WorldInfo,
+    local_gpu_problem,
+    parallel_problems,
+    resolve_dims,
+    shared_store_problem,
+    world_info,
+)
 from forge.training.context import (
     CheckpointContext,
     DataContext,
@@ -171,7 +178,14 @@ def setup_distributed(run: RunContext) -> DistContext:
     them (``initial_value`` uses a generator per parameter), so every layout starts alike.
     """
     cfg = run.config
+    problem = shared_store_problem(os.environ)
+    if problem is not None:
+        raise ConfigError(problem)
     world = world_info(os.environ)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    problem = local_gpu_problem(world.local_rank, gpus)
+    if problem is not None:
+        raise ConfigError(problem)
     dims = resolve_dims(cfg.distributed, world.world_size)
     mesh = init_process_group(world, cfg.distributed, dims)
     # Weights come from per-parameter generators (see initial_value), not from these streams;

@@ -9,8 +9,10 @@ from forge.parallel.world import (
     MeshDims,
     WorldInfo,
     first_host,
+    local_gpu_problem,
     parallel_problems,
     resolve_dims,
+    shared_store_problem,
     slurm_port,
     world_info,
 )
@@ -75,6 +77,39 @@ def test_first_host(nodelist, host):
 def test_slurm_port_is_stable_and_in_range():
     assert slurm_port("42") == slurm_port("42") == 20042
     assert all(20000 <= slurm_port(str(j)) < 40000 for j in (0, 19999, 20000, 987654321))
+
+
+AGENT = {"TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_WORLD_SIZE": "2",
+         "TORCHELASTIC_MAX_RESTARTS": "3"}  # fmt: skip
+# (case, torchrun's worker environment, refused)
+SHARED_STORES = [
+    ("no torchrun", {}, False),
+    ("several nodes, restarts, one shared store", AGENT, True),
+    ("one node: a prefix per round keeps the rounds apart", AGENT | {"GROUP_WORLD_SIZE": "1"}, False),
+    ("no restarts", AGENT | {"TORCHELASTIC_MAX_RESTARTS": "0"}, False),
+    ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on the agents", AGENT | {"TORCHELASTIC_USE_AGENT_STORE": "False"}, False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("env", "refused"), [c[1:] for c in SHARED_STORES], ids=[c[0] for c in SHARED_STORES]
+)
+def test_a_multi_node_torchrun_that_could_not_restart_is_refused_naming_the_variable(env, refused):
+    problem = shared_store_problem(env)
+    assert (problem is not None) is refused
+    if refused:
+        assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in problem and "--max-restarts=3" in problem
+
+
+@pytest.mark.parametrize(
+    ("local_rank", "gpus", "refused"),
+    [(0, 0, False), (3, 0, False), (0, 1, False), (7, 8, False), (1, 1, True), (8, 8, True)],
+)
+def test_a_rank_past_the_gpus_it_sees_is_refused(local_rank, gpus, refused):
+    problem = local_gpu_problem(local_rank, gpus)
+    assert (problem is not None) is refused
+    if refused:
+        assert f"local rank {local_rank}" in problem and "--gpus-per-node" in problem
 
 
 # (case, config, world size, dims, mesh)
