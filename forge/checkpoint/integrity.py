@@ -124,19 +124,57 @@ class Record:
 
 def recorded_checksums(folder: pathlib.Path) -> Record | None:
     """The checksums recorded at commit; None for a checkpoint written before forge recorded
-    them. A record that does not parse is an ``IntegrityError``."""
+    them. A record that does not parse, or is not one forge writes, is an ``IntegrityError``
+    naming what is wrong with it."""
     path = folder / CHECKSUMS
     if not path.is_file():
         return None
     try:
         record = json.loads(path.read_text())
-        piece = record.get("piece")
-        if record.get("algorithm") != "crc32" or not usable_piece(piece):
-            raise ValueError(f"not a record of CRC-32 pieces of a page-aligned size: {piece!r}")
-        files = {str(k): [int(v[0]), [str(c) for c in v[1]]] for k, v in record["files"].items()}
-        return Record(piece, files)
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+    except (OSError, ValueError) as exc:
         raise IntegrityError(f"{path}: unreadable checksum record ({exc})") from None
+    problem = record_problem(record)
+    if problem is not None:
+        raise IntegrityError(f"{path}: {problem}")
+    files = {str(k): [int(v[0]), [str(c) for c in v[1]]] for k, v in record["files"].items()}
+    return Record(record["piece"], files)
+
+
+def record_problem(record: object) -> str | None:
+    """What makes ``record`` (parsed JSON) not a checksum record forge can verify, or None."""
+    if not isinstance(record, dict):
+        return f"not a checksum record (a JSON {type(record).__name__}, not an object)"
+    algorithm = record.get("algorithm")
+    if algorithm != "crc32":
+        return f"checksum algorithm {algorithm!r} is not one forge verifies ('crc32')"
+    if not usable_piece(record.get("piece")):
+        return f"piece size {record.get('piece')!r} is not a positive whole number of pages"
+    files = record.get("files")
+    if not isinstance(files, dict):
+        return "its 'files' is not a table of file names"
+    for name, entry in files.items():
+        well_formed = (
+            isinstance(entry, list)
+            and len(entry) == 2
+            and type(entry[0]) is int
+            and entry[0] >= 0
+            and isinstance(entry[1], list)
+            and all(isinstance(c, str) and len(c) == 8 for c in entry[1])
+        )
+        if not well_formed:
+            return f"the entry of {name!r} is not [length, [8-hex-digit CRC-32 of each piece]]"
+    return None
+
+
+def unrecorded_files(folder: pathlib.Path, recorded: Iterable[str]) -> list[str]:
+    """The files of ``folder`` that a record does not list (the record itself aside): added
+    or renamed after commit, and so unchecked if they were let through."""
+    listed = set(recorded)
+    return sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.is_file() and not p.name.startswith(CHECKSUMS) and p.name not in listed
+    )
 
 
 def usable_piece(piece: object) -> bool:
@@ -146,12 +184,23 @@ def usable_piece(piece: object) -> bool:
 
 def verify_checkpoint(folder: pathlib.Path, mode: Verification = Verification.FULL) -> bool:
     """Check every file ``checksums.json`` lists against it (lengths only under
-    ``METADATA``); an ``IntegrityError`` naming the first that differs. False when the
-    checkpoint has no record (written before forge kept one), True when it verified."""
+    ``METADATA``), and that it lists every file of the folder (it fails closed: an empty or
+    partial record is damage); an ``IntegrityError`` naming the first that differs. False
+    when the checkpoint has no record (written before forge kept one), True when it
+    verified."""
     record = recorded_checksums(folder)
     if record is None:
         return False
     sums = record.files
+    unlisted = unrecorded_files(folder, sums)
+    if unlisted:
+        shown = ", ".join(unlisted[:3]) + (
+            f" and {len(unlisted) - 3} more" if len(unlisted) > 3 else ""
+        )
+        raise IntegrityError(
+            f"{folder.name}: {shown} not in its checksum record (added or renamed after "
+            "commit, or the record lost entries): its bytes cannot be verified"
+        )
     for name, (length, _) in sorted(sums.items()):
         path = folder / name
         where = f"{folder.name}/{name}"

@@ -126,10 +126,10 @@ def rewritten_record(path: pathlib.Path, piece: object) -> None:
 PIECES = [
     (32 << 20, True),  # the size forge wrote before
     (8192, True),
-    (0, "unreadable checksum record"),
-    (1000, "unreadable checksum record"),  # not page-aligned: no memory map reads it
-    ("4194304", "unreadable checksum record"),
-    (None, "unreadable checksum record"),
+    (0, "piece size 0 is not a positive whole number of pages"),
+    (1000, "piece size 1000"),  # not page-aligned: no memory map reads it
+    ("4194304", "piece size '4194304'"),
+    (None, "piece size None"),
 ]
 
 
@@ -147,14 +147,46 @@ def test_a_record_is_verified_in_the_piece_size_it_names(ckpt, piece, verdict):
             verify_checkpoint(path)
 
 
+def edited_record(**changes):
+    """Damage that rewrites ``checksums.json`` with ``changes`` (a value, or a function of
+    the record's ``files``), or as ``changes["whole"]`` when given."""
+
+    def damage(path):
+        record = json.loads((path / CHECKSUMS).read_text())
+        if "whole" in changes:
+            record = changes["whole"]
+        for key, value in changes.items():
+            if key != "whole":
+                record[key] = value(record[key]) if callable(value) else value
+        (path / CHECKSUMS).write_text(json.dumps(record))
+
+    return damage
+
+
+def flip_a_bit_with_no_record(path):
+    edited_record(files={})(path)
+    flip_a_bit(path)
+
+
+def drop(name):
+    return lambda files: {k: v for k, v in files.items() if k != name}
+
+
 # (case, damage, message, caught under verify = "metadata" too)
 DAMAGE = [
+    # the record fails closed: every file of the folder must be in it, in its own shape
+    ("an empty record and a flipped bit", flip_a_bit_with_no_record, "__0_0.distcp.*not in its checksum record", True),
+    ("a shard missing from the record", edited_record(files=drop("__0_0.distcp")), "__0_0.distcp not in its checksum record", True),
+    ("the RNG file missing from the record", edited_record(files=drop("rng_rank0.pt")), "rng_rank0.pt not in its checksum record", True),
+    ("an unknown algorithm", edited_record(algorithm="md5"), "algorithm 'md5' is not one forge verifies", True),
+    ("a record that is a list", edited_record(whole=[]), "not a checksum record \\(a JSON list", True),
+    ("an entry of the wrong shape", edited_record(files=lambda f: f | {".metadata": [1]}), "the entry of '.metadata'", True),
     ("a flipped bit", flip_a_bit, "__0_0.distcp: checksum mismatch", False),
     ("NaN written into the weights", write_nan_weights, "__0_0.distcp: checksum mismatch", False),
     ("step_1's shard copied over step_2's", swap_in_the_older_shard, "checksum mismatch", False),
     ("the train state's step edited", edit_the_step, "train_state.json", True),
     ("a truncated RNG file", truncate_the_rng_file, "rng_rank0.pt", True),
-]
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
