@@ -12,7 +12,7 @@ import json
 import os
 import pathlib
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 MARKER = ".forge-output"
 
@@ -123,6 +123,35 @@ def output_problem(out: pathlib.Path, kind: OutputKind, overwrite: bool) -> str 
             f"--out {out}: holds an earlier {kind.noun} written by forge; pass --overwrite to "
             "replace it, or choose another --out"
         )
+    return None
+
+
+def file_output_problem(
+    out: pathlib.Path, option: str, own_folder: str, is_own: Callable[[pathlib.Path], bool]
+) -> str | None:
+    """Why a script may not write the file ``out`` (one line naming ``option``), or None. The
+    rules of the output folders, for one file: never a folder, never inside a run or
+    checkpoint directory (except the script's own ``<run>/<own_folder>/``) or a dataset, and
+    never over a file the script did not write (``is_own`` recognises its own)."""
+    resolved = out.resolve()
+    if out.is_dir():
+        return f"{option} {out}: is a folder; name the file to write"
+    run = enclosing_run(resolved.parent)
+    if run is not None and not resolved.is_relative_to(run / own_folder):
+        return (
+            f"{option} {out}: lies in the run or checkpoint directory {run}; write it outside "
+            f"(or under {run / own_folder}): forge never adds to a run's own folders"
+        )
+    dataset = enclosing_dataset(resolved)
+    if dataset is not None:
+        return f"{option} {out}: lies inside the dataset {dataset}; choose a file outside it"
+    if out.exists() and not is_own(out):
+        return f"{option} {out}: holds a file forge did not write there; choose a new file name"
+    folder = next((p for p in (out.parent, *out.parent.parents) if p.exists()), None)
+    if folder is None or not folder.is_dir():
+        return f"{option} {out}: {folder} is not a folder"
+    if not os.access(folder, os.W_OK):
+        return f"{option} {out}: {folder} is not writable"
     return None
 
 

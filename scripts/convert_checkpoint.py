@@ -31,7 +31,6 @@ from forge.checkpoint.export import (
     tokenizer_info,
 )
 from forge.checkpoint.hf_import import import_model
-from forge.checkpoint.resume import load_newest_weights
 from forge.checkpoint.store import save_model_only
 from forge.config import JobConfig, ModelConfig
 from forge.config.families import export_family
@@ -39,6 +38,7 @@ from forge.config.loader import CONVERTER
 from forge.config.toml_writer import dumps_toml
 from forge.data.shards import MANIFEST, read_manifest
 from forge.errors import UserInputError, one_line, print_errors
+from forge.interrupts import exits_on_interrupt
 from forge.model.transformer import Transformer
 from forge.model.vlm import empty_model
 from forge.optim.optimizers import evaluation_weights
@@ -53,7 +53,8 @@ from forge.parallel.devices import (
     stored_dtype,
 )
 from forge.parallel.world import WorldInfo, world_info
-from forge.training.run_dir import checkpoint_dir_of, load_run_config
+from forge.training.inference import load_run_weights, run_dir_of
+from forge.training.run_dir import load_run_config
 from forge.types import ExitCode
 
 
@@ -82,14 +83,15 @@ def check_output(out: pathlib.Path, kind: OutputKind, overwrite: bool) -> None:
 
 
 def export(
-    run_dir: pathlib.Path, out: pathlib.Path, dtype: str, overwrite: bool, choice: DeviceChoice
+    path: pathlib.Path, out: pathlib.Path, dtype: str, overwrite: bool, choice: DeviceChoice
 ) -> None:
-    """Write the run's newest checkpoint to ``out`` as a Hugging Face export, reading it onto
-    ``choice``'s device."""
+    """Write the run's newest checkpoint (or the checkpoint ``path`` names) to ``out`` as a
+    Hugging Face export, reading it onto ``choice``'s device."""
     require_safetensors()
     if choice.problem is not None:
         raise UserInputError(choice.problem)
     check_output(out, OutputKind.HF_EXPORT, overwrite)
+    run_dir, checkpoint = run_dir_of(path)
     config = load_run_config(run_dir)
     if config.model.vlm is not None:
         raise UserInputError(
@@ -101,10 +103,10 @@ def export(
     device = start_script_world(WorldInfo(), choice)  # one process reads: no group
     model = empty_model(config.model, device, stored_dtype(config.train.param_dtype))
     optimizer = inference_optimizer(model, config.optimizer)
-    path = load_newest_weights(checkpoint_dir_of(config, run_dir), None, model, report, optimizer)
+    used = load_run_weights(config, run_dir, checkpoint, model, optimizer, report)
     with evaluation_weights(optimizer), writing_to(out, OutputKind.HF_EXPORT):
         export_model(model.state_dict(), config.model, out, dtype, run_tokenizer_info(config))
-    print(f"exported {path} to {out} ({dtype})")
+    print(f"exported {used} to {out} ({dtype})")
 
 
 def run_tokenizer_info(config: JobConfig) -> TokenizerInfo:
@@ -155,6 +157,7 @@ def import_(folder: pathlib.Path, out: pathlib.Path, overwrite: bool) -> None:
 OVERWRITE_HELP = "replace an earlier output of this command in --out (nothing else is replaced)"
 
 
+@exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     defaults = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=defaults)
@@ -162,7 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex = sub.add_parser(
         "export", help="forge run -> safetensors + config.json", formatter_class=defaults
     )
-    ex.add_argument("run_dir", type=pathlib.Path, help="a run folder holding config.toml")
+    ex.add_argument(
+        "run_dir", type=pathlib.Path, help="a run directory or one checkpoint (step_N folder)"
+    )
     ex.add_argument("--out", type=pathlib.Path, required=True, help="folder to write")
     ex.add_argument(
         "--dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the weights"

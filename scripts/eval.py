@@ -29,6 +29,7 @@ from forge.data.image_text import ImageCaptions, open_image_captions
 from forge.data.loader import Batch, caption_batch
 from forge.data.shards import read_manifest
 from forge.errors import UserInputError, print_errors
+from forge.interrupts import exits_on_interrupt
 from forge.model.chunked_loss import loss_spec_of
 from forge.optim.optimizers import evaluation_weights
 from forge.parallel.devices import (
@@ -73,6 +74,7 @@ def report(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+@exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter

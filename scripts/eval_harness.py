@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import sys
 from collections.abc import Sequence
@@ -32,8 +31,9 @@ from forge.harness.tasks import (
     task_manager,
     unknown_task_lines,
 )
+from forge.interrupts import exits_on_interrupt
 from forge.optim.optimizers import evaluation_weights
-from forge.outputs import replace_file
+from forge.outputs import file_output_problem, replace_file
 from forge.parallel.devices import (
     DeviceChoice,
     add_device_options,
@@ -71,6 +71,14 @@ def option_problems(args: argparse.Namespace) -> list[str]:
         lines.append(f"--batch-size: must be >= 1, got {args.batch_size}")
     if args.limit is not None and args.limit < 1:
         lines.append(f"--limit: must be >= 1, got {args.limit}")
+    if args.bootstrap_iters < 0:
+        lines.append(
+            f"--bootstrap-iters: must be >= 0 (0: no standard errors), got {args.bootstrap_iters}"
+        )
+    if args.output is not None:
+        problem = output_problem(args.output)
+        if problem is not None:
+            lines.append(problem)
     return lines
 
 
@@ -81,6 +89,7 @@ def output_path(args: argparse.Namespace, run_dir: pathlib.Path, checkpoint: pat
     return run_dir / "eval_harness" / f"{checkpoint.name}.json"
 
 
+@exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     """The script: options, the device, then ``evaluate``; the exit code."""
     parser = argparse.ArgumentParser(
@@ -101,14 +110,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_on_chosen_device(parser.parse_args(argv), evaluate)
 
 
+def harness_record(path: pathlib.Path) -> bool:
+    """Whether ``path`` holds an earlier result of this script (rewritten by a rerun)."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and {"checkpoint", "tasks", "results"} <= record.keys()
+
+
 def output_problem(out: pathlib.Path) -> str | None:
-    """Why the JSON could not be written at ``out``: found before hours of scoring."""
-    folder = next((p for p in (out.parent, *out.parent.parents) if p.exists()), None)
-    if folder is None or not folder.is_dir():
-        return f"--output {out}: {folder} is not a folder"
-    if not os.access(folder, os.W_OK):
-        return f"--output {out}: {folder} is not writable"
-    return None
+    """Why the JSON could not be written at ``out``: found before hours of scoring, with the
+    rules of every output (``forge.outputs``)."""
+    return file_output_problem(out, "--output", "eval_harness", harness_record)
 
 
 def prepared(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice):

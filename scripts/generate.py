@@ -32,6 +32,7 @@ from forge.config import JobConfig
 from forge.data.image_text import load_image
 from forge.data.tokenizer import ByteTokenizer, Tokenizer
 from forge.errors import UserInputError, print_errors
+from forge.interrupts import exits_on_interrupt
 from forge.model.generate import caption, sample
 from forge.model.vlm import VisionLanguageModel
 from forge.optim.optimizers import evaluation_weights
@@ -42,7 +43,7 @@ from forge.parallel.devices import (
     start_script_world,
 )
 from forge.parallel.world import world_info
-from forge.training.inference import load_for_inference, run_tokenizer
+from forge.training.inference import load_for_inference, run_dir_of, run_tokenizer
 from forge.training.run_dir import load_run_config
 from forge.types import ExitCode
 
@@ -133,11 +134,14 @@ def report(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+@exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("run_dir", type=pathlib.Path, help="a run folder holding config.toml")
+    parser.add_argument(
+        "run_dir", type=pathlib.Path, help="a run directory or one checkpoint (step_N folder)"
+    )
     parser.add_argument(
         "--prompt",
         default=None,
@@ -192,10 +196,11 @@ def generate(args: argparse.Namespace) -> int:
             problems.append(choice.problem)
         if problems:
             raise UserInputError(problems)
-        config = load_run_config(args.run_dir)
+        run_dir, checkpoint = run_dir_of(args.run_dir)
+        config = load_run_config(run_dir)
         image = image_problem_or_pixels(args.image, config)
         device = start_script_world(world, choice, config.distributed.timeout_s)
-        loaded = load_for_inference(config, args.run_dir, None, device, args.dtype, report)
+        loaded = load_for_inference(config, run_dir, checkpoint, device, args.dtype, report)
         model, path = loaded.model, loaded.checkpoint
         tok = run_tokenizer(config)
         prompt = prompt_ids(tok, args.prompt)

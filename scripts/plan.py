@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from forge.config import JobConfig, load_config
 from forge.config.distributed import PipelineSchedule
 from forge.errors import UserInputError, print_errors
+from forge.interrupts import exits_on_interrupt
 from forge.metrics.flops import flops_per_token, non_embedding_parameters
 from forge.parallel.bubble import bubble_fraction
 from forge.parallel.memory_plan import (
@@ -97,6 +98,7 @@ def pipeline_lines(config: JobConfig, pp: int, sharded: bool = False) -> list[st
     return lines
 
 
+@exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from forge.errors import UserInputError, print_errors
+from forge.interrupts import exits_on_interrupt
 from forge.types import ExitCode
 
 Records = list[dict[str, Any]]
@@ -176,6 +177,7 @@ def plot(runs: dict[pathlib.Path, Records], out: pathlib.Path) -> None:
         plt.close(fig)
 
 
+@exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter

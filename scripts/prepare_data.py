@@ -32,6 +32,7 @@ from forge.data.tables import import_pyarrow
 from forge.data.text_inputs import find_inputs
 from forge.data.tokenizer import ByteTokenizer, HFTokenizer, first_known_token
 from forge.errors import UserInputError, print_errors
+from forge.interrupts import exits_on_interrupt
 from forge.types import ExitCode
 
 BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<|endoftext|>", "[CLS]")
@@ -209,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:

@@ -26,6 +26,7 @@ from forge.data.image_text import load_image, write_image_text_dataset
 from forge.data.scenes import procedural_pairs
 from forge.data.tokenizer import ByteTokenizer
 from forge.errors import UserInputError, print_errors
+from forge.interrupts import exits_on_interrupt
 from forge.outputs import OutputKind, output_problem
 from forge.types import ExitCode
 
@@ -86,6 +87,7 @@ def listed_pairs(path: pathlib.Path) -> list[tuple[pathlib.Path, str, str]]:
     return pairs
 
 
+@exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter

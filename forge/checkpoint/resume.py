@@ -11,6 +11,7 @@ every other complete ``step_*`` directory, newest first (``fallbacks``).
 from __future__ import annotations
 
 import enum
+import os
 import pathlib
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -19,8 +20,10 @@ import attrs
 import torch
 from torch import nn
 
+from forge.checkpoint.policy import step_of
 from forge.checkpoint.safety import UnsafeCheckpointError
 from forge.checkpoint.store import (
+    LATEST,
     CheckpointError,
     ShapeMismatchError,
     is_complete,
@@ -44,6 +47,29 @@ class ResumePlan:
     path: pathlib.Path | None = None
     skipped: tuple[pathlib.Path, ...] = ()  # incomplete checkpoints newer than ``path``
     fallbacks: tuple[pathlib.Path, ...] = ()  # every other complete checkpoint, newest first
+    # said once when ``latest`` names something other than ``path``: what, and why not it
+    latest_note: str | None = None
+
+
+def latest_problem(checkpoint_dir: pathlib.Path) -> str | None:
+    """Why ``checkpoint_dir/latest`` names no checkpoint of this directory to resume from
+    (dangling, a loop, outside the directory, not a step folder, incomplete), or None when it
+    names one, or does not exist."""
+    link = checkpoint_dir / LATEST
+    if not link.is_symlink():
+        return None
+    target = os.readlink(link)
+    if os.path.isabs(target) or pathlib.PurePath(target).name != target:
+        return f"it points outside this checkpoint directory ({target})"
+    step = step_of(target)
+    if step is None:
+        loops = target == LATEST or (checkpoint_dir / target).is_symlink()
+        return f"it points at {target}, {'a loop of links' if loops else 'not a step_<N> folder'}"
+    if not step_dir(checkpoint_dir, step).exists():
+        return f"it points at {target}, which does not exist"
+    if not is_complete(step_dir(checkpoint_dir, step)):
+        return f"it points at {target}, which is incomplete"
+    return None
 
 
 def resolve_resume(checkpoint_dir: pathlib.Path, load_path: pathlib.Path | None) -> ResumePlan:
@@ -64,7 +90,12 @@ def resolve_resume(checkpoint_dir: pathlib.Path, load_path: pathlib.Path | None)
             for s in reversed(candidates)
             if s != found_step and is_complete(step_dir(checkpoint_dir, s))
         )
-        return ResumePlan(ResumeSource.CHECKPOINT_DIR, found, skipped, fallbacks)
+        problem = latest_problem(checkpoint_dir)
+        note = None if problem is None else (
+            f"{checkpoint_dir / LATEST}: {problem}; resuming from {found.name}, the newest "
+            "complete checkpoint, instead"
+        )  # fmt: skip
+        return ResumePlan(ResumeSource.CHECKPOINT_DIR, found, skipped, fallbacks, note)
     skipped = tuple(step_dir(checkpoint_dir, s) for s in candidates)
     if load_path is not None:
         target = newest_complete(load_path) if not is_complete(load_path) else load_path
@@ -122,6 +153,8 @@ def load_newest_weights(
     plan = resolve_resume(checkpoint_dir, load_path)
     if plan.source is ResumeSource.FRESH or plan.path is None:
         raise CheckpointError(f"{checkpoint_dir}: no checkpoint there; train the run first")
+    if plan.latest_note is not None:
+        report(f"warning: {plan.latest_note}")
 
     def load(path: pathlib.Path) -> None:
         load_checkpoint(path, model, optimizer, restore_rng_state=False)

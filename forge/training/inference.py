@@ -64,20 +64,33 @@ def load_for_inference(
     bf16 = dtype is torch.bfloat16 or config.train.mixed_precision is Precision.BF16
     model = empty_model(runnable_here(config.model, device.type, bf16), device, dtype)
     optimizer = inference_optimizer(model, config.optimizer)
-    if checkpoint is None:
-        load_path = (
-            pathlib.Path(config.checkpoint.load_path) if config.checkpoint.load_path else None
-        )
-        used = load_newest_weights(
-            checkpoint_dir_of(config, run_dir), load_path, model, report, optimizer
-        )
-    else:
+    used = load_run_weights(config, run_dir, checkpoint, model, optimizer, report)
+    return LoadedModel(model, optimizer, used, device, dtype)
+
+
+def load_run_weights(
+    config: JobConfig,
+    run_dir: pathlib.Path,
+    checkpoint: pathlib.Path | None,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    report: Callable[[str], None],
+) -> pathlib.Path:
+    """Load into ``model`` (and ``optimizer``) the weights of ``checkpoint``, or of the newest
+    loadable checkpoint of the run (then its ``checkpoint.load_path``), as training would
+    resume; returns the checkpoint used. Every script that reads a checkpoint loads here, so
+    each takes the same forms of path (``run_dir_of``)."""
+    if checkpoint is not None:
         used, _ = first_loadable(
             (checkpoint,),
             lambda p: load_checkpoint(p, model, optimizer, restore_rng_state=False),
             report,
         )
-    return LoadedModel(model, optimizer, used, device, dtype)
+        return used
+    load_path = pathlib.Path(config.checkpoint.load_path) if config.checkpoint.load_path else None
+    return load_newest_weights(
+        checkpoint_dir_of(config, run_dir), load_path, model, report, optimizer
+    )
 
 
 def tokenizer_problem(config: JobConfig, run_dir: pathlib.Path) -> str | None:

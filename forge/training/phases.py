@@ -325,6 +325,8 @@ def setup_checkpointing(
     say = report_on_main(dist)
     for path in plan.skipped:
         say(f"skipping incomplete checkpoint {path}")
+    if plan.latest_note is not None:
+        say(f"warning: {plan.latest_note}")
     if plan.source is ResumeSource.CHECKPOINT_DIR and plan.path is not None:
         return resume_run(run, dist, model, data, plan, say)
     if plan.source is not ResumeSource.LOAD_PATH or plan.path is None:

@@ -8,6 +8,7 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -140,14 +141,54 @@ def test_one_and_two_ranks_give_the_same_scores(learned, tmp_path):
         (["{run}/checkpoints", *TASK],
          "neither a run directory (config.toml) nor a checkpoint (train_state.json)"),
         (["{run}/nothing", *TASK], "neither a run directory"),
+        (["{run}", *TASK, "--bootstrap-iters", "-1"], "--bootstrap-iters: must be >= 0"),
+        # every file a script writes follows the rules of the output folders
+        (["{run}", *TASK, "--output", "{run}/config.toml"], "lies in the run or checkpoint directory"),
+        (["{run}", *TASK, "--output", "{run}/checkpoints/step_80/x.json"], "lies in the run or checkpoint directory"),
+        (["{run}", *TASK, "--output", "{run}/.."], "is a folder; name the file to write"),
+        (["{run}", *TASK, "--output", "{data}/manifest.json"], "lies inside the dataset"),
     ],
 )  # fmt: skip
-def test_bad_input_is_one_line_and_exit_2(learned, capsys, args, says):
-    code = HARNESS.main([a.format(run=learned) for a in args])
+def test_bad_input_is_one_line_and_exit_2(learned, small_corpus, capsys, args, says):
+    before = {p: p.read_bytes() for p in learned.rglob("*") if p.is_file()}
+    code = HARNESS.main([a.format(run=learned, data=small_corpus) for a in args])
     err = capsys.readouterr().err
     assert code == 2
     assert says.format(run=learned) in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert {p: p.read_bytes() for p in learned.rglob("*") if p.is_file()} == before
+
+
+def test_a_file_forge_did_not_write_is_never_overwritten(learned, tmp_path, capsys):
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}')
+    assert HARNESS.main([str(learned), *TASK, "--limit", "4", "--output", str(notes)]) == 2
+    assert "holds a file forge did not write there" in capsys.readouterr().err
+    assert notes.read_text() == '{"mine": 1}'
+
+
+def test_ctrl_c_while_scoring_is_one_line_exit_130_and_nothing_written(learned, tmp_path):
+    out = tmp_path / "scores.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "scripts" / "eval_harness.py"), str(learned), *TASK,
+         "--output", str(out), "--batch-size", "1"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.stderr is not None
+    seen = ""
+    while "200/200" not in seen:  # lm-eval's contexts are built: scoring begins
+        chunk = os.read(proc.stderr.fileno(), 4096).decode()
+        assert chunk, f"ended before scoring: {seen}"
+        seen += chunk
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 130, seen + rest
+    assert "Traceback" not in rest and "KeyboardInterrupt" not in rest
+    assert [line for line in rest.splitlines() if line.startswith("interrupted")] == [
+        "interrupted (SIGINT): stopped; nothing it was writing is left behind"
+    ]
+    assert not out.exists()
 
 
 def test_a_damaged_checkpoint_is_one_line(learned, tmp_path, capsys):

@@ -172,6 +172,44 @@ def test_resume_resolver(tmp_path, complete, incomplete, latest, use_load, sourc
     assert [p.name for p in plan.skipped] == [f"step_{s}" for s in skipped]
 
 
+# (case, what ``latest`` is a link to, the reason said): complete step_2 and step_4 exist
+LATEST_LINKS = [
+    ("a step that does not exist", "step_9", "points at step_9, which does not exist"),
+    ("an incomplete step", "step_6", "points at step_6, which is incomplete"),
+    ("itself", "latest", "a loop of links"),
+    ("a loop through another link", "other", "a loop of links"),
+    ("another run's checkpoint", "../../run_b/checkpoints/step_4", "outside this checkpoint directory"),
+    ("an absolute path", "/tmp/elsewhere/step_4", "outside this checkpoint directory"),
+    ("no step folder", "notes.txt", "not a step_<N> folder"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("target", "reason"), [c[1:] for c in LATEST_LINKS],
+                         ids=[c[0] for c in LATEST_LINKS])  # fmt: skip
+def test_a_latest_that_names_no_checkpoint_of_the_run_is_passed_over_and_said_once(
+    tmp_path, target, reason
+):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    for step in (2, 4):
+        fake_ckpt(root, step)
+    fake_ckpt(root, 6, complete=False)
+    (root / "other").symlink_to("latest")
+    (root / "latest").symlink_to(target)
+    plan = resolve_resume(root, None)
+    assert plan.path == root / "step_4"
+    assert plan.latest_note is not None and reason in plan.latest_note
+    assert "resuming from step_4, the newest complete checkpoint, instead" in plan.latest_note
+
+
+def test_a_latest_that_names_a_complete_checkpoint_says_nothing(tmp_path):
+    for step in (2, 4):
+        fake_ckpt(tmp_path, step)
+    point_latest(tmp_path, 2)
+    assert resolve_resume(tmp_path, None).latest_note is None
+    assert resolve_resume(tmp_path / "none", None).latest_note is None
+
+
 def test_only_incomplete_checkpoints_is_a_clear_error(tmp_path):
     fake_ckpt(tmp_path, 3, complete=False)
     with pytest.raises(CheckpointError, match="none is complete"):

@@ -15,6 +15,7 @@ FLOORS = {
     "types": 0,  # the shared vocabulary: StepResult, LoopState, LoopOutcome, ExitCode, Hooks
     "errors": 0,
     "outputs": 0,  # the rules for output folders that scripts write
+    "interrupts": 1,  # how a script ends at Ctrl-C or SIGTERM (reads ExitCode)
     "config": 1,
     "data": 2,
     "model": 3,
