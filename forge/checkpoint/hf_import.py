@@ -136,8 +136,14 @@ def missing_weights_line(folder: pathlib.Path) -> str:
 
 def find_weights(folder: pathlib.Path) -> Weights:
     """``model.safetensors``, or the shards ``model.safetensors.index.json`` lists (each
-    checked to be there); ``ExportError`` naming the file otherwise."""
+    checked to be there; a folder holding both is refused); ``ExportError`` naming the file
+    otherwise."""
     single, index = folder / WEIGHTS, folder / WEIGHTS_INDEX
+    if (single.exists() or single.is_symlink()) and (index.exists() or index.is_symlink()):
+        raise ExportError(
+            f"{folder}: holds both {WEIGHTS} and {WEIGHTS_INDEX} (a sharded checkpoint); which "
+            "is the model is not said: keep the one you mean to import, move the other away"
+        )
     if single.exists() or single.is_symlink():
         problem = file_problem(single, "it is a link to nothing")
         if problem is not None:
@@ -171,14 +177,23 @@ def damaged_line(path: pathlib.Path, exc: Exception) -> str:
 
 def read_shapes(weights: Weights) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape, from the files' headers (no tensor read yet)."""
+    return {name: shape for name, (shape, _) in read_headers(weights).items()}
+
+
+def read_headers(weights: Weights) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor's shape and safetensors dtype (``F32``, ``BF16``, ``F8_E4M3`` ...), from the
+    files' headers (no tensor read yet)."""
     from safetensors import SafetensorError, safe_open
 
-    shapes: dict[str, tuple[int, ...]] = {}
+    headers: dict[str, tuple[tuple[int, ...], str]] = {}
     for path, names in weights.files.items():
         try:
             with safe_open(str(path), framework="pt") as f:
                 keys = f.keys()  # a safe_open handle is not iterable
-                held = {k: tuple(f.get_slice(k).get_shape()) for k in keys}
+                held = {
+                    k: (tuple(f.get_slice(k).get_shape()), str(f.get_slice(k).get_dtype()))
+                    for k in keys
+                }
         except SafetensorError as exc:
             raise ExportError(damaged_line(path, exc)) from exc
         except OSError as exc:
@@ -189,8 +204,27 @@ def read_shapes(weights: Weights) -> dict[str, tuple[int, ...]]:
                 f"{weights.label}: lists {counted(len(lacking), 'tensor')} in {path.name} that "
                 f"it does not hold ({listed(lacking)}); the index and its shards disagree"
             )
-        shapes |= {n: held[n] for n in (names if names is not None else held)}
-    return shapes
+        headers |= {n: held[n] for n in (names if names is not None else held)}
+    return headers
+
+
+QUANTIZED_DTYPES = ("F8_", "F6_", "F4")  # FP8 (E4M3, E5M2, E8M0 scales), FP6, FP4
+
+
+def quantized_problems(dtypes: Mapping[str, str], config: Mapping[str, object]) -> list[str]:
+    """Why the folder holds a quantized model (FP8 or narrower weights, with or without their
+    scale tensors, or a ``quantization_config``): forge trains full-precision weights, and a
+    silent upcast of FP8 values without their scales would import numbers off by the scale."""
+    narrow = [f"{n}: {d}" for n, d in dtypes.items() if d.startswith(QUANTIZED_DTYPES)]
+    scales = [n for n in dtypes if n.endswith(("_scale_inv", "_scale", ".scales"))]
+    if not narrow and not scales and "quantization_config" not in config:
+        return []
+    what = listed(narrow) if narrow else "its quantization_config"
+    with_scales = f", with {counted(len(scales), 'scale tensor')}" if scales else ""
+    return [
+        f"a quantized model ({what}{with_scales}); forge imports full-precision weights "
+        "(F32, BF16, F16): import the model's unquantized release, or dequantize it first"
+    ]
 
 
 def layer_problem(n_layers: int, names: Iterable[str], weights: str) -> str | None:
@@ -347,9 +381,14 @@ def import_model(folder: pathlib.Path) -> tuple[ModelConfig, dict[str, torch.Ten
         raise ExportError(problem)
     config_path = folder / CONFIG_JSON
     missing = "a Hugging Face model folder holds config.json beside its weights"
-    cfg, family = model_config_from_hf(read_json(config_path, missing), str(config_path))
+    raw_config = read_json(config_path, missing)
     weights = find_weights(folder)
-    shapes = read_shapes(weights)
+    headers = read_headers(weights)
+    dtypes = {n: d for n, (_, d) in headers.items()}
+    plain_config = raw_config if isinstance(raw_config, dict) else {}
+    checked(quantized_problems(dtypes, plain_config), weights.label)
+    cfg, family = model_config_from_hf(raw_config, str(config_path))
+    shapes = {n: shape for n, (shape, _) in headers.items()}
     count = (layer_problem(cfg.n_layers, shapes, weights.label.name),)
     if family.moe:
         count += (expert_problem(cfg.moe_num_experts, shapes, weights.label.name),)

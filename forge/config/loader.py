@@ -268,6 +268,24 @@ def section_of(key: str) -> str:
     return key.split(".", 1)[0].split("[", 1)[0]
 
 
+def single_table_problems(
+    name: str, section: Mapping[str, Any], section_type: type
+) -> list[tuple[str, str]]:
+    """The keys of ``section`` that hold an array of tables (``[[eval.tasks]]``) but were
+    written as one table (``[eval.tasks]``): one problem each, naming the double brackets."""
+    problems = []
+    for field, tp in typing.get_type_hints(section_type).items():
+        if typing.get_origin(tp) is tuple and isinstance(section.get(field), Mapping):
+            args = typing.get_args(tp)
+            if args and attrs.has(args[0]):
+                key = f"{name}.{field}"
+                problems.append(
+                    (key, f"a single table [{key}] where an array of tables belongs; write each "
+                     f"entry under [[{key}]] (double brackets)")
+                )  # fmt: skip
+    return problems
+
+
 def check_config(raw: Mapping[str, Any]) -> CheckedConfig:
     """Structure a nested dict into a ``JobConfig`` and collect every problem of all sections
     in one pass (a section that does not structure is skipped for range checks; cross-section
@@ -293,6 +311,10 @@ def check_config(raw: Mapping[str, Any]) -> CheckedConfig:
             continue
         if not isinstance(known[name], Mapping):
             continue  # reported by unknown_key_problems: a scalar where a table belongs
+        single = single_table_problems(name, known[name], tp)
+        if single:  # cattrs would read the table's keys as entries: say what was meant
+            problems += single
+            continue
         section, type_problems = structure_section(name, dict(known[name]), tp)
         problems += type_problems
         if section is not None:

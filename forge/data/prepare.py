@@ -44,6 +44,7 @@ from forge.data.shards import (
 )
 from forge.data.tokenizer import Tokenizer, tokenizer_from_manifest
 from forge.errors import one_line
+from forge.outputs import enclosing_dataset, enclosing_run
 
 SPLITS = ("train", "validation")
 UNIT_BYTES = 4 << 20  # input bytes per unit: big enough to amortize, small enough to balance
@@ -129,7 +130,20 @@ class Progress:
 
 
 def check_destination(out: pathlib.Path, recipe: Recipe) -> bool:
-    """True when ``out`` already holds this recipe's dataset; refuses any other content."""
+    """True when ``out`` already holds this recipe's dataset; refuses any other content, and a
+    folder inside a dataset or a run directory (forge never adds to either)."""
+    resolved = out.resolve()
+    dataset = enclosing_dataset(resolved)
+    if dataset is not None:
+        raise DataError(
+            f"--out {out}: lies inside the dataset {dataset}; choose a folder outside it"
+        )
+    run = enclosing_run(resolved)
+    if run is not None:
+        raise DataError(
+            f"--out {out}: lies in the run or checkpoint directory {run}; choose a folder "
+            "outside it"
+        )
     if not out.exists():
         return False
     manifest = out / MANIFEST

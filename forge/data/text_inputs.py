@@ -20,6 +20,11 @@ def find_inputs(
     """Files to read: ``path`` itself, or the files under it matching ``pattern``, sorted."""
     if path.is_file():
         return [path]
+    if path.exists() and not path.is_dir():  # a FIFO, a socket, a device: no size, no seek
+        raise DataError(
+            f"--input {path}: is not a regular file or a folder (a pipe or a device); write "
+            "the input to a file first"
+        )
     if not path.is_dir():
         raise DataError(f"--input {path}: no such file or folder")
     files = sorted(

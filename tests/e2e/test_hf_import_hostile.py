@@ -138,6 +138,27 @@ def tensors(change: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[path
     return setup
 
 
+def fp8_with_scales(folder: pathlib.Path) -> Probe:
+    """An FP8 checkpoint as DeepSeek-V3 and Llama FP8 releases write one: the weight in
+    F8_E4M3 beside its ``weight_scale_inv``."""
+
+    def change(state: dict[str, torch.Tensor]) -> None:
+        state[Q0] = state[Q0].to(torch.float8_e4m3fn)
+        state[Q0 + "_scale_inv"] = torch.ones(1, 1)
+
+    return tensors(change)(folder)
+
+
+def single_and_sharded(folder: pathlib.Path) -> Probe:
+    """The shards and their index, and a model.safetensors of other weights beside them."""
+    from safetensors.torch import load_file, save_file
+
+    other = {k: v + 1 for k, v in load_file(str(folder / WEIGHTS)).items()}
+    sharded(None)(folder)
+    save_file(other, str(folder / WEIGHTS))
+    return folder, {}
+
+
 def set_tensor(name: str, value: Callable[[torch.Tensor], torch.Tensor]):
     def change(state: dict[str, torch.Tensor]) -> None:
         state[name] = value(state[name]).contiguous()
@@ -319,6 +340,12 @@ ROWS = [
     ("index naming a tensor its shard lacks", sharded({"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}), "lists 1 tensor in model-00001-of-00002.safetensors that it does not hold (model.embed_tokens.weight)"),
     ("index listing no layer", sharded({"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}), "num_hidden_layers is 2 but model.safetensors.index.json holds 0 layers;"),
     ("safetensors not installed", no_safetensors, "the safetensors package is not installed"),
+    # a quantized model is refused naming the tensor and its dtype, never upcast in silence
+    ("an FP8 weight without its scales", set_tensor(Q0, lambda t: t.to(torch.float8_e4m3fn)), f"a quantized model ({Q0}: F8_E4M3)"),
+    ("FP8 weights with their scale tensors", fp8_with_scales, f"a quantized model ({Q0}: F8_E4M3, with 1 scale tensor)"),
+    ("an FP8 E5M2 weight", set_tensor(Q0, lambda t: t.to(torch.float8_e5m2)), f"{Q0}: F8_E5M2"),
+    ("a quantization_config", config({"quantization_config": {"quant_method": "fp8"}}), "a quantized model (its quantization_config)"),
+    ("model.safetensors beside a sharded index", single_and_sharded, "holds both model.safetensors and model.safetensors.index.json"),
 ]  # fmt: skip
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -216,6 +217,35 @@ def test_a_failed_write_is_one_line_and_leaves_no_temporary_folder(tmp_path, cap
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "No space left on device" in err[0], err
     assert not out.exists() and not (tmp_path / "out.tmp").exists()
+
+
+def test_out_inside_a_dataset_or_a_run_is_refused_and_nothing_written(tmp_path, capsys):
+    src = tmp_path / "c.jsonl"
+    src.write_text('{"text": "hello world"}\n' * 40)
+    out = tmp_path / "ds"
+    args = ["--input", str(src), "--quiet", "--workers=1"]
+    assert PREPARE.main([*args, "--out", str(out)]) == 0
+    capsys.readouterr()
+    before = sorted(p.name for p in out.rglob("*"))
+    assert PREPARE.main([*args, "--out", str(out / "sub")]) == 2
+    assert f"--out {out / 'sub'}: lies inside the dataset {out}" in capsys.readouterr().err
+    assert sorted(p.name for p in out.rglob("*")) == before
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.toml").write_text("")
+    assert PREPARE.main([*args, "--out", str(run / "data")]) == 2
+    assert "lies in the run or checkpoint directory" in capsys.readouterr().err
+    assert not (run / "data").exists() and not (run / "data.tmp").exists()
+
+
+def test_a_fifo_as_input_is_named_as_such(tmp_path, capsys):
+    fifo = tmp_path / "x.parquet"
+    os.mkfifo(fifo)
+    assert PREPARE.main(["--input", str(fifo), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "is not a regular file or a folder (a pipe or a device)" in err and "Traceback" not in err
+    )
 
 
 def test_missing_input_is_refused(tmp_path, capsys):

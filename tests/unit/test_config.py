@@ -82,6 +82,18 @@ def test_enum_values_structure_to_members():
 # (case, raw config, expected line)
 BAD = [
     (
+        "[eval.tasks] in single brackets",
+        {"eval": {"tasks": {"name": "hellaswag"}}},
+        "eval.tasks: a single table [eval.tasks] where an array of tables belongs; write each "
+        "entry under [[eval.tasks]] (double brackets)",
+    ),
+    (
+        "[data.sources] in single brackets",
+        {"data": {"sources": {"name": "a", "path": "x"}}},
+        "data.sources: a single table [data.sources] where an array of tables belongs; write "
+        "each entry under [[data.sources]] (double brackets)",
+    ),
+    (
         "unknown key",
         {"train": {"max_step": 5}},
         "train.max_step: unknown key; did you mean 'train.max_steps'?",
