@@ -270,6 +270,7 @@ CHECKPOINT_CASES = [
     ("resume with another data seed", resume_with("--train.data_seed=9"), 2, "train.data_seed", checkpoints_intact),
     ("resume with another global batch", resume_with("--train.batch_size=2"), 2, "global batch", checkpoints_intact),
     ("resume with other data sources", resume_with("--data.temperature=2.0"), 2, "data.temperature", checkpoints_intact),
+    ("resume on the other split", resume_with("--data.train_split=validation"), 2, "data.train_split: 'train' → 'validation'", checkpoints_intact),
     ("a pickle payload in the metadata", poisoned_metadata, 2, "refusing to load it", nothing_executed),
     ("no checkpoint loads", every_checkpoint_truncated, 2, "no checkpoint there loads", lambda run: None),
     ("a fresh start over another run's records", another_runs_records, 2, "run.dir: ", checkpoints_intact),
