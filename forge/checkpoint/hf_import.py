@@ -175,11 +175,6 @@ def damaged_line(path: pathlib.Path, exc: Exception) -> str:
     )
 
 
-def read_shapes(weights: Weights) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape, from the files' headers (no tensor read yet)."""
-    return {name: shape for name, (shape, _) in read_headers(weights).items()}
-
-
 def read_headers(weights: Weights) -> dict[str, tuple[tuple[int, ...], str]]:
     """Every tensor's shape and safetensors dtype (``F32``, ``BF16``, ``F8_E4M3`` ...), from the
     files' headers (no tensor read yet)."""

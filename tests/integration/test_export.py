@@ -20,8 +20,8 @@ from forge.checkpoint.hf_import import (
     import_model,
     index_problems,
     layer_problem,
+    read_headers,
     read_json,
-    read_shapes,
     tensor_problems,
 )
 from forge.checkpoint.hf_json import decode_json
@@ -393,7 +393,7 @@ def test_dtype_and_finite_problems_name_the_tensors():
 def test_a_damaged_safetensors_file_is_one_line_naming_it(tmp_path, data, cause):
     (tmp_path / "model.safetensors").write_bytes(data)
     with pytest.raises(ExportError) as info:
-        read_shapes(find_weights(tmp_path))
+        read_headers(find_weights(tmp_path))
     (line,) = info.value.lines
     assert (
         line.startswith(f"{tmp_path / 'model.safetensors'}: not a safetensors file")
