@@ -40,8 +40,8 @@ from unittest import mock
 import torch
 
 from forge.config import load_config
+from forge.data.batch import Batch
 from forge.data.corpus import stdlib_files, stdlib_root
-from forge.data.loader import Batch
 from forge.data.packing import pack
 from forge.metrics.memory import peak_rss_bytes, rss_bytes
 from forge.model import transformer

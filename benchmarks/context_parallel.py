@@ -51,8 +51,8 @@ def worker(out: str, args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     from forge.config.sections import ModelConfig
+    from forge.data.batch import Batch
     from forge.data.context_split import context_shard
-    from forge.data.loader import Batch
     from forge.model.transformer import Transformer
 
     torch.set_num_threads(1)

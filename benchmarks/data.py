@@ -37,9 +37,10 @@ from collections.abc import Callable
 import torch
 
 from forge.config import DataSource, JobConfig, load_config
+from forge.data.batch import Batch
 from forge.data.corpus import stdlib_files, stdlib_root
 from forge.data.dataset import open_windows
-from forge.data.loader import Batch, Sampling, TextLoader
+from forge.data.loader import Sampling, TextLoader
 from forge.data.mixture import block_uniforms, resolve_phases
 from forge.data.sampler import epoch_permutation
 from forge.data.shards import read_manifest

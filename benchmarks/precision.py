@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from forge.config import load_config
-from forge.data.loader import Batch
+from forge.data.batch import Batch
 from forge.metrics.memory import peak_rss_bytes
 from forge.model.chunked_loss import LossSpec, chunked_lm_loss
 from forge.model.transformer import Transformer, num_parameters

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 
 import attrs
 
-from forge.data.loader import Batch
+from forge.data.batch import Batch
 from forge.training.evaluate import evaluate_loss
 from forge.training.loaders import train_batches
 from forge.training.phases import (

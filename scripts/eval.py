@@ -24,9 +24,10 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from forge.data.batch import Batch
 from forge.data.dataset import open_windows
 from forge.data.image_text import ImageCaptions, open_image_captions
-from forge.data.loader import Batch, caption_batch
+from forge.data.loader import caption_batch
 from forge.data.shards import read_manifest
 from forge.errors import UserInputError, print_errors
 from forge.interrupts import exits_on_interrupt

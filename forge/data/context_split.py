@@ -12,7 +12,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from forge.data.loader import Batch
+from forge.data.batch import Batch
 
 
 def head_tail_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -21,16 +22,31 @@ class TokenWindows:
         self.shards = shards
         counts = [max(0, (len(s) - 1) // seq_len) for s in shards]
         self._starts = np.cumsum([0, *counts])
+        self._first = self._starts.tolist()  # each shard's first window, as Python integers
+        # plain views of the mapped shards: slicing a memmap makes a memmap each time
+        self._arrays = [np.asarray(s) for s in shards]
 
     def __len__(self) -> int:
         return int(self._starts[-1])
 
+    def stack(self, indices: Sequence[int]) -> np.ndarray:
+        """Windows ``indices`` as one array ``(len(indices), seq_len + 1)``: their shards found
+        in one search, each copied straight into the result."""
+        at = list(indices)
+        if at and (min(at) < 0 or max(at) >= len(self)):
+            raise IndexError(indices)
+        shards = (np.searchsorted(self._starts, at, side="right") - 1).tolist()
+        span = self.seq_len + 1
+        out = np.empty((len(at), span), dtype=self._arrays[0].dtype if self._arrays else np.int64)
+        for row, (index, shard) in enumerate(zip(at, shards, strict=True)):
+            offset = (index - self._first[shard]) * self.seq_len
+            out[row] = self._arrays[shard][offset : offset + span]
+        return out
+
     def __getitem__(self, index: int) -> np.ndarray:
         if not 0 <= index < len(self):
             raise IndexError(index)
-        shard = int(np.searchsorted(self._starts, index, side="right")) - 1
-        offset = (index - int(self._starts[shard])) * self.seq_len
-        return np.asarray(self.shards[shard][offset : offset + self.seq_len + 1])
+        return self.stack([index])[0]
 
 
 def open_windows(

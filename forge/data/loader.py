@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from forge.data.batch import Batch
+from forge.data.context_split import context_shard
 from forge.data.dataset import TokenWindows
 from forge.data.image_text import ImageCaptions
 from forge.data.mixture import (
@@ -29,58 +31,9 @@ from forge.data.mixture import (
     row_sources,
 )
 from forge.data.packing import pack
-from forge.data.row_digest import add_rows, digest_hex, parse_digest, row_hashes
+from forge.data.row_digest import add_rows, digest_hex, parse_digest
 from forge.data.sampler import epoch_permutation
 from forge.data.shards import DataError
-
-
-@attrs.frozen
-class Batch:
-    """One micro-batch: ``labels`` is ``inputs`` shifted left by one token.
-
-    Packed batches also carry per-token ``positions`` and ``document_ids`` (and labels that
-    would cross a document boundary are masked). ``sources`` is each row's source index;
-    ``lr_scale`` the active data phase's LR multiplier. An image–caption batch carries each
-    row's image, ``uint8`` ``(B, H, W, 3)``.
-    """
-
-    inputs: torch.Tensor
-    labels: torch.Tensor
-    positions: torch.Tensor | None = None
-    document_ids: torch.Tensor | None = None
-    sources: torch.Tensor | None = None
-    lr_scale: float = 1.0
-    images: torch.Tensor | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return self.labels.numel()
-
-    @property
-    def num_images(self) -> int:
-        return 0 if self.images is None else self.images.shape[0]
-
-    def pin_memory(self) -> Batch:
-        """The same batch in page-locked host memory (as ``DataLoader(pin_memory=True)`` asks
-        of what it yields), so that the copy to a GPU is asynchronous."""
-        pinned = {
-            f.name: v.pin_memory()
-            for f in attrs.fields(Batch)
-            if isinstance(v := getattr(self, f.name), torch.Tensor)
-        }
-        return attrs.evolve(self, **pinned)
-
-    def to(self, device: torch.device) -> Batch:
-        """The same batch with every tensor on ``device`` (asynchronously, from pinned
-        memory)."""
-        if device.type == "cpu":
-            return self
-        move = {
-            f.name: v.to(device, non_blocking=True)
-            for f in attrs.fields(Batch)
-            if isinstance(v := getattr(self, f.name), torch.Tensor)
-        }
-        return attrs.evolve(self, **move)
 
 
 @attrs.frozen
@@ -142,12 +95,20 @@ def window_indices(
     """The window each row reads: position ``k`` of source ``s`` is
     ``perm_s(k // n_s)[k % n_s]``."""
     windows = np.empty(len(sources), dtype=np.int64)
-    n = np.asarray(sizes, dtype=np.int64)[sources]
-    epochs, offsets = positions // n, positions % n
-    for source, epoch in {(int(a), int(b)) for a, b in zip(sources, epochs, strict=True)}:
-        same = (sources == source) & (epochs == epoch)
-        order = epoch_permutation(seed, epoch, sizes[source], source)
-        windows[same] = order[offsets[same]]
+    for source, n in enumerate(sizes):
+        mine = slice(None) if len(sizes) == 1 else sources == source
+        at = positions[mine]
+        if len(at) == 0:
+            continue
+        first, last = int(at[0]) // n, int(at[-1]) // n  # positions rise: epochs too
+        if first == last:  # the usual case: every row of one epoch
+            windows[mine] = epoch_permutation(seed, first, n, source)[at - first * n]
+            continue
+        epochs, picked = at // n, np.empty(len(at), dtype=np.int64)
+        for epoch in range(first, last + 1):
+            same = epochs == epoch
+            picked[same] = epoch_permutation(seed, epoch, n, source)[at[same] - epoch * n]
+        windows[mine] = picked
     return windows
 
 
@@ -172,7 +133,7 @@ def plan_at(state: LoaderState, s: Sampling) -> Plan | None:
         rows=state.rows + count,
         steps=state.steps + int(ends_step),
         cursors=after,
-        digest=add_rows(state.digest, row_hashes(state.rows, sources, windows)),
+        digest=add_rows(state.digest, state.rows, sources, windows),
         step_rows=0 if ends_step else into_step,
     )
     return Plan(rows, phase.lr_scale, following)
@@ -185,6 +146,24 @@ def plans_from(state: LoaderState, sampling: Sampling) -> Iterator[Plan]:
         state = plan.after
 
 
+def read_rows(sources: Sequence[TokenWindows], rows: Sequence[tuple[int, int]]) -> np.ndarray:
+    """The windows ``rows`` name, ``(source, window)`` each, in their order: each source's
+    read in one ``TokenWindows.stack``."""
+    if len(sources) == 1:
+        return sources[0].stack([window for _, window in rows])
+    by_source: dict[int, list[int]] = {}
+    for i, (source, _) in enumerate(rows):
+        by_source.setdefault(source, []).append(i)
+    out: np.ndarray | None = None
+    for source, at in by_source.items():
+        block = sources[source].stack([rows[i][1] for i in at])
+        if out is None:
+            out = np.empty((len(rows), block.shape[1]), dtype=block.dtype)
+        out[at] = block
+    assert out is not None, "a plan reads at least one row"
+    return out
+
+
 class WindowReader(Dataset):
     """Reads a plan's windows into a CPU ``Batch`` (in a worker process, if any)."""
 
@@ -193,9 +172,9 @@ class WindowReader(Dataset):
         self.bos_id = bos_id  # None: no packing
 
     def __getitem__(self, plan: Plan) -> tuple[Batch, LoaderState]:  # type: ignore[override]
-        rows = np.stack([self.sources[src][window] for src, window in plan.rows])
+        rows = read_rows(self.sources, plan.rows)
         tokens = torch.from_numpy(rows.astype(np.int64))
-        sources = torch.tensor([src for src, _ in plan.rows], dtype=torch.int64)
+        sources = torch.from_numpy(np.array([src for src, _ in plan.rows], dtype=np.int64))
         if self.bos_id is None:
             batch = Batch(tokens[:, :-1], tokens[:, 1:], sources=sources, lr_scale=plan.lr_scale)
         else:
@@ -293,8 +272,6 @@ class TextLoader:
             batch = batch.pin_memory()
         batch = batch.to(self.device)
         if self.context[1] > 1:
-            from forge.data.context_split import context_shard  # it imports Batch from here
-
             batch = context_shard(batch, self.context[1], self.context[0])
         return batch
 

@@ -90,6 +90,8 @@ def row_sources(seed: int, start: int, count: int, probabilities: Sequence[float
 
 def row_cursors(sources: np.ndarray, cursors: Sequence[int]) -> tuple[np.ndarray, tuple[int, ...]]:
     """Each row's position in its source's stream, and the cursors after these rows."""
+    if len(cursors) == 1:  # one source: the next rows of its stream
+        return np.arange(cursors[0], cursors[0] + len(sources)), (cursors[0] + len(sources),)
     positions = np.empty(len(sources), dtype=np.int64)
     after = list(cursors)
     for source in range(len(after)):

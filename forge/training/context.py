@@ -14,7 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from forge.checkpoint.resume import ResumePlan
 from forge.config.sections import JobConfig
-from forge.data.loader import Batch, TextLoader
+from forge.data.batch import Batch
+from forge.data.loader import TextLoader
 from forge.data.shards import Manifest
 from forge.model.chunked_loss import PLAIN_LOSS, LossSpec
 from forge.optim.freezing import Freezer

@@ -11,7 +11,7 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from forge.config.sections import Precision
-from forge.data.loader import Batch
+from forge.data.batch import Batch
 from forge.data.packing import IGNORE_INDEX
 from forge.model.chunked_loss import PLAIN_LOSS, LossSpec
 from forge.model.moe import LOADS

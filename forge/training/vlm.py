@@ -10,8 +10,8 @@ import attrs
 import torch
 
 from forge.config.sections import JobConfig, ModelConfig, VisionEncoderKind, VlmArch
+from forge.data.batch import Batch
 from forge.data.image_text import image_size_of
-from forge.data.loader import Batch
 from forge.data.shards import DataError
 from forge.errors import UserInputError
 from forge.model.transformer import Transformer, num_parameters

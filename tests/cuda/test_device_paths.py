@@ -8,7 +8,7 @@ import torch
 
 from forge.checkpoint.async_staging import ReusingStager
 from forge.checkpoint.rng import capture_rng, restore_rng
-from forge.data.loader import Batch
+from forge.data.batch import Batch
 
 pytestmark = [
     pytest.mark.cuda,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from forge.config import ModelConfig, Precision, SchedulerConfig, load_config
-from forge.data.loader import Batch
+from forge.data.batch import Batch
 from forge.model.transformer import Transformer
 from forge.optim import resolve_schedule
 from forge.parallel.memory_plan import memory_plan

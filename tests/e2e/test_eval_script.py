@@ -12,8 +12,8 @@ import torch
 
 from forge.checkpoint.store import load_checkpoint
 from forge.config import Precision, load_config
+from forge.data.batch import Batch
 from forge.data.dataset import open_windows
-from forge.data.loader import Batch
 from forge.data.shards import read_manifest
 from forge.model.transformer import Transformer
 from forge.training.evaluate import evaluate_loss

@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 
 from forge.config import ModelConfig, Precision, SchedulerConfig
 from forge.config.model import AttentionBackend
-from forge.data.loader import Batch
+from forge.data.batch import Batch
 from forge.errors import UserInputError
 from forge.model import attention, transformer
 from forge.model.attention import Backend, attend, dense_mask, document_segments

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from forge.config.sections import ModelConfig
-from forge.data.loader import Batch
+from forge.data.batch import Batch
 from forge.data.packing import IGNORE_INDEX, pack
 from forge.model.chunked_loss import LossSpec, chunked_lm_loss
 from forge.model.transformer import Transformer

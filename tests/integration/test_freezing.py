@@ -8,7 +8,7 @@ import torch
 
 from forge.config import ModelConfig, OptimizerConfig, Precision, SchedulerConfig
 from forge.config.freeze import FreezeRule
-from forge.data.loader import Batch
+from forge.data.batch import Batch
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer, resolve_schedule
 from forge.optim.freezing import Freezer, freeze_for_step, named_parameters

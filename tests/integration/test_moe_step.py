@@ -15,7 +15,7 @@ import torch
 from forge.checkpoint.slots import Slots
 from forge.config import ModelConfig, OptimizerConfig, Precision, SchedulerConfig
 from forge.config.sections import MoeRouter
-from forge.data.loader import Batch
+from forge.data.batch import Batch
 from forge.model.chunked_loss import LossSpec
 from forge.model.moe import AUX, MoE
 from forge.model.transformer import Transformer

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from forge.config import ModelConfig, OptimizerConfig, Precision, SchedulerConfig
-from forge.data.loader import Batch
+from forge.data.batch import Batch
 from forge.data.packing import IGNORE_INDEX
 from forge.model.chunked_loss import LossSpec
 from forge.model.transformer import Transformer

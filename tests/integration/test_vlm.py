@@ -22,8 +22,9 @@ from forge.config.sections import (
     VisionEncoderKind,
     VlmArch,
 )
+from forge.data.batch import Batch
 from forge.data.image_text import open_image_captions
-from forge.data.loader import Batch, TextLoader, single_source
+from forge.data.loader import TextLoader, single_source
 from forge.data.shards import read_manifest
 from forge.errors import UserInputError
 from forge.model.chunked_loss import LossSpec

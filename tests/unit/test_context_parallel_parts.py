@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from forge.config import ConfigError, structure_config
+from forge.data.batch import Batch
 from forge.data.context_split import context_shard, head_tail_indices
-from forge.data.loader import Batch
 from forge.model.attention import document_attention_mask
 from forge.model.block_attention import (
     block_attention,

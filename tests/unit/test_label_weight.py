@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forge.data.loader import Batch
+from forge.data.batch import Batch
 from forge.data.packing import IGNORE_INDEX
 from forge.training.steps.common import label_counts, label_weight, step_labels
 

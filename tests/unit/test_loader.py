@@ -256,18 +256,33 @@ def test_a_resume_on_another_layout_continues_the_same_rows(saved, resumed):
 def test_the_digest_names_the_rows_and_their_order():
     """Equal for the same rows in the same order; another seed, or the same rows in another
     order, gives another digest."""
-    from forge.data.row_digest import add_rows, row_hashes
+    from forge.data.row_digest import add_rows
 
     a = steps_read(layout_loaders("b8 x acc1"), 2, 1)
     assert a == steps_read(layout_loaders("b8 x acc1"), 2, 1)
     assert a[1][2] != steps_read(layout_loaders("b8 x acc1", seed=12), 2, 1)[1][2]
     sources, windows = np.array([0, 1, 1]), np.array([5, 7, 9])
-    ordered = add_rows(0, row_hashes(0, sources, windows))
-    swapped = add_rows(0, row_hashes(0, sources[[1, 0, 2]], windows[[1, 0, 2]]))
-    assert ordered != swapped
-    split = add_rows(add_rows(0, row_hashes(0, sources[:1], windows[:1])),
-                     row_hashes(1, sources[1:], windows[1:]))  # fmt: skip
-    assert split == ordered
+    ordered = add_rows(0, 0, sources, windows)
+    assert ordered != add_rows(0, 0, sources[[1, 0, 2]], windows[[1, 0, 2]])
+    assert (
+        add_rows(add_rows(0, 0, sources[:1], windows[:1]), 1, sources[1:], windows[1:]) == ordered
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 31, 32, 33, 500])
+def test_few_rows_hash_in_python_integers_as_many_do_in_numpy(rows):
+    """Two paths of one hash (``FEW_ROWS``): equal on either side of the switch."""
+    from forge.data.row_digest import MASK, add_rows, row_hash, row_hashes
+
+    rng = np.random.default_rng(rows)
+    sources, windows = rng.integers(0, 3, rows), rng.integers(0, 2**40, rows)
+    start = 10**12 + rows
+    by_numpy = int(row_hashes(start, sources, windows).sum(dtype=np.uint64))
+    by_python = sum(
+        row_hash(start + i, int(s), int(w))
+        for i, (s, w) in enumerate(zip(sources, windows, strict=True))
+    )
+    assert by_numpy == by_python & MASK == add_rows(0, start, sources, windows)
 
 
 def test_a_source_of_weight_zero_is_never_drawn_and_one_of_weight_one_always():

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from forge.checkpoint.async_staging import ReusingStager, host_buffer, pinned_staging
-from forge.data.loader import Batch, pins_host_memory
+from forge.data.batch import Batch
+from forge.data.loader import pins_host_memory
 
 
 @pytest.mark.parametrize(

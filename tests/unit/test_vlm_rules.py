@@ -13,8 +13,8 @@ import torch
 from forge.config import ConfigError, load_config
 from forge.config.freeze import FreezeRule, schedule_problems, trainable_names
 from forge.config.sections import ModelConfig, VisionConfig, VisionEncoderKind, VlmArch
+from forge.data.batch import Batch
 from forge.data.image_text import ImageCaptions, ImageSplit
-from forge.data.loader import Batch
 from forge.data.packing import IGNORE_INDEX
 from forge.model.vlm import (
     cross_attention_layers,

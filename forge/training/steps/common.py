@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from forge.config.sections import Precision
-from forge.data.loader import Batch
+from forge.data.batch import Batch
 from forge.data.packing import IGNORE_INDEX
 from forge.metrics.sources import SourceStats
 from forge.model.chunked_loss import PLAIN_LOSS, LossSpec

@@ -11,7 +11,7 @@ import attrs
 import torch
 import torch.distributed as torch_dist
 
-from forge.data.loader import Batch
+from forge.data.batch import Batch
 from forge.metrics.sources import SourceStats
 from forge.model.chunked_loss import LossSpec
 from forge.parallel.grad_norm import global_grad_norm

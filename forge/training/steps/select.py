@@ -7,7 +7,7 @@ import functools
 
 import attrs
 
-from forge.data.loader import Batch
+from forge.data.batch import Batch
 from forge.optim.freezing import Freezer
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
 from forge.training.hooks import Hooks

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from forge.config.sections import ModelConfig, Precision, VlmArch
-from forge.data.loader import Batch
+from forge.data.batch import Batch
 from forge.model.chunked_loss import PLAIN_LOSS, LossSpec
 from forge.model.moe import stats_width
 from forge.optim.schedules import Schedule

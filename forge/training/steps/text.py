@@ -7,7 +7,7 @@ import contextlib
 import attrs
 import torch
 
-from forge.data.loader import Batch
+from forge.data.batch import Batch
 from forge.metrics.sources import SourceStats
 from forge.parallel.grad_norm import global_grad_norm
 from forge.training.steps.common import (
