@@ -383,9 +383,11 @@ def loader_benchmark(args: argparse.Namespace) -> None:
                     f"{'packed' if packed else 'plain'}, {workers} workers"
                 )
                 mine, old = statistics.median(ours), statistics.median(theirs)
+                rounds = ", ".join(f"{a / b:.2f}" for a, b in zip(ours, theirs, strict=True))
                 print(
                     f"loader, {name:<28} {mine:>10,.0f} rows/s | base {old:>10,.0f} rows/s | "
-                    f"ratio {mine / old:.2f}x | {mine / (consumed / t.seq_len):,.0f}x training"
+                    f"ratio {mine / old:.2f}x (rounds: {rounds}) | "
+                    f"{mine / (consumed / t.seq_len):,.0f}x training"
                 )
         finally:
             drop_worktree(base)

@@ -92,3 +92,88 @@ def test_every_package_has_a_floor():
 )
 def test_the_rule_catches_an_upward_import(package, source, upward):
     assert bool(upward_imports(package, source)) is upward
+
+
+# ---- no circle inside a package (lazy imports in functions count) ----
+
+
+def module_name(path: pathlib.Path) -> str:
+    """``forge/data/loader.py`` -> ``forge.data.loader``; a package's ``__init__`` is the package."""
+    parts = path.relative_to(FORGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_imports(source: str, known: set[str]) -> set[str]:
+    """The forge modules of ``known`` that ``source`` imports, wherever the import stands:
+    ``from forge.a import b`` is ``forge.a.b`` when that is a module, else ``forge.a``."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                found.add(name if name in known else node.module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return found & known
+
+
+def circles(sources: dict[str, str]) -> list[list[str]]:
+    """The import circles among ``sources`` (module name -> source) whose modules share a
+    package (``forge.<package>``): each strongly connected group of two or more, or a module
+    that imports itself (Tarjan's algorithm)."""
+    known = set(sources)
+    package = {m: m.split(".")[1] for m in known}
+    edges = {
+        m: sorted(t for t in module_imports(src, known) if package[t] == package[m])
+        for m, src in sources.items()
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        for t in edges[m]:
+            if t not in index:
+                visit(t)
+                low[m] = min(low[m], low[t])
+            elif t in stack:
+                low[m] = min(low[m], index[t])
+        if low[m] == index[m]:
+            group = []
+            while True:
+                t = stack.pop()
+                group.append(t)
+                if t == m:
+                    break
+            if len(group) > 1 or m in edges[m]:
+                found.append(sorted(group))
+
+    for m in sorted(known):
+        if m not in index:
+            visit(m)
+    return found
+
+
+def test_no_package_has_an_import_circle_inside_it():
+    sources = {module_name(p): p.read_text() for p in modules()}
+    assert circles(sources) == []
+
+
+@pytest.mark.parametrize(
+    ("sources", "circle"),
+    [
+        ({"forge.data.a": "from forge.data.b import x", "forge.data.b": "def f():\n    from forge.data import a\n"},
+         [["forge.data.a", "forge.data.b"]]),  # a lazy import closes it
+        ({"forge.data.a": "import forge.data.b", "forge.data.b": "import forge.data.c", "forge.data.c": "from forge.data.a import y"},
+         [["forge.data.a", "forge.data.b", "forge.data.c"]]),
+        ({"forge.data.a": "from forge.data.a import z"}, [["forge.data.a"]]),
+        ({"forge.data.a": "from forge.data.b import x", "forge.data.b": "from forge.types import T"}, []),
+        ({"forge.data.a": "from forge.model.m import x", "forge.model.m": "from forge.data.a import y"}, []),  # across packages: the floors' rule
+    ],
+    ids=["a lazy circle", "three modules", "a module importing itself", "no circle", "across packages"],
+)  # fmt: skip
+def test_the_circle_rule_catches_a_circle(sources, circle):
+    assert circles(sources) == circle
