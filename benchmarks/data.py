@@ -369,7 +369,11 @@ def loader_benchmark(args: argparse.Namespace) -> None:
         for sources in (1, 2)
     ]
     with tempfile.TemporaryDirectory() as tmp:
-        base = base_worktree(args.base, pathlib.Path(tmp) / "base")
+        try:
+            base = base_worktree(args.base, pathlib.Path(tmp) / "base")
+        except subprocess.CalledProcessError:
+            print(f"--base {args.base}: no such commit here (a shallow clone?); fetch it first")
+            return
         try:
             for setup in setups:
                 ours, theirs = [], []
