@@ -145,6 +145,8 @@ def file_output_problem(
     dataset = enclosing_dataset(resolved)
     if dataset is not None:
         return f"{option} {out}: lies inside the dataset {dataset}; choose a file outside it"
+    if out.exists() and not out.is_file():  # a FIFO or a device: never read, never written
+        return f"{option} {out}: is not a regular file (a pipe or a device); name a file"
     if out.exists() and not is_own(out):
         return f"{option} {out}: holds a file forge did not write there; choose a new file name"
     folder = next((p for p in (out.parent, *out.parent.parents) if p.exists()), None)

@@ -211,10 +211,11 @@ def quantized_problems(dtypes: Mapping[str, str], config: Mapping[str, object]) 
     scale tensors, or a ``quantization_config``): forge trains full-precision weights, and a
     silent upcast of FP8 values without their scales would import numbers off by the scale."""
     narrow = [f"{n}: {d}" for n, d in dtypes.items() if d.startswith(QUANTIZED_DTYPES)]
-    scales = [n for n in dtypes if n.endswith(("_scale_inv", "_scale", ".scales"))]
-    if not narrow and not scales and "quantization_config" not in config:
+    declared = "quantization_config" in config
+    if not narrow and not declared:  # a "_scale" name alone is no sign: layer scales exist
         return []
-    what = listed(narrow) if narrow else "its quantization_config"
+    scales = [n for n in dtypes if n.endswith(("_scale_inv", "_scale", ".scales"))]
+    what = listed(narrow) if narrow else "config.json's quantization_config"
     with_scales = f", with {counted(len(scales), 'scale tensor')}" if scales else ""
     return [
         f"a quantized model ({what}{with_scales}); forge imports full-precision weights "

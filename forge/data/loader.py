@@ -114,16 +114,14 @@ def window_indices(
 
 def plan_at(state: LoaderState, s: Sampling) -> Plan | None:
     """The plan of the micro-batch that starts at global row ``state.rows``; None once
-    ``max_epochs`` is used up. Its rows belong to data step ``state.steps + 1``, whose phase
-    they follow."""
+    ``max_epochs`` is used up (checked for a whole step at its start, ``exhausts``). Its rows
+    belong to data step ``state.steps + 1``, whose phase they follow."""
     phase = active_phase(s.phases, state.steps + 1)
+    if s.max_epochs is not None and state.step_rows == 0 and exhausts(state, s, phase):
+        return None
     count = s.micro_rows
     sources = row_sources(s.seed, state.rows, count, phase.probabilities)
     positions, after = row_cursors(sources, state.cursors)
-    if s.max_epochs is not None:
-        epochs = positions // np.asarray(s.sizes, dtype=np.int64)[sources]
-        if int(epochs.max()) >= s.max_epochs:
-            return None
     windows = window_indices(s.seed, s.sizes, sources, positions)
     mine = slice(s.rank * s.batch_size, (s.rank + 1) * s.batch_size)
     rows = tuple(zip(sources[mine].tolist(), windows[mine].tolist(), strict=True))
@@ -137,6 +135,16 @@ def plan_at(state: LoaderState, s: Sampling) -> Plan | None:
         step_rows=0 if ends_step else into_step,
     )
     return Plan(rows, phase.lr_scale, following)
+
+
+def exhausts(state: LoaderState, s: Sampling, phase: Phase) -> bool:
+    """Whether the step that starts at ``state`` would reach a source's epoch
+    ``max_epochs``: the data runs out at a step's start, never inside one, so no checkpoint
+    holds part of a step and every split stops after the same step."""
+    sources = row_sources(s.seed, state.rows, s.step_rows, phase.probabilities)
+    positions, _ = row_cursors(sources, state.cursors)
+    epochs = positions // np.asarray(s.sizes, dtype=np.int64)[sources]
+    return s.max_epochs is not None and int(epochs.max()) >= s.max_epochs
 
 
 def plans_from(state: LoaderState, sampling: Sampling) -> Iterator[Plan]:

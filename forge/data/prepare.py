@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import pathlib
 import shutil
+import signal
 import sys
 import time
 from collections import Counter
@@ -127,6 +128,13 @@ class Progress:
     def close(self) -> None:
         """End the line."""
         self.stream.write("\n")
+
+
+def ignore_interrupts() -> None:
+    """In a tokenizer worker: Ctrl-C reaches the whole process group, and the main process
+    answers it (one line, the finished units kept); the pool then ends its workers, which
+    would otherwise each print a ``KeyboardInterrupt`` traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def check_destination(out: pathlib.Path, recipe: Recipe) -> bool:
@@ -238,7 +246,7 @@ def _run(
         yield from map(tokenize_unit, jobs)
         return
     # spawn: workers start clean (no inherited threads or tokenizer state)
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+    with multiprocessing.get_context("spawn").Pool(workers, initializer=ignore_interrupts) as pool:
         yield from pool.imap_unordered(tokenize_unit, jobs)
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from forge.checkpoint.integrity import IntegrityError, verify_checkpoint
 from forge.checkpoint.resume import ResumePlan, first_loadable
 from forge.checkpoint.store import (
+    TRAIN_STATE,
     CheckpointError,
     check_loadable,
     load_checkpoint,
@@ -19,6 +20,8 @@ from forge.checkpoint.store import (
 from forge.config.freeze import trainable_names
 from forge.config.loader import CONVERTER, ConfigError
 from forge.config.sections import CheckpointConfig, FreezeRule, ScheduleName, Verification
+from forge.data.loader import loader_state
+from forge.data.shards import DataError
 from forge.optim.freezing import Freezer
 from forge.optim.schedules import Schedule
 from forge.parallel.mesh import broadcast_from_main
@@ -94,6 +97,15 @@ def check_changes(
     return verdict
 
 
+def loader_position(train_state: TrainState, data: DataContext, path: pathlib.Path) -> None:
+    """Check, before any tensor loads, that the train loader can seek to the checkpoint's
+    position; a ``CheckpointError`` (damage: the next checkpoint is tried) naming it if not."""
+    try:
+        loader_state(CONVERTER.unstructure(train_state.loader), data.train_loader.sampling)
+    except DataError as exc:
+        raise CheckpointError(f"{path / TRAIN_STATE}: {exc}") from None
+
+
 def recorded_schedule(train_state: TrainState) -> tuple[Schedule, float]:
     """The LR schedule and peak LR the checkpoint's run followed (``schedule_from =
     "checkpoint"``)."""
@@ -130,6 +142,7 @@ def resume_run(
         train_state = parse_train_state(read_train_state(path), path)
         trains = train_state.step < run.config.train.max_steps
         verdict = check_changes(train_state, current, path, cfg, say, trains)
+        loader_position(train_state, data, path)  # a position the loader cannot take: damage
         if model.freezer is not None:  # the optimizer as in the last step run
             hold_checkpoint_stage(model.freezer, train_state, run.config.freeze)
         optimizer = None if verdict.fresh_optimizer else model.optimizer

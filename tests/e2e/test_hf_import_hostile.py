@@ -344,7 +344,7 @@ ROWS = [
     ("an FP8 weight without its scales", set_tensor(Q0, lambda t: t.to(torch.float8_e4m3fn)), f"a quantized model ({Q0}: F8_E4M3)"),
     ("FP8 weights with their scale tensors", fp8_with_scales, f"a quantized model ({Q0}: F8_E4M3, with 1 scale tensor)"),
     ("an FP8 E5M2 weight", set_tensor(Q0, lambda t: t.to(torch.float8_e5m2)), f"{Q0}: F8_E5M2"),
-    ("a quantization_config", config({"quantization_config": {"quant_method": "fp8"}}), "a quantized model (its quantization_config)"),
+    ("a quantization_config", config({"quantization_config": {"quant_method": "fp8"}}), "a quantized model (config.json's quantization_config)"),
     ("model.safetensors beside a sharded index", single_and_sharded, "holds both model.safetensors and model.safetensors.index.json"),
 ]  # fmt: skip
 

@@ -168,6 +168,22 @@ def test_allow_config_change_resumes_with_a_warning_listing_the_differences(sand
     assert "model.rope_theta: 10000.0 → 500000.0" in result.stderr
 
 
+def test_a_loader_position_the_loader_cannot_take_is_damage_and_the_older_checkpoint_loads(
+    sandbox, trained
+):
+    """step_10's loader record edited to rows 41 with its cursors at 40 (the same length, and
+    only lengths verified): found before any tensor loads, reported, and step_5 resumes."""
+    copy_trained(trained, sandbox)
+    state = sandbox.ckpt / "step_10" / "train_state.json"
+    text = state.read_text()
+    assert '"rows": 40' in text
+    state.write_text(text.replace('"rows": 40', '"rows": 41'))
+    result = train(sandbox, "--train.max_steps=12", "--checkpoint.verify=metadata")
+    assert result.code == 0, result.stderr
+    assert "skipping unloadable checkpoint" in result.stderr and "does not add up" in result.stderr
+    assert "resumed from" in result.stderr and "step_5 at step 5" in result.stderr
+
+
 def test_sigusr1_from_outside_saves_and_exits_75(sandbox):
     proc = start(
         sandbox, "--checkpoint.interval=100", env={"FORGE_FAULTS": "stall:step=2:seconds=3"}

@@ -10,6 +10,7 @@ import pytest
 
 import forge.data.prepare as prep
 from forge.data.shards import open_split, read_manifest
+from tests.conftest import REPO
 from tests.e2e.test_train_script import load_script
 
 PREPARE = load_script("prepare_data")
@@ -290,3 +291,31 @@ def test_hf_tokenizer_without_a_known_boundary_token_is_refused(tmp_path, hf_tok
     args = ["--input", str(src), "--tokenizer", str(hf_tokenizer), "--out", str(tmp_path / "o")]
     assert PREPARE.main([*args, "--bos-token", "<bos>"]) == 2
     assert "--bos-token '<bos>': not in the vocabulary" in capsys.readouterr().err
+
+
+def test_ctrl_c_to_the_process_group_with_workers_is_one_line_and_exit_130(tmp_path):
+    """As a terminal's Ctrl-C: SIGINT to the script and its tokenizer workers at once. The
+    workers leave it to the main process (no traceback of theirs), which keeps the finished
+    units for the same command to resume."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "ds"
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--out", str(out), "--workers", "2"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    seen = ""
+    while "[prepare]" not in seen:  # a unit is done: the workers are at work
+        chunk = os.read(proc.stderr.fileno(), 4096).decode()
+        assert chunk, seen
+        seen += chunk
+    os.killpg(proc.pid, signal.SIGINT)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 130, seen + rest
+    assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest
+    assert [line for line in rest.splitlines() if "interrupted" in line] == [
+        f"interrupted: the finished units are kept in {out}.tmp; run the same command again to resume"
+    ]

@@ -62,6 +62,16 @@ def test_max_epochs_ends_iteration():
     assert (position["rows"], position["steps"], position["cursors"]) == (80, 20, [80])
 
 
+@pytest.mark.parametrize(("batch", "accum"), [(4, 2), (2, 4), (1, 8), (8, 1)])
+def test_max_epochs_ends_at_a_step_boundary_whatever_the_split(batch, accum):
+    """12 windows, one epoch, steps of 8 rows: one whole step, then nothing, and the position
+    saved after it is the same for every split (no rows of an untrained step in it)."""
+    loader = one_source(n_windows=12, batch=batch, grad_accum_steps=accum, max_epochs=1)
+    assert len(list(step_batches(loader, accum))) == 1
+    position = loader.state_dict()
+    assert (position["rows"], position["steps"], position["step_rows"]) == (8, 1, 0)
+
+
 def test_ranks_take_disjoint_rows_of_each_micro_batch():
     a, b = one_source(rank=0, world_size=2), one_source(rank=1, world_size=2)
     rows_a = {tuple(r.tolist()) for _ in range(5) for r in next(a).inputs}
