@@ -19,30 +19,15 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
 from tests.conftest import REPO
+from tests.e2e.test_data_e2e import MIXTURE  # two sources, a phase from step 7
+from tests.e2e.test_hostile_processes import wait_for_line
 from tests.e2e.test_train_script import TRAIN
 
 SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
-SOURCES = """
-[[data.sources]]
-name = "json_email"
-path = "{a}"
-weight = 3.0
-
-[[data.sources]]
-name = "unittest"
-path = "{b}"
-weight = 1.0
-
-[[data.phases]]
-start_step = 7
-weights = {{ json_email = 0.0 }}
-lr_scale = 0.5
-"""
 COMMON = ["--checkpoint.interval=100", "--data.verify_checksum=false",
           "--distributed.timeout_s=60", "--data.pack_documents=true"]  # fmt: skip
 
@@ -97,24 +82,12 @@ def logged(run_dir: pathlib.Path) -> dict[int, dict]:
     return out
 
 
-def wait_for_line(proc: subprocess.Popen, prefix: str, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"the job ended before printing {prefix!r}")
-        if line.startswith(prefix):
-            return
-    raise AssertionError(f"no line {prefix!r} within {timeout_s} s")
-
-
 @pytest.mark.timeout(600)
 def test_two_nodes_preempted_and_requeued_onto_one_node_continue_the_run(
     tiny_config, small_corpus, second_corpus, tmp_path
 ):
     tiny_config.write_text(
-        tiny_config.read_text() + SOURCES.format(a=small_corpus, b=second_corpus)
+        tiny_config.read_text() + MIXTURE.format(a=small_corpus, b=second_corpus)
     )
     reference = tmp_path / "reference"
     one_rank = ["--train.batch_size=4", "--train.grad_accum_steps=2"]  # 8 rows a step
@@ -130,7 +103,7 @@ def test_two_nodes_preempted_and_requeued_onto_one_node_continue_the_run(
         ["bash", str(SCRIPT), f"--run.dir={run}", *COMMON, *split],
         cwd=REPO, env=two_nodes, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    wait_for_line(job, "step 2 |")
+    wait_for_line(job, "step 2 |", timeout_s=180)
     job.send_signal(signal.SIGUSR1)  # SLURM's warning before the time limit
     out, _ = job.communicate(timeout=240)
     assert job.returncode == 75, out
