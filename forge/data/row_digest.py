@@ -5,10 +5,13 @@ in one shard of its source's dataset, given ``train.seq_len``) and hashed to 64 
 digest is the sum of its rows' hashes modulo 2**64. A sum does not depend on how the rows were
 grouped into micro-batches or ranks, and the row index in each hash makes it depend on their
 order: two runs with equal digests at a step consumed the same rows, in the same order, up to
-it. Pure NumPy on values the loader already holds: no device, no collective.
+it. Computed from values the loader already holds (NumPy arrays, or Python integers for a
+few rows): no device, no collective.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 
@@ -74,6 +77,6 @@ def digest_hex(digest: int) -> str:
 
 def parse_digest(text: str) -> int:
     """``digest_hex``'s inverse; ``ValueError`` for anything else."""
-    if len(text) != 16:
+    if re.fullmatch(r"[0-9a-f]{16}", text) is None:
         raise ValueError(f"{text!r} is not 16 hex digits")
     return int(text, 16)
