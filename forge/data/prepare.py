@@ -24,6 +24,7 @@ import pathlib
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -130,11 +131,21 @@ class Progress:
         self.stream.write("\n")
 
 
-def ignore_interrupts() -> None:
-    """In a tokenizer worker: Ctrl-C reaches the whole process group, and the main process
-    answers it (one line, the finished units kept); the pool then ends its workers, which
-    would otherwise each print a ``KeyboardInterrupt`` traceback."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+@contextlib.contextmanager
+def workers_ignoring_interrupts() -> Iterator[None]:
+    """Processes started inside ignore SIGINT from their first instruction (an ignored signal
+    stays ignored across exec, and Python keeps it so): Ctrl-C reaches the whole process group,
+    and the main process answers it (one line, the finished units kept) and ends the pool,
+    whose workers would otherwise each print a ``KeyboardInterrupt`` traceback, even one still
+    importing. The main process's own handler is back on the way out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def check_destination(out: pathlib.Path, recipe: Recipe) -> bool:
@@ -246,7 +257,9 @@ def _run(
         yield from map(tokenize_unit, jobs)
         return
     # spawn: workers start clean (no inherited threads or tokenizer state)
-    with multiprocessing.get_context("spawn").Pool(workers, initializer=ignore_interrupts) as pool:
+    with workers_ignoring_interrupts():
+        pool = multiprocessing.get_context("spawn").Pool(workers)
+    with pool:
         yield from pool.imap_unordered(tokenize_unit, jobs)
 
 
