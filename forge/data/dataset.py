@@ -19,11 +19,11 @@ class TokenWindows:
 
     def __init__(self, shards: list[np.ndarray], seq_len: int) -> None:
         self.seq_len = seq_len
-        self.shards = shards
         counts = [max(0, (len(s) - 1) // seq_len) for s in shards]
         self._starts = np.cumsum([0, *counts])
         self._first = self._starts.tolist()  # each shard's first window, as Python integers
-        # plain views of the mapped shards: slicing a memmap makes a memmap each time
+        # plain views of the mapped shards (the only reference kept): slicing a memmap makes a
+        # memmap each time
         self._arrays = [np.asarray(s) for s in shards]
 
     def __len__(self) -> int:

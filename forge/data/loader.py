@@ -3,7 +3,7 @@
 A run reads one stream of rows numbered over every rank and micro-batch; how a step is split
 (``train.batch_size`` × data-parallel ranks × ``train.grad_accum_steps``) only says which rows
 each rank reads when. A *plan* (the windows one rank reads for one micro-batch) is a pure
-function of the layout-free loader state ``(rows, steps, cursors)``; see
+function of the layout-free loader state ``(steps, cursors)``; see
 ``forge.data.mixture``. Plans are made in the training process and read (memmap, stack, pack)
 in worker processes when ``num_workers > 0``. Each batch carries the loader state after it, so
 prefetching workers never make the saved state run ahead of what training consumed, and a
@@ -43,11 +43,15 @@ class LoaderState:
     unfinished step already read, each source's cursor, and the digest of every row consumed
     (``forge.data.row_digest``)."""
 
-    rows: int = 0
     steps: int = 0
     cursors: tuple[int, ...] = (0,)
     digest: int = 0
     step_rows: int = 0
+
+    @property
+    def rows(self) -> int:
+        """Global rows consumed: every row is drawn from one source, so the cursors' sum."""
+        return sum(self.cursors)
 
 
 @attrs.frozen
@@ -128,7 +132,6 @@ def plan_at(state: LoaderState, s: Sampling) -> Plan | None:
     into_step = state.step_rows + count
     ends_step = into_step >= s.step_rows
     following = LoaderState(
-        rows=state.rows + count,
         steps=state.steps + int(ends_step),
         cursors=after,
         digest=add_rows(state.digest, state.rows, sources, windows),
@@ -331,8 +334,8 @@ def loader_state(saved: dict[str, Any], sampling: Sampling) -> LoaderState:
         raise DataError(f"loader state {saved} is not one this forge writes; start afresh")
     try:
         cursors = tuple(int(c) for c in saved["cursors"])
+        rows = int(saved["rows"])  # saved for readers; the cursors' sum, checked below
         state = LoaderState(
-            int(saved["rows"]),
             int(saved["steps"]),
             cursors,
             parse_digest(str(saved["digest"])),
@@ -345,7 +348,7 @@ def loader_state(saved: dict[str, Any], sampling: Sampling) -> LoaderState:
             f"the checkpoint's loader has {len(cursors)} data sources, the config "
             f"{len(sampling.sizes)}; resume with the [data] sources it was saved with"
         )
-    if min(state.rows, state.steps, state.step_rows, *cursors) < 0 or sum(cursors) != state.rows:
+    if min(state.steps, state.step_rows, *cursors) < 0 or state.rows != rows:
         raise DataError(f"loader state {saved} does not add up (rows ≠ the sum of its cursors)")
     if state.step_rows % sampling.micro_rows or state.step_rows >= sampling.step_rows:
         raise DataError(
