@@ -4,7 +4,7 @@
     python scripts/convert_checkpoint.py import exports/debug --out ckpt/imported
 
 Both directions take the Llama, Mixtral, Qwen3 and Qwen3-MoE families
-(``forge.checkpoint.hf_families``; docs/interop.md). ``export`` reads the run's newest
+(``forge.interop.families``; docs/interop.md). ``export`` reads the run's newest
 complete checkpoint (the training resolver) on the CPU (``--device cuda`` or ``auto`` to read
 it onto a GPU), in the checkpoint's dtype, and writes it in ``--dtype``; ``import`` writes a
 model-only forge checkpoint (``<out>/step_0``) to use as ``checkpoint.load_path``. Both are
@@ -23,35 +23,29 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from forge.checkpoint.export import (
+from forge.checkpoint.store import save_model_only
+from forge.cli import DeviceRequest, add_device_options
+from forge.config import JobConfig, ModelConfig
+from forge.config.loader import CONVERTER
+from forge.config.toml_writer import dumps_toml
+from forge.data.shards import MANIFEST, read_manifest
+from forge.errors import UserInputError, one_line, print_errors
+from forge.interop.export import (
     DTYPES,
     TokenizerInfo,
     export_model,
     require_safetensors,
     tokenizer_info,
 )
-from forge.checkpoint.hf_import import import_model
-from forge.checkpoint.store import save_model_only
-from forge.config import JobConfig, ModelConfig
-from forge.config.families import export_family
-from forge.config.loader import CONVERTER
-from forge.config.toml_writer import dumps_toml
-from forge.data.shards import MANIFEST, read_manifest
-from forge.errors import UserInputError, one_line, print_errors
+from forge.interop.export_rules import export_family
+from forge.interop.hf_import import import_model
 from forge.interrupts import exits_on_interrupt
 from forge.model.transformer import Transformer
 from forge.model.vlm import empty_model
 from forge.optim.optimizers import evaluation_weights
 from forge.optim.param_groups import inference_optimizer
 from forge.outputs import OutputKind, output_problem, replace_output, staged_output
-from forge.parallel.devices import (
-    DeviceChoice,
-    DeviceRequest,
-    add_device_options,
-    choose_device,
-    start_script_world,
-    stored_dtype,
-)
+from forge.parallel.devices import DeviceChoice, choose_device, start_script_world, stored_dtype
 from forge.parallel.world import WorldInfo, world_info
 from forge.training.inference import load_run_weights, run_dir_of
 from forge.training.run_dir import load_run_config

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from forge.cli import add_device_options
 from forge.data.batch import Batch
 from forge.data.dataset import open_windows
 from forge.data.image_text import ImageCaptions, open_image_captions
@@ -33,12 +34,7 @@ from forge.errors import UserInputError, print_errors
 from forge.interrupts import exits_on_interrupt
 from forge.model.chunked_loss import loss_spec_of
 from forge.optim.optimizers import evaluation_weights
-from forge.parallel.devices import (
-    DeviceChoice,
-    add_device_options,
-    run_on_chosen_device,
-    start_script_world,
-)
+from forge.parallel.devices import DeviceChoice, run_on_chosen_device, start_script_world
 from forge.parallel.world import WorldInfo
 from forge.training.evaluate import evaluate_totals, totals_over_ranks
 from forge.training.inference import load_for_inference, run_dir_of

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from forge.cli import add_device_options
 from forge.config.data import EvalTask
 from forge.errors import UserInputError, one_line, print_errors
 from forge.harness.tasks import (
@@ -34,12 +35,7 @@ from forge.harness.tasks import (
 from forge.interrupts import exits_on_interrupt
 from forge.optim.optimizers import evaluation_weights
 from forge.outputs import file_output_problem, replace_file
-from forge.parallel.devices import (
-    DeviceChoice,
-    add_device_options,
-    run_on_chosen_device,
-    start_script_world,
-)
+from forge.parallel.devices import DeviceChoice, run_on_chosen_device, start_script_world
 from forge.parallel.world import WorldInfo
 from forge.training.inference import (
     LoadedModel,

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from forge.cli import add_device_options
 from forge.config import JobConfig
 from forge.data.image_text import load_image
 from forge.data.tokenizer import ByteTokenizer, Tokenizer
@@ -36,12 +37,7 @@ from forge.interrupts import exits_on_interrupt
 from forge.model.generate import caption, sample
 from forge.model.vlm import VisionLanguageModel
 from forge.optim.optimizers import evaluation_weights
-from forge.parallel.devices import (
-    add_device_options,
-    choose_device,
-    end_script_world,
-    start_script_world,
-)
+from forge.parallel.devices import choose_device, end_script_world, start_script_world
 from forge.parallel.world import world_info
 from forge.training.inference import load_for_inference, run_dir_of, run_tokenizer
 from forge.training.run_dir import load_run_config

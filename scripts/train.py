@@ -14,7 +14,7 @@ from forge.config.help import help_text
 from forge.errors import CheckpointSaveError, UserInputError, print_errors
 from forge.metrics.profiler import profiler_hooks
 from forge.resilience.control import ControlChannel, StepMonitor
-from forge.resilience.faults import FaultHooks, faults_from_env, with_nan_faults
+from forge.resilience.faults import Fault, FaultHooks, faults_from_env, with_nan_faults
 from forge.resilience.health import guard_collectives
 from forge.resilience.signals import ShutdownFlag
 from forge.training.context import (
@@ -25,7 +25,7 @@ from forge.training.context import (
     RunContext,
 )
 from forge.training.effects import TrainingEffects
-from forge.training.hooks import Hooks, configured_hooks
+from forge.training.hooks import HookList, Hooks, configured_hooks
 from forge.training.loaders import train_batches
 from forge.training.loop import conclude, run_training_loop
 from forge.training.outcome import exit_code, log_failure_line, outcome_message
@@ -58,7 +58,15 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         data = setup_data(run, dist)
         lock = claim_run_dir(run, dist)
         ckpt = setup_checkpointing(run, dist, model, data)
-        hooks = [*hooks, *configured_hooks(run.config.hooks)]
+        faults = faults_from_env(os.environ)  # test-only fault injection; none in production
+        run_hooks = HookList(
+            [
+                *hooks,
+                *configured_hooks(run.config.hooks),
+                *profiler_hooks(run.config.profiler, run.run_dir, dist.rank),
+                FaultHooks(faults, dist.rank),
+            ]
+        )
         prepare_run_dir(run, dist, ckpt)  # last: a set-up that fails writes no records
     except UserInputError as exc:
         if lock is not None:
@@ -67,7 +75,7 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         flag.uninstall()
         return ExitCode.CONFIG_ERROR
     try:
-        return train(run, dist, model, data, ckpt, flag, hooks)
+        return train(run, dist, model, data, ckpt, flag, run_hooks, faults)
     finally:
         lock.release()
 
@@ -79,7 +87,8 @@ def train(
     data: DataContext,
     ckpt: CheckpointContext,
     flag: ShutdownFlag,
-    hooks: Sequence[Hooks],
+    hooks: HookList,
+    faults: tuple[Fault, ...],
 ) -> int:
     """The loop and what follows it, once every set-up phase succeeded."""
     flag.timeout_s = run.config.resilience.shutdown_timeout_s
@@ -87,14 +96,8 @@ def train(
     if dist.is_main:
         print(f"[forge] {model.num_params:,} parameters; run dir {run.run_dir}", file=sys.stderr)
     policy = run.policy
-    faults = faults_from_env(os.environ)  # test-only fault injection; none in production
-    hooks = [
-        *hooks,
-        *profiler_hooks(run.config.profiler, run.run_dir, dist.rank),
-        FaultHooks(faults, dist.rank),
-    ]
     effects = TrainingEffects(run, dist, model, data, hooks=hooks)
-    step = make_step_fn(run, dist, model, data, effects.hooks)
+    step = make_step_fn(run, dist, model, data, hooks)
     step = with_nan_faults(step, model.model, faults, dist.rank)
     res = run.config.resilience
     monitor = StepMonitor(

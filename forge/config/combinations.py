@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from forge.config.families import export_problem
 from forge.config.sections import JobConfig, Problem, ScheduleName
 
 
@@ -26,7 +25,6 @@ def cross_section_problems(config: JobConfig) -> list[Problem]:
                 "(the run would end inside warmup)",
             )
         )
-    p += export_problems(config)
     window = config.checkpoint.dyn_ckpt_window
     if window is not None and window.start > config.train.max_steps:
         p.append(
@@ -36,12 +34,3 @@ def cross_section_problems(config: JobConfig) -> list[Problem]:
             )
         )
     return p
-
-
-def export_problems(config: JobConfig) -> list[Problem]:
-    """``checkpoint.export_final`` of a model no Hugging Face family holds
-    (``forge.config.families.export_problem``, the export's own check)."""
-    if not config.checkpoint.export_final:
-        return []
-    problem = export_problem(config.model)
-    return [] if problem is None else [("checkpoint.export_final", f"{problem}, or set it off")]

@@ -2,7 +2,8 @@
 
 The step adds each micro-batch's per-row sums without a host sync (``SourceStats``, one per
 step) and reads them in its one host read, into ``StepResult.sources``; the effects sum the
-steps between two logs and reduce them over ranks only on logging steps (``source_record``).
+steps between two logs and record them for the log's one reduction over ranks
+(``source_metrics``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
+from forge.metrics.reduction import Recorded, Reduction, recorded_value
+from forge.types import SourceTotals
 
 
 class SourceStats:
@@ -34,15 +38,14 @@ class SourceStats:
         return out
 
 
-def source_record(names: Sequence[str], sums: Sequence[Sequence[float]]) -> dict[str, float]:
-    """``data/<name>/tokens`` per source, and ``data/<name>/loss`` (mean over its tokens) for
-    the sources that had any."""
-    record: dict[str, float] = {}
-    for name, loss, tokens in zip(names, sums[0], sums[1], strict=True):
-        record[f"data/{name}/tokens"] = tokens
-        if tokens > 0:
-            record[f"data/{name}/loss"] = loss / tokens
-    return record
+def source_metrics(names: Sequence[str], totals: SourceTotals) -> list[Recorded]:
+    """``data/<name>/tokens`` per source (each data slice counted once), and
+    ``data/<name>/loss`` (the mean over its tokens) for the sources that had any."""
+    metrics: list[Recorded] = []
+    for name, loss, tokens in zip(names, totals.loss, totals.tokens, strict=True):
+        metrics.append(recorded_value(f"data/{name}/tokens", tokens, Reduction.SLICE_SUM))
+        metrics.append(Recorded(f"data/{name}/loss", (loss, tokens), Reduction.TOKEN_MEAN))
+    return metrics
 
 
 def row_record(position: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Where and in what dtype the scripts beside training (eval, generate, convert, lm-eval) run.
+"""Where and in what dtype the scripts beside training (eval, generate, convert, lm-eval) run
+(their ``--device`` and ``--dtype``: ``forge.cli``).
 
 The choice is pure (``choose_device``, ``choose_dtype``: table-tested on any machine); the
 effects (``start_script_world``: the GPU made current, the process group started with the
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import enum
 import os
 from collections.abc import Callable
 
@@ -18,36 +18,10 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from forge.cli import DeviceRequest, DtypeRequest
 from forge.config.sections import Precision
 from forge.parallel.mesh import nccl_environment, round_store
 from forge.parallel.world import WorldInfo, world_info
-
-
-class DeviceRequest(enum.Enum):
-    """``--device``: the GPU when there is one (``auto``), or a device forced."""
-
-    AUTO = "auto"
-    CPU = "cpu"
-    CUDA = "cuda"
-
-    def __str__(self) -> str:  # as --help shows the default
-        return self.value
-
-
-class DtypeRequest(enum.Enum):
-    """``--dtype``: the checkpoint's own (``auto``), or the weights cast to one."""
-
-    AUTO = "auto"
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-
-    @classmethod
-    def _missing_(cls, value: object) -> DtypeRequest | None:
-        # the config's spelling of the same dtypes (train.param_dtype = "bf16")
-        return {"fp32": cls.FLOAT32, "bf16": cls.BFLOAT16}.get(str(value).lower())
-
-    def __str__(self) -> str:  # as --help shows the default
-        return self.value
 
 
 @attrs.frozen
@@ -89,46 +63,6 @@ def choose_dtype(request: DtypeRequest, stored: torch.dtype) -> torch.dtype:
 def stored_dtype(param_dtype: Precision) -> torch.dtype:
     """The dtype a run's checkpoints hold its weights in (``train.param_dtype``)."""
     return torch.bfloat16 if param_dtype is Precision.BF16 else torch.float32
-
-
-def request_parser(cls: type[enum.Enum]) -> Callable[[str], enum.Enum]:
-    """An argparse ``type`` for ``cls``: its value (any case), else one line naming them."""
-
-    def parse(text: str) -> enum.Enum:
-        try:
-            return cls(text.lower())
-        except ValueError:
-            names = ", ".join(str(member.value) for member in cls)
-            raise argparse.ArgumentTypeError(f"{text!r}: choose one of {names}") from None
-
-    return parse
-
-
-def add_device_options(
-    parser: argparse.ArgumentParser,
-    dtype: bool = True,
-    default: DeviceRequest = DeviceRequest.AUTO,
-) -> None:
-    """``--device`` and (with ``dtype``) ``--dtype``, as the scripts beside training take
-    them (an export has a ``--dtype`` of its own: the written weights')."""
-    parser.add_argument(
-        "--device",
-        type=request_parser(DeviceRequest),
-        choices=list(DeviceRequest),
-        default=default,
-        metavar="{" + ",".join(r.value for r in DeviceRequest) + "}",
-        help="auto: cuda:<local rank> where torch sees GPUs (NCCL between ranks), else the CPU",
-    )
-    if not dtype:
-        return
-    parser.add_argument(
-        "--dtype",
-        type=request_parser(DtypeRequest),
-        choices=list(DtypeRequest),
-        default=DtypeRequest.AUTO,
-        metavar="{" + ",".join(r.value for r in DtypeRequest) + "}",
-        help="the weights' dtype; auto: the checkpoint's (train.param_dtype)",
-    )
 
 
 def start_script_world(

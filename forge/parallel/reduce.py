@@ -1,9 +1,15 @@
-"""Host values summed or averaged over every rank of the default group."""
+"""Host values summed over every rank of the default group, and a logged step's metrics
+reduced in one collective."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 import torch.distributed as torch_dist
+
+from forge.metrics.reduction import Recorded, packed, unpacked
 
 
 def sum_over_ranks(
@@ -19,12 +25,15 @@ def sum_over_ranks(
     return t.tolist()
 
 
-def mean_over_ranks(value: float, world_size: int, device: torch.device | str = "cpu") -> float:
-    """The mean of ``value`` over every rank (a no-op for one process).
-
-    Ranks that share a data slice (TP peers) hold the same value, so the mean over the world
-    equals the mean over data-parallel ranks.
-    """
-    if world_size == 1:
-        return value
-    return sum_over_ranks([value], world_size, device)[0] / world_size
+def reduce_metrics(
+    metrics: Sequence[Recorded],
+    world_size: int,
+    rank: int,
+    slices: int,
+    device: torch.device | str = "cpu",
+) -> dict[str, Any]:
+    """The record of ``metrics`` (recorded on every rank, in the same order) over the whole
+    run, in one collective: ``forge.metrics.reduction`` packs them into one sum. ``slices``:
+    the ranks that hold distinct tokens."""
+    sums = sum_over_ranks(packed(metrics, world_size, rank), world_size, device)
+    return unpacked(metrics, sums, world_size, slices)

@@ -11,11 +11,11 @@ import torch.distributed as torch_dist
 
 from forge.config.data import EvalTask
 from forge.errors import one_line
+from forge.model.precision import autocast_for, device_type_of
 from forge.optim.optimizers import evaluation_weights
 from forge.parallel.context_parallel import whole_rows
 from forge.training.context import DistContext, ModelContext, RunContext
 from forge.training.inference import run_tokenizer
-from forge.training.steps.common import autocast_for, device_type_of
 
 
 def failure_line(task: EvalTask, step: int, exc: BaseException) -> str:

@@ -15,10 +15,11 @@ from forge.data.batch import Batch
 from forge.data.packing import IGNORE_INDEX
 from forge.model.chunked_loss import PLAIN_LOSS, LossSpec
 from forge.model.moe import LOADS
+from forge.model.precision import autocast_for, device_type_of
 from forge.optim.optimizers import evaluation_weights
 from forge.parallel.reduce import sum_over_ranks
 from forge.training.context import DistContext, ModelContext, PipelineContext
-from forge.training.steps.common import autocast_for, device_type_of, micro_batch_loss
+from forge.training.steps.common import micro_batch_loss
 from forge.training.steps.pipeline import Pass, run_stage
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from forge.checkpoint.resume import first_loadable, load_newest_weights
 from forge.checkpoint.store import load_checkpoint
+from forge.cli import DtypeRequest
 from forge.config import JobConfig, Precision
 from forge.data.shards import MANIFEST, read_manifest
 from forge.data.tokenizer import ByteTokenizer, Tokenizer, tokenizer_from_manifest
@@ -19,7 +20,7 @@ from forge.errors import UserInputError
 from forge.model.attention import runnable_here
 from forge.model.vlm import empty_model
 from forge.optim.param_groups import inference_optimizer
-from forge.parallel.devices import DtypeRequest, choose_dtype, stored_dtype
+from forge.parallel.devices import choose_dtype, stored_dtype
 from forge.training.run_dir import checkpoint_dir_of
 
 

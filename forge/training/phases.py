@@ -74,6 +74,7 @@ from forge.training.problems import (
     attention_problems,
     cpu_flags,
     data_problems,
+    export_final_problems,
     freeze_problems,
     memory_capacity,
     memory_problem,
@@ -98,6 +99,7 @@ WorldCheck = Callable[[RunContext, WorldInfo], list[str]]
 # (the sections a check reads, the check): every check runs in the same pass, except one that
 # reads a section with a problem of its own (its values would mislead it)
 WORLD_CHECKS: tuple[tuple[frozenset[str], WorldCheck], ...] = (
+    (frozenset({"model", "checkpoint"}), lambda run, world: export_final_problems(run.config)),
     (
         frozenset({"distributed", "model", "train", "checkpoint", "eval"}),
         lambda run, world: [
@@ -125,8 +127,8 @@ def load_and_validate_config(argv: Sequence[str]) -> RunContext:
     """Parse ``[config.toml, --overrides...]``, validate it against the data on disk.
 
     Raises ``ConfigError`` listing every problem of every stage in one pass (types, ranges,
-    combinations, then the world: layout, data, hooks, freeze, vision, sinks, directories;
-    the memory estimate once all else holds); reads files but writes none.
+    combinations, then the world: the export, layout, data, hooks, freeze, vision, sinks,
+    directories; the memory estimate once all else holds); reads files but writes none.
     """
     loaded, problems, broken = load_config_checked(argv)
     run = RunContext.of(loaded.config, loaded.source)

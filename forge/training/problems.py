@@ -1,6 +1,6 @@
 """What ``load_and_validate_config`` checks against the world beyond the config file: the
-data on disk, the freeze schedule against the model, the machine's memory and its precision
-support."""
+data on disk, the freeze schedule against the model, the Hugging Face family the model
+exports as, the machine's memory and its precision support."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from forge.config.freeze import schedule_problems
 from forge.config.sections import JobConfig, Precision
 from forge.data.shards import DataError, Manifest, read_manifest
+from forge.interop.export_rules import export_problem
 from forge.model.attention import attention_problem
 from forge.model.vlm import build_model
 from forge.optim.freezing import named_parameters
@@ -27,6 +28,16 @@ def freeze_problems(config: JobConfig) -> list[str]:
     with torch.device("meta"):
         names = list(named_parameters(build_model(config.model)))
     return schedule_problems(names, config.freeze)
+
+
+def export_final_problems(config: JobConfig) -> list[str]:
+    """``checkpoint.export_final`` of a model no Hugging Face family holds, refused before
+    anything is built rather than after the run trained (the export's own check,
+    ``forge.interop.export_rules.export_problem``, which the config package is below)."""
+    if not config.checkpoint.export_final:
+        return []
+    problem = export_problem(config.model)
+    return [] if problem is None else [f"checkpoint.export_final: {problem}, or set it off"]
 
 
 def attention_problems(config: JobConfig, cuda: bool | None = None) -> list[str]:

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from forge.checkpoint.store import save_model_only
+from forge.cli import DtypeRequest
 from forge.config import load_config
 from forge.model.transformer import Transformer
-from forge.parallel.devices import DtypeRequest
 from tests.conftest import REPO
 from tests.e2e.test_train_script import load_script
 

@@ -23,8 +23,8 @@ import attrs
 import pytest
 import torch
 
-from forge.checkpoint.export import TokenizerInfo, export_model
 from forge.config import ModelConfig
+from forge.interop.export import TokenizerInfo, export_model
 from forge.model.transformer import Transformer
 from tests.conftest import REPO
 from tests.e2e.test_train_script import load_script

@@ -377,7 +377,7 @@ def test_no_loadable_checkpoint_is_a_clear_error(tiny_config, capsys):
 
 
 def test_final_save_can_also_write_an_export(tiny_config):
-    from forge.checkpoint.hf_import import import_model
+    from forge.interop.hf_import import import_model
 
     assert (
         TRAIN.main(
@@ -557,7 +557,7 @@ def test_schedule_free_evaluates_the_averaged_weights(tiny_config, monkeypatch):
 
 
 def test_export_of_a_schedule_free_run_holds_the_averaged_weights(tiny_config, tmp_path):
-    from forge.checkpoint.hf_import import import_model
+    from forge.interop.hf_import import import_model
     from forge.optim.optimizers import evaluation_weights
     from forge.optim.param_groups import inference_optimizer
 

@@ -10,24 +10,22 @@ import pytest
 import tomli
 import torch
 
-from forge.checkpoint.export import ExportError, export_model, hf_tensors, llama_config
-from forge.checkpoint.hf_config import hf_config_problems, model_config_from_hf
-from forge.checkpoint.hf_families import forge_name, hf_name, hf_shapes
-from forge.checkpoint.hf_import import (
+from forge.config import ModelConfig
+from forge.config.loader import CONVERTER
+from forge.interop import families
+from forge.interop.export import ExportError, export_model, hf_tensors, llama_config
+from forge.interop.export_rules import export_family
+from forge.interop.hf_config import hf_config_problems, model_config_from_hf
+from forge.interop.hf_files import find_weights, index_problems, read_headers, read_json
+from forge.interop.hf_import import (
     dtype_problems,
-    find_weights,
     finite_problems,
     import_model,
-    index_problems,
     layer_problem,
-    read_headers,
-    read_json,
     tensor_problems,
 )
-from forge.checkpoint.hf_json import decode_json
-from forge.config import ModelConfig
-from forge.config.families import Family, export_family
-from forge.config.loader import CONVERTER
+from forge.interop.hf_json import decode_json
+from forge.interop.tensor_names import forge_name, hf_name, hf_shapes
 from forge.model.transformer import Transformer
 from tests.conftest import REPO
 
@@ -150,7 +148,7 @@ def test_convert_script_round_trip_through_a_run(tiny_config, tmp_path):
     ids=["sliding_window", "qk_norm and sliding_window"],
 )  # fmt: skip
 def test_a_model_no_family_holds_is_refused_by_export_in_one_line(tmp_path, option, line):
-    from forge.checkpoint.export import ExportError
+    from forge.interop.export import ExportError
 
     cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, max_seq_len=16, **option)
     state = Transformer(cfg).state_dict()
@@ -346,7 +344,7 @@ Q0 = "model.layers.0.self_attn.q_proj.weight"
 
 
 def found_after(change) -> dict[str, tuple[int, ...]]:
-    found = hf_shapes(CFG, Family.LLAMA)
+    found = hf_shapes(CFG, families.LLAMA)
     change(found)
     return found
 
@@ -365,7 +363,7 @@ def found_after(change) -> dict[str, tuple[int, ...]]:
     ],
 )  # fmt: skip
 def test_tensor_problems(change, tied, problem):
-    said = tensor_problems(hf_shapes(CFG, Family.LLAMA), found_after(change), tied)
+    said = tensor_problems(hf_shapes(CFG, families.LLAMA), found_after(change), tied)
     assert said == [] if problem is None else (len(said) == 1 and said[0].startswith(problem)), said
 
 

@@ -17,11 +17,13 @@ import attrs
 import pytest
 import torch
 
-from forge.checkpoint.export import export_model
-from forge.checkpoint.hf_import import import_model
 from forge.config import ModelConfig
-from forge.config.families import Family, export_family
 from forge.config.sections import RopeScaling
+from forge.interop.export import export_model
+from forge.interop.export_rules import export_family
+from forge.interop.families import LLAMA, MIXTRAL, QWEN3, QWEN3_MOE
+from forge.interop.family import FamilySpec
+from forge.interop.hf_import import import_model
 from forge.model.generate import sample
 from forge.model.transformer import Transformer
 from tests.e2e.test_train_script import load_script
@@ -54,7 +56,7 @@ LLAMA3_ROPE = {
 class Case:
     """One family: its transformers config class and model class, the keys beside ``SHAPE``."""
 
-    family: Family
+    family: FamilySpec
     config: str
     model: str
     keys: dict[str, Any]
@@ -62,25 +64,25 @@ class Case:
 
 CASES = {
     "llama3": Case(
-        Family.LLAMA,
+        LLAMA,
         "LlamaConfig",
         "LlamaForCausalLM",
         {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": True, "rms_norm_eps": 1e-5},
     ),
     "qwen3": Case(  # a head of 32: 4 heads are 128 wide, twice hidden_size
-        Family.QWEN3,
+        QWEN3,
         "Qwen3Config",
         "Qwen3ForCausalLM",
         {"head_dim": 32, "tie_word_embeddings": True, "rope_parameters": {"rope_theta": 1e6}},
     ),
     "mixtral": Case(
-        Family.MIXTRAL,
+        MIXTRAL,
         "MixtralConfig",
         "MixtralForCausalLM",
         {"intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2},
     ),
     "qwen3_moe": Case(  # block 0 dense, block 1 sparse: moe_first_dense = 1
-        Family.QWEN3_MOE,
+        QWEN3_MOE,
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
         {
@@ -152,7 +154,7 @@ def test_an_import_has_transformers_logits_and_greedy_text(saved):
     assert export_family(model.cfg) is case.family  # it exports back as what it was
     theirs = hf(TOKENS).logits
     difference = (logits(model, TOKENS) - theirs).abs().max().item()
-    print(f"{case.family.value}: max |forge - transformers| logit = {difference:.3g}")
+    print(f"{case.family.model_type}: max |forge - transformers| logit = {difference:.3g}")
     assert difference <= 1e-4
     ours = sample(model, PROMPT, 12, temperature=0)
     expected = hf.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=12)
@@ -295,7 +297,7 @@ def test_the_model_section_the_import_prints_loads_back(saved, tmp_path):
     section = tomli.loads(out.getvalue()[out.getvalue().index("\n[model]") :])["model"]
     cfg = CONVERTER.structure(section, ModelConfig)
     assert cfg == import_model(folder)[0]
-    assert ("rope_scaling" in section) is (case.family is Family.LLAMA)
+    assert ("rope_scaling" in section) is (case.family is LLAMA)
 
 
 def test_continued_pre_training_of_a_released_model_as_docs_interop_shows(tiny_config, tmp_path):

@@ -8,10 +8,10 @@ import attrs
 import pytest
 import torch
 
-from forge.checkpoint.export import ExportError, TokenizerInfo, export_model
-from forge.checkpoint.hf_import import import_model
 from forge.config import ModelConfig
 from forge.config.sections import MoeRouter
+from forge.interop.export import ExportError, TokenizerInfo, export_model
+from forge.interop.hf_import import import_model
 from forge.model.generate import sample
 from forge.model.transformer import Transformer
 

@@ -271,6 +271,17 @@ BAD = [
         "model.rope_scaling.factr: unknown key; did you mean 'model.rope_scaling.factor'?",
     ),
     (
+        "rope scaling a scalar",
+        {"model": {"rope_scaling": 8.0}},
+        "model.rope_scaling: is a table; set its keys as model.rope_scaling.<key>=...",
+    ),
+]
+
+
+# (case, the config, the one line): checkpoint.export_final is checked against the export's
+# own rules (forge.interop) when the run starts, not by the config package below them
+EXPORT_FINAL = [
+    (
         "an export of a model with a window",
         {"checkpoint": {"export_final": True}, "model": {"sliding_window": 8}},
         "checkpoint.export_final: model.sliding_window=8: the Llama, Mixtral and Qwen3 exports "
@@ -286,12 +297,23 @@ BAD = [
         "checkpoint.export_final: model.moe_router='sigmoid': Qwen3MoeForCausalLM routes by a "
         "softmax over experts, so this model has no Qwen3-MoE export, or set it off",
     ),
-    (
-        "rope scaling a scalar",
-        {"model": {"rope_scaling": 8.0}},
-        "model.rope_scaling: is a table; set its keys as model.rope_scaling.<key>=...",
-    ),
 ]
+
+
+@pytest.mark.parametrize(
+    "raw,line", [e[1:] for e in EXPORT_FINAL], ids=[e[0] for e in EXPORT_FINAL]
+)
+def test_an_export_final_no_family_holds_gives_one_line_naming_the_key(raw, line):
+    from forge.training.problems import export_final_problems
+
+    assert export_final_problems(structure_config(raw)) == [line]
+
+
+def test_an_export_final_of_a_qwen3_model_passes_the_run_check():
+    from forge.training.problems import export_final_problems
+
+    raw = {"checkpoint": {"export_final": True}, "model": {"qk_norm": True, "head_dim": 128}}
+    assert export_final_problems(structure_config(raw)) == []
 
 
 def test_a_qk_norm_model_may_export_at_the_end():

@@ -7,16 +7,9 @@ import argparse
 import pytest
 import torch
 
+from forge.cli import DeviceRequest, DtypeRequest, request_parser
 from forge.config import Precision
-from forge.parallel.devices import (
-    DeviceChoice,
-    DeviceRequest,
-    DtypeRequest,
-    choose_device,
-    choose_dtype,
-    request_parser,
-    stored_dtype,
-)
+from forge.parallel.devices import DeviceChoice, choose_device, choose_dtype, stored_dtype
 
 AUTO, CPU, CUDA = DeviceRequest.AUTO, DeviceRequest.CPU, DeviceRequest.CUDA
 

@@ -383,26 +383,15 @@ def test_the_clamp_warning_says_what_to_do(source, fragment):
 
 
 def test_a_run_logs_its_peak_once_and_warns_once_when_the_mfu_is_clamped(monkeypatch, capsys):
-    """The effects' throughput on rank 0: the first log says where the peak came from, a
-    clamped MFU warns once, and no MFU goes above 1."""
-    import types
-
-    from forge.training import effects
+    """Rank 0's throughput meter: the first log says where the peak came from, a clamped MFU
+    warns once, and no MFU goes above 1."""
+    from forge.metrics import mfu
 
     peak = PeakFlops(4e12, PeakSource.CACHE, "/c/cpu_peak_flops.json")
     lookups = []
-    monkeypatch.setattr(effects, "device_peak", lambda *a: lookups.append(a) or peak)
-    run = types.SimpleNamespace(
-        config=types.SimpleNamespace(train=types.SimpleNamespace(mixed_precision=Precision.FP32))
-    )
-    fake = types.SimpleNamespace(
-        _peak=None,
-        _peak_warned=False,
-        _flops_per_token=1e9,
-        run=run,
-        dist=types.SimpleNamespace(device=torch.device("cpu"), world_size=1),
-    )
-    records = [effects.TrainingEffects._throughput(fake, tps) for tps in (2000, 5000, 6000)]  # type: ignore[arg-type]
+    monkeypatch.setattr(mfu, "device_peak", lambda *a: lookups.append(a) or peak)
+    meter = mfu.MfuMeter(torch.device("cpu"), Precision.FP32, world_size=1, flops_per_token=1e9)
+    records = [meter.record(tps) for tps in (2000, 5000, 6000)]
     assert [r["mfu"] for r in records] == [0.5, 1.0, 1.0]
     assert [r["tflops"] for r in records] == [2.0, 5.0, 6.0]
     err = capsys.readouterr().err.splitlines()

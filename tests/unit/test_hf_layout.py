@@ -1,6 +1,7 @@
-"""The pure parts of the Hugging Face families (``forge.checkpoint.hf_families``): forge's
-tensor shapes by hand against a built model, Qwen3-MoE's layout of sparse blocks both ways,
-the released models' ``config.json`` read as forge's presets, plain RoPE unchanged.
+"""The pure parts of the Hugging Face families (``forge.interop.tensor_names``,
+``forge.interop.families``): forge's tensor shapes by hand against a built model, Qwen3-MoE's
+layout of sparse blocks both ways, the released models' ``config.json`` read as forge's
+presets, plain RoPE unchanged.
 ``tests/integration/test_hf_families.py`` checks the families against transformers itself."""
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ import attrs
 import pytest
 import torch
 
-from forge.checkpoint.hf_config import model_config_from_hf
-from forge.checkpoint.hf_families import forge_layout, forge_shapes, sparse_layout
 from forge.config import ModelConfig, load_config
+from forge.interop.families.qwen3_moe import forge_layout, sparse_layout
+from forge.interop.hf_config import model_config_from_hf
+from forge.interop.tensor_names import forge_shapes
 from forge.model.transformer import Transformer, rope_tables
 from tests.conftest import REPO
 

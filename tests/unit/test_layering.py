@@ -16,6 +16,7 @@ FLOORS = {
     "errors": 0,
     "outputs": 0,  # the rules for output folders that scripts write
     "interrupts": 1,  # how a script ends at Ctrl-C or SIGTERM (reads ExitCode)
+    "cli": 1,  # the scripts' shared command-line options (--device, --dtype)
     "config": 1,
     "data": 2,
     "model": 3,
@@ -23,6 +24,7 @@ FLOORS = {
     "optim": 4,
     "parallel": 4,
     "checkpoint": 4,
+    "interop": 4,  # Hugging Face families, export and import (docs/interop.md)
     "resilience": 4,
     "harness": 4,  # lm-eval over a forge model (docs/evaluation.md)
     "training": 5,

@@ -15,7 +15,8 @@ from forge.metrics.flops import (
     flops_per_token,
     non_embedding_parameters,
 )
-from forge.metrics.moe import load_cv, moe_record
+from forge.metrics.moe import load_cv, moe_metrics
+from forge.metrics.reduction import packed, unpacked
 from forge.model.feed_forward import FeedForward
 from forge.model.moe import (
     AUX,
@@ -230,16 +231,29 @@ def test_load_cv(loads, cv):
     assert load_cv(loads) == pytest.approx(cv)
 
 
-def test_moe_record_averages_over_ranks_and_layers():
-    stats = MoeStepStats(2.4, 0.6, 3.0, 12.0, ((4.0, 4.0), (2.0, 6.0)))
-    assert moe_record(stats, ranks=2) == pytest.approx(
+def test_moe_metrics_average_over_ranks_and_layers():
+    """Two ranks' statistics, packed and summed as the one reduction over ranks does."""
+    ranks = [
+        MoeStepStats(2.0, 0.4, 1.0, 8.0, ((3.0, 1.0), (1.0, 3.0))),
+        MoeStepStats(0.4, 0.2, 2.0, 4.0, ((1.0, 3.0), (1.0, 3.0))),
+    ]
+    metrics = [moe_metrics(stats) for stats in ranks]
+    sums = [sum(v) for v in zip(*(packed(m, 2, r) for r, m in enumerate(metrics)), strict=True)]
+    assert unpacked(metrics[0], sums, world=2, slices=2) == pytest.approx(
         {
             "moe/aux_loss": 1.2,
             "moe/z_loss": 0.3,
             "moe/dropped_fraction": 0.25,
-            "moe/load_cv": 0.25,  # (0 + 0.5) / 2
+            "moe/load_cv": 0.25,  # summed loads (4, 4) and (2, 6): (0 + 0.5) / 2
         }
     )
+
+
+def test_no_assignment_is_no_dropped_fraction():
+    stats = MoeStepStats(0.0, 0.0, 0.0, 0.0, ((0.0, 0.0),))
+    metrics = moe_metrics(stats)
+    record = unpacked(metrics, packed(metrics, 1, 0), world=1, slices=1)
+    assert record["moe/dropped_fraction"] == 0.0 and record["moe/load_cv"] == 0.0
 
 
 @pytest.mark.parametrize(

@@ -65,7 +65,7 @@ def test_the_presets_export_config_builds_transformers_model_of_the_same_count(n
     """transformers' own class, from the config.json forge's export writes for the preset,
     on the meta device: the same parameters (so the preset is the released shape)."""
     transformers = pytest.importorskip("transformers")
-    from forge.checkpoint.export import hf_config
+    from forge.interop.export import hf_config
 
     config = hf_config(preset(name).model, "bfloat16")
     kwargs = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}

@@ -3,7 +3,6 @@ bookkeeping and ``finish_step`` (one host read, clip, update only if finite)."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Sequence
 
@@ -14,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from forge.config.sections import Precision
 from forge.data.batch import Batch
 from forge.data.packing import IGNORE_INDEX
 from forge.metrics.sources import SourceStats
@@ -33,21 +31,6 @@ from forge.types import (
     StepResult,
     stats_from_flat,
 )
-
-
-def autocast_for(
-    precision: Precision, device_type: str = "cpu"
-) -> Callable[[], contextlib.AbstractContextManager]:
-    """A context-manager factory for the compute dtype (parameters stay fp32)."""
-    if precision is Precision.BF16:
-        return lambda: torch.autocast(device_type, dtype=torch.bfloat16)
-    return contextlib.nullcontext
-
-
-def device_type_of(model: nn.Module) -> str:
-    """``cpu`` or ``cuda``: where the model's (local) parameters live."""
-    param = next(model.parameters(), None)
-    return param.device.type if param is not None else "cpu"
 
 
 def logits_and_stats(

@@ -9,11 +9,10 @@ import torch
 
 from forge.data.batch import Batch
 from forge.metrics.sources import SourceStats
+from forge.model.precision import autocast_for, device_type_of
 from forge.parallel.grad_norm import global_grad_norm
 from forge.training.steps.common import (
     StepTotals,
-    autocast_for,
-    device_type_of,
     finish_step,
     label_counts,
     label_weight,

@@ -1,13 +1,13 @@
 """Model-only export in Hugging Face layout: ``model.safetensors`` plus ``config.json``.
 
-The export is a rename and a dtype cast into the family ``hf_families.export_family`` picks:
-``LlamaForCausalLM`` for a dense model, ``Qwen3ForCausalLM`` for one with ``model.qk_norm``,
-and for a mixture of experts with softmax top-k routing (renormalised, no shared experts)
-``MixtralForCausalLM`` (experts in every block) or ``Qwen3MoeForCausalLM`` (with
-``model.qk_norm``; dense blocks where forge has them), one tensor per expert (the layout
-transformers v4 reads and v5 converts). Every family loads back into forge
-(``hf_import``). Needs the optional ``safetensors`` package (``pip install
-'forge[safetensors]'``).
+The export is a rename and a dtype cast into the family ``export_rules.export_family`` picks
+(each family's rule is its spec's, ``forge.interop.families``): ``LlamaForCausalLM`` for a
+dense model, ``Qwen3ForCausalLM`` for one with ``model.qk_norm``, and for a mixture of experts
+with softmax top-k routing (renormalised, no shared experts) ``MixtralForCausalLM`` (experts
+in every block) or ``Qwen3MoeForCausalLM`` (with ``model.qk_norm``; dense blocks where forge
+has them), one tensor per expert (the layout transformers v4 reads and v5 converts). Every
+family loads back into forge (``hf_import``). Needs the optional ``safetensors`` package
+(``pip install 'forge[safetensors]'``).
 """
 
 from __future__ import annotations
@@ -17,16 +17,18 @@ import importlib.util
 import json
 import pathlib
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 import torch
 
-from forge.checkpoint.hf_families import ExportError, hf_names, is_expert_weight, sparse_layout
-from forge.checkpoint.hf_tokenizer import BYTE_SPECIAL_TOKENS, byte_tokenizer_json, tokenizer_config
-from forge.config.families import Family, export_family, export_problem
 from forge.config.sections import ModelConfig
+from forge.interop.export_rules import export_family, export_problem
+from forge.interop.families import FAMILIES
+from forge.interop.family import FamilySpec
+from forge.interop.hf_tokenizer import BYTE_SPECIAL_TOKENS, byte_tokenizer_json, tokenizer_config
+from forge.interop.tensor_names import ExportError, hf_names, is_expert_weight
 from forge.outputs import OutputKind, replace_output, staged_output
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,10 +84,12 @@ def write_tokenizer_files(folder: pathlib.Path, tokens: TokenizerInfo, max_len: 
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def hf_tensors(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def hf_tensors(
+    name: str, tensor: torch.Tensor, cfg: ModelConfig, families: Sequence[FamilySpec] = FAMILIES
+) -> dict[str, torch.Tensor]:
     """forge tensor → its HF tensors in ``cfg``'s export family (``hf_names``): the stacked
     experts' ``(E, in, out)`` weight as one ``(out, in)`` Linear weight per expert."""
-    names = hf_names(name, export_family(cfg), cfg.moe_num_experts)
+    names = hf_names(name, export_family(cfg, families), cfg.moe_num_experts)
     if is_expert_weight(name):
         return {hf: w.t() for hf, w in zip(names, tensor, strict=True)}
     return {hf: tensor for hf in names}
@@ -138,40 +142,20 @@ def llama_config(cfg: ModelConfig, dtype: str, tokens: TokenizerInfo | None = No
     }
 
 
-def hf_config(cfg: ModelConfig, dtype: str, tokens: TokenizerInfo | None = None) -> dict:
-    """``config.json`` of ``cfg``'s export family: Llama's, with Mixtral's experts, Qwen3's
-    windowless attention, or both with Qwen3-MoE's layout of sparse blocks."""
+def hf_config(
+    cfg: ModelConfig,
+    dtype: str,
+    tokens: TokenizerInfo | None = None,
+    families: Sequence[FamilySpec] = FAMILIES,
+) -> dict:
+    """``config.json`` of ``cfg``'s export family: Llama's keys, the family's own over them
+    and after them (its spec's ``export_keys``: Mixtral's experts, Qwen3's windowless
+    attention, Qwen3-MoE's both and its layout of sparse blocks)."""
     config = llama_config(cfg, dtype, tokens)
-    family = export_family(cfg)
-    config.pop("mlp_bias")  # Llama's key alone
-    config |= {"architectures": [family.architecture], "model_type": family.value}
-    moe = {
-        "num_experts_per_tok": cfg.moe_top_k,
-        "router_aux_loss_coef": cfg.moe_aux_loss_weight,
-        "output_router_logits": False,
-    }
-    if family is Family.LLAMA:
-        config["mlp_bias"] = False
-    elif family is Family.MIXTRAL:
-        config |= moe | {
-            "intermediate_size": cfg.expert_hidden_dim,
-            "num_local_experts": cfg.moe_num_experts,
-            "router_jitter_noise": 0.0,
-            "sliding_window": None,
-        }
-    else:  # Qwen3 attends to the whole context in every block
-        config |= {"use_sliding_window": False, "sliding_window": None}
-        config["max_window_layers"] = cfg.n_layers
-    if family is Family.QWEN3_MOE:
-        step, dense = sparse_layout(cfg)
-        config |= moe | {
-            "moe_intermediate_size": cfg.expert_hidden_dim,
-            "num_experts": cfg.moe_num_experts,
-            "norm_topk_prob": True,  # forge renormalises the top-k weights
-            "decoder_sparse_step": step,
-            "mlp_only_layers": dense,
-        }
-    return config
+    family = export_family(cfg, families)
+    config.pop("mlp_bias")  # Llama's key alone: its spec writes it back
+    config |= {"architectures": [family.architecture], "model_type": family.model_type}
+    return config | family.export_keys(cfg)
 
 
 def generation_config(cfg: ModelConfig, tokens: TokenizerInfo) -> dict:
@@ -190,27 +174,29 @@ def export_model(
     out: pathlib.Path,
     dtype: str,
     tokens: TokenizerInfo | None = None,
+    families: Sequence[FamilySpec] = FAMILIES,
 ) -> pathlib.Path:
     """Write ``out/model.safetensors``, ``config.json``, ``generation_config.json`` and the
-    tokenizer files (``write_tokenizer_files``), via a temporary folder."""
+    tokenizer files (``write_tokenizer_files``), via a temporary folder, as ``cfg``'s family
+    of ``families``."""
     tokens = tokens or TokenizerInfo()
     require_safetensors()
     from safetensors.torch import save_file
 
     if dtype not in DTYPES:
         raise ExportError(f"dtype '{dtype}': choose one of {sorted(DTYPES)}")
-    problem = export_problem(cfg)
+    problem = export_problem(cfg, families)
     if problem is not None:
         raise ExportError(problem)
     tensors = {}
     for name, tensor in state.items():
         if cfg.tie_embeddings and name == "output.weight":
             continue  # tied: the embedding is the head
-        for hf_key, value in hf_tensors(name, tensor.detach(), cfg).items():
+        for hf_key, value in hf_tensors(name, tensor.detach(), cfg, families).items():
             tensors[hf_key] = value.to(DTYPES[dtype]).contiguous().cpu()
     with staged_output(out) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config = json.dumps(hf_config(cfg, dtype, tokens), indent=2) + "\n"
+        config = json.dumps(hf_config(cfg, dtype, tokens, families), indent=2) + "\n"
         (tmp / "config.json").write_text(config)
         generation = json.dumps(generation_config(cfg, tokens), indent=2) + "\n"
         (tmp / "generation_config.json").write_text(generation)

@@ -1,16 +1,19 @@
 """A Hugging Face ``config.json`` read as a forge model of one of the families forge imports
-(``hf_families``): every key checked (types, ranges, the shapes they imply, the features
-forge's decoder lacks) before a model is built, each problem one line naming the file and the
-key. Pure: no file is read here."""
+(``forge.interop.families``; one set of checks, reading the family's spec): every key
+checked (types, ranges, the shapes they imply, the features forge's decoder lacks) before a
+model is built, each problem one line naming the file and the key. Pure: no file is read
+here."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from forge.checkpoint.hf_families import DEFAULTS, FAMILIES_LINE, ExportError, forge_layout
-from forge.checkpoint.hf_json import (
+from forge.config.sections import ModelConfig, RopeScaling
+from forge.interop.families import FAMILIES
+from forge.interop.family import FamilySpec, families_line, family_named
+from forge.interop.hf_json import (
     INT_LIMIT,
     bool_problem,
     given,
@@ -19,8 +22,7 @@ from forge.checkpoint.hf_json import (
     number_problem,
     shown,
 )
-from forge.config.families import Family
-from forge.config.sections import ModelConfig, RopeScaling
+from forge.interop.tensor_names import ExportError
 
 CONFIG_JSON = "config.json"
 WEIGHTS = "model.safetensors"
@@ -35,22 +37,6 @@ _REQUIRED_INTS = (
 _OPTIONAL_INTS = ("num_key_value_heads", "max_position_embeddings", "head_dim")
 _OPTIONAL_NUMBERS = ("rms_norm_eps", "rope_theta", "initializer_range")
 _OPTIONAL_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
-# the keys of a mixture of experts each family reads (Qwen3-MoE's expert count under either
-# name: transformers v5 writes num_local_experts, the released models' files num_experts)
-_FAMILY_INTS = {
-    Family.MIXTRAL: ("num_local_experts", "num_experts_per_tok"),
-    Family.QWEN3_MOE: (
-        "num_experts",
-        "num_local_experts",
-        "num_experts_per_tok",
-        "moe_intermediate_size",
-        "decoder_sparse_step",
-    ),
-}
-_FAMILY_BOOLS: dict[Family, tuple[str, ...]] = {
-    Family.QWEN3: ("use_sliding_window",),
-    Family.QWEN3_MOE: ("use_sliding_window", "norm_topk_prob"),
-}
 _LLAMA3_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor")
 JSON_LIMIT = 64 * 2**20  # config.json is kilobytes, an index of 100k tensors megabytes
 _POSITIONS_LIMIT = 2**32  # RoPE tables hold a row per position: far beyond any real context
@@ -58,30 +44,32 @@ LAYER_INDEX = re.compile(r"^model\.layers\.(\d{1,9})\.")
 IGNORED_TENSOR = re.compile(r"\.rotary_emb\.inv_freq$")  # RoPE tables old transformers saved
 
 
-def identity_problems(config: Mapping[str, Any]) -> list[str]:
-    """Why ``config`` is not of a family forge imports: another model type, or an
+def identity_problems(
+    config: Mapping[str, Any], families: Sequence[FamilySpec] = FAMILIES
+) -> list[str]:
+    """Why ``config`` is not of a family of ``families``: another model type, or an
     architecture other than the family's."""
     model_type = config.get("model_type")
     if model_type is None:
-        return [f"model_type: missing; forge imports {FAMILIES_LINE}"]
-    if model_type not in [f.value for f in Family]:
+        return [f"model_type: missing; forge imports {families_line(families)}"]
+    named = family_named(model_type, families)
+    if named is None:
         return [
-            f"model_type {shown(model_type)}: forge imports {FAMILIES_LINE} only; another "
-            "model's weights do not fit forge's decoder"
+            f"model_type {shown(model_type)}: forge imports {families_line(families)} only; "
+            "another model's weights do not fit forge's decoder"
         ]
-    family = Family(model_type)
     arch = config.get("architectures")
     if arch is not None and not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
         return [f"architectures: expected a list of class names, got {shown(arch)}"]
-    if arch is not None and family.architecture not in arch:
+    if arch is not None and named.architecture not in arch:
         return [
-            f"architectures {shown(arch)}: forge imports model_type {family.value!r} as "
-            f"{family.architecture} only"
+            f"architectures {shown(arch)}: forge imports model_type {named.model_type!r} as "
+            f"{named.architecture} only"
         ]
     return []
 
 
-def key_problems(config: Mapping[str, Any], family: Family) -> list[str]:
+def key_problems(config: Mapping[str, Any], family: FamilySpec) -> list[str]:
     """Each key forge reads present when required and of its type and range (null, for an
     optional key, means its default)."""
     problems: list[str | None] = [
@@ -89,10 +77,10 @@ def key_problems(config: Mapping[str, Any], family: Family) -> list[str]:
         for key in _REQUIRED_INTS
         if key not in config
     ]
-    ints = (*_REQUIRED_INTS, *_OPTIONAL_INTS, *_FAMILY_INTS.get(family, ()))
+    ints = (*_REQUIRED_INTS, *_OPTIONAL_INTS, *family.ints)
     checks = [(k, int_problem) for k in ints]
     checks += [(k, number_problem) for k in _OPTIONAL_NUMBERS]
-    checks += [(k, bool_problem) for k in (*_OPTIONAL_BOOLS, *_FAMILY_BOOLS.get(family, ()))]
+    checks += [(k, bool_problem) for k in (*_OPTIONAL_BOOLS, *family.bools)]
     for key, check in checks:
         if key in config and (config[key] is not None or key in _REQUIRED_INTS):
             problems.append(check(key, config[key]))
@@ -112,21 +100,22 @@ def key_problems(config: Mapping[str, Any], family: Family) -> list[str]:
     return [p for p in problems if p is not None]
 
 
-def list_problems(config: Mapping[str, Any], family: Family) -> list[str]:
-    """The list-valued keys: ``layer_types`` names, Qwen3-MoE's ``mlp_only_layers`` block
-    indices."""
+def list_problems(config: Mapping[str, Any], family: FamilySpec) -> list[str]:
+    """The list-valued keys: ``layer_types`` names, the family's lists of block indices
+    (Qwen3-MoE's ``mlp_only_layers``)."""
     problems = []
     kinds = config.get("layer_types")
     if kinds is not None and not (
         isinstance(kinds, list) and all(isinstance(k, str) for k in kinds)
     ):
         problems.append(f"layer_types: expected a list of strings, got {shown(kinds)}")
-    dense = config.get("mlp_only_layers")
-    whole = isinstance(dense, list) and all(block_index(i) for i in dense)
-    if family is Family.QWEN3_MOE and dense is not None and not whole:
-        problems.append(
-            f"mlp_only_layers: expected a list of block indices (integers >= 0), got {shown(dense)}"
-        )
+    for key in family.index_lists:
+        blocks = config.get(key)
+        whole = isinstance(blocks, list) and all(block_index(i) for i in blocks)
+        if blocks is not None and not whole:
+            problems.append(
+                f"{key}: expected a list of block indices (integers >= 0), got {shown(blocks)}"
+            )
     return problems
 
 
@@ -135,17 +124,17 @@ def block_index(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < INT_LIMIT
 
 
-def head_size(config: Mapping[str, Any], family: Family) -> int | None:
+def head_size(config: Mapping[str, Any], family: FamilySpec) -> int | None:
     """Each head's width as transformers reads it: ``head_dim``, else the family's default
     (Qwen3's 128), else ``hidden_size / num_attention_heads`` (None when not whole)."""
-    head = given(config, "head_dim", DEFAULTS[family].get("head_dim"))
+    head = given(config, "head_dim", family.defaults.get("head_dim"))
     if head is not None:
         return head
     dim, heads = config["hidden_size"], config["num_attention_heads"]
     return None if dim % heads else dim // heads
 
 
-def shape_problems(config: Mapping[str, Any], family: Family) -> list[str]:
+def shape_problems(config: Mapping[str, Any], family: FamilySpec) -> list[str]:
     """The attention shape forge's decoder can hold: whole heads of an even size, key/value
     heads that divide the query heads (``config``'s keys have passed ``key_problems``)."""
     dim, heads = config["hidden_size"], config["num_attention_heads"]
@@ -153,7 +142,7 @@ def shape_problems(config: Mapping[str, Any], family: Family) -> list[str]:
     if head is None:
         return [f"hidden_size {dim} is not divisible by num_attention_heads {heads}"]
     problems = []
-    if head % 2 and given(config, "head_dim", DEFAULTS[family].get("head_dim")) is None:
+    if head % 2 and given(config, "head_dim", family.defaults.get("head_dim")) is None:
         problems.append(
             f"the head size hidden_size / num_attention_heads = {head} is odd; RoPE rotates "
             "pairs of channels, so forge needs it even"
@@ -212,88 +201,55 @@ def rope_problems(config: Mapping[str, Any]) -> list[str]:
     return [p for p in problems if p is not None]
 
 
-def window_problems(config: Mapping[str, Any], family: Family) -> list[str]:
+def window_problems(config: Mapping[str, Any], family: FamilySpec) -> list[str]:
     """A sliding window, which forge's imports lack: every block attends to the whole
-    context."""
-    window = config.get("sliding_window")
-    if family is Family.MIXTRAL and window is not None:
-        return [
-            f"sliding_window {shown(window)}: forge imports Mixtral attending to the whole "
-            "context (sliding_window null); the model's logits would differ"
-        ]
-    if family.qk_norm and config.get("use_sliding_window"):
-        return [
-            "use_sliding_window true: forge imports Qwen3 attending to the whole context in "
-            "every block; the model's logits would differ"
-        ]
+    context (the family's own window keys first)."""
+    refusal = family.window_refusal(config)
+    if refusal is not None:
+        return [refusal]
     kinds = config.get("layer_types") or []
     if any(k != "full_attention" for k in kinds):
         return [f"layer_types {shown(kinds)}: forge's blocks all attend to the whole context"]
     return []
 
 
-def moe_problems(config: Mapping[str, Any], family: Family) -> list[str]:
-    """Qwen3-MoE's routing and layout where forge's differ: weights not renormalised, sparse
-    blocks that are not forge's layout (``hf_families.forge_layout``)."""
-    if family is not Family.QWEN3_MOE:
-        return []
-    if not given(config, "norm_topk_prob", DEFAULTS[family]["norm_topk_prob"]):
-        return [
-            "norm_topk_prob false (transformers' default when absent): the top-k routing "
-            "weights are not renormalised, and forge's router renormalises them; forge "
-            "imports Qwen3-MoE with norm_topk_prob true"
-        ]
-    step, dense = sparse_keys(config)
-    if forge_layout(config["num_hidden_layers"], step, dense) is None:
-        return [
-            f"decoder_sparse_step {step} with mlp_only_layers {shown(dense)}: forge places "
-            "experts in every model.moe_every-th block after model.moe_first_dense dense "
-            "ones, and these sparse blocks are not such a layout"
-        ]
-    return []
-
-
-def sparse_keys(config: Mapping[str, Any]) -> tuple[int, list[int]]:
-    """Qwen3-MoE's ``decoder_sparse_step`` and ``mlp_only_layers``, defaults filled in."""
-    step = given(config, "decoder_sparse_step", DEFAULTS[Family.QWEN3_MOE]["decoder_sparse_step"])
-    return step, given(config, "mlp_only_layers", [])
-
-
-def feature_problems(config: Mapping[str, Any], family: Family) -> list[str]:
+def feature_problems(config: Mapping[str, Any], family: FamilySpec) -> list[str]:
     """What forge's decoder does not have: other RoPE, biases, another activation, a sliding
-    window, Qwen3-MoE's routing without renormalisation."""
+    window, what the family refuses besides (Qwen3-MoE's routing without renormalisation)."""
     problems = rope_problems(config)
     if config.get("attention_bias") or config.get("mlp_bias"):
         problems.append("attention or MLP biases; forge's decoder has none")
     if given(config, "hidden_act", "silu") not in ("silu", "swish"):  # one function in HF
         problems.append(f"hidden_act {shown(config['hidden_act'])}; forge uses 'silu'")
-    return problems + window_problems(config, family) + moe_problems(config, family)
+    refusal = family.import_refusal(config)
+    family_problems = [] if refusal is None else [refusal]
+    return problems + window_problems(config, family) + family_problems
 
 
-def hf_config_problems(config: object, where: str = CONFIG_JSON) -> list[str]:
-    """Why ``config`` (a parsed ``config.json``) is not a model forge imports, one line per
+def hf_config_problems(
+    config: object, where: str = CONFIG_JSON, families: Sequence[FamilySpec] = FAMILIES
+) -> list[str]:
+    """Why ``config`` (a parsed ``config.json``) is not a model of ``families``, one line per
     problem, each starting with ``where``. Checked in stages (the model type, then each key's
     type, then shapes and features): a later stage's problems follow from an earlier's."""
     if not isinstance(config, dict):
         return [f"{where}: expected a JSON object ({{...}}), got {json_kind(config)}"]
-    problems = identity_problems(config)
-    if not problems:
-        family = Family(config["model_type"])
+    problems = identity_problems(config, families)
+    family = family_named(config.get("model_type"), families)
+    if not problems and family:  # identity_problems found it
         problems = key_problems(config, family)
         if not problems:
             problems = shape_problems(config, family) + feature_problems(config, family)
     return [f"{where}: {p}" for p in problems]
 
 
-def rope_of(config: Mapping[str, Any], family: Family) -> tuple[float, RopeScaling | None]:
+def rope_of(config: Mapping[str, Any], family: FamilySpec) -> tuple[float, RopeScaling | None]:
     """RoPE's base and scaling as transformers reads them (``rope_entry``'s object first)."""
     _, rope = rope_entry(config)
-    theta = given(rope, "rope_theta", given(config, "rope_theta", DEFAULTS[family]["rope_theta"]))
+    theta = given(rope, "rope_theta", given(config, "rope_theta", family.defaults["rope_theta"]))
     if rope_kind(rope) != "llama3":
         return theta, None
-    positions = given(
-        config, "max_position_embeddings", DEFAULTS[family]["max_position_embeddings"]
-    )
+    positions = given(config, "max_position_embeddings", family.defaults["max_position_embeddings"])
     return theta, RopeScaling(
         factor=float(rope["factor"]),
         low_freq_factor=float(rope["low_freq_factor"]),
@@ -302,37 +258,17 @@ def rope_of(config: Mapping[str, Any], family: Family) -> tuple[float, RopeScali
     )
 
 
-def moe_keys(config: Mapping[str, Any], family: Family) -> dict[str, Any]:
-    """The ``ModelConfig`` keys of a mixture of experts: Mixtral's experts in every block,
-    Qwen3-MoE's in the blocks its layout makes sparse."""
-    if not family.moe:
-        return {}
-    defaults = DEFAULTS[family]
-    keys = {"moe_top_k": given(config, "num_experts_per_tok", defaults["num_experts_per_tok"])}
-    if family is Family.MIXTRAL:
-        experts = given(config, "num_local_experts", defaults["num_local_experts"])
-        return keys | {"moe_num_experts": experts, "moe_hidden_dim": config["intermediate_size"]}
-    experts = given(
-        config, "num_experts", given(config, "num_local_experts", defaults["num_experts"])
-    )
-    layout = forge_layout(config["num_hidden_layers"], *sparse_keys(config))
-    assert layout is not None, "moe_problems refused the layout"
-    return keys | {
-        "moe_num_experts": experts,
-        "moe_hidden_dim": given(config, "moe_intermediate_size", defaults["moe_intermediate_size"]),
-        "moe_every": layout[0],
-        "moe_first_dense": layout[1],
-    }
-
-
-def model_config_from_hf(config: object, where: str = CONFIG_JSON) -> tuple[ModelConfig, Family]:
-    """The forge ``ModelConfig`` of a ``config.json`` and its family; ``ExportError`` with
-    every ``hf_config_problems`` line when it is not one forge imports."""
-    problems = hf_config_problems(config, where)
+def model_config_from_hf(
+    config: object, where: str = CONFIG_JSON, families: Sequence[FamilySpec] = FAMILIES
+) -> tuple[ModelConfig, FamilySpec]:
+    """The forge ``ModelConfig`` of a ``config.json`` and its family of ``families``;
+    ``ExportError`` with every ``hf_config_problems`` line when it is not one forge imports."""
+    problems = hf_config_problems(config, where, families)
     if problems or not isinstance(config, dict):
         raise ExportError(problems)
-    family = Family(config["model_type"])
-    defaults = DEFAULTS[family]
+    family = family_named(config["model_type"], families)
+    assert family, "identity_problems refused another model type"
+    defaults = family.defaults
     dim, heads = config["hidden_size"], config["num_attention_heads"]
     head = head_size(config, family)
     assert head is not None, "shape_problems refused a head size that is not whole"
@@ -352,7 +288,7 @@ def model_config_from_hf(config: object, where: str = CONFIG_JSON) -> tuple[Mode
         tie_embeddings=given(config, "tie_word_embeddings", False),
         init_std=float(given(config, "initializer_range", 0.02)),
         qk_norm=family.qk_norm,
-        **moe_keys(config, family),
+        **family.import_keys(config),
     )
     leftover = [f"{where}: gives {key} {message}" for key, message in cfg.problems()]
     if leftover:  # a check forge's config makes that hf_config_problems lacks

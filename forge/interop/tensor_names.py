@@ -1,59 +1,24 @@
-"""How each Hugging Face family forge converts to and from (``forge.config.families``) names
-forge's tensors and lays out their shapes, and what transformers assumes of a key
-``config.json`` leaves out. Pure (no torch): shapes are checked before a tensor is read.
+"""How forge's tensors are named and shaped in a Hugging Face family (its ``FamilySpec``):
+one mapping for every family, the spec naming a mixture of experts' block and experts. Pure
+(no torch): shapes are checked before a tensor is read.
 
-forge's decoder is each of them with some keys set: a Llama (RoPE in the half-split layout of
-HF's ``rotate_half``, GQA, SwiGLU, RMSNorm); a Mixtral is a Llama whose every block is a
-mixture of experts routed by a softmax top-k, renormalised; a Qwen3 is a Llama with
-``model.qk_norm`` (and often its own ``model.head_dim``); a Qwen3-MoE is a Qwen3 whose blocks
-are Mixtral's experts (``norm_topk_prob`` true), with dense blocks where its layout says.
+forge's decoder is each family with some keys set: a Llama (RoPE in the half-split layout of
+HF's ``rotate_half``, GQA, SwiGLU, RMSNorm), with query/key norms where the family has them
+(Qwen3), with a mixture of experts in the blocks its layout says (Mixtral, Qwen3-MoE).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
 
-from forge.config.families import Family
 from forge.config.model import ModelConfig
 from forge.errors import UserInputError
+from forge.interop.family import FamilySpec
 
 
 class ExportError(UserInputError):
     """An export cannot be written or read."""
 
-
-FAMILIES_LINE = (
-    "Llama, Mixtral, Qwen3 and Qwen3-MoE models (model_type 'llama', 'mixtral', 'qwen3', "
-    "'qwen3_moe')"
-)
-# what transformers assumes of a key config.json leaves out (each family's config class)
-DEFAULTS: dict[Family, dict[str, Any]] = {
-    Family.LLAMA: {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048},
-    Family.MIXTRAL: {
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 1e6,
-        "max_position_embeddings": 4096 * 32,
-        "num_local_experts": 8,
-        "num_experts_per_tok": 2,
-    },
-    Family.QWEN3: {
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 32768,
-        "head_dim": 128,
-    },
-    Family.QWEN3_MOE: {
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 32768,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "moe_intermediate_size": 768,
-        "decoder_sparse_step": 1,
-        "norm_topk_prob": False,
-    },
-}
 
 _LAYER = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -73,13 +38,6 @@ TOP_TENSORS = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
-}
-# the block that holds a mixture of experts, and each expert's names for forge's stacked
-# (E, in, out) weights (each HF expert holds a Linear's (out, in) weight)
-_MOE_BLOCK = {Family.MIXTRAL: "block_sparse_moe", Family.QWEN3_MOE: "mlp"}
-_EXPERT_NAMES = {
-    Family.MIXTRAL: {"w1": "w1", "w2": "w2", "w3": "w3"},
-    Family.QWEN3_MOE: {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"},
 }
 ROUTER_GATE = "feed_forward.router.gate.weight"
 ROUTER_BIAS = "feed_forward.router.expert_bias"  # 0 under softmax routing: never exported
@@ -112,7 +70,7 @@ def forge_name(name: str) -> str:
     raise ExportError(f"tensor '{name}' is not part of a Llama model forge can read")
 
 
-def hf_names(name: str, family: Family, n_experts: int) -> tuple[str, ...]:
+def hf_names(name: str, family: FamilySpec, n_experts: int) -> tuple[str, ...]:
     """The HF tensors forge's tensor ``name`` is in ``family``: one for most, one per expert
     for the experts' stacked weights (``n_experts`` of them), none for the router's balancing
     bias (always 0 under softmax routing, the only routing exported)."""
@@ -125,10 +83,10 @@ def hf_names(name: str, family: Family, n_experts: int) -> tuple[str, ...]:
     if rest in _LAYER and (family.qk_norm or rest not in _QK_NORMS):
         return (f"model.layers.{layer}.{_LAYER[rest]}",)
     if family.moe:
-        block = f"model.layers.{layer}.{_MOE_BLOCK[family]}"
+        block = f"model.layers.{layer}.{family.moe_block}"
         expert = EXPERT_WEIGHT.match(rest)
         if expert:
-            kind = _EXPERT_NAMES[family][expert.group(1)]
+            kind = family.expert_names[expert.group(1)]
             return tuple(f"{block}.experts.{j}.{kind}.weight" for j in range(n_experts))
         if rest == ROUTER_GATE:
             return (f"{block}.gate.weight",)
@@ -193,7 +151,7 @@ def feed_forward_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ..
     return shapes
 
 
-def hf_shapes(cfg: ModelConfig, family: Family) -> dict[str, tuple[int, ...]]:
+def hf_shapes(cfg: ModelConfig, family: FamilySpec) -> dict[str, tuple[int, ...]]:
     """Every tensor of ``cfg``'s checkpoint in ``family`` with its shape (``lm_head.weight``
     too, which a checkpoint with tied embeddings may leave out)."""
     shapes: dict[str, tuple[int, ...]] = {}
@@ -202,37 +160,3 @@ def hf_shapes(cfg: ModelConfig, family: Family) -> dict[str, tuple[int, ...]]:
         one = (shape[2], shape[1]) if is_expert_weight(name) else shape  # an expert's (out, in)
         shapes |= dict.fromkeys(names, one)
     return shapes
-
-
-def sparse_layout(cfg: ModelConfig) -> tuple[int, list[int]]:
-    """Qwen3-MoE's ``(decoder_sparse_step, mlp_only_layers)`` for ``cfg``'s mixture-of-experts
-    blocks. transformers makes block i sparse when ``(i + 1) % step == 0`` and i is not listed:
-    forge's layout is that with step ``moe_every`` and its first dense blocks listed when
-    ``moe_every`` divides ``moe_first_dense``; else step 1 with every dense block listed."""
-    every, first = cfg.moe_every, cfg.moe_first_dense
-    if first % every == 0:
-        return every, list(range(first))
-    return 1, [i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i)]
-
-
-def forge_layout(n_layers: int, step: int, dense: list[int]) -> tuple[int, int] | None:
-    """forge's ``(moe_every, moe_first_dense)`` with the sparse blocks of Qwen3-MoE's
-    ``decoder_sparse_step`` = ``step`` and ``mlp_only_layers`` = ``dense`` (``sparse_layout``'s
-    inverse), or None when forge's layout has none such. Never lists ``n_layers`` blocks
-    (it comes from the file): only as many as ``dense`` holds."""
-    listed = sorted({i for i in dense if 0 <= i < n_layers and (i + 1) % step == 0})
-    if listed == [(k + 1) * step - 1 for k in range(len(listed))]:  # the first ones dense
-        return step, len(listed) * step
-    # a longer step that the listed blocks thin the sparse ones out to lists at most as many
-    # sparse blocks as listed ones, plus one: past that bound forge's layout cannot be it
-    if n_layers // step > 2 * len(listed) + 1:
-        return None
-    omitted = set(listed)
-    blocks = [i for i in range(step - 1, n_layers, step) if i not in omitted]
-    if not blocks:
-        return None
-    every = blocks[1] - blocks[0] if len(blocks) > 1 else blocks[0] + 1
-    first = blocks[0] - every + 1
-    if first >= 0 and blocks == list(range(first + every - 1, n_layers, every)):
-        return every, first
-    return None

@@ -1,0 +1,59 @@
+"""The Hugging Face family a forge model exports as (``convert_checkpoint.py export``,
+``checkpoint.export_final``), and why a model has none. Pure: ``forge.training.problems``
+refuses an export before a run starts with the export's own check; each family's rule and
+refusals are its spec's (``forge.interop.families``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from forge.config.model import ModelConfig, MoeRouter
+from forge.interop.families import FAMILIES
+from forge.interop.family import FamilySpec, families_line
+from forge.interop.tensor_names import ExportError
+
+
+def holder(cfg: ModelConfig, families: Sequence[FamilySpec]) -> FamilySpec | None:
+    """The first of ``families`` whose ``exports`` rule holds for ``cfg``, if any."""
+    return next((f for f in families if f.exports(cfg)), None)
+
+
+def no_family_line(families: Sequence[FamilySpec]) -> str:
+    """The refusal of a model no family's rule picks (a registry without one that does)."""
+    return f"this model has no export: it is none of the {families_line(families)} forge exports"
+
+
+def export_family(cfg: ModelConfig, families: Sequence[FamilySpec] = FAMILIES) -> FamilySpec:
+    """The family ``cfg`` exports as: with the registry's families, Qwen3 with query/key
+    norms, else Llama; their mixture of experts (Qwen3-MoE, Mixtral) when any block is one.
+    ``ExportError`` when no family's rule picks it."""
+    chosen = holder(cfg, families)
+    if chosen is None:
+        raise ExportError(no_family_line(families))
+    return chosen
+
+
+def export_problem(cfg: ModelConfig, families: Sequence[FamilySpec] = FAMILIES) -> str | None:
+    """Why ``cfg`` has no export (``export_family``'s), if it has none: one line naming the
+    key."""
+    if cfg.sliding_window:
+        return (
+            f"model.sliding_window={cfg.sliding_window}: the Llama, Mixtral and Qwen3 exports "
+            "attend to the whole context, so this model has no export; train without a window "
+            "to export it"
+        )
+    chosen = holder(cfg, families)
+    if chosen is None:
+        return no_family_line(families)
+    arch, label = chosen.architecture, chosen.label
+    if chosen.moe and cfg.moe_router is not MoeRouter.SOFTMAX:
+        return (
+            f"model.moe_router={cfg.moe_router.value!r}: {arch} routes by a softmax over "
+            f"experts, so this model has no {label} export"
+        )
+    if chosen.moe and cfg.moe_shared_experts:
+        return (
+            f"model.moe_shared_experts: {arch} has no shared experts, so this model has no "
+            f"{label} export"
+        )
+    return chosen.export_refusal(cfg)

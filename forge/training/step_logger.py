@@ -1,0 +1,148 @@
+"""The records a run writes: each logged step's metrics, reduced over ranks in one
+collective, its throughput, and the sinks they go to (a sink that fails is dropped, and a
+file's failure stops the run with a checkpoint)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from forge.metrics.backends import TensorBoardSink, WandbSink
+from forge.metrics.flops import flops_per_token
+from forge.metrics.memory import memory_record
+from forge.metrics.mfu import MfuMeter
+from forge.metrics.moe import moe_metrics
+from forge.metrics.reduction import Recorded, Reduction, recorded_value
+from forge.metrics.sinks import JsonlSink, MetricsSink, console_sink, sink_failure, step_record
+from forge.metrics.sources import row_record, source_metrics
+from forge.parallel.reduce import reduce_metrics
+from forge.training.context import DataContext, DistContext, RunContext
+from forge.types import LoopState, SourceTotals, StepResult
+
+
+def step_metrics(
+    result: StepResult, sources: SourceTotals | None, source_names: Sequence[str]
+) -> list[Recorded]:
+    """What a logged step reduces over ranks: the loss (and z-loss), a mixture of experts'
+    statistics, a data mixture's per-source sums since the last log."""
+    metrics = [recorded_value("loss", result.loss, Reduction.MEAN)]
+    if result.z_loss is not None:
+        metrics.append(recorded_value("z_loss", result.z_loss, Reduction.MEAN))
+    if result.moe is not None:
+        metrics += moe_metrics(result.moe)
+    if sources is not None:
+        metrics += source_metrics(source_names, sources)
+    return metrics
+
+
+def add_sources(a: SourceTotals | None, b: SourceTotals | None) -> SourceTotals | None:
+    """``a + b``, where None is nothing."""
+    if a is None or b is None:
+        return a if b is None else b
+    return a + b
+
+
+class StepLogger:
+    """Times the steps between logs, builds each logged record and writes it."""
+
+    def __init__(
+        self,
+        run: RunContext,
+        dist: DistContext,
+        data: DataContext,
+        sinks: Sequence[MetricsSink] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.dist = dist
+        self.data = data
+        self.clock = clock
+        self.sinks = list(default_sinks(run, dist) if sinks is None else sinks)
+        self.log_failure: str | None = None  # why records could not be written, if so
+        self.meter = MfuMeter(
+            dist.device,
+            run.config.train.mixed_precision,
+            dist.world_size,
+            flops_per_token(run.config.model, run.config.train.seq_len),
+        )
+        self._mark_time = clock()
+        self._mark_step = 0
+        self._sources: SourceTotals | None = None  # a mixture's sums since the last log
+        self._logged: StepResult | None = None  # the step whose sums the last log took
+
+    def restart_clock(self, state: LoopState) -> None:
+        """Time the next steps from now (after a save, an eval or the start)."""
+        self._mark_time, self._mark_step = self.clock(), state.step
+
+    def log(self, state: LoopState, result: StepResult) -> None:
+        """Every rank calls this (a logging step is decided the same everywhere): the step's
+        metrics are reduced over ranks here, in one collective, so that no other step pays
+        for a reduction."""
+        sources = add_sources(self._sources, result.sources)
+        self._sources, self._logged = None, result
+        metrics = step_metrics(result, sources, self.data.source_names)
+        world, rank = self.dist.world_size, self.dist.rank
+        reduced = reduce_metrics(metrics, world, rank, self.dist.token_slices, self.dist.device)
+        loss, z_loss = reduced.pop("loss"), reduced.pop("z_loss", None)
+        result = attrs.evolve(result, loss=loss, z_loss=z_loss)
+        step_time = (self.clock() - self._mark_time) / max(1, state.step - self._mark_step)
+        tps = result.tokens / step_time if step_time > 0 else math.inf
+        record = step_record(state, result, step_time, tps)
+        record |= row_record(self.data.train_loader.state_dict())
+        if self.dist.is_main:  # only rank 0 writes metrics: the others skip the measurement
+            record |= self.meter.record(tps)
+            record |= memory_record(self.dist.device)
+        self.emit(record | reduced)
+        self.restart_clock(state)
+
+    def step_end(self, result: StepResult) -> None:
+        """Keep a mixture's sums of a step the log did not take, for the next log."""
+        if result is not self._logged:
+            self._sources = add_sources(self._sources, result.sources)
+
+    def cannot_log(self) -> bool:
+        """Whether a metrics file could not be written: the run should stop (with a
+        checkpoint) rather than train on without its records."""
+        return self.log_failure is not None
+
+    def emit(self, record: Mapping[str, Any]) -> None:
+        """``record`` to every sink."""
+        for sink in list(self.sinks):  # write drops a sink that fails
+            self.write(sink, record)
+
+    def write(self, sink: MetricsSink, record: Mapping[str, Any]) -> None:
+        """One record to one sink; a sink that cannot write (a full disk, a file-size limit,
+        a closed console) is dropped, and a file's failure is kept for ``cannot_log``."""
+        try:
+            sink.write(record)
+        except OSError as exc:
+            self.sinks.remove(sink)
+            with contextlib.suppress(OSError):
+                sink.close()
+            step = int(record.get("step", 0))
+            self.log_failure = self.log_failure or sink_failure(sink, exc, step)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def default_sinks(run: RunContext, dist: DistContext) -> list[MetricsSink]:
+    """The console, ``metrics.jsonl`` and the enabled TensorBoard / W&B sinks on rank 0;
+    nothing elsewhere."""
+    if not dist.is_main:
+        return []
+    sinks: list[MetricsSink] = [console_sink(sys.stdout, run.config.train.max_steps)]
+    metrics = run.config.metrics
+    if metrics.jsonl:
+        sinks.append(JsonlSink(run.metrics_path))
+    if metrics.tensorboard:
+        sinks.append(TensorBoardSink(run.run_dir / "tensorboard"))
+    if metrics.wandb:
+        sinks.append(WandbSink(run.config, run.run_dir))
+    return sinks
