@@ -19,7 +19,6 @@ from typing import Any
 import attrs
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from forge.data.context_split import head_tail_indices
 
@@ -174,6 +173,10 @@ def chunk_attention(
     """For devices without the CPU kernel, plain rows (``is_plain``): each query chunk over
     the keys up to its own end, one SDPA call under a causal mask aligned to the last key
     (``causal_lower_right``), which CUDA's fused kernels apply without materialising it."""
+    # imported here: torch.nn.attention.bias imports torch's compiler (about 1.7 s of every
+    # process's start-up), and only a GPU's context-parallel rows use it
+    from torch.nn.attention.bias import causal_lower_right
+
     outs = []
     for block in blocks:
         if not block.causal:

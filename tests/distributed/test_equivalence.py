@@ -25,6 +25,7 @@ from forge.model.transformer import Transformer
 from forge.model.vlm import build_model
 from forge.training.evaluate import evaluate_loss
 from tests.conftest import REPO, TINY
+from tests.ranks import run_ranks
 
 COMMON = [
     "--train.max_steps=5",
@@ -44,27 +45,18 @@ def write_config(tmp: pathlib.Path, data: pathlib.Path) -> pathlib.Path:
 
 
 def train(config: pathlib.Path, run_dir: pathlib.Path, *args: str, ranks: int = 1) -> None:
-    script = str(REPO / "scripts" / "train.py")
+    argv = [str(REPO / "scripts" / "train.py"), str(config), f"--run.dir={run_dir}", *COMMON, *args]
     if ranks == 1:
-        cmd = [sys.executable, script]
+        out = subprocess.run(
+            [sys.executable, *argv],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            check=False,
+        )
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={ranks}",
-            script,
-        ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [*cmd, str(config), f"--run.dir={run_dir}", *COMMON, *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        check=False,
-    )
+        out = run_ranks(ranks, argv)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
 
 

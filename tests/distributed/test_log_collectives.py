@@ -4,12 +4,10 @@ the run has: 2 real ranks, a two-source mixture, a mixture-of-experts model and 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 from tests.distributed.test_compositions import write_mixture_config
 from tests.distributed.test_moe_parallel import MOE, MOE_METRICS
+from tests.ranks import run_ranks
 
 DRIVER = "tests/distributed/count_log_collectives.py"
 
@@ -28,15 +26,7 @@ def test_a_logged_step_makes_one_collective_at_two_ranks(tmp_path, small_corpus,
         "--checkpoint.enabled=false",
         "--eval.interval=0",
     ]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    out = subprocess.run(
-        [*cmd, DRIVER, str(config), *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        check=False,
-    )
+    out = run_ranks(2, [DRIVER, str(config), *args])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in records if "loss" in r]

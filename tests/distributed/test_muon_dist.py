@@ -13,9 +13,7 @@ sharded mesh dims as FSDP2 × TP, which fall back to gathering).
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
 from unittest import mock
 
@@ -28,6 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from forge.optim import muon_dist
 from forge.optim.optimizers import MuonAdamW
+from tests.ranks import run_ranks
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -39,11 +38,7 @@ STEPS = 3
 
 def test_distributed_muon_at_two_ranks_equals_one_rank(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "summary.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    run = subprocess.run(
-        [*cmd, __file__, str(out)], env=env, capture_output=True, text=True, timeout=120
-    )
+    run = run_ranks(2, [__file__, str(out)], env={"PYTHONPATH": str(REPO)}, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     got = json.loads(out.read_text())
     assert got["params_vs_one_rank"] < 1e-5

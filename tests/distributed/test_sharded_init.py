@@ -4,16 +4,14 @@ starts from are bit-identical to a one-process build with the same seed (4 real 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import torch
 
 from forge.model.transformer import Transformer
 from tests.conftest import REPO
 from tests.distributed.init_worker import DENSE, MOE, digests
+from tests.ranks import run_ranks
 
 
 def one_process(cfg) -> dict[str, str]:
@@ -25,17 +23,8 @@ def one_process(cfg) -> dict[str, str]:
 
 def test_every_layout_at_4_and_2_ranks_starts_from_the_one_process_weights(tmp_path: pathlib.Path):
     out = tmp_path / "digests.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=4",
-        str(REPO / "tests" / "distributed" / "init_worker.py"),
-        str(out),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    worker = str(REPO / "tests" / "distributed" / "init_worker.py")
+    run = run_ranks(4, [worker, str(out)], env={"PYTHONPATH": str(REPO)}, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     layouts = json.loads(out.read_text())
     assert sorted(layouts) == [

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tests.e2e.sandbox import Run, make_run, train
+from tests.e2e.sandbox import Run, make_run, train_here
 
 
 @pytest.fixture(scope="session")
@@ -14,7 +14,7 @@ def trained(tmp_path_factory, small_corpus) -> Run:
     """A tiny run trained to step 10, checkpoints at 5 and 10: copied by the rows that resume."""
     root = tmp_path_factory.mktemp("trained")
     run = make_run(root, small_corpus)
-    result = train(run, "--train.max_steps=10")
+    result = train_here(run, "--train.max_steps=10")
     assert result.code == 0, result.stderr
     return run
 

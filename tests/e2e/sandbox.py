@@ -1,8 +1,12 @@
 """Sandboxes for the hostile-input tests: a run directory, a config and a private copy of the
-data, and ``scripts/train.py`` run as a real process."""
+data, and ``scripts/train.py`` run as a real process (``train``) or in this one
+(``train_here``: a refusal proves nothing more for a process of its own, and skips its 4 s
+start-up)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import pathlib
 import resource
@@ -13,6 +17,7 @@ import sys
 import attrs
 
 from tests.conftest import REPO, TINY
+from tests.e2e.test_train_script import load_script
 
 TRAIN = [sys.executable, str(REPO / "scripts" / "train.py")]
 
@@ -65,6 +70,18 @@ def train(
         preexec_fn=limit_file_size if file_size_limit is not None else None,
     )
     return Result(out.returncode, out.stdout, out.stderr)
+
+
+TRAIN_SCRIPT = load_script("train")
+
+
+def train_here(run: Run, *args: str) -> Result:
+    """``scripts/train.py``'s ``main`` on the sandbox's config in this process, its output
+    captured (an exception it lets through fails the test, as a traceback would)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = TRAIN_SCRIPT.main([str(run.config), *args])
+    return Result(code, out.getvalue(), err.getvalue())
 
 
 def make_run(root: pathlib.Path, data: pathlib.Path) -> Run:

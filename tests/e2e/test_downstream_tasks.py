@@ -5,10 +5,7 @@ not; at 2 ranks (FSDP) the ranks score in lockstep and finish."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,6 +14,7 @@ from forge.config.loader import ConfigError
 from forge.training.phases import load_and_validate_config
 from tests.conftest import REPO
 from tests.e2e.sandbox import Run, make_run, train
+from tests.ranks import run_ranks
 
 TASKS = REPO / "configs" / "tasks"
 
@@ -151,12 +149,8 @@ def test_two_ranks_score_in_lockstep_as_one_rank(tmp_path, small_corpus, layout,
     """Each data-parallel rank scores its share, tensor-parallel peers theirs together, and
     context-parallel peers the same share over whole rows: the scores are one rank's."""
     run = with_tasks(make_run(tmp_path, small_corpus), ("stdlib_line_order", TASKS, 10))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(REPO / "scripts" / "train.py"), str(run.config), "--train.max_steps=8", *layout],
-        capture_output=True, text=True, timeout=300, env=env, check=False,
-    )  # fmt: skip
+    train = str(REPO / "scripts" / "train.py")
+    done = run_ranks(2, [train, str(run.config), "--train.max_steps=8", *layout], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     scores = line_order_scores(run)
     assert list(scores) == [4, 8]

@@ -21,6 +21,7 @@ from forge.config import load_config
 from forge.model.transformer import Transformer
 from tests.conftest import REPO
 from tests.e2e.test_train_script import load_script
+from tests.ranks import run_ranks
 
 HARNESS = load_script("eval_harness")
 TASKS = REPO / "configs" / "tasks"
@@ -115,12 +116,11 @@ def test_the_results_are_written_into_the_run_directory_by_default(learned, caps
 
 def test_one_and_two_ranks_give_the_same_scores(learned, tmp_path):
     one = scores(learned, tmp_path / "one.json", "--limit", "24", "--batch-size", "5")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(REPO / "scripts" / "eval_harness.py"), str(learned), *TASK, "--limit", "24",
+    done = run_ranks(
+        2,
+        [str(REPO / "scripts" / "eval_harness.py"), str(learned), *TASK, "--limit", "24",
          "--batch-size", "5", "--output", str(tmp_path / "two.json")],
-        capture_output=True, text=True, timeout=300, env=env, check=False,
+        timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     two = json.loads((tmp_path / "two.json").read_text())["results"]["stdlib_line_order"]

@@ -19,19 +19,18 @@ from forge.model.transformer import Transformer
 from forge.training.evaluate import evaluate_loss
 from tests.conftest import REPO
 from tests.e2e.test_train_script import load_script
+from tests.ranks import run_ranks
 
 EVAL = [sys.executable, str(REPO / "scripts" / "eval.py")]
 EVAL_SCRIPT = load_script("eval")
 
 
 def evaluate(*args: str, ranks: int = 1) -> subprocess.CompletedProcess:
-    launcher = EVAL if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={ranks}", str(REPO / "scripts" / "eval.py"),
-    ]  # fmt: skip
+    if ranks > 1:
+        return run_ranks(ranks, [str(REPO / "scripts" / "eval.py"), *args])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [*launcher, *args], capture_output=True, text=True, timeout=240, env=env, check=False
+        [*EVAL, *args], capture_output=True, text=True, timeout=240, env=env, check=False
     )
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from forge.checkpoint.resume import ResumeSource, resolve_resume
-from tests.e2e.sandbox import Result, Run, copy_trained, train
+from tests.e2e.sandbox import Result, Run, copy_trained, train_here
 
 # --- setups: each breaks one thing in the sandbox (some take the trained run) and returns
 # the extra command-line arguments
@@ -291,7 +291,7 @@ def check_row(run: Run, result: Result, code: int, culprit: str) -> None:
     ids=[c[0] for c in CONFIG_CASES + DATA_CASES],
 )
 def test_bad_config_or_data_is_one_line_and_leaves_nothing(sandbox, setup, code, culprit, after):
-    result = train(sandbox, *setup(sandbox))
+    result = train_here(sandbox, *setup(sandbox))
     check_row(sandbox, result, code, culprit)
     after(sandbox)
 
@@ -304,7 +304,7 @@ def test_bad_config_or_data_is_one_line_and_leaves_nothing(sandbox, setup, code,
 def test_bad_checkpoint_or_run_dir_is_one_line_and_loses_nothing(
     sandbox, trained, setup, code, culprit, after
 ):
-    result = train(sandbox, *setup(sandbox, trained))
+    result = train_here(sandbox, *setup(sandbox, trained))
     check_row(sandbox, result, code, culprit)
     after(sandbox)
 

@@ -4,25 +4,19 @@ device path a GPU job takes, with the results a single process gives."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
-import sys
 
 from tests.conftest import REPO
 from tests.e2e.test_train_script import load_script
+from tests.ranks import run_ranks
 
 GENERATE, CONVERT = load_script("generate"), load_script("convert_checkpoint")
 
 
 def launched(script: str, *args: str) -> subprocess.CompletedProcess:
-    """``script`` under torchrun at 2 ranks."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc_per_node=2", str(REPO / "scripts" / script)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [*launcher, *args], capture_output=True, text=True, timeout=240, env=env, check=False
-    )
+    """``script`` at 2 ranks."""
+    return run_ranks(2, [str(REPO / "scripts" / script), *args])
 
 
 def in_process(main, args: list[str], capsys) -> str:

@@ -6,6 +6,7 @@ end-to-end tests of its script."""
 from __future__ import annotations
 
 import functools
+import pathlib
 import re
 import shlex
 import subprocess
@@ -15,6 +16,8 @@ import pytest
 
 from forge.config import load_config
 from tests.conftest import REPO
+from tests.e2e.test_train_script import load_script
+from tests.in_process import run_main
 
 PAGES = sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")])
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -78,10 +81,9 @@ def test_commands_use_the_venv_and_name_real_scripts(where, words, active):
 
 @functools.cache
 def script_help(script: str, subcommand: str | None) -> str:
-    args = [script, *([subcommand] if subcommand else []), "--help"]
-    out = subprocess.run(
-        [sys.executable, *args], cwd=REPO, capture_output=True, text=True, check=False
-    )
+    # in this process: tests/e2e/test_script_help.py starts each script for its --help
+    main = load_script(pathlib.PurePath(script).stem).main
+    out = run_main(main, [*([subcommand] if subcommand else []), "--help"])
     assert out.returncode == 0, out.stderr
     return out.stdout
 

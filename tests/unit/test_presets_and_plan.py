@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import attrs
 import pytest
@@ -16,6 +15,8 @@ from forge.model.transformer import Transformer, num_parameters
 from forge.parallel.memory_plan import GIB, memory_plan
 from forge.parallel.world import MeshDims
 from tests.conftest import REPO
+from tests.e2e.test_train_script import load_script
+from tests.in_process import run_main
 
 # (preset, the published parameter count, embeddings tied)
 PRESETS = [
@@ -180,31 +181,23 @@ def test_a_pipeline_stage_holds_its_share_of_layers_and_micro_batches_in_flight(
     assert four.activations == 4 * (8 * block_input + one_block)
 
 
-PLAN = [sys.executable, str(REPO / "scripts" / "plan.py")]
+PLAN_SCRIPT = load_script("plan")
+
+
+def plan(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """``scripts/plan.py args`` (in this process: a report proves nothing more in its own)."""
+    done = run_main(PLAN_SCRIPT.main, args)
+    assert not check or done.returncode == 0, done.stderr
+    return done
 
 
 def test_plan_script_reports_the_parts_and_the_verdict():
-    out = subprocess.run(
-        [
-            *PLAN,
-            str(REPO / "configs/train/llama3_70b.toml"),
-            "--nproc",
-            "8",
-            "--gpu-memory-gb",
-            "80",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
+    out = plan(
+        str(REPO / "configs/train/llama3_70b.toml"), "--nproc", "8", "--gpu-memory-gb", "80"
     ).stdout
     assert "parameters: 70,553,706,496 total" in out
     assert "does NOT fit in 80 GiB per device" in out  # 70B on 8 GPUs with fp32 Adam: no
-    out = subprocess.run(
-        [*PLAN, str(REPO / "configs/train/llama3_70b.toml"), "--nproc", "64"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = plan(str(REPO / "configs/train/llama3_70b.toml"), "--nproc", "64").stdout
     assert "layout at 64 ranks: dp_replicate=1 dp_shard=8 tp=8 pp=1 cp=1" in out
     assert "\nfits in 80 GiB" in out
     assert "bubble" not in out  # no pipeline
@@ -212,12 +205,7 @@ def test_plan_script_reports_the_parts_and_the_verdict():
 
 def test_plan_script_prints_each_schedules_bubble_under_a_pipeline():
     args = ["--nproc", "32", "--distributed.pp=2", "--train.grad_accum_steps=8"]
-    out = subprocess.run(
-        [*PLAN, str(REPO / "configs/train/llama3_70b.toml"), *args],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = plan(str(REPO / "configs/train/llama3_70b.toml"), *args).stdout
     assert "pipeline: 2 stages (1 per rank), 8 micro-batches per step" in out
     lines = out.split("pipeline: ")[1].splitlines()[1:7]
     assert lines[0].split()[:2] == ["1f1b", "11.1%"]  # (p - 1) / (m + p - 1), chosen first
@@ -235,11 +223,8 @@ def test_plan_script_prints_each_schedules_bubble_under_a_pipeline():
 
 def test_plan_script_marks_the_schedules_fsdp2_refuses():
     args = ["--nproc", "64", "--distributed.pp=2", "--distributed.cp=2"]
-    out = subprocess.run(
-        [*PLAN, str(REPO / "configs/train/llama3_70b.toml"), *args, "--train.grad_accum_steps=8"],
-        capture_output=True,
-        text=True,
-        check=True,
+    out = plan(
+        str(REPO / "configs/train/llama3_70b.toml"), *args, "--train.grad_accum_steps=8"
     ).stdout
     lines = out.split("pipeline: ")[1].splitlines()[1:7]
     refused = {line.split()[0] for line in lines if "(refused under FSDP2" in line}
@@ -247,10 +232,11 @@ def test_plan_script_marks_the_schedules_fsdp2_refuses():
 
 
 def test_plan_script_refuses_an_impossible_layout_in_one_line():
-    done = subprocess.run(
-        [*PLAN, str(REPO / "configs/train/llama3_8b.toml"), "--nproc", "6", "--distributed.tp=4"],
-        capture_output=True,
-        text=True,
+    done = plan(
+        str(REPO / "configs/train/llama3_8b.toml"),
+        "--nproc",
+        "6",
+        "--distributed.tp=4",
         check=False,
     )
     assert done.returncode == 2
@@ -278,11 +264,12 @@ PLAN_OPTIONS = [
 @pytest.mark.parametrize(
     "options,errors", [c[1:] for c in PLAN_OPTIONS], ids=[c[0] for c in PLAN_OPTIONS]
 )
-def test_plan_script_refuses_each_out_of_range_option_in_one_line(tmp_path, options, errors):
+def test_plan_script_refuses_each_out_of_range_option_in_one_line(
+    tmp_path, monkeypatch, options, errors
+):
     config = str(REPO / "configs/train/llama3_8b.toml")
-    done = subprocess.run(
-        [*PLAN, config, *options], capture_output=True, text=True, check=False, cwd=tmp_path
-    )
+    monkeypatch.chdir(tmp_path)
+    done = plan(config, *options, check=False)
     assert "Traceback" not in done.stderr, done.stderr
     assert done.returncode == 2
     assert done.stderr.splitlines() == [f"error: {e}" for e in errors]
