@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from forge.config.sections import ModelConfig
+from forge.config.shapes import ROUTER_BIAS, forge_shapes
 from forge.interop.export import require_safetensors
 from forge.interop.families import FAMILIES, LLAMA
 from forge.interop.family import FamilySpec
@@ -32,10 +33,8 @@ from forge.interop.hf_files import (
 )
 from forge.interop.hf_json import counted, listed
 from forge.interop.tensor_names import (
-    ROUTER_BIAS,
     TOP_TENSORS,
     ExportError,
-    forge_shapes,
     hf_names,
     hf_shapes,
     is_expert_weight,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 from forge.config.model import ModelConfig
+from forge.config.shapes import ROUTER_BIAS, ROUTER_GATE, forge_shapes
 from forge.errors import UserInputError
 from forge.interop.family import FamilySpec
 
@@ -39,8 +40,6 @@ TOP_TENSORS = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-ROUTER_GATE = "feed_forward.router.gate.weight"
-ROUTER_BIAS = "feed_forward.router.expert_bias"  # 0 under softmax routing: never exported
 EXPERT_WEIGHT = re.compile(r"^feed_forward\.experts\.(w[123])$")
 LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -99,56 +98,6 @@ def is_expert_weight(name: str) -> bool:
     """Whether forge's tensor ``name`` stacks every expert's weight ``(E, in, out)``."""
     m = LAYER_KEY.match(name)
     return m is not None and EXPERT_WEIGHT.match(m.group(2)) is not None
-
-
-def forge_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of ``cfg``'s state dict with its shape, by hand (no model is built: the
-    sizes may come from a file not yet checked against its weights)."""
-    dim, head = cfg.dim, cfg.head_size
-    q, kv = cfg.n_heads * head, cfg.kv_heads * head
-    shapes = {"tok_embeddings.weight": (cfg.vocab_size, dim)}
-    for i in range(cfg.n_layers):
-        block = {
-            "attention_norm.weight": (dim,),
-            "attention.wq.weight": (q, dim),
-            "attention.wk.weight": (kv, dim),
-            "attention.wv.weight": (kv, dim),
-            "attention.wo.weight": (dim, q),
-        }
-        if cfg.qk_norm:
-            block |= {"attention.q_norm.weight": (head,), "attention.k_norm.weight": (head,)}
-        block["ffn_norm.weight"] = (dim,)
-        block |= feed_forward_shapes(cfg, i)
-        shapes |= {f"layers.{i}.{name}": shape for name, shape in block.items()}
-    return shapes | {"norm.weight": (dim,), "output.weight": (cfg.vocab_size, dim)}
-
-
-def feed_forward_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
-    """Block ``layer``'s feed-forward tensors: a SwiGLU's, or a router's and the experts'."""
-    dim = cfg.dim
-    if not cfg.is_moe_layer(layer):
-        hidden = cfg.hidden_dim
-        return {
-            "feed_forward.w1.weight": (hidden, dim),
-            "feed_forward.w2.weight": (dim, hidden),
-            "feed_forward.w3.weight": (hidden, dim),
-        }
-    experts, hidden = cfg.moe_num_experts, cfg.expert_hidden_dim
-    shapes = {
-        ROUTER_GATE: (experts, dim),
-        ROUTER_BIAS: (experts,),
-        "feed_forward.experts.w1": (experts, dim, hidden),
-        "feed_forward.experts.w2": (experts, hidden, dim),
-        "feed_forward.experts.w3": (experts, dim, hidden),
-    }
-    if cfg.moe_shared_experts:
-        shared = cfg.moe_shared_experts * hidden
-        shapes |= {
-            "feed_forward.shared.w1.weight": (shared, dim),
-            "feed_forward.shared.w2.weight": (dim, shared),
-            "feed_forward.shared.w3.weight": (shared, dim),
-        }
-    return shapes
 
 
 def hf_shapes(cfg: ModelConfig, family: FamilySpec) -> dict[str, tuple[int, ...]]:

@@ -17,33 +17,40 @@ reported as 1.
 from __future__ import annotations
 
 import enum
+import math
 
 import attrs
 import torch
 
 from forge.config.sections import ModelConfig, Precision
+from forge.config.shapes import ROUTED_EXPERTS, ROUTER_BIAS, block_shapes, feed_forward_shapes
 from forge.metrics.cpu_peak import MEASURE_SIZES, cpu_peak, raise_cached_peak
+
+
+def parameters(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], active: bool) -> int:
+    """The parameters of ``shapes`` (tensors of ``forge.config.shapes``) a token multiplies
+    with: the router's balancing bias aside (a buffer, added), and with ``active`` only the
+    ``top_k`` routed experts a token passes through."""
+    total = 0
+    for name, shape in shapes.items():
+        if name == ROUTER_BIAS:
+            continue
+        if active and name in ROUTED_EXPERTS:  # (E, in, out): top_k of the E
+            shape = (cfg.moe_top_k, *shape[1:])
+        total += math.prod(shape)
+    return total
 
 
 def feed_forward_parameters(cfg: ModelConfig, layer: int, active: bool = False) -> int:
     """Parameters of block ``layer``'s feed-forward: the dense SwiGLU, or a mixture of
-    experts' router, routed experts (only the ``top_k`` a token passes through when
-    ``active``) and shared experts."""
-    if not cfg.is_moe_layer(layer):
-        return 3 * cfg.dim * cfg.hidden_dim
-    expert = 3 * cfg.dim * cfg.expert_hidden_dim
-    routed = cfg.moe_top_k if active else cfg.moe_num_experts
-    return cfg.dim * cfg.moe_num_experts + (routed + cfg.moe_shared_experts) * expert
+    experts' router, routed experts and shared experts."""
+    return parameters(cfg, feed_forward_shapes(cfg, layer), active)
 
 
 def block_parameters(cfg: ModelConfig, layer: int = 0, active: bool = False) -> int:
-    """Parameters of block ``layer``: attention (and its q/k norms), its feed-forward (see
-    ``feed_forward_parameters``), two norms."""
-    head = cfg.head_size
-    attention = 2 * cfg.dim * cfg.n_heads * head + 2 * cfg.dim * cfg.kv_heads * head
-    qk_norms = 2 * head if cfg.qk_norm else 0
-    feed_forward = feed_forward_parameters(cfg, layer, active)
-    return attention + qk_norms + feed_forward + 2 * cfg.dim
+    """Parameters of block ``layer``: attention (and its q/k norms), its feed-forward, two
+    norms."""
+    return parameters(cfg, block_shapes(cfg, layer), active)
 
 
 def largest_block_parameters(cfg: ModelConfig) -> int:

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from forge.config import ModelConfig, load_config
+from forge.config.shapes import forge_shapes
 from forge.interop.families.qwen3_moe import forge_layout, sparse_layout
 from forge.interop.hf_config import model_config_from_hf
-from forge.interop.tensor_names import forge_shapes
 from forge.model.transformer import Transformer, rope_tables
 from tests.conftest import REPO
 
