@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from worktree import checked_out  # benchmarks/, beside this script
 
 from forge.config import DataSource, JobConfig, load_config
 from forge.data.batch import Batch
@@ -336,21 +337,6 @@ def rows_per_s(root: pathlib.Path, config: JobConfig, setup: tuple, batches: int
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def base_worktree(base: str, folder: pathlib.Path) -> pathlib.Path:
-    """A detached git worktree of ``base`` in ``folder`` (removed by ``drop_worktree``)."""
-    subprocess.run(
-        ["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(folder), base],
-        check=True,
-    )
-    return folder
-
-
-def drop_worktree(folder: pathlib.Path) -> None:
-    subprocess.run(
-        ["git", "-C", str(REPO), "worktree", "remove", "--force", str(folder)], check=False
-    )
-
-
 def loader_benchmark(args: argparse.Namespace) -> None:
     """Print the training consumption, the loader against the base commit's in every set-up,
     and the resume seek at row 10^3 against row 10^9."""
@@ -368,33 +354,27 @@ def loader_benchmark(args: argparse.Namespace) -> None:
         for packed in (False, True)
         for sources in (1, 2)
     ]
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            base = base_worktree(args.base, pathlib.Path(tmp) / "base")
-        except subprocess.CalledProcessError:
-            print(f"--base {args.base}: no such commit here (a shallow clone?); fetch it first")
+    with checked_out(args.base) as base:
+        if base is None:
             return
-        try:
-            for setup in setups:
-                ours, theirs = [], []
-                for r in range(args.rounds):  # alternating, so drift hits both alike
-                    for side in ("ours", "base") if r % 2 == 0 else ("base", "ours"):
-                        root = REPO if side == "ours" else base
-                        rate = rows_per_s(root, config, setup, args.batches)
-                        (ours if side == "ours" else theirs).append(rate)
-                sources, packed, workers = setup
-                name = f"{sources} source{'s' if sources > 1 else ''}, " + (
-                    f"{'packed' if packed else 'plain'}, {workers} workers"
-                )
-                mine, old = statistics.median(ours), statistics.median(theirs)
-                rounds = ", ".join(f"{a / b:.2f}" for a, b in zip(ours, theirs, strict=True))
-                print(
-                    f"loader, {name:<28} {mine:>10,.0f} rows/s | base {old:>10,.0f} rows/s | "
-                    f"ratio {mine / old:.2f}x (rounds: {rounds}) | "
-                    f"{mine / (consumed / t.seq_len):,.0f}x training"
-                )
-        finally:
-            drop_worktree(base)
+        for setup in setups:
+            ours, theirs = [], []
+            for r in range(args.rounds):  # alternating, so drift hits both alike
+                for side in ("ours", "base") if r % 2 == 0 else ("base", "ours"):
+                    root = REPO if side == "ours" else base
+                    rate = rows_per_s(root, config, setup, args.batches)
+                    (ours if side == "ours" else theirs).append(rate)
+            sources, packed, workers = setup
+            name = f"{sources} source{'s' if sources > 1 else ''}, " + (
+                f"{'packed' if packed else 'plain'}, {workers} workers"
+            )
+            mine, old = statistics.median(ours), statistics.median(theirs)
+            rounds = ", ".join(f"{a / b:.2f}" for a, b in zip(ours, theirs, strict=True))
+            print(
+                f"loader, {name:<28} {mine:>10,.0f} rows/s | base {old:>10,.0f} rows/s | "
+                f"ratio {mine / old:.2f}x (rounds: {rounds}) | "
+                f"{mine / (consumed / t.seq_len):,.0f}x training"
+            )
     for sources in (1, 2):
         loader = make_loader(config, sources, packed=False, workers=0)
         at = {row: seek_seconds(loader, position_at(row, loader)) for row in (10**3, 10**9)}

@@ -41,7 +41,10 @@ cuda=$("$py" -c "import torch; print(int(torch.cuda.is_available()))")
 status=0
 # 1. the CUDA tests (expected about 2 minutes on an H200: the 1B memory test is the longest)
 export CUBLAS_WORKSPACE_CONFIG=:4096:8  # deterministic cuBLAS: the exact-resume test needs it
-timeout -k 10 200 "$py" -m pytest -q -m cuda tests -rs -p no:cacheprovider --timeout=150 \
+# only the files that mark a test cuda are collected: collecting the whole suite imports every
+# optional extra (lm-eval, transformers), most of a minute on a small machine
+cuda_files=$(grep -rlE "mark\.cuda|pytestmark.*cuda" tests --include=*.py | sort)
+timeout -k 10 200 "$py" -m pytest -q -m cuda $cuda_files -rs -p no:cacheprovider --timeout=150 \
     --junitxml="$out/cuda_tests.xml" 2>&1 | tee "$out/cuda_tests.log" || status=1
 
 if [ "$cuda" != 1 ]; then

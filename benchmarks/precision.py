@@ -14,7 +14,12 @@ Every forge mode runs eager (``train.compile = false``), whatever the default; r
 the order so that machine noise hits every mode; medians are compared::
 
     python benchmarks/precision.py [--steps 8] [--rounds 3] [--compile] [--loss-memory]
+    python benchmarks/precision.py --base 66b08b1 [--steps 8] [--rounds 4]
 
+``--base`` measures this script in fresh processes, alternately with this tree's forge and
+with the base commit's (a temporary git worktree), one round each, and prints each side's
+forge-over-bare ratios (medians over its rounds): a change to forge's step against the
+step it replaces, the bare loops being the same code on both sides.
 ``--loss-memory`` also prints the peak memory of one forward + backward of the loss alone,
 plain (full fp32 logits) vs chunked, at growing batch sizes.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import math
 import pathlib
 import platform
@@ -37,6 +43,7 @@ from collections.abc import Callable
 import attrs
 import torch
 import torch.nn.functional as F
+from worktree import REPO, checked_out, python_with_forge_of  # benchmarks/, beside this script
 
 from forge.config import load_config
 from forge.data.batch import Batch
@@ -203,7 +210,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="also forge with train.compile")
     parser.add_argument("--loss-memory", action="store_true", help="also the loss's peak memory")
+    parser.add_argument("--base", help="a commit whose forge is measured alternately with ours")
+    parser.add_argument("--medians-json", help=argparse.SUPPRESS)  # a --base round's output
     args = parser.parse_args()
+    if args.base:
+        compare_with_base(args)
+        return
     base = load_config([args.config, *SHAPES]).config
     flags = cpu_flags()
     native_bf16 = bool({"avx512_bf16", "amx_bf16"} & flags)
@@ -239,6 +251,8 @@ def main() -> None:
                 gc.collect()
                 rates[name].append(tokens_per_s(loops[name], data, args.steps))
     med = {name: statistics.median(v) for name, v in rates.items()}
+    if args.medians_json:
+        pathlib.Path(args.medians_json).write_text(json.dumps(med))
     print()
     for name, v in rates.items():
         print(
@@ -263,6 +277,42 @@ def main() -> None:
         print(f"ratio {label}: {ratio:.3f} ({verdict})")
     if args.loss_memory:
         print_loss_memory(base)
+
+
+# forge's modes and the bare loop each is measured against
+RATIOS = [
+    ("forge param_dtype=bf16", "bare (c) pure bf16, bf16 loss"),
+    ("forge mixed bf16", "bare (b) bf16 autocast, fp32 loss"),
+    ("forge mixed bf16", "bare (c) pure bf16, bf16 loss"),
+    ("forge fp32", "bare (a) fp32"),
+]
+
+
+def compare_with_base(args: argparse.Namespace) -> None:
+    """Each side's forge-over-bare ratios, from ``args.rounds`` alternating processes per
+    side (this script, with PYTHONPATH at this tree or at the base's worktree)."""
+    with checked_out(args.base) as base, tempfile.TemporaryDirectory() as tmp:
+        if base is None:
+            return
+        sides: dict[str, list[dict[str, float]]] = {"ours": [], "base": []}
+        for r in range(args.rounds):
+            for side in ("ours", "base") if r % 2 == 0 else ("base", "ours"):
+                out = pathlib.Path(tmp) / f"{side}{r}.json"
+                root = REPO if side == "ours" else base
+                argv = [*python_with_forge_of(root), __file__, "--config", args.config]
+                argv += ["--steps", str(args.steps), "--rounds", "1", "--medians-json", str(out)]
+                subprocess.run(argv, check=True, capture_output=True, cwd=REPO)
+                sides[side].append(json.loads(out.read_text()))
+    print(f"forge against the bare loops, ours and base {args.base} ({args.rounds} rounds each):")
+    for mode, bare in RATIOS:
+        ratios = {
+            side: statistics.median(m[mode] / m[bare] for m in rounds)
+            for side, rounds in sides.items()
+        }
+        print(
+            f"  {mode} / {bare:34s} ours {ratios['ours']:.3f} | base {ratios['base']:.3f} | "
+            f"ours / base {ratios['ours'] / ratios['base']:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -7,10 +7,7 @@ parameters also prove that clipping used the global norm across shards and stage
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import attrs
 import pytest
@@ -25,6 +22,8 @@ from forge.model.transformer import Transformer
 from forge.model.vlm import build_model
 from forge.training.evaluate import evaluate_loss
 from tests.conftest import REPO, TINY
+from tests.e2e.test_train_script import TRAIN
+from tests.in_process import run_main
 from tests.ranks import run_ranks
 
 COMMON = [
@@ -45,18 +44,11 @@ def write_config(tmp: pathlib.Path, data: pathlib.Path) -> pathlib.Path:
 
 
 def train(config: pathlib.Path, run_dir: pathlib.Path, *args: str, ranks: int = 1) -> None:
-    argv = [str(REPO / "scripts" / "train.py"), str(config), f"--run.dir={run_dir}", *COMMON, *args]
-    if ranks == 1:
-        out = subprocess.run(
-            [sys.executable, *argv],
-            capture_output=True,
-            text=True,
-            timeout=240,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            check=False,
-        )
+    args = [str(config), f"--run.dir={run_dir}", *COMMON, *args]
+    if ranks == 1:  # the reference: in this process, one thread (tests/conftest.py), as a rank
+        out = run_main(TRAIN.main, args)
     else:
-        out = run_ranks(ranks, argv)
+        out = run_ranks(ranks, [str(REPO / "scripts" / "train.py"), *args])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
 
 
@@ -78,6 +70,24 @@ def reference(tmp_path_factory, small_corpus):
     config = write_config(tmp, small_corpus)
     train(config, tmp / "run", "--train.batch_size=4", "--train.grad_accum_steps=2")
     return config, tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory, small_corpus):
+    """One-rank references by config and arguments, each trained once per module: the
+    layouts of a test compare against the same run."""
+    runs: dict[tuple, tuple[pathlib.Path, pathlib.Path]] = {}
+
+    def reference(write, *args: str) -> tuple[pathlib.Path, pathlib.Path]:
+        key = (write.__name__, args)
+        if key not in runs:
+            tmp = tmp_path_factory.mktemp("one_rank")
+            config = write(tmp, small_corpus)
+            train(config, tmp / "run", *args)
+            runs[key] = (config, tmp / "run")
+        return runs[key]
+
+    return reference
 
 
 def assert_matches(reference, config, run_dir, steps=range(1, 6)):
@@ -290,13 +300,13 @@ OPTIMIZERS = [("muon", "3e-3"), ("lion", "3e-4")]
 @pytest.mark.parametrize(
     "layout", [c[1] for c in QK_NORM_LAYOUTS], ids=[c[0] for c in QK_NORM_LAYOUTS]
 )
-def test_optimizers_at_two_ranks_match_one_rank(tmp_path, small_corpus, name, lr, layout):
+def test_optimizers_at_two_ranks_match_one_rank(one_rank, tmp_path, small_corpus, name, lr, layout):
     """Muon gathers each sharded matrix for its Newton–Schulz step; Lion is elementwise."""
     args = [f"--optimizer.name={name}", f"--optimizer.lr={lr}"]
+    ref = one_rank(write_config, *args, "--train.batch_size=4", "--train.grad_accum_steps=2")
     config = write_config(tmp_path, small_corpus)
-    train(config, tmp_path / "ref", *args, "--train.batch_size=4", "--train.grad_accum_steps=2")
     train(config, tmp_path / "run", *args, *layout, ranks=2)
-    assert_matches((config, tmp_path / "ref"), config, tmp_path / "run")
+    assert_matches(ref, config, tmp_path / "run")
 
 
 def write_tied_config(tmp: pathlib.Path, data: pathlib.Path) -> pathlib.Path:
@@ -308,11 +318,11 @@ def write_tied_config(tmp: pathlib.Path, data: pathlib.Path) -> pathlib.Path:
 @pytest.mark.parametrize(
     "layout", [c[1] for c in QK_NORM_LAYOUTS], ids=[c[0] for c in QK_NORM_LAYOUTS]
 )
-def test_tied_embeddings_at_two_ranks_match_one_rank(tmp_path, small_corpus, layout):
+def test_tied_embeddings_at_two_ranks_match_one_rank(one_rank, tmp_path, small_corpus, layout):
+    ref = one_rank(write_tied_config, "--train.batch_size=4", "--train.grad_accum_steps=2")
     config = write_tied_config(tmp_path, small_corpus)
-    train(config, tmp_path / "ref", "--train.batch_size=4", "--train.grad_accum_steps=2")
     train(config, tmp_path / "run", *layout, ranks=2)
-    assert_matches((config, tmp_path / "ref"), config, tmp_path / "run")
+    assert_matches(ref, config, tmp_path / "run")
     # read back into an untied model: the two saved tensors are one trained weight
     untied = Transformer(
         attrs.evolve(load_config([str(config)]).config.model, tie_embeddings=False)
