@@ -301,7 +301,9 @@ def compare_with_base(args: argparse.Namespace) -> None:
                 root = REPO if side == "ours" else base
                 argv = [*python_with_forge_of(root), __file__, "--config", args.config]
                 argv += ["--steps", str(args.steps), "--rounds", "1", "--medians-json", str(out)]
-                subprocess.run(argv, check=True, capture_output=True, cwd=REPO)
+                done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO)
+                if done.returncode != 0:
+                    sys.exit(f"{side} ({root}) failed:\n{done.stderr[-3000:]}")
                 sides[side].append(json.loads(out.read_text()))
     print(f"forge against the bare loops, ours and base {args.base} ({args.rounds} rounds each):")
     for mode, bare in RATIOS:

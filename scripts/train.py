@@ -49,6 +49,7 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
     if {"-h", "--help"} & set(args):
         print(help_text())
         return ExitCode.OK
+    faults = faults_from_env(os.environ)  # test-only fault injection; none in production
     flag = ShutdownFlag().install()  # before set-up, so an early signal is not lost
     lock = None
     try:
@@ -58,7 +59,6 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         data = setup_data(run, dist)
         lock = claim_run_dir(run, dist)
         ckpt = setup_checkpointing(run, dist, model, data)
-        faults = faults_from_env(os.environ)  # test-only fault injection; none in production
         run_hooks = HookList(
             [
                 *hooks,
@@ -68,15 +68,18 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
             ]
         )
         prepare_run_dir(run, dist, ckpt)  # last: a set-up that fails writes no records
-    except UserInputError as exc:
+    except BaseException as exc:
         if lock is not None:
             lock.release(discard=True)  # a run that never started leaves no directory
-        print_errors(exc.lines)
         flag.uninstall()
+        if not isinstance(exc, UserInputError):
+            raise  # a bug: its traceback, with nothing of the set-up left behind
+        print_errors(exc.lines)
         return ExitCode.CONFIG_ERROR
     try:
         return train(run, dist, model, data, ckpt, flag, run_hooks, faults)
     finally:
+        flag.uninstall()  # done already unless the loop raised
         lock.release()
 
 

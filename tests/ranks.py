@@ -1,6 +1,7 @@
 """Real ranks without torchrun's agent: one process per rank, started with the variables
-torchrun gives its workers (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...), their output
-interleaved in one stdout and one stderr as under torchrun.
+torchrun gives its workers, joined through a TCP store this process hosts (as the agent
+hosts its own: ``TORCHELASTIC_USE_AGENT_STORE``, so forge takes the same path as under
+torchrun), their output interleaved in one stdout and one stderr as under torchrun.
 
 The agent is a process of its own that imports torch and holds a rendezvous: about 2 s of
 every launch on this machine's 2 cores, and it proves nothing a test of forge's ranks asks.
@@ -10,35 +11,38 @@ start torchrun.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
-import socket
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from typing import IO
+
+from torch.distributed import TCPStore
 
 POLL_S = 0.05
 GRACE_S = 10.0  # after a rank fails, how long the others may take to fail alike
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rank_env(env: Mapping[str, str], rank: int, ranks: int, port: int) -> dict[str, str]:
-    """What torchrun sets for worker ``rank`` of ``ranks`` on one node."""
+    """What torchrun's agent sets for worker ``rank`` of ``ranks`` on one node, its store at
+    ``port``, in its first round."""
     return {
         **env,
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
         "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
         "WORLD_SIZE": str(ranks),
         "LOCAL_WORLD_SIZE": str(ranks),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
     }
 
 
@@ -49,44 +53,62 @@ def run_ranks(
     env: Mapping[str, str] | None = None,
     timeout: float = 240,
 ) -> subprocess.CompletedProcess[str]:
-    """``python argv...`` as ``ranks`` ranks; the first failing rank's exit code (0 when all
-    succeed). A rank that fails ends the others after ``GRACE_S``, as the agent would."""
+    """``python argv...`` as ``ranks`` ranks; the exit code of the first rank that failed on
+    its own (0 when all succeed). A rank that fails ends the others after ``GRACE_S``, as
+    the agent would; so does ``timeout`` (``TimeoutExpired``, with the ranks' output)."""
     base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    port = free_port()
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        procs = [
-            subprocess.Popen(
-                [sys.executable, *argv],
-                env=rank_env(base, rank, ranks, port),
-                stdout=out,
-                stderr=err,
-                text=True,
-            )
-            for rank in range(ranks)
-        ]
-        code = wait_all(procs, timeout, list(argv))
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess(list(argv), code, out.read(), err.read())
+        procs: list[subprocess.Popen] = []
+        try:
+            for rank in range(ranks):
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, *argv],
+                        env=rank_env(base, rank, ranks, store.port),
+                        stdout=out,
+                        stderr=err,
+                        start_new_session=True,  # a group of its own: its children end with it
+                    )
+                )
+            code = wait_all(procs, timeout)
+        finally:
+            for p in procs:
+                end_group(p)
+        if code is None:
+            raise subprocess.TimeoutExpired(list(argv), timeout, read(out), read(err))
+        return subprocess.CompletedProcess(list(argv), code, read(out), read(err))
 
 
-def wait_all(procs: list[subprocess.Popen], timeout: float, argv: list[str]) -> int:
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> int | None:
+    """The first failure's exit code, 0 when every rank succeeded, None at the timeout."""
     deadline = time.monotonic() + timeout
-    failed_at: float | None = None
-    try:
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if now > deadline:
-                raise subprocess.TimeoutExpired(argv, timeout)
-            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-            if failed and failed_at is None:
-                failed_at = now
-            if failed_at is not None and now - failed_at > GRACE_S:
-                break
-            time.sleep(POLL_S)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    first: int | None = None
+    failed_at = 0.0
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if now > deadline:
+            return None
+        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+        if failed and first is None:
+            first, failed_at = failed[0], now
+        if first is not None and now - failed_at > GRACE_S:
+            return first
+        time.sleep(POLL_S)
+    if first is not None:
+        return first
     return next((p.returncode for p in procs if p.returncode != 0), 0)
+
+
+def end_group(proc: subprocess.Popen) -> None:
+    """Kill what is left of ``proc``'s group: the rank, and what it started and left behind
+    (loader workers, a checkpoint process)."""
+    with contextlib.suppress(ProcessLookupError):  # none left: all of it has ended
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def read(file: IO[str]) -> str:
+    file.seek(0)
+    return file.read()

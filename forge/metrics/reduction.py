@@ -2,10 +2,11 @@
 
 A logged step's values are packed into one float64 vector that a single sum over ranks
 reduces, whatever metrics the run has: a sum or a mean takes one slot per value; a maximum
-and a per-rank gather take a block of ``world`` slots per value, each rank writing its own
-slot (zeros elsewhere), so that the sum *is* the gather. Packing and unpacking are pure
-(table-tested); ``forge.parallel.reduce.sum_over_ranks`` makes the collective. A new logged
-metric is a ``Recorded`` (and, if it is derived, a ``render``), not a new reduction.
+and a per-rank gather take ``world`` blocks of its values, one per rank in rank order, each
+rank writing its own block (zeros elsewhere), so that the sum *is* the gather. Packing
+and unpacking are pure (table-tested); ``forge.parallel.reduce.sum_over_ranks`` makes the
+collective. A new logged metric is a ``Recorded`` (and, if it is derived, a ``render``), not
+a new reduction.
 """
 
 from __future__ import annotations
@@ -30,13 +31,22 @@ class Reduction(enum.Enum):
 
     @property
     def per_rank(self) -> bool:
-        """Whether each rank needs slots of its own (a block of ``world`` per value)."""
+        """Whether each rank needs a block of slots of its own (``world`` blocks in all)."""
         return self in (Reduction.MAX, Reduction.GATHER)
 
 
-def first(values: tuple[float, ...]) -> float:
-    """A one-value metric's value."""
-    return values[0]
+def as_logged(values: tuple[float, ...]) -> Any:
+    """A metric's reduced values as logged: the value of a one-value metric, else the tuple
+    (a gather's values in rank order)."""
+    return values[0] if len(values) == 1 else values
+
+
+def width_problem(metric: Recorded, attribute: attrs.Attribute, values: tuple) -> None:
+    """A metric records at least one value, and a token mean exactly its (sum, count)."""
+    if not values:
+        raise ValueError(f"metric {metric.name!r} records no value")
+    if metric.reduction is Reduction.TOKEN_MEAN and len(values) != 2:
+        raise ValueError(f"metric {metric.name!r}: a token mean records (sum, count)")
 
 
 @attrs.frozen
@@ -45,9 +55,9 @@ class Recorded:
     values become the metric (``render``; None: the metric is left out of the record)."""
 
     name: str
-    values: tuple[float, ...]
-    reduction: Reduction
-    render: Callable[[tuple[float, ...]], Any] = first
+    values: tuple[float, ...] = attrs.field(validator=width_problem)
+    reduction: Reduction = attrs.field()
+    render: Callable[[tuple[float, ...]], Any] = as_logged
 
     @property
     def width(self) -> int:
@@ -59,7 +69,7 @@ def recorded_value(
     name: str,
     value: float,
     reduction: Reduction,
-    render: Callable[[tuple[float, ...]], Any] = first,
+    render: Callable[[tuple[float, ...]], Any] = as_logged,
 ) -> Recorded:
     """A ``Recorded`` of one value."""
     return Recorded(name, (float(value),), reduction, render)
@@ -101,8 +111,9 @@ def reduced(
     if kind is Reduction.SLICE_SUM:
         scale = slices / world
         return tuple(v * scale for v in sums)
-    if kind is Reduction.TOKEN_MEAN:
-        total, count = sums
+    if kind is Reduction.TOKEN_MEAN:  # both counted once per slice, as SLICE_SUM
+        scale = slices / world
+        total, count = sums[0] * scale, sums[1] * scale
         return (total / count,) if count > 0 else None
     if kind is Reduction.MAX:
         per_rank = [sums[r * metric.width : (r + 1) * metric.width] for r in range(world)]

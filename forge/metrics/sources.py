@@ -1,7 +1,7 @@
 """Per-source loss and token counts of a data mixture, kept on the training device.
 
 The step adds each micro-batch's per-row sums without a host sync (``SourceStats``, one per
-step) and reads them in its one host read, into ``StepResult.sources``; the effects sum the
+step) and reads them in its one host read, into ``StepResult.sources``; the step logger sums the
 steps between two logs and record them for the log's one reduction over ranks
 (``source_metrics``).
 """

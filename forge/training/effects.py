@@ -32,7 +32,7 @@ class TrainingEffects:
         model: ModelContext,
         data: DataContext,
         *,
-        hooks: Sequence[Hooks] = (),
+        hooks: Sequence[Hooks] | HookList = (),
         sinks: Sequence[MetricsSink] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:

@@ -1,6 +1,6 @@
 """``scripts/train.py`` with every ``torch.distributed`` collective counted while a step's
-record is built (``StepLogger.log``): run by torchrun, it writes each rank's counts, one list
-per logged step, to ``<run.dir>/log_collectives_rank<R>.json``."""
+record is built (``StepLogger.log``): each rank (``tests/ranks.py``) writes its counts, one
+list per logged step, to ``<run.dir>/log_collectives_rank<R>.json``."""
 
 from __future__ import annotations
 

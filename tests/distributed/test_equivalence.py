@@ -1,4 +1,5 @@
-"""2-rank runs (torchrun, gloo, CPU, fp32) against a 1-rank run on the same global batch.
+"""2-rank runs (real ranks: tests/ranks.py, gloo, CPU, fp32) against a 1-rank run on the same
+global batch.
 
 Each case trains 5 steps with clipping active (max norm below the observed norms), so equal
 parameters also prove that clipping used the global norm across shards and stages.

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 
+from tests.conftest import REPO
 from tests.distributed.test_compositions import write_mixture_config
 from tests.distributed.test_moe_parallel import MOE, MOE_METRICS
 from tests.ranks import run_ranks
 
-DRIVER = "tests/distributed/count_log_collectives.py"
+DRIVER = str(REPO / "tests" / "distributed" / "count_log_collectives.py")
 
 
 def test_a_logged_step_makes_one_collective_at_two_ranks(tmp_path, small_corpus, second_corpus):

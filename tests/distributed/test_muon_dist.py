@@ -1,6 +1,6 @@
-"""Distributed Muon at 2 real ranks (torchrun, gloo, CPU, fp32): each rank orthogonalises only
-its own matrices, and the steps equal a 1-rank Muon's within 1e-5 and the gather-everything
-path's bit for bit.
+"""Distributed Muon at 2 real ranks (tests/ranks.py, gloo, CPU, fp32): each rank
+orthogonalises only its own matrices, and the steps equal a 1-rank Muon's within 1e-5 and the
+gather-everything path's bit for bit.
 
 One launch runs this file as its own worker (``main``), which checks several cases and writes
 a summary for the test to read: an FSDP2-sharded toy model whose Muon matrices are 5 (not a

@@ -5,8 +5,6 @@ start-up)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import pathlib
 import resource
@@ -18,6 +16,7 @@ import attrs
 
 from tests.conftest import REPO, TINY
 from tests.e2e.test_train_script import load_script
+from tests.in_process import run_main
 
 TRAIN = [sys.executable, str(REPO / "scripts" / "train.py")]
 
@@ -78,10 +77,8 @@ TRAIN_SCRIPT = load_script("train")
 def train_here(run: Run, *args: str) -> Result:
     """``scripts/train.py``'s ``main`` on the sandbox's config in this process, its output
     captured (an exception it lets through fails the test, as a traceback would)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = TRAIN_SCRIPT.main([str(run.config), *args])
-    return Result(code, out.getvalue(), err.getvalue())
+    done = run_main(TRAIN_SCRIPT.main, [str(run.config), *args])
+    return Result(done.returncode, done.stdout, done.stderr)
 
 
 def make_run(root: pathlib.Path, data: pathlib.Path) -> Run:

@@ -10,7 +10,7 @@ import os
 
 from forge.training.run_dir import load_run_config
 from forge.training.run_records import recorded_configs
-from tests.e2e.sandbox import Run, copy_trained, train
+from tests.e2e.sandbox import Run, copy_trained, train, train_here
 
 
 def steps_logged(run: Run) -> list[int]:
@@ -28,7 +28,7 @@ def records(run: Run) -> dict[str, bytes]:
 def test_a_resume_with_changes_records_its_config_beside_the_original(sandbox, trained):
     copy_trained(trained, sandbox)
     original = (sandbox.dir / "config.toml").read_text()
-    result = train(sandbox, "--train.max_steps=12", "--metrics.log_interval=2")
+    result = train_here(sandbox, "--train.max_steps=12", "--metrics.log_interval=2")
     assert result.code == 0, result.stderr
     assert (sandbox.dir / "config.toml").read_text() == original  # never overwritten
     assert sorted(recorded_configs(sandbox.dir)) == [0, 10]
@@ -36,14 +36,14 @@ def test_a_resume_with_changes_records_its_config_beside_the_original(sandbox, t
     assert "max_steps = 12" in newer and "log_interval = 2" in newer
     assert load_run_config(sandbox.dir).metrics.log_interval == 2  # the config in force
     # the same config again: already complete, nothing new
-    again = train(sandbox, "--train.max_steps=12", "--metrics.log_interval=2")
+    again = train_here(sandbox, "--train.max_steps=12", "--metrics.log_interval=2")
     assert again.code == 0 and sorted(recorded_configs(sandbox.dir)) == [0, 10]
 
 
 def test_a_resume_at_an_earlier_step_drops_the_configs_of_the_steps_it_discards(sandbox, trained):
     copy_trained(trained, sandbox)
     (sandbox.dir / "config.step_12.toml").write_text("# a branch that crashed past step 10\n")
-    result = train(sandbox, "--train.max_steps=12")
+    result = train_here(sandbox, "--train.max_steps=12")
     assert result.code == 0, result.stderr
     assert sorted(recorded_configs(sandbox.dir)) == [0, 10]
 
@@ -74,7 +74,7 @@ def test_a_resume_past_the_file_size_limit_keeps_the_run_as_it_was(sandbox, trai
 def test_metrics_on_a_full_disk_stop_the_run_with_a_checkpoint_and_it_resumes(sandbox):
     sandbox.dir.mkdir()
     (sandbox.dir / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
-    result = train(sandbox)
+    result = train_here(sandbox)
     assert "Traceback" not in result.stderr, result.stderr
     assert result.code == 75, result.stderr  # stopped as for a preemption: run again
     assert len(result.errors) == 1, result.stderr
@@ -83,6 +83,6 @@ def test_metrics_on_a_full_disk_stop_the_run_with_a_checkpoint_and_it_resumes(sa
     stopped = int(os.readlink(sandbox.ckpt / "latest").removeprefix("step_"))
     assert 1 <= stopped < 12  # stopped early, its work saved
     (sandbox.dir / "metrics.jsonl").unlink()  # the disk has room again
-    resumed = train(sandbox)
+    resumed = train_here(sandbox)
     assert resumed.code == 0, resumed.stderr
     assert steps_logged(sandbox) == list(range(stopped + 1, 13))

@@ -309,6 +309,16 @@ def test_an_export_final_no_family_holds_gives_one_line_naming_the_key(raw, line
     assert export_final_problems(structure_config(raw)) == [line]
 
 
+def test_load_and_validate_config_refuses_an_export_final_no_family_holds(tiny_config):
+    """The run's own validation makes the check (``WORLD_CHECKS``), before anything is built."""
+    from forge.training.phases import load_and_validate_config
+
+    args = [str(tiny_config), "--checkpoint.export_final=true", "--model.sliding_window=8"]
+    with pytest.raises(ConfigError) as refused:
+        load_and_validate_config(args)
+    assert refused.value.lines == [EXPORT_FINAL[0][2]]
+
+
 def test_an_export_final_of_a_qwen3_model_passes_the_run_check():
     from forge.training.problems import export_final_problems
 

@@ -95,3 +95,31 @@ def test_a_vector_of_another_length_is_refused():
     metrics = [recorded_value("m", 1.0, Reduction.SUM)]
     with pytest.raises(ValueError, match="2 summed values for 1 slots"):
         unpacked(metrics, [1.0, 2.0], 1, 1)
+
+
+def test_a_gather_logs_every_rank_without_a_render_of_its_own():
+    per_rank = [[recorded_value("t", 0.5 * (r + 1), Reduction.GATHER)] for r in range(3)]
+    assert reduce_by_hand(per_rank, 3) == {"t": (0.5, 1.0, 1.5)}
+
+
+def test_a_token_mean_over_tensor_parallel_peers_scales_both_sums_alike():
+    """1 data slice held by 3 TP peers: (3l·s) / (3t·s) with s = 1/3, each sum counted once
+    per slice as the tokens logged beside it (3l / 3t differs in the last bit here)."""
+    per_rank = [[Recorded("l", (9.56, 4.0), Reduction.TOKEN_MEAN)] for _ in range(3)]
+    total, count, scale = math.fsum([9.56] * 3), 12.0, 1 / 3
+    assert total / count != (total * scale) / (count * scale)  # a case where it shows
+    assert reduce_by_hand(per_rank, 1) == {"l": (total * scale) / (count * scale)}
+
+
+@pytest.mark.parametrize(
+    ("values", "reduction", "message"),
+    [
+        ((), Reduction.SUM, "records no value"),
+        ((1.0,), Reduction.TOKEN_MEAN, "a token mean records"),
+        ((1.0, 2.0, 3.0), Reduction.TOKEN_MEAN, "a token mean records"),
+    ],
+    ids=["no value", "a token mean of one value", "a token mean of three"],
+)
+def test_a_metric_of_the_wrong_width_is_refused_when_recorded(values, reduction, message):
+    with pytest.raises(ValueError, match=message):
+        Recorded("m", values, reduction)
