@@ -39,8 +39,9 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/pyright forge
 
 test: $(VENV)/.installed lint
-	# two workers (pytest-xdist): most tests are process start-up, one core each
-	$(PY) -m pytest -q -n 2 tests
+	# two workers (pytest-xdist): most tests are process start-up, one core each; an idle
+	# worker takes tests queued for the other (worksteal), so neither waits at the end
+	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
 clean:
 	rm -rf runs

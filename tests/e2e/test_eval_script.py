@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,19 +17,18 @@ from forge.model.transformer import Transformer
 from forge.training.evaluate import evaluate_loss
 from tests.conftest import REPO
 from tests.e2e.test_train_script import load_script
+from tests.in_process import run_main
 from tests.ranks import run_ranks
 
-EVAL = [sys.executable, str(REPO / "scripts" / "eval.py")]
 EVAL_SCRIPT = load_script("eval")
 
 
 def evaluate(*args: str, ranks: int = 1) -> subprocess.CompletedProcess:
+    """``scripts/eval.py args`` at ``ranks`` real ranks; one rank in this process (what it
+    reads and prints is all that is asked of it)."""
     if ranks > 1:
         return run_ranks(ranks, [str(REPO / "scripts" / "eval.py"), *args])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [*EVAL, *args], capture_output=True, text=True, timeout=240, env=env, check=False
-    )
+    return run_main(EVAL_SCRIPT.main, args)
 
 
 def all_windows(windows) -> list[Batch]:
