@@ -15,7 +15,7 @@ import sys
 import attrs
 
 from tests.conftest import REPO, TINY
-from tests.e2e.test_train_script import load_script
+from tests.e2e.test_train_script import TRAIN as TRAIN_SCRIPT
 from tests.in_process import run_main
 
 TRAIN = [sys.executable, str(REPO / "scripts" / "train.py")]
@@ -69,9 +69,6 @@ def train(
         preexec_fn=limit_file_size if file_size_limit is not None else None,
     )
     return Result(out.returncode, out.stdout, out.stderr)
-
-
-TRAIN_SCRIPT = load_script("train")
 
 
 def train_here(run: Run, *args: str) -> Result:
