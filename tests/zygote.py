@@ -1,0 +1,222 @@
+"""Rank processes forked from a warm interpreter: each one a real process of its own, started
+without importing torch and forge again.
+
+Importing what ``scripts/train.py`` imports costs about 2 s of CPU per process on this
+machine; a 4-rank launch on its 2 cores pays it four times, twice per test that resumes. The
+zygote is one process per test worker that imports all of that once, single-threaded, and
+then forks a child per rank: the child takes its own session, environment, working folder,
+argv and output files and runs the script as ``__main__``, exactly as ``python script.py``
+would, then exits through the interpreter's normal shutdown (atexit handlers, buffered
+output). Its exit status is reported back to the test.
+
+A request whose environment changes what an interpreter reads while it starts (``PYTHON*``,
+the OpenMP and allocator variables, torch's C++ logging) is not forked: ``run_ranks`` starts
+a plain process for it, as it does when the zygote finds itself unfit to fork (a thread
+started while importing: forking it would copy a lock some thread holds).
+
+Run as ``python -m tests.zygote`` by ``Zygote``; protocol: JSON lines, requests on its
+stdin, ``{"pid"}`` / ``{"exit", "code"}`` answers on its stdout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import json
+import os
+import pathlib
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# the scripts whose imports the zygote makes once (their modules are then dropped: each child
+# runs its script as __main__, its imports found already loaded)
+PRELOAD = ("train", "eval", "generate")
+POLL_S = 0.02
+# variables an interpreter, torch or OpenMP read while starting: a request that sets them
+# differently from the zygote's environment gets a fresh process
+START_UP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "MALLOC", "TORCH_CPP_", "TORCH_SHOW")
+
+
+def threads_of_this_process() -> int:
+    """The OS threads of this process (Python's and native ones)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def preload() -> None:
+    sys.path.insert(0, str(REPO / "scripts"))
+    for name in PRELOAD:
+        importlib.import_module(name)
+        del sys.modules[name]
+    sys.path.pop(0)
+
+
+def serve() -> None:
+    """Answer fork requests until stdin closes."""
+    preload()
+    fit = threads_of_this_process() == 1
+    os.write(1, json.dumps({"ready": fit}).encode() + b"\n")
+    if not fit:
+        return
+    pending = b""
+    while True:
+        ready, _, _ = select.select([0], [], [], POLL_S)
+        if ready:
+            chunk = os.read(0, 1 << 16)
+            if not chunk:
+                return  # the test worker has gone
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    become(request)  # does not return: exits through the interpreter
+                os.write(1, json.dumps({"pid": pid}).encode() + b"\n")
+        reap()
+
+
+def reap() -> None:
+    """Report every child that has ended."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        code = os.waitstatus_to_exitcode(status)
+        os.write(1, json.dumps({"exit": pid, "code": code}).encode() + b"\n")
+
+
+def become(request: dict) -> None:
+    """In the forked child: the process ``python argv...`` would be, then run it."""
+    os.setsid()  # a group of its own, as start_new_session: its children end with it
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    out = os.open(request["stdout"], os.O_WRONLY | os.O_APPEND)
+    err = os.open(request["stderr"], os.O_WRONLY | os.O_APPEND)
+    for fd, target in ((stdin, 0), (out, 1), (err, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    script = os.path.abspath(request["argv"][0])
+    extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [os.path.dirname(script), *extra, *sys.path[1:]]
+    sys.argv = [request["argv"][0], *request["argv"][1:]]
+    import runpy
+
+    runpy.run_path(script, run_name="__main__")
+    sys.exit(0)
+
+
+class Forked:
+    """A child of the zygote, with the part of ``subprocess.Popen`` that ``run_ranks`` uses."""
+
+    def __init__(self, zygote: Zygote, pid: int) -> None:
+        self.zygote, self.pid = zygote, pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float = 60) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(POLL_S)
+        assert self.returncode is not None
+        return self.returncode
+
+
+class Zygote:
+    """The warm interpreter of this test worker (``zygote()``)."""
+
+    def __init__(self) -> None:
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.zygote"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=REPO,
+            env=self.env,
+        )
+        self.pending = b""
+        self.exits: dict[int, int] = {}
+        self.fit = bool(self.answer()["ready"])
+
+    def fits(self, env: Mapping[str, str]) -> bool:
+        """Whether a child with ``env`` starts as a fresh process would (PYTHONPATH is
+        honoured by ``become``, as sys.path)."""
+        if not self.fit or self.proc.poll() is not None:
+            return False
+        keys = {k for k in set(env) | set(self.env) if k.startswith(START_UP_PREFIXES)}
+        return all(env.get(k) == self.env.get(k) for k in keys - {"PYTHONPATH"})
+
+    def start(
+        self, argv: Sequence[str], env: Mapping[str, str], stdout: str, stderr: str
+    ) -> Forked:
+        request = {"argv": list(argv), "env": dict(env), "cwd": os.getcwd()}
+        request |= {"stdout": stdout, "stderr": stderr}
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self.proc.stdin.flush()
+        return Forked(self, int(self.answer()["pid"]))
+
+    def exit_code(self, pid: int) -> int | None:
+        self.read_answers(block=False)
+        return self.exits.get(pid)
+
+    def answer(self) -> dict:
+        """The next answer that is not an exit report (those are filed as they come)."""
+        answers = self.read_answers(block=True)
+        assert len(answers) == 1, answers  # one request in flight at a time
+        return answers[0]
+
+    def read_answers(self, block: bool) -> list[dict]:
+        """The answers read so far that are not exit reports; ``block``: wait for one."""
+        assert self.proc.stdout is not None
+        fd, answers = self.proc.stdout.fileno(), []
+        while True:
+            *lines, self.pending = self.pending.split(b"\n")
+            for message in map(json.loads, lines):
+                if "exit" in message:
+                    self.exits[int(message["exit"])] = int(message["code"])
+                else:
+                    answers.append(message)
+            if answers or not select.select([fd], [], [], None if block else 0)[0]:
+                return answers
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise RuntimeError("the zygote ended")
+            self.pending += chunk
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        self.proc.wait()
+
+
+@functools.cache
+def zygote() -> Zygote:
+    """This test worker's zygote, started on first use and ended with the worker."""
+    import atexit
+
+    started = Zygote()
+    atexit.register(started.close)
+    return started
+
+
+if __name__ == "__main__":
+    serve()
