@@ -8,24 +8,21 @@ every launch on this machine's 2 cores, and it proves nothing a test of forge's 
 The tests of torchrun itself (restarts, its shared store, a rank signalled under it) still
 start torchrun. Each rank is forked from this worker's zygote (``tests/zygote.py``), which
 has imported torch and forge once, where that starts it as a fresh process would
-(``FORGE_TEST_FRESH_RANKS=1``: every rank a fresh process).
+(``FORGE_TEST_FRESH_PROCESSES=1``: every rank a fresh process).
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
-import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
 
 from torch.distributed import TCPStore
 
-from tests.zygote import Forked, Zygote, zygote
+from tests.zygote import Forked, end_group, start_script
 
 POLL_S = 0.05
 GRACE_S = 10.0  # after a rank fails, how long the others may take to fail alike
@@ -62,7 +59,6 @@ def run_ranks(
     base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
-    warm = None if os.environ.get("FORGE_TEST_FRESH_RANKS") == "1" else zygote()
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         for path in (out, err):
@@ -70,7 +66,8 @@ def run_ranks(
         procs: list[subprocess.Popen | Forked] = []
         try:
             for rank in range(ranks):
-                procs.append(start(warm, argv, rank_env(base, rank, ranks, store.port), out, err))
+                rank_vars = rank_env(base, rank, ranks, store.port)
+                procs.append(start_script(argv, out, err, env=rank_vars))
             code = wait_all(procs, timeout)
         finally:
             for p in procs:
@@ -78,23 +75,6 @@ def run_ranks(
         if code is None:
             raise subprocess.TimeoutExpired(list(argv), timeout, read(out), read(err))
         return subprocess.CompletedProcess(list(argv), code, read(out), read(err))
-
-
-def start(
-    warm: Zygote | None, argv: Sequence[str], env: dict[str, str], out: str, err: str
-) -> subprocess.Popen | Forked:
-    """One rank: forked from the zygote where that starts it as a fresh process would, else
-    a fresh process."""
-    if warm is not None and warm.fits(env):
-        return warm.start(argv, env, out, err)
-    with open(out, "a") as stdout, open(err, "a") as stderr:
-        return subprocess.Popen(
-            [sys.executable, *argv],
-            env=env,
-            stdout=stdout,
-            stderr=stderr,
-            start_new_session=True,  # a group of its own: its children end with it
-        )
 
 
 def wait_all(procs: Sequence[subprocess.Popen | Forked], timeout: float) -> int | None:
@@ -115,16 +95,6 @@ def wait_all(procs: Sequence[subprocess.Popen | Forked], timeout: float) -> int 
     if first is not None:
         return first
     return next((p.returncode for p in procs if p.returncode != 0), 0)
-
-
-def end_group(proc: subprocess.Popen | Forked) -> None:
-    """Kill what is left of ``proc``'s group: the rank, and what it started and left behind
-    (loader workers, a checkpoint process)."""
-    with contextlib.suppress(ProcessLookupError):  # none left: all of it has ended
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):  # a forked rank not yet in its own group
-        os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def read(path: str) -> str:

@@ -26,9 +26,12 @@ import importlib
 import json
 import os
 import pathlib
+import resource
 import select
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 
@@ -47,18 +50,24 @@ def threads_of_this_process() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def preload() -> None:
+def preload() -> bool:
+    """Import what the scripts import; False when that fails (a fresh process then shows
+    the error where it happens)."""
     sys.path.insert(0, str(REPO / "scripts"))
-    for name in PRELOAD:
-        importlib.import_module(name)
-        del sys.modules[name]
-    sys.path.pop(0)
+    try:
+        for name in PRELOAD:
+            importlib.import_module(name)
+            del sys.modules[name]
+    except Exception:
+        return False
+    finally:
+        sys.path.pop(0)
+    return True
 
 
 def serve() -> None:
     """Answer fork requests until stdin closes."""
-    preload()
-    fit = threads_of_this_process() == 1
+    fit = preload() and threads_of_this_process() == 1
     os.write(1, json.dumps({"ready": fit}).encode() + b"\n")
     if not fit:
         return
@@ -104,6 +113,9 @@ def become(request: dict) -> None:
     for fd, target in ((stdin, 0), (out, 1), (err, 2)):
         os.dup2(fd, target)
         os.close(fd)
+    if request["file_size_limit"] is not None:  # ``ulimit -f``
+        limit = int(request["file_size_limit"])
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -129,10 +141,10 @@ class Forked:
             self.returncode = self.zygote.exit_code(self.pid)
         return self.returncode
 
-    def wait(self, timeout: float = 60) -> int:
-        deadline = time.monotonic() + timeout
+    def wait(self, timeout: float | None = 60) -> int:
+        deadline = time.monotonic() + (timeout or 0)
         while self.poll() is None:
-            if time.monotonic() > deadline:
+            if timeout is not None and time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(str(self.pid), timeout)
             time.sleep(POLL_S)
         assert self.returncode is not None
@@ -164,10 +176,15 @@ class Zygote:
         return all(env.get(k) == self.env.get(k) for k in keys - {"PYTHONPATH"})
 
     def start(
-        self, argv: Sequence[str], env: Mapping[str, str], stdout: str, stderr: str
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        stdout: str,
+        stderr: str,
+        file_size_limit: int | None = None,
     ) -> Forked:
         request = {"argv": list(argv), "env": dict(env), "cwd": os.getcwd()}
-        request |= {"stdout": stdout, "stderr": stderr}
+        request |= {"stdout": stdout, "stderr": stderr, "file_size_limit": file_size_limit}
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(request).encode() + b"\n")
         self.proc.stdin.flush()
@@ -208,11 +225,89 @@ class Zygote:
         self.proc.wait()
 
 
+def start_script(
+    argv: Sequence[str],
+    stdout: str,
+    stderr: str,
+    *,
+    env: Mapping[str, str] | None = None,
+    file_size_limit: int | None = None,
+) -> subprocess.Popen | Forked:
+    """``python argv...`` started in a session of its own, its output appended to the files
+    ``stdout`` and ``stderr``: forked from the zygote where that starts as a fresh process
+    would, else a fresh process. ``env``: the whole environment (default: this one's);
+    ``file_size_limit``: ``ulimit -f``."""
+    full_env = dict(env if env is not None else os.environ)
+    warm = zygote()
+    if warm is not None and warm.fits(full_env):
+        return warm.start(argv, full_env, stdout, stderr, file_size_limit)
+
+    def limit() -> None:
+        if file_size_limit is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
+    with open(stdout, "ab") as out, open(stderr, "ab") as err:
+        return subprocess.Popen(
+            [sys.executable, *argv],
+            env=full_env,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,  # a group of its own: its children end with it
+            preexec_fn=limit if file_size_limit is not None else None,
+        )
+
+
+def run_script(
+    argv: Sequence[str | bytes],
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 240,
+    file_size_limit: int | None = None,
+) -> subprocess.CompletedProcess[bytes]:
+    """``python argv...`` as ``subprocess.run(..., capture_output=True)`` gives it (bytes
+    out), started by ``start_script``. ``argv`` may hold bytes, as it arrives on Linux
+    (decoded as Python decodes argv); ``env`` is added to this environment. At ``timeout``
+    its group is killed and ``TimeoutExpired`` raised; so is what it leaves running."""
+    args = [os.fsdecode(a) for a in argv]
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        for path in (out, err):
+            open(path, "wb").close()
+        child = start_script(args, out, err, env={**os.environ, **(env or {})},
+                             file_size_limit=file_size_limit)  # fmt: skip
+        try:
+            code = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            end_group(child)
+            raise subprocess.TimeoutExpired(args, timeout, read(out), read(err)) from None
+        end_group(child)
+        return subprocess.CompletedProcess(args, code, read(out), read(err))
+
+
+def end_group(proc: subprocess.Popen | Forked) -> None:
+    """Kill what is left of ``proc``'s group: the script, and what it started and left
+    behind (loader workers, a checkpoint process)."""
+    with contextlib.suppress(ProcessLookupError):  # none left: all of it has ended
+        os.killpg(proc.pid, signal.SIGKILL)
+    if proc.poll() is None:  # a forked script not yet in its own group
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def read(path: str) -> bytes:
+    with open(path, "rb") as file:
+        return file.read()
+
+
 @functools.cache
-def zygote() -> Zygote:
-    """This test worker's zygote, started on first use and ended with the worker."""
+def zygote() -> Zygote | None:
+    """This test worker's zygote, started on first use and ended with the worker (None
+    with ``FORGE_TEST_FRESH_PROCESSES=1``: every script a fresh process)."""
     import atexit
 
+    if os.environ.get("FORGE_TEST_FRESH_PROCESSES") == "1":
+        return None
     started = Zygote()
     atexit.register(started.close)
     return started

@@ -5,11 +5,8 @@ start-up)."""
 
 from __future__ import annotations
 
-import os
 import pathlib
-import resource
 import shutil
-import subprocess
 import sys
 
 import attrs
@@ -17,6 +14,7 @@ import attrs
 from tests.conftest import REPO, TINY
 from tests.e2e.test_train_script import TRAIN as TRAIN_SCRIPT
 from tests.in_process import run_main
+from tests.zygote import run_script
 
 TRAIN = [sys.executable, str(REPO / "scripts" / "train.py")]
 
@@ -55,20 +53,8 @@ def train(
     """``scripts/train.py`` on the sandbox's config; ``file_size_limit``: the process may
     write no file larger than that many bytes (``ulimit -f``)."""
 
-    def limit_file_size() -> None:
-        if file_size_limit is not None:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
-
-    out = subprocess.run(
-        [*TRAIN, str(run.config), *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, **(env or {})},
-        check=False,
-        preexec_fn=limit_file_size if file_size_limit is not None else None,
-    )
-    return Result(out.returncode, out.stdout, out.stderr)
+    out = run_script([*TRAIN[1:], str(run.config), *args], env=env, file_size_limit=file_size_limit)
+    return Result(out.returncode, out.stdout.decode(), out.stderr.decode())
 
 
 def train_here(run: Run, *args: str) -> Result:

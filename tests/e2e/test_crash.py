@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -16,6 +15,7 @@ from forge.checkpoint.resume import ResumeSource, resolve_resume
 from forge.checkpoint.store import is_complete
 from tests.conftest import REPO
 from tests.e2e.test_train_script import TRAIN, run_dir
+from tests.zygote import end_group, run_script, start_script
 
 ARGS = [
     "--train.max_steps=40",
@@ -44,20 +44,23 @@ def reference(tmp_path_factory, small_corpus):
     tmp = tmp_path_factory.mktemp("crash_ref")
     config = tmp / "tiny.toml"
     config.write_text(TINY.format(data=small_corpus) + f'\n[run]\ndir = "{run_dir(config)}"\n')
-    subprocess.run(command(config), check=True, capture_output=True)
+    done = run_script(command(config)[1:])  # forked from a warm interpreter: tests/zygote.py
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
     return config
 
 
 @pytest.mark.parametrize("delay", KILL_AFTER_S)
 def test_kill_at_any_moment_leaves_a_resumable_run(reference, tiny_config, tmp_path, delay):
-    proc = subprocess.Popen(
-        command(tiny_config), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
-    assert proc.stdout is not None
-    proc.stdout.readline()  # the first logged step: training has started
+    out = tmp_path / "stdout"
+    out.touch()
+    proc = start_script(command(tiny_config)[1:], str(out), os.devnull)  # tests/zygote.py
+    deadline = time.monotonic() + 120
+    while b"\n" not in out.read_bytes():  # the first logged step: training has started
+        assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+        time.sleep(0.01)
     time.sleep(delay)
     os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    end_group(proc)
     ckpt = run_dir(tiny_config) / "checkpoints"
     latest = ckpt / "latest"
     if latest.is_symlink():

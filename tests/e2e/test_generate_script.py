@@ -1,13 +1,12 @@
 """scripts/generate.py on a trained run, given prompts as a hostile user would: raw bytes that
 are not UTF-8 (as argv arrives on Linux), and prompts that fill or overflow the model's context.
-Each row runs the script as a real process and asserts its exit code, its one ``error:`` line
+Each row runs the script as a real process (forked from a warm interpreter: tests/zygote.py) and asserts its exit code, its one ``error:`` line
 (or its output), no traceback, and a run directory left as it was."""
 
 from __future__ import annotations
 
 import pathlib
 import subprocess
-import sys
 
 import pytest
 
@@ -16,6 +15,7 @@ from forge.errors import UserInputError
 from tests.conftest import REPO
 from tests.e2e.sandbox import Run
 from tests.e2e.test_train_script import load_script
+from tests.zygote import run_script
 
 GENERATE = load_script("generate")
 SCRIPT = str(REPO / "scripts" / "generate.py")
@@ -23,8 +23,7 @@ SCRIPT = str(REPO / "scripts" / "generate.py")
 
 def generate(run: Run, *args: str | bytes) -> subprocess.CompletedProcess[bytes]:
     """The script on the trained run, greedy; ``args`` may be bytes, as argv is on Linux."""
-    command = [sys.executable, SCRIPT, str(run.dir), "--temperature", "0", *args]
-    return subprocess.run(command, capture_output=True, timeout=240, check=False)
+    return run_script([SCRIPT, str(run.dir), "--temperature", "0", *args])
 
 
 def snapshot(folder: pathlib.Path) -> dict[str, tuple[int, int]]:

@@ -3,12 +3,10 @@ command a new user runs)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from tests.conftest import REPO
+from tests.zygote import run_script
 
 SCRIPTS = sorted(p for p in (REPO / "scripts").glob("*.py"))
 
@@ -19,9 +17,7 @@ def test_there_are_scripts_to_ask():
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.name for p in SCRIPTS])
 def test_every_script_answers_help(script):
-    out = subprocess.run(
-        [sys.executable, str(script), "--help"],
-        capture_output=True, text=True, timeout=120, check=False, cwd=REPO,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "usage" in out.stdout.lower() and "Traceback" not in out.stderr
+    out = run_script([str(script), "--help"], timeout=120)  # forked: tests/zygote.py
+    stdout, stderr = out.stdout.decode(), out.stderr.decode()
+    assert out.returncode == 0, stderr[-2000:]
+    assert "usage" in stdout.lower() and "Traceback" not in stderr
