@@ -17,6 +17,7 @@ from forge.resilience.control import ControlChannel, StepMonitor
 from forge.resilience.faults import Fault, FaultHooks, faults_from_env, with_nan_faults
 from forge.resilience.health import guard_collectives
 from forge.resilience.signals import ShutdownFlag
+from forge.resilience.stacks import StackWatch, stack_watch
 from forge.training.context import (
     CheckpointContext,
     DataContext,
@@ -77,7 +78,9 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         print_errors(exc.lines)
         return ExitCode.CONFIG_ERROR
     try:
-        return train(run, dist, model, data, ckpt, flag, run_hooks, faults)
+        timeout_s = run.config.distributed.timeout_s
+        with stack_watch(run.run_dir, dist.rank, dist.world_size, timeout_s) as stacks:
+            return train(run, dist, model, data, ckpt, flag, run_hooks, faults, stacks)
     finally:
         flag.uninstall()  # done already unless the loop raised
         lock.release()
@@ -92,13 +95,16 @@ def train(
     flag: ShutdownFlag,
     hooks: HookList,
     faults: tuple[Fault, ...],
+    stacks: StackWatch | None = None,
 ) -> int:
-    """The loop and what follows it, once every set-up phase succeeded."""
+    """The loop and what follows it, once every set-up phase succeeded; ``stacks``: where
+    this rank's stacks go when the run hangs (re-armed before any other hook)."""
     flag.timeout_s = run.config.resilience.shutdown_timeout_s
     model = ckpt.applied_to(model)  # schedule_from = "checkpoint": the recorded LR schedule
     if dist.is_main:
         print(f"[forge] {model.num_params:,} parameters; run dir {run.run_dir}", file=sys.stderr)
     policy = run.policy
+    hooks = HookList([stacks, hooks]) if stacks is not None else hooks
     effects = TrainingEffects(run, dist, model, data, hooks=hooks)
     step = make_step_fn(run, dist, model, data, hooks)
     step = with_nan_faults(step, model.model, faults, dist.rank)
@@ -113,7 +119,7 @@ def train(
         outcome, state = run_training_loop(
             ckpt.initial_state,
             train_batches(data, run.config.train.grad_accum_steps),
-            guard_collectives(step, dist.rank, run.config.distributed.timeout_s),
+            guard_collectives(step, dist.rank, run.config.distributed.timeout_s, stacks),
             policy,
             effects,
             monitor,
@@ -140,6 +146,8 @@ def train(
         if message:
             print(f"[forge] {message}")
     flag.uninstall()
+    if outcome is LoopOutcome.HEALTH_FAILURE and stacks is not None and not stacks.recorded:
+        stacks.record(f"rank {dist.rank}: the health check failed after step {state.step}")
     teardown(dist, healthy=outcome is not LoopOutcome.HEALTH_FAILURE)
     return exit_code(outcome)
 

@@ -1,5 +1,5 @@
-"""Rank processes forked from a warm interpreter: each one a real process of its own, started
-without importing torch and forge again.
+"""Scripts and ranks forked from a warm interpreter: each one a real process of its own,
+started without importing torch and forge again.
 
 Importing what ``scripts/train.py`` imports costs about 2 s of CPU per process on this
 machine; a 4-rank launch on its 2 cores pays it four times, twice per test that resumes. The
@@ -10,9 +10,15 @@ would, then exits through the interpreter's normal shutdown (atexit handlers, bu
 output). Its exit status is reported back to the test.
 
 A request whose environment changes what an interpreter reads while it starts (``PYTHON*``,
-the OpenMP and allocator variables, torch's C++ logging) is not forked: ``run_ranks`` starts
-a plain process for it, as it does when the zygote finds itself unfit to fork (a thread
+the OpenMP and allocator variables, torch's logging) is not forked: ``start_script`` starts a
+fresh process for it, as it does when the zygote finds itself unfit to fork (a thread
 started while importing: forking it would copy a lock some thread holds).
+
+What a fork cannot give a child: its own string-hash seed (``PYTHONHASHSEED``: every child
+shares the zygote's, where fresh processes each draw one). A set of strings iterated in an
+order that differs between ranks or between a run and its resume would not show here; the
+tests that run torchrun, and the resumes in fresh processes of test_train_script, still
+start fresh interpreters.
 
 Run as ``python -m tests.zygote`` by ``Zygote``; protocol: JSON lines, requests on its
 stdin, ``{"pid"}`` / ``{"exit", "code"}`` answers on its stdout.
@@ -42,7 +48,9 @@ PRELOAD = ("train", "eval", "generate")
 POLL_S = 0.02
 # variables an interpreter, torch or OpenMP read while starting: a request that sets them
 # differently from the zygote's environment gets a fresh process
-START_UP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "MALLOC", "TORCH_CPP_", "TORCH_SHOW")
+START_UP_PREFIXES = (
+    "PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "MALLOC", "TORCH_CPP_", "TORCH_SHOW", "TORCH_LOGS"
+)  # fmt: skip
 
 
 def threads_of_this_process() -> int:
@@ -119,6 +127,7 @@ def become(request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None  # found again from this environment's TMPDIR
     script = os.path.abspath(request["argv"][0])
     extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [os.path.dirname(script), *extra, *sys.path[1:]]

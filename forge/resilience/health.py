@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
+from forge.resilience.stacks import StackWatch
 from forge.resilience.stalls import failed_collective, flight_recorder_trace, stall_line
 from forge.types import LoopState, StepResult
 
@@ -38,9 +39,11 @@ def guard_collectives(
     step_fn: Callable[[BatchT, LoopState], StepResult],
     rank: int = 0,
     timeout_s: float = 0.0,
+    stacks: StackWatch | None = None,
 ) -> Callable[[BatchT, LoopState], StepResult]:
     """``step_fn``, with a collective failure reported as ``failed_step()`` and one line
-    naming this rank and the collective that never completed (``stall_line``)."""
+    naming this rank and the collective that never completed (``stall_line``); with
+    ``stacks``, that line and this rank's stacks go to its stacks file, which the line names."""
 
     def guarded(batch: BatchT, state: LoopState) -> StepResult:
         try:
@@ -50,6 +53,9 @@ def guard_collectives(
                 raise
             pending = failed_collective(flight_recorder_trace())
             line = stall_line(rank, state.step + 1, pending, timeout_s, str(exc))
+            if stacks is not None:
+                stacks.record(line)
+                line += f"; each rank's stacks: {stacks.path.parent}/rank<R>.txt"
             print(f"[forge] error: {line}", file=sys.stderr)
             return failed_step()
 

@@ -30,6 +30,11 @@ def outcome_message(outcome: LoopOutcome, step: int, max_steps: int, run_dir: st
             "schedule as it ran or =config to follow the longer one), or choose a new "
             "--run.dir to start a new run"
         )
+    if outcome is LoopOutcome.HEALTH_FAILURE:
+        return (
+            f"a rank stalled or died after step {step}: where each rank was is in "
+            f"{run_dir}/stacks/rank<R>.txt; check the other ranks' logs, then resume"
+        )
     return None
 
 

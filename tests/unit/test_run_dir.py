@@ -153,8 +153,14 @@ def test_an_already_complete_run_says_how_to_extend_it():
     assert message is not None
     assert "complete at step 400" in message and "--train.max_steps above 400" in message
     assert "--run.dir" in message
-    others = set(LoopOutcome) - {LoopOutcome.ALREADY_COMPLETE}
+    others = set(LoopOutcome) - {LoopOutcome.ALREADY_COMPLETE, LoopOutcome.HEALTH_FAILURE}
     assert all(outcome_message(o, 5, 10, "r") is None for o in others)
+
+
+def test_a_health_failure_says_where_the_stacks_are():
+    message = outcome_message(LoopOutcome.HEALTH_FAILURE, 3, 10, "runs/debug")
+    assert message is not None
+    assert "after step 3" in message and "runs/debug/stacks/rank<R>.txt" in message
 
 
 def test_a_forked_child_does_not_keep_the_lock(tmp_path):

@@ -1,0 +1,80 @@
+"""Where each rank was when a run hung: every thread's Python stack, in
+``<run.dir>/stacks/rank<R>.txt``.
+
+Two writers fill a rank's file. A watchdog (``faulthandler.dump_traceback_later``: a C thread
+that needs no GIL), re-armed after every step, dumps every thread's stack when the rank makes
+no progress for ``distributed.timeout_s``: a rank waiting in a collective, asleep, in I/O, or
+in C code that holds the GIL. And when a collective of a step fails or times out
+(``forge.resilience.health``), or the run ends HEALTH_FAILURE, the rank appends one line (the
+collective in flight, or the failed health check) and its stacks at that moment. A run that
+ends any other way removes its file: a slow but healthy stretch may have tripped the watchdog.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import pathlib
+from collections.abc import Iterator
+
+from forge.types import Hooks, LoopState, StepResult
+
+
+def stacks_path(run_dir: pathlib.Path, rank: int) -> pathlib.Path:
+    """Where rank ``rank`` writes its stacks."""
+    return run_dir / "stacks" / f"rank{rank}.txt"
+
+
+class StackWatch(Hooks):
+    """A rank's stacks file and its watchdog: armed when training begins, re-armed at the end
+    of every step (place it before hooks that may stall: it re-arms first)."""
+
+    def __init__(self, path: pathlib.Path, timeout_s: float) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.timeout_s = timeout_s
+        # held open for the run: the watchdog writes to its descriptor from a C thread
+        self.file = open(path, "w")  # noqa: SIM115
+        self.recorded = False
+
+    def arm(self) -> None:
+        faulthandler.dump_traceback_later(self.timeout_s, repeat=False, file=self.file)
+
+    def on_train_begin(self, state: LoopState) -> None:
+        self.arm()
+
+    def on_step_end(self, state: LoopState, result: StepResult) -> None:
+        self.arm()
+
+    def record(self, line: str) -> None:
+        """Append ``line`` and every thread's stack as it is now."""
+        self.file.write(f"{line}\n")
+        self.file.flush()
+        faulthandler.dump_traceback(self.file, all_threads=True)
+        self.file.flush()
+        self.recorded = True
+
+    def close(self) -> None:
+        """Disarm; keep the file only when a failure was recorded (the watchdog's dumps alone
+        may come from a slow but healthy stretch)."""
+        faulthandler.cancel_dump_traceback_later()
+        self.file.close()
+        if not self.recorded:
+            self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # other ranks' files are still there
+                self.path.parent.rmdir()
+
+
+@contextlib.contextmanager
+def stack_watch(run_dir: pathlib.Path, rank: int, world_size: int, timeout_s: float
+                ) -> Iterator[StackWatch | None]:  # fmt: skip
+    """A ``StackWatch`` for this rank while training runs, closed however it ends; None in a
+    single process (no collective to hang in)."""
+    if world_size == 1:
+        yield None
+        return
+    watch = StackWatch(stacks_path(run_dir, rank), timeout_s)
+    try:
+        yield watch
+    finally:
+        watch.close()

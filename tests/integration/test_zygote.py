@@ -1,0 +1,82 @@
+"""The warm interpreter the tests fork scripts from (tests/zygote.py) gives each script what a
+fresh ``python script.py`` would: its argv (bytes included), environment, working folder,
+exit code, output, atexit handlers and file-size limit; and a request it cannot honour by a
+fork gets a fresh process."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+from tests.zygote import run_script, zygote
+
+SCRIPT = """
+import atexit, os, sys, warnings
+atexit.register(lambda: print("atexit ran", flush=True))
+print("argv", sys.argv[1:])
+print("cwd", os.getcwd())
+print("env", os.environ.get("ZYGOTE_PROBE"), os.environ.get("PYTHONWARNINGS"))
+print("pid is group leader", os.getpgid(0) == os.getpid())
+print("path0", sys.path[0])
+print("main", __name__)
+print("first warnings filter", warnings.filters[0][0])
+action = sys.argv[1]
+if action == "exit3":
+    sys.exit(3)
+if action == "message":
+    sys.exit("a message")
+if action == "raise":
+    raise ValueError("boom")
+if action == "write":
+    with open("big", "wb") as f:
+        f.write(b"x" * 100_000)
+"""
+
+
+@pytest.fixture
+def script(tmp_path: pathlib.Path) -> pathlib.Path:
+    path = tmp_path / "probe.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+# (action, exit code, what stderr holds)
+ENDINGS = [
+    ("ok", 0, ""),
+    ("exit3", 3, ""),
+    ("message", 1, "a message"),
+    ("raise", 1, "ValueError: boom"),
+]
+
+
+@pytest.mark.parametrize("action,code,err", ENDINGS, ids=[e[0] for e in ENDINGS])
+def test_a_forked_script_runs_as_a_fresh_one_would(script, action, code, err):
+    assert zygote() is not None and zygote().fit  # the forked path is the one under test
+    done = run_script([str(script), action, b"\xff"], env={"ZYGOTE_PROBE": "seen"})
+    out = done.stdout.decode()
+    assert done.returncode == code, done.stderr.decode()
+    assert err in done.stderr.decode()
+    assert f"argv ['{action}', '\\udcff']" in out  # undecodable bytes as Python decodes argv
+    assert f"cwd {os.getcwd()}" in out and "env seen None" in out
+    assert "pid is group leader True" in out
+    assert f"path0 {script.parent}" in out and "main __main__" in out
+    assert out.rstrip().endswith("atexit ran")  # it left through the interpreter's exit
+
+
+def test_a_file_size_limit_ends_the_write_as_ulimit_would(script, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    done = run_script([str(script), "write"], file_size_limit=50_000)
+    assert done.returncode == 1 and "File too large" in done.stderr.decode()
+
+
+def test_an_environment_read_at_start_up_gets_a_fresh_process(script):
+    warm = zygote()
+    assert warm is not None
+    env = {**os.environ, "PYTHONWARNINGS": "error"}
+    assert not warm.fits(env) and warm.fits({**os.environ, "ZYGOTE_PROBE": "x"})
+    done = run_script([str(script), "ok", "x"], env={"PYTHONWARNINGS": "error"})
+    out = done.stdout.decode()
+    assert done.returncode == 0 and "env None error" in out
+    assert "first warnings filter error" in out  # read while it started: a fresh interpreter
