@@ -49,8 +49,10 @@ POLL_S = 0.02
 # variables an interpreter, torch or OpenMP read while starting: a request that sets them
 # differently from the zygote's environment gets a fresh process
 START_UP_PREFIXES = (
-    "PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "MALLOC", "TORCH_CPP_", "TORCH_SHOW", "TORCH_LOGS"
+    "PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "MALLOC", "TORCH_CPP_", "TORCH_SHOW", "TORCH_LOGS",
+    "TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE", "PYTORCH_", "LANG", "LC_", "TZ",
 )  # fmt: skip
+PROTOCOL_FD = 3  # the zygote's answers (fd 1 becomes its stderr: a stray print cannot garble them)
 
 
 def threads_of_this_process() -> int:
@@ -75,8 +77,10 @@ def preload() -> bool:
 
 def serve() -> None:
     """Answer fork requests until stdin closes."""
+    os.dup2(1, PROTOCOL_FD)
+    os.dup2(2, 1)
     fit = preload() and threads_of_this_process() == 1
-    os.write(1, json.dumps({"ready": fit}).encode() + b"\n")
+    os.write(PROTOCOL_FD, json.dumps({"ready": fit}).encode() + b"\n")
     if not fit:
         return
     pending = b""
@@ -95,7 +99,7 @@ def serve() -> None:
                 pid = os.fork()
                 if pid == 0:
                     become(request)  # does not return: exits through the interpreter
-                os.write(1, json.dumps({"pid": pid}).encode() + b"\n")
+                os.write(PROTOCOL_FD, json.dumps({"pid": pid}).encode() + b"\n")
         reap()
 
 
@@ -109,7 +113,7 @@ def reap() -> None:
         if pid == 0:
             return
         code = os.waitstatus_to_exitcode(status)
-        os.write(1, json.dumps({"exit": pid, "code": code}).encode() + b"\n")
+        os.write(PROTOCOL_FD, json.dumps({"exit": pid, "code": code}).encode() + b"\n")
 
 
 def become(request: dict) -> None:
@@ -121,6 +125,7 @@ def become(request: dict) -> None:
     for fd, target in ((stdin, 0), (out, 1), (err, 2)):
         os.dup2(fd, target)
         os.close(fd)
+    os.close(PROTOCOL_FD)
     if request["file_size_limit"] is not None:  # ``ulimit -f``
         limit = int(request["file_size_limit"])
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
@@ -287,9 +292,9 @@ def run_script(
         try:
             code = child.wait(timeout)
         except subprocess.TimeoutExpired:
-            end_group(child)
             raise subprocess.TimeoutExpired(args, timeout, read(out), read(err)) from None
-        end_group(child)
+        finally:  # however the wait ended (a timeout, an interrupted test): nothing left running
+            end_group(child)
         return subprocess.CompletedProcess(args, code, read(out), read(err))
 
 

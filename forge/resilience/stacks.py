@@ -6,15 +6,20 @@ that needs no GIL), re-armed after every step, dumps every thread's stack when t
 no progress for ``distributed.timeout_s``: a rank waiting in a collective, asleep, in I/O, or
 in C code that holds the GIL. And when a collective of a step fails or times out
 (``forge.resilience.health``), or the run ends HEALTH_FAILURE, the rank appends one line (the
-collective in flight, or the failed health check) and its stacks at that moment. A run that
-ends any other way removes its file: a slow but healthy stretch may have tripped the watchdog.
+collective in flight, the failed health check, or the exception that ended it) and its stacks
+at that moment. An attempt appends to what earlier attempts of the run left (a restart or a
+resume keeps their evidence); one that ends any other way takes back what it wrote, since a
+slow but healthy stretch may have tripped the watchdog; and until a failure is recorded only
+the watchdog's latest dump is kept, so a run of slow steps does not grow the file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
+import os
 import pathlib
+import sys
 from collections.abc import Iterator
 
 from forge.types import Hooks, LoopState, StepResult
@@ -34,10 +39,18 @@ class StackWatch(Hooks):
         self.path = path
         self.timeout_s = timeout_s
         # held open for the run: the watchdog writes to its descriptor from a C thread
-        self.file = open(path, "w")  # noqa: SIM115
+        self.file = open(path, "a")  # noqa: SIM115
+        self.start = os.fstat(self.file.fileno()).st_size  # earlier attempts' evidence
         self.recorded = False
 
+    def forget_dumps(self) -> None:
+        """Take back what this attempt wrote (the watchdog's dumps, nothing recorded)."""
+        if os.fstat(self.file.fileno()).st_size > self.start:
+            self.file.truncate(self.start)
+
     def arm(self) -> None:
+        if not self.recorded:
+            self.forget_dumps()  # progress was made: an earlier dump was a slow stretch
         faulthandler.dump_traceback_later(self.timeout_s, repeat=False, file=self.file)
 
     def on_train_begin(self, state: LoopState) -> None:
@@ -58,8 +71,10 @@ class StackWatch(Hooks):
         """Disarm; keep the file only when a failure was recorded (the watchdog's dumps alone
         may come from a slow but healthy stretch)."""
         faulthandler.cancel_dump_traceback_later()
-        self.file.close()
         if not self.recorded:
+            self.forget_dumps()
+        self.file.close()
+        if not self.recorded and self.start == 0:
             self.path.unlink(missing_ok=True)
             with contextlib.suppress(OSError):  # other ranks' files are still there
                 self.path.parent.rmdir()
@@ -73,8 +88,17 @@ def stack_watch(run_dir: pathlib.Path, rank: int, world_size: int, timeout_s: fl
     if world_size == 1:
         yield None
         return
-    watch = StackWatch(stacks_path(run_dir, rank), timeout_s)
+    path = stacks_path(run_dir, rank)
+    try:
+        watch = StackWatch(path, timeout_s)
+    except OSError as exc:  # a diagnostic only: never the reason a run fails
+        print(f"[forge] warning: rank {rank}: no stacks file {path} ({exc})", file=sys.stderr)
+        yield None
+        return
     try:
         yield watch
+    except Exception as exc:
+        watch.record(f"rank {rank}: the run ended with {type(exc).__name__}: {exc}")
+        raise
     finally:
         watch.close()

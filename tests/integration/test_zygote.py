@@ -22,6 +22,7 @@ print("pid is group leader", os.getpgid(0) == os.getpid())
 print("path0", sys.path[0])
 print("main", __name__)
 print("first warnings filter", warnings.filters[0][0])
+print("parent", os.getppid())
 action = sys.argv[1]
 if action == "exit3":
     sys.exit(3)
@@ -53,9 +54,11 @@ ENDINGS = [
 
 @pytest.mark.parametrize("action,code,err", ENDINGS, ids=[e[0] for e in ENDINGS])
 def test_a_forked_script_runs_as_a_fresh_one_would(script, action, code, err):
-    assert zygote() is not None and zygote().fit  # the forked path is the one under test
+    warm = zygote()
+    assert warm is not None and warm.fits({**os.environ, "ZYGOTE_PROBE": "seen"})
     done = run_script([str(script), action, b"\xff"], env={"ZYGOTE_PROBE": "seen"})
     out = done.stdout.decode()
+    assert f"parent {warm.proc.pid}" in out  # forked by the zygote, not a fresh process
     assert done.returncode == code, done.stderr.decode()
     assert err in done.stderr.decode()
     assert f"argv ['{action}', '\\udcff']" in out  # undecodable bytes as Python decodes argv
