@@ -80,7 +80,7 @@ def serve() -> None:
     os.dup2(1, PROTOCOL_FD)
     os.dup2(2, 1)
     fit = preload() and threads_of_this_process() == 1
-    os.write(PROTOCOL_FD, json.dumps({"ready": fit}).encode() + b"\n")
+    os.write(PROTOCOL_FD, json.dumps({"id": 0, "ready": fit}).encode() + b"\n")
     if not fit:
         return
     pending = b""
@@ -99,7 +99,8 @@ def serve() -> None:
                 pid = os.fork()
                 if pid == 0:
                     become(request)  # does not return: exits through the interpreter
-                os.write(PROTOCOL_FD, json.dumps({"pid": pid}).encode() + b"\n")
+                answer = {"id": request["id"], "pid": pid}
+                os.write(PROTOCOL_FD, json.dumps(answer).encode() + b"\n")
         reap()
 
 
@@ -179,12 +180,14 @@ class Zygote:
         )
         self.pending = b""
         self.exits: dict[int, int] = {}
-        self.fit = bool(self.answer()["ready"])
+        self.requests = 0
+        self.alive = True
+        self.fit = bool(self.answer_to(0)["ready"])
 
     def fits(self, env: Mapping[str, str]) -> bool:
         """Whether a child with ``env`` starts as a fresh process would (PYTHONPATH is
         honoured by ``become``, as sys.path)."""
-        if not self.fit or self.proc.poll() is not None:
+        if not self.fit or not self.alive or self.proc.poll() is not None:
             return False
         keys = {k for k in set(env) | set(self.env) if k.startswith(START_UP_PREFIXES)}
         return all(env.get(k) == self.env.get(k) for k in keys - {"PYTHONPATH"})
@@ -197,22 +200,40 @@ class Zygote:
         stderr: str,
         file_size_limit: int | None = None,
     ) -> Forked:
-        request = {"argv": list(argv), "env": dict(env), "cwd": os.getcwd()}
-        request |= {"stdout": stdout, "stderr": stderr, "file_size_limit": file_size_limit}
+        self.requests += 1
+        request = {"id": self.requests, "argv": list(argv), "env": dict(env)}
+        request |= {"cwd": os.getcwd(), "stdout": stdout, "stderr": stderr}
+        request |= {"file_size_limit": file_size_limit}
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(request).encode() + b"\n")
         self.proc.stdin.flush()
-        return Forked(self, int(self.answer()["pid"]))
+        return Forked(self, int(self.answer_to(self.requests)["pid"]))
+
+    def answer_to(self, request: int) -> dict:
+        """The zygote's answer to ``request`` (0: its start); a child forked for an earlier
+        request nobody waited for (its test was interrupted) is ended."""
+        while True:
+            for answer in self.read_answers(block=True):
+                if answer["id"] == request:
+                    return answer
+                with contextlib.suppress(ProcessLookupError, KeyError):
+                    os.killpg(int(answer["pid"]), signal.SIGKILL)
 
     def exit_code(self, pid: int) -> int | None:
-        self.read_answers(block=False)
-        return self.exits.get(pid)
-
-    def answer(self) -> dict:
-        """The next answer that is not an exit report (those are filed as they come)."""
-        answers = self.read_answers(block=True)
-        assert len(answers) == 1, answers  # one request in flight at a time
-        return answers[0]
+        """``pid``'s exit code once the zygote reported it. A zygote that ended reaps no
+        more: a child it left is then watched here, and reads as killed once it is gone."""
+        if self.alive:
+            try:
+                self.read_answers(block=False)
+            except RuntimeError:
+                self.alive = False
+        if pid in self.exits or self.alive:
+            return self.exits.get(pid)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return -signal.SIGKILL
+        return None
 
     def read_answers(self, block: bool) -> list[dict]:
         """The answers read so far that are not exit reports; ``block``: wait for one."""
