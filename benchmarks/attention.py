@@ -39,6 +39,7 @@ from unittest import mock
 
 import torch
 
+from forge.cli import summary
 from forge.config import load_config
 from forge.data.batch import Batch
 from forge.data.corpus import stdlib_files, stdlib_root
@@ -172,7 +173,7 @@ def peak_in_fresh_process(mode: str, layout: str, seq: int, rows: int) -> tuple[
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=2)

@@ -31,6 +31,7 @@ from forge.checkpoint.checkpointer import Checkpointer, nonfinite_parameter
 from forge.checkpoint.checksum_writer import ChecksummingWriter, hashing_pool
 from forge.checkpoint.integrity import checksums_of, verify_checkpoint
 from forge.checkpoint.store import STATE_DICT_OPTIONS, load_checkpoint, step_dir
+from forge.cli import summary
 from forge.config import ModelConfig, OptimizerConfig
 from forge.config.sections import AsyncMode
 from forge.model.transformer import Transformer, num_parameters
@@ -124,7 +125,7 @@ def measure(name: str, cfg: ModelConfig, root: pathlib.Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=summary(__doc__))
     parser.add_argument("--skip-large", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

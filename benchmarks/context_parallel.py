@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 
+from forge.cli import summary
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -143,7 +145,7 @@ def attention_times(args: argparse.Namespace) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=summary(__doc__))
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)

@@ -19,6 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from forge.cli import summary
 from forge.config import ModelConfig
 from forge.model.transformer import Transformer
 from forge.resilience.control import ControlChannel
@@ -56,7 +57,7 @@ def worker(exchanges: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=summary(__doc__))
     parser.add_argument("--exchanges", type=int, default=500)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -37,6 +37,7 @@ from collections.abc import Callable
 import torch
 from worktree import checked_out  # benchmarks/, beside this script
 
+from forge.cli import summary
 from forge.config import DataSource, JobConfig, load_config
 from forge.data.batch import Batch
 from forge.data.corpus import stdlib_files, stdlib_root
@@ -268,7 +269,7 @@ def compare(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=summary(__doc__))
     parser.add_argument("--config", default="configs/train/debug.toml")
     parser.add_argument("--batches", type=int, default=2000, help="micro-batches a measure")
     parser.add_argument("--train-steps", type=int, default=6)

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 
+from forge.cli import summary
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -48,7 +50,7 @@ def run(config: str, run_dir: pathlib.Path, steps: int, ranks: int, threads: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=summary(__doc__))
     parser.add_argument("--config", default="configs/train/debug.toml")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from forge.cli import summary
 from forge.config import load_config
 from forge.model.generate import sample
 from forge.model.transformer import Transformer
@@ -28,7 +29,7 @@ def tokens_per_s(model: Transformer, new_tokens: int, use_cache: bool) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--config", default="configs/train/debug.toml")
     parser.add_argument("--new-tokens", type=int, default=200)

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from forge.cli import summary
 from forge.config import ConfigError, JobConfig, Precision, load_config
 from forge.metrics.flops import flops_per_token, table_peak_flops
 from forge.model.transformer import Transformer, num_parameters
@@ -239,7 +240,7 @@ def train(planned: Planned, gpus: int, log: pathlib.Path, timeout_s: float) -> l
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--preset", nargs="+", choices=sorted(PRESETS), default=["1b", "8b"])
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per preset")

@@ -20,6 +20,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from forge.cli import summary
 from forge.config import load_config
 from forge.data.dataset import TokenWindows
 from forge.data.loader import TextLoader, single_source, step_batches
@@ -102,7 +103,7 @@ def with_forge(config, steps: int, workdir: pathlib.Path) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=summary(__doc__))
     parser.add_argument("--config", default="configs/train/debug.toml")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)

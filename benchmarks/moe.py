@@ -24,6 +24,7 @@ from unittest import mock
 import torch
 from torch import nn
 
+from forge.cli import summary
 from forge.config.sections import ModelConfig
 from forge.model import moe as moe_module
 from forge.model.expert_groups import ExpertKernel
@@ -43,7 +44,7 @@ def step_time(run: Callable[[], torch.Tensor], steps: int) -> float:
 def parse() -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=5)

@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from forge.cli import summary
 from forge.config import OptimizerConfig, load_config
 from forge.config.optim import OptimizerName
 from forge.model.transformer import Transformer
@@ -115,7 +116,7 @@ def launch(config: str, ranks: int, steps: int, rounds: int, out: pathlib.Path) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--config", default="configs/train/debug.toml")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per mode and round")

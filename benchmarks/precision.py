@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from worktree import REPO, checked_out, python_with_forge_of  # benchmarks/, beside this script
 
+from forge.cli import summary
 from forge.config import load_config
 from forge.data.batch import Batch
 from forge.metrics.memory import peak_rss_bytes
@@ -203,7 +204,7 @@ def print_loss_memory(config) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--config", default="configs/train/debug.toml")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per mode and round")

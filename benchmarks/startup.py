@@ -21,6 +21,8 @@ import sys
 import tempfile
 import time
 
+from forge.cli import summary
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -91,7 +93,7 @@ def measure(ranks: int, args: argparse.Namespace, full_values: bool) -> dict[str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=summary(__doc__))
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--vocab", type=int, default=32000)

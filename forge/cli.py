@@ -36,6 +36,12 @@ class DtypeRequest(enum.Enum):
         return self.value
 
 
+def summary(doc: str | None) -> str:
+    """A script's one-line description: its docstring's first line, or nothing where Python
+    ran with ``-OO`` (docstrings stripped) — ``--help`` still answers."""
+    return doc.strip().splitlines()[0] if doc and doc.strip() else ""
+
+
 def request_parser(cls: type[enum.Enum]) -> Callable[[str], enum.Enum]:
     """An argparse ``type`` for ``cls``: its value (any case), else one line naming them."""
 

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from forge.checkpoint.store import save_model_only
-from forge.cli import DeviceRequest, add_device_options
+from forge.cli import DeviceRequest, add_device_options, summary
 from forge.config import JobConfig, ModelConfig
 from forge.config.loader import CONVERTER
 from forge.config.toml_writer import dumps_toml
@@ -154,7 +154,7 @@ OVERWRITE_HELP = "replace an earlier output of this command in --out (nothing el
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     defaults = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=defaults)
+    parser = argparse.ArgumentParser(description=summary(__doc__), formatter_class=defaults)
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser(
         "export", help="forge run -> safetensors + config.json", formatter_class=defaults

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from forge.cli import add_device_options
+from forge.cli import add_device_options, summary
 from forge.data.batch import Batch
 from forge.data.dataset import open_windows
 from forge.data.image_text import ImageCaptions, open_image_captions
@@ -74,7 +74,7 @@ def report(line: str) -> None:
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("path", type=pathlib.Path, help="a run directory or one checkpoint")
     parser.add_argument("--data", type=pathlib.Path, default=None, help="a prepared dataset")

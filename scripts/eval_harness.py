@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from forge.cli import add_device_options
+from forge.cli import add_device_options, summary
 from forge.config.data import EvalTask
 from forge.errors import UserInputError, one_line, print_errors
 from forge.harness.tasks import (
@@ -89,7 +89,7 @@ def output_path(args: argparse.Namespace, run_dir: pathlib.Path, checkpoint: pat
 def main(argv: Sequence[str] | None = None) -> int:
     """The script: options, the device, then ``evaluate``; the exit code."""
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("path", type=pathlib.Path, help="a run directory or one checkpoint")
     parser.add_argument("--tasks", type=task_names, required=True, help="lm-eval tasks, a,b")

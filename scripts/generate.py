@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from forge.cli import add_device_options
+from forge.cli import add_device_options, summary
 from forge.config import JobConfig
 from forge.data.image_text import load_image
 from forge.data.tokenizer import ByteTokenizer, Tokenizer
@@ -133,7 +133,7 @@ def report(line: str) -> None:
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument(
         "run_dir", type=pathlib.Path, help="a run directory or one checkpoint (step_N folder)"

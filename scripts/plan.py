@@ -14,6 +14,7 @@ import math
 import sys
 from collections.abc import Sequence
 
+from forge.cli import summary
 from forge.config import JobConfig, load_config
 from forge.config.distributed import PipelineSchedule
 from forge.errors import UserInputError, print_errors
@@ -101,7 +102,7 @@ def pipeline_lines(config: JobConfig, pp: int, sharded: bool = False) -> list[st
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--nproc", type=int, default=1, help="ranks in the job (the world size)")
     parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per device, GiB")

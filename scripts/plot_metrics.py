@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from forge.cli import summary
 from forge.errors import UserInputError, print_errors
 from forge.interrupts import exits_on_interrupt
 from forge.types import ExitCode
@@ -180,7 +181,7 @@ def plot(runs: dict[pathlib.Path, Records], out: pathlib.Path) -> None:
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("runs", nargs="+", type=pathlib.Path, help="run directories or files")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("curves.png"))

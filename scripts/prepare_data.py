@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from forge.cli import summary
 from forge.data.corpus import stdlib_root
 from forge.data.hf_datasets import hf_source
 from forge.data.prepare import PrepareReport, plural, prepare
@@ -173,7 +174,7 @@ def add_input_options(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The command line: output, input, tokenizer, splits and parallelism."""
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument(
         "--out", type=pathlib.Path, default=pathlib.Path("data/stdlib"), help="dataset folder"

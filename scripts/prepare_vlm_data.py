@@ -22,6 +22,7 @@ import sys
 import zlib
 from collections.abc import Sequence
 
+from forge.cli import summary
 from forge.data.image_text import load_image, write_image_text_dataset
 from forge.data.scenes import procedural_pairs
 from forge.data.tokenizer import ByteTokenizer
@@ -90,7 +91,7 @@ def listed_pairs(path: pathlib.Path) -> list[tuple[pathlib.Path, str, str]]:
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("data/shapes"))
     parser.add_argument(

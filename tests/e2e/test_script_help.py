@@ -17,11 +17,17 @@ def test_there_are_scripts_to_ask():
     assert len(SCRIPTS) >= 8
 
 
+# how Python may be started: plainly, or with docstrings stripped (-OO), which a script's
+# description must survive
+FLAGS = [[], ["-OO"]]
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=["plain", "-OO"])
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.name for p in SCRIPTS])
-def test_every_script_answers_help(script):
+def test_every_script_answers_help(script, flags):
     # a fresh interpreter (not tests/zygote.py, which has imported what the scripts import):
     # what is checked is that the script starts
-    out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, *flags, str(script), "--help"], capture_output=True,
                          timeout=120, check=False, cwd=REPO)  # fmt: skip
     stdout, stderr = out.stdout.decode(), out.stderr.decode()
     assert out.returncode == 0, stderr[-2000:]
