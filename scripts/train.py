@@ -146,8 +146,6 @@ def train(
         if message:
             print(f"[forge] {message}")
     flag.uninstall()
-    if outcome is LoopOutcome.HEALTH_FAILURE and stacks is not None and not stacks.recorded:
-        stacks.record(f"rank {dist.rank}: the health check failed after step {state.step}")
     teardown(dist, healthy=outcome is not LoopOutcome.HEALTH_FAILURE)
     return exit_code(outcome)
 

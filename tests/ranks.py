@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from torch.distributed import TCPStore
 
 from tests.zygote import Forked, end_group, start_script
+from tests.zygote import read as read_bytes
 
 POLL_S = 0.05
 GRACE_S = 10.0  # after a rank fails, how long the others may take to fail alike
@@ -98,5 +99,4 @@ def wait_all(procs: Sequence[subprocess.Popen | Forked], timeout: float) -> int 
 
 
 def read(path: str) -> str:
-    with open(path, errors="replace") as file:
-        return file.read()
+    return read_bytes(path).decode(errors="replace")

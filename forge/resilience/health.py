@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from forge.resilience.stacks import StackWatch
+from forge.resilience.stacks import StackWatch, every_rank
 from forge.resilience.stalls import failed_collective, flight_recorder_trace, stall_line
 from forge.types import LoopState, StepResult
 
@@ -55,7 +55,7 @@ def guard_collectives(
             line = stall_line(rank, state.step + 1, pending, timeout_s, str(exc))
             if stacks is not None:
                 stacks.record(line)
-                line += f"; each rank's stacks: {stacks.path.parent}/rank<R>.txt"
+                line += f"; each rank's stacks: {every_rank(stacks.path.parent.parent)}"
             print(f"[forge] error: {line}", file=sys.stderr)
             return failed_step()
 

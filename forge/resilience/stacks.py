@@ -22,12 +22,18 @@ import pathlib
 import sys
 from collections.abc import Iterator
 
-from forge.types import Hooks, LoopState, StepResult
+from forge.types import Hooks, LoopOutcome, LoopState, StepResult
 
 
-def stacks_path(run_dir: pathlib.Path, rank: int) -> pathlib.Path:
-    """Where rank ``rank`` writes its stacks."""
+def stacks_path(run_dir: pathlib.Path, rank: int | str) -> pathlib.Path:
+    """Where rank ``rank`` writes its stacks (``"<R>"``: every rank's, as messages name
+    them)."""
     return run_dir / "stacks" / f"rank{rank}.txt"
+
+
+def every_rank(run_dir: pathlib.Path) -> pathlib.Path:
+    """Every rank's stacks file, as a message names them: ``<run.dir>/stacks/rank<R>.txt``."""
+    return stacks_path(run_dir, "<R>")
 
 
 class StackWatch(Hooks):
@@ -58,6 +64,10 @@ class StackWatch(Hooks):
 
     def on_step_end(self, state: LoopState, result: StepResult) -> None:
         self.arm()
+
+    def on_train_end(self, outcome: LoopOutcome, state: LoopState) -> None:
+        if outcome is LoopOutcome.HEALTH_FAILURE and not self.recorded:  # the health check
+            self.record(f"the health check failed after step {state.step}")
 
     def record(self, line: str) -> None:
         """Append ``line`` and every thread's stack as it is now."""

@@ -3,6 +3,9 @@ ones a user may not expect. No torch here."""
 
 from __future__ import annotations
 
+import pathlib
+
+from forge.resilience.stacks import every_rank
 from forge.types import ExitCode, LoopOutcome
 
 _EXIT_CODES = {
@@ -33,7 +36,7 @@ def outcome_message(outcome: LoopOutcome, step: int, max_steps: int, run_dir: st
     if outcome is LoopOutcome.HEALTH_FAILURE:
         return (
             f"a rank stalled or died after step {step}: where each rank was is in "
-            f"{run_dir}/stacks/rank<R>.txt; check the other ranks' logs, then resume"
+            f"{every_rank(pathlib.Path(run_dir))}; check the other ranks' logs, then resume"
         )
     return None
 

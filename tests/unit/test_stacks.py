@@ -7,6 +7,7 @@ import faulthandler
 import pytest
 
 from forge.resilience.stacks import StackWatch, stack_watch, stacks_path
+from forge.types import LoopOutcome, LoopState
 
 
 def watchdog_dump(watch: StackWatch) -> None:
@@ -75,3 +76,16 @@ def test_a_run_dir_it_cannot_write_is_a_warning_not_a_failure(tmp_path, capsys):
     with stack_watch(tmp_path, 0, 2, 60.0) as watch:
         assert watch is None
     assert "warning: rank 0: no stacks file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("outcome", list(LoopOutcome))
+def test_only_a_health_failure_at_the_end_is_recorded(tmp_path, outcome):
+    with stack_watch(tmp_path, 0, 2, 60.0) as watch:
+        assert watch is not None
+        watch.on_train_end(outcome, LoopState(step=4))
+    kept = outcome is LoopOutcome.HEALTH_FAILURE
+    assert stacks_path(tmp_path, 0).exists() is kept
+    if kept:
+        assert (
+            stacks_path(tmp_path, 0).read_text().startswith("the health check failed after step 4")
+        )
