@@ -28,6 +28,7 @@ class LoopOutcome(enum.Enum):
     NAN_ABORT = "nan_abort"  # too many consecutive non-finite steps
     HEALTH_FAILURE = "health_failure"  # a rank failed the health check
     SHUTDOWN = "shutdown"  # a preemption signal; an emergency checkpoint was saved
+    REPLAY_MISMATCH = "replay_mismatch"  # a replayed step came out three ways on some rank
 
 
 class ExitCode(enum.IntEnum):
@@ -39,8 +40,19 @@ class ExitCode(enum.IntEnum):
     NAN_ABORT = 3  # too many consecutive non-finite steps
     HEALTH_FAILURE = 4  # a rank stalled or died
     SAVE_FAILED = 5  # a final or emergency save (or the last step's) could not be written
+    REPLAY_MISMATCH = 6  # a rank computes inconsistently: suspect its hardware
     SHUTDOWN = 75  # EX_TEMPFAIL: preempted, "try again later" (requeue and resume)
     INTERRUPTED = 130  # a second Ctrl-C: the save in progress was abandoned
+
+
+@attrs.frozen
+class LossStats:
+    """The running statistics a spike is measured against: the steps taken into them, and
+    the exponentially weighted mean and variance of their loss (``forge.training.plan``)."""
+
+    count: int = 0
+    mean: float = 0.0
+    var: float = 0.0
 
 
 @attrs.frozen
@@ -49,10 +61,13 @@ class LoopState:
 
     step: int = 0  # optimizer steps taken so far (the next step to run has this index)
     tokens_seen: int = 0
-    nonfinite_streak: int = 0
+    nonfinite_streak: int = 0  # consecutive steps whose update was dropped (non-finite, spike)
     last_saved_step: int | None = None
-    last_step_finite: bool = True
+    last_step_finite: bool = True  # the last step's update was applied
     skipped_ranges: tuple[tuple[int, int], ...] = ()  # (first, last) steps rolled back over
+    loss_stats: LossStats = attrs.Factory(LossStats)  # resilience.spike_threshold's reference
+    spikes: int = 0  # steps whose loss was a spike, since the run began
+    replay_mismatches: int = 0  # replayed steps whose computations disagreed, since it began
 
 
 @attrs.frozen
@@ -123,6 +138,16 @@ class FreezeTransition:
 
 
 @attrs.frozen
+class ReplayVerdict:
+    """A replayed step, agreed by every rank: the ranks whose first two computations
+    disagreed, and those whose third agreed with neither (no majority: the step is not
+    applied and the run ends REPLAY_MISMATCH)."""
+
+    mismatched: tuple[int, ...] = ()
+    inconsistent: tuple[int, ...] = ()
+
+
+@attrs.frozen
 class StepResult:
     """What one optimizer step reports back. ``grad_norm`` is global (every shard and
     stage), ``tokens`` and ``images`` count over the data-parallel ranks; ``loss``,
@@ -138,6 +163,10 @@ class StepResult:
     freeze: FreezeTransition | None = None  # the trainable set changed before this step
     images: int = 0  # images the step trained on, over every data-parallel rank (VLM)
     sources: SourceTotals | None = None  # a mixture's per-source loss and tokens, this rank
+    world_loss: float | None = None  # the loss over every rank, when the spike rule needs it
+    spike: bool = False  # the loss was a spike (resilience.spike_threshold)
+    replay: ReplayVerdict | None = None  # the step was replayed, and how it came out
+    busy_s: float = 0.0  # this rank's own time in the step, its waits for peers left out
 
     @property
     def finite(self) -> bool:
@@ -166,6 +195,7 @@ class Signals:
     shutdown_requested: bool = False
     health_failed: bool = False
     nonfinite: bool = False  # some rank's loss or grad norm was not finite
+    inconsistent: bool = False  # a replayed step found no majority on some rank
 
 
 class Hooks:

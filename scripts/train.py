@@ -14,10 +14,18 @@ from forge.config.help import help_text
 from forge.errors import CheckpointSaveError, UserInputError, print_errors
 from forge.metrics.profiler import profiler_hooks
 from forge.resilience.control import ControlChannel, StepMonitor
-from forge.resilience.faults import Fault, FaultHooks, faults_from_env, with_nan_faults
+from forge.resilience.faults import (
+    Fault,
+    FaultHooks,
+    faults_from_env,
+    gradient_faults,
+    with_faults,
+)
 from forge.resilience.health import guard_collectives
+from forge.resilience.reports import FaultReport
 from forge.resilience.signals import ShutdownFlag
 from forge.resilience.stacks import StackWatch, stack_watch
+from forge.resilience.stragglers import timed
 from forge.training.context import (
     CheckpointContext,
     DataContext,
@@ -65,6 +73,7 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
                 *hooks,
                 *configured_hooks(run.config.hooks),
                 *profiler_hooks(run.config.profiler, run.run_dir, dist.rank),
+                FaultReport(dist.is_main, dist.hosts, run.config.resilience.on_spike),
                 FaultHooks(faults, dist.rank),
             ]
         )
@@ -106,8 +115,8 @@ def train(
     policy = run.policy
     hooks = HookList([stacks, hooks]) if stacks is not None else hooks
     effects = TrainingEffects(run, dist, model, data, hooks=hooks)
-    step = make_step_fn(run, dist, model, data, hooks)
-    step = with_nan_faults(step, model.model, faults, dist.rank)
+    step = make_step_fn(run, dist, model, data, hooks, gradient_faults(faults, dist.rank))
+    step = timed(with_faults(step, model.model, faults, dist.rank))
     res = run.config.resilience
     monitor = StepMonitor(
         ControlChannel(dist.world_size, res.health_timeout_s),

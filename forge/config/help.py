@@ -19,6 +19,9 @@ EXIT_MEANINGS = {
     ExitCode.NAN_ABORT: "too many consecutive non-finite steps",
     ExitCode.HEALTH_FAILURE: "health failure: a rank stalled or died",
     ExitCode.SAVE_FAILED: "a final or emergency save (or the last step's) failed",
+    ExitCode.REPLAY_MISMATCH: (
+        "a rank computes inconsistently (resilience.replay_interval): suspect its hardware"
+    ),
     ExitCode.SHUTDOWN: "preempted: resume by running the same command again",
     ExitCode.INTERRUPTED: "interrupted twice (Ctrl-C): the save in progress was abandoned",
 }

@@ -1,8 +1,10 @@
-"""``[resilience]``: non-finite steps, preemption and health."""
+"""``[resilience]``: non-finite steps, loss spikes, replayed steps, stragglers, preemption and
+health."""
 
 from __future__ import annotations
 
 import enum
+import math
 
 import attrs
 
@@ -17,6 +19,14 @@ class NonFinitePolicy(enum.Enum):
     ABORT = "abort"  # end the run at the first
 
 
+class SpikePolicy(enum.Enum):
+    """What the loop does with a finite step whose loss is a spike (``spike_threshold``)."""
+
+    WARN = "warn"  # train on it, count it and say so
+    SKIP = "skip"  # drop the update and go on, as for a non-finite step
+    ROLLBACK = "rollback"  # restore the last in-memory snapshot, skip the batches since
+
+
 @attrs.frozen
 class ResilienceConfig:
     """Non-finite steps, preemption and health.
@@ -27,6 +37,14 @@ class ResilienceConfig:
     the per-step control-word exchange and the liveness check run every
     ``health_check_interval`` steps (0: off). ``shutdown_timeout_s``: after a preemption
     signal, the process exits anyway if the emergency save has not finished by then.
+
+    ``spike_threshold``: a finite loss more than this many deviations above the running mean
+    is a spike (0: off), handled by ``on_spike``; those skipped count toward
+    ``max_consecutive_nonfinite`` as non-finite ones do. ``replay_interval``: every this many
+    steps (0: off) each rank computes the step twice and compares the results bitwise, a third
+    time to outvote a mismatch (``replay_first_step``: also the first step of every launch).
+    ``straggler_ratio``: a rank whose own time per step stays this many times the median for
+    ``straggler_logs`` logged steps in a row is named in a warning.
     """
 
     on_nonfinite: NonFinitePolicy = NonFinitePolicy.SKIP
@@ -35,6 +53,12 @@ class ResilienceConfig:
     health_check_interval: int = 100
     health_timeout_s: float = 300.0
     shutdown_timeout_s: float = 600.0
+    spike_threshold: float = 0.0
+    on_spike: SpikePolicy = SpikePolicy.WARN
+    replay_interval: int = 0
+    replay_first_step: bool = True
+    straggler_ratio: float = 1.5
+    straggler_logs: int = 3
 
     def problems(self) -> list[Problem]:
         p: list[Problem] = []
@@ -43,4 +67,17 @@ class ResilienceConfig:
         non_negative(p, "resilience.health_check_interval", self.health_check_interval)
         positive(p, "resilience.health_timeout_s", self.health_timeout_s)
         positive(p, "resilience.shutdown_timeout_s", self.shutdown_timeout_s)
+        if not math.isfinite(self.spike_threshold):
+            p.append(("resilience.spike_threshold", f"must be finite, got {self.spike_threshold}"))
+        non_negative(p, "resilience.spike_threshold", self.spike_threshold)
+        non_negative(p, "resilience.replay_interval", self.replay_interval)
+        if not self.straggler_ratio > 1:  # NaN included
+            p.append(
+                (
+                    "resilience.straggler_ratio",
+                    f"must be > 1 (the slowest rank's time over the median's), "
+                    f"got {self.straggler_ratio}",
+                )
+            )
+        positive(p, "resilience.straggler_logs", self.straggler_logs)
         return p

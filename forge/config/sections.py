@@ -26,7 +26,7 @@ from forge.config.hooks import HooksConfig
 from forge.config.model import ModelConfig, MoeRouter
 from forge.config.optim import OptimizerConfig, OptimizerName, ScheduleName, SchedulerConfig
 from forge.config.ranges import Problem
-from forge.config.resilience import NonFinitePolicy, ResilienceConfig
+from forge.config.resilience import NonFinitePolicy, ResilienceConfig, SpikePolicy
 from forge.config.rope import RopeScaling, RopeScalingType
 from forge.config.run import MetricsConfig, ProfilerConfig, RunConfig
 from forge.config.train import ActivationCheckpointing, Precision, TrainConfig
@@ -64,6 +64,7 @@ __all__ = [
     "ScheduleName",
     "ScheduleSource",
     "SchedulerConfig",
+    "SpikePolicy",
     "TrainConfig",
     "Verification",
     "VisionConfig",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from collections.abc import Mapping
 
 import torch
@@ -173,3 +174,13 @@ def broadcast_from_main(value: object, world_size: int) -> object:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def host_names(world: WorldInfo) -> tuple[str, ...]:
+    """Every rank's host name in rank order, gathered once at set-up (the warnings and errors
+    that name a rank name its host too)."""
+    names: list[str | None] = [None] * world.world_size
+    if world.world_size == 1:
+        return (socket.gethostname(),)
+    dist.all_gather_object(names, socket.gethostname())
+    return tuple(str(n) for n in names)

@@ -1,9 +1,9 @@
 """The per-step control word: one small all-reduce so that every rank takes the same branch.
 
-Each rank contributes its own flags (non-finite step, shutdown requested, health failure); the
-MAX over ranks is what every decision reads. The exchange runs on its own gloo group with a
-short timeout, which makes it the liveness check too: a stalled or dead peer turns into
-``health_failed`` instead of a hang.
+Each rank contributes its own flags (non-finite step, shutdown requested, health failure, a
+replayed step without a majority); the MAX over ranks is what every decision reads. The
+exchange runs on its own gloo group with a short timeout, which makes it the liveness check
+too: a stalled or dead peer turns into ``health_failed`` instead of a hang.
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from __future__ import annotations
 import datetime
 from collections.abc import Callable
 
+import attrs
 import torch
 import torch.distributed as dist
 
 from forge.types import Signals, StepResult
 
-FIELDS = ("nonfinite", "shutdown_requested", "health_failed")
+FIELDS = ("nonfinite", "shutdown_requested", "health_failed", "inconsistent")
 
 
 def encode(local: Signals) -> list[float]:
@@ -88,13 +89,10 @@ class StepMonitor:
                 shutdown_requested=self.shutdown(),
                 nonfinite=not result.finite,
                 health_failed=result.collective_failed,
+                inconsistent=result.replay is not None and bool(result.replay.inconsistent),
             )
         )
         due = self.interval > 0 and self.steps % self.interval == 0
         if due and not word.health_failed and not self.channel.steps_agree(self.steps):
-            word = Signals(
-                shutdown_requested=word.shutdown_requested,
-                nonfinite=word.nonfinite,
-                health_failed=True,
-            )
+            word = attrs.evolve(word, health_failed=True)
         return word

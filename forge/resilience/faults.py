@@ -1,12 +1,20 @@
-"""Fault injection, for tests only: a non-finite loss, a signal, or a stall at step k on rank r.
+"""Fault injection, for tests only: a non-finite loss, a signal, a stall, a corrupted
+gradient, a slow rank or a loss spike at step k on rank r.
 
 Set ``FORGE_FAULTS`` (test-only; never in production) to a comma-separated list of
 ``kind:step=K[:rank=R][:key=value...]``:
 
 - ``nan:step=3:rank=1`` — the model's outputs in step 3 on rank 1 are multiplied by NaN, and
-  so its loss and gradients (``with_nan_faults``, composed around the step by the driver);
+  so its loss and gradients (``with_faults``, composed around the step by the driver);
 - ``signal:step=5:rank=0:sig=TERM`` — rank 0 sends itself SIGTERM after step 5;
-- ``stall:step=4:rank=1:seconds=30`` — rank 1 sleeps 30 s after step 4.
+- ``stall:step=4:rank=1:seconds=30`` — rank 1 sleeps 30 s after step 4;
+- ``corrupt:step=3:rank=1[:times=N]`` — one bit of one gradient element flips on rank 1 in
+  each of the first N computations of step 3 (default 1), a different element each time
+  (``GradientFaults``: a replayed step outvotes one, not three);
+- ``slow:step=1:rank=1:seconds=0.4`` — rank 1 computes 0.4 s longer in every step from step 1
+  on (it keeps busy, as a slow device does: a sleeping rank would look like one waiting);
+- ``spike:step=15[:rank=R]:scale=1000`` — the loss and the gradients of step 15 are
+  multiplied by 1000 (every computation of it).
 
 ``step`` counts completed steps (1 is the first). Without ``rank`` the fault hits every rank.
 """
@@ -17,12 +25,13 @@ import enum
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from forge.model.transformer import is_moe, split_moe_output
 from forge.types import Hooks, LoopState, StepResult
@@ -36,6 +45,12 @@ class FaultKind(enum.Enum):
     NAN = "nan"
     SIGNAL = "signal"
     STALL = "stall"
+    CORRUPT = "corrupt"
+    SLOW = "slow"
+    SPIKE = "spike"
+
+
+IN_COMPUTATION = (FaultKind.CORRUPT, FaultKind.SPIKE)  # ``GradientFaults``'
 
 
 @attrs.frozen
@@ -45,9 +60,14 @@ class Fault:
     rank: int | None = None
     sig: str = "TERM"
     seconds: float = 30.0
+    times: int = 1
+    scale: float = 1.0
 
     def hits(self, step: int, rank: int) -> bool:
-        return self.step == step and (self.rank is None or self.rank == rank)
+        return self.step == step and self.on(rank)
+
+    def on(self, rank: int) -> bool:
+        return self.rank is None or self.rank == rank
 
 
 def parse_faults(text: str) -> tuple[Fault, ...]:
@@ -64,6 +84,8 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
                     rank=int(fields.pop("rank")) if "rank" in fields else None,
                     sig=fields.pop("sig", "TERM"),
                     seconds=float(fields.pop("seconds", "30")),
+                    times=int(fields.pop("times", "1")),
+                    scale=float(fields.pop("scale", "1")),
                 )
             )
         except (KeyError, ValueError) as exc:
@@ -94,17 +116,19 @@ class NanInjector:
         return 1.0
 
 
-def with_nan_faults(
+def with_faults(
     step_fn: Callable[[BatchT, LoopState], StepResult],
     model: nn.Module,
     faults: tuple[Fault, ...],
     rank: int,
 ) -> Callable[[BatchT, LoopState], StepResult]:
-    """``step_fn`` itself when no ``nan`` fault hits this rank; else a step that, on each
-    faulted step, runs ``step_fn`` with the model's outputs multiplied by NaN (a forward hook
-    for that step only): its loss and gradients are NaN, as in a diverged step."""
+    """``step_fn`` itself when no ``nan`` or ``slow`` fault hits this rank; else a step that,
+    on each ``nan`` step, runs ``step_fn`` with the model's outputs multiplied by NaN (a
+    forward hook for that step only: its loss and gradients are NaN, as in a diverged step),
+    and from a ``slow`` fault's step on first keeps busy for its seconds."""
     injector = NanInjector(faults, rank)
-    if not any(f.rank in (None, rank) for f in injector.pending):
+    slow = [f for f in faults if f.kind is FaultKind.SLOW and f.on(rank)]
+    if not slow and not any(f.on(rank) for f in injector.pending):
         return step_fn
     moe = is_moe(model)
 
@@ -116,6 +140,9 @@ def with_nan_faults(
         return (*out, stats) if isinstance(out, tuple) else (out, stats)
 
     def faulty_step(batches: BatchT, state: LoopState) -> StepResult:
+        for f in slow:
+            if state.step + 1 >= f.step:
+                keep_busy(f.seconds)
         if injector(state.step + 1) == 1.0:
             return step_fn(batches, state)
         handle = model.register_forward_hook(poison)
@@ -125,6 +152,57 @@ def with_nan_faults(
             handle.remove()
 
     return faulty_step
+
+
+def keep_busy(seconds: float) -> None:
+    """Spend ``seconds`` computing (not sleeping: the process's CPU time counts it)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class GradientFaults:
+    """The ``corrupt`` and ``spike`` faults of this rank, as the step's ``GradientFault``."""
+
+    def __init__(self, faults: tuple[Fault, ...], rank: int) -> None:
+        self.faults = [f for f in faults if f.kind in IN_COMPUTATION and f.on(rank)]
+
+    def __call__(
+        self, step: int, computation: int, params: Sequence[torch.Tensor], loss: torch.Tensor
+    ) -> torch.Tensor:
+        for f in self.faults:
+            if f.step != step:
+                continue
+            if f.kind is FaultKind.SPIKE:
+                loss = loss * f.scale
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(f.scale)
+            elif computation < f.times:
+                flip_bit(params, computation)
+        return loss
+
+
+def gradient_faults(faults: tuple[Fault, ...], rank: int) -> GradientFaults | None:
+    """The step's ``GradientFault`` on this rank, or None when no such fault hits it."""
+    hits = GradientFaults(faults, rank)
+    return hits if hits.faults else None
+
+
+def flip_bit(params: Sequence[torch.Tensor], element: int) -> None:
+    """Flip the highest mantissa bit of gradient element ``element`` of the first parameter
+    holding more than three: its value changes, and stays finite."""
+    for p in params:
+        grad = p.grad
+        if grad is None:
+            continue
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        if local.numel() <= 3:
+            continue
+        flat = local.view(-1).view({4: torch.int32, 2: torch.int16}[local.element_size()])
+        bit = {4: 1 << 22, 2: 1 << 6}[local.element_size()]
+        flat[element] ^= bit
+        return
 
 
 def times_nan(value: Any) -> Any:
@@ -141,7 +219,7 @@ class FaultHooks(Hooks):
     """Delivers ``signal`` and ``stall`` faults at the end of their step."""
 
     def __init__(self, faults: tuple[Fault, ...], rank: int) -> None:
-        self.faults = [f for f in faults if f.kind is not FaultKind.NAN]
+        self.faults = [f for f in faults if f.kind in (FaultKind.SIGNAL, FaultKind.STALL)]
         self.rank = rank
 
     def on_step_end(self, state: LoopState, result: StepResult) -> None:

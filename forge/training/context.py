@@ -67,6 +67,11 @@ class DistContext:
     dims: MeshDims = attrs.Factory(MeshDims)
     mesh: DeviceMesh | None = None
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
+    hosts: tuple[str, ...] = ()  # each rank's host name, in rank order (empty: unknown)
+
+    def host(self, rank: int) -> str:
+        """Rank ``rank``'s host name, as its own process sees it ("?" when unknown)."""
+        return self.hosts[rank] if rank < len(self.hosts) else "?"
 
     @property
     def rank(self) -> int:

@@ -66,7 +66,7 @@ def finalize(outcome: LoopOutcome, ckpt: CheckpointView) -> FinalSave:
     """Decide the final save for a loop that ended with ``outcome``."""
     if not ckpt.enabled:
         return _no(FinalSaveReason.DISABLED)
-    if outcome in (LoopOutcome.NAN_ABORT, LoopOutcome.HEALTH_FAILURE):
+    if outcome in (LoopOutcome.NAN_ABORT, LoopOutcome.HEALTH_FAILURE, LoopOutcome.REPLAY_MISMATCH):
         return _no(FinalSaveReason.FAILURE)
     if outcome is LoopOutcome.SHUTDOWN:
         return _no(FinalSaveReason.SHUTDOWN)

@@ -12,7 +12,6 @@ from typing import Protocol, TypeVar
 
 import attrs
 
-from forge.config.sections import NonFinitePolicy
 from forge.training.finalize import CheckpointView, FinalSave, finalize
 from forge.training.plan import (
     LoopPolicy,
@@ -65,7 +64,7 @@ def run_training_loop(
         effects.save(state, SaveReason.SCHEDULED)
         state = attrs.evolve(state, last_saved_step=state.step)
     snapshot = state
-    if policy.nonfinite_policy is NonFinitePolicy.ROLLBACK:
+    if policy.snapshots:
         effects.snapshot(state)
     while True:
         try:

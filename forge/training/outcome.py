@@ -15,6 +15,7 @@ _EXIT_CODES = {
     LoopOutcome.NAN_ABORT: ExitCode.NAN_ABORT,
     LoopOutcome.HEALTH_FAILURE: ExitCode.HEALTH_FAILURE,
     LoopOutcome.SHUTDOWN: ExitCode.SHUTDOWN,
+    LoopOutcome.REPLAY_MISMATCH: ExitCode.REPLAY_MISMATCH,
 }
 
 
@@ -37,6 +38,12 @@ def outcome_message(outcome: LoopOutcome, step: int, max_steps: int, run_dir: st
         return (
             f"a rank stalled or died after step {step}: where each rank was is in "
             f"{every_rank(pathlib.Path(run_dir))}; check the other ranks' logs, then resume"
+        )
+    if outcome is LoopOutcome.REPLAY_MISMATCH:
+        return (
+            f"replayed step {step} found no majority (the error above names the "
+            "rank and host): no checkpoint of that step or later was saved; resume from the "
+            "last one on other hardware"
         )
     return None
 

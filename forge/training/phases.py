@@ -45,6 +45,7 @@ from forge.parallel.mesh import (
     device_for,
     end_process_group,
     expert_meshes,
+    host_names,
     init_process_group,
     submesh,
 )
@@ -195,7 +196,9 @@ def setup_distributed(run: RunContext) -> DistContext:
     seed_everything(cfg.train.seed + world.rank)
     if cfg.train.num_threads > 0:
         torch.set_num_threads(cfg.train.num_threads)
-    dist = DistContext(world=world, dims=dims, mesh=mesh, device=device_for(world))
+    dist = DistContext(
+        world=world, dims=dims, mesh=mesh, device=device_for(world), hosts=host_names(world)
+    )
     warning = precision_warning(run.config.train.mixed_precision, dist.device.type, cpu_flags())
     if warning and dist.is_main:
         print(f"[forge] warning: {warning}", file=sys.stderr)

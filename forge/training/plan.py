@@ -12,17 +12,27 @@ Rollback (``resilience.on_nonfinite = "rollback"``): the model and optimizer ret
 in-memory snapshot (step ``s``); the step counter (and so the LR) returns to ``s``; the data
 position does not, so the batches of steps ``s+1..k`` that led to the failure are skipped, and
 the range is recorded in ``LoopState.skipped_ranges``.
+
+A loss spike (``resilience.spike_threshold``) is measured against running statistics of the
+steps applied so far (``observed``, ``is_spike``), which the loop state carries into every
+checkpoint; under ``on_spike = "skip"`` or ``"rollback"`` a spiking step is handled as a
+non-finite one under that policy, and counts toward the same streak.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 
 import attrs
 
 from forge.checkpoint.policy import SaveSchedule
-from forge.config.sections import JobConfig, NonFinitePolicy
-from forge.types import LoopOutcome, LoopState, Signals, StepResult
+from forge.config.sections import JobConfig, NonFinitePolicy, SpikePolicy
+from forge.types import LoopOutcome, LoopState, LossStats, Signals, StepResult
+
+SPIKE_WARMUP = 10  # applied steps in the statistics before a loss can be called a spike
+SPIKE_WINDOW = 20  # the statistics' horizon in steps: each new loss weighs at least 1/20
+SPIKE_FLOOR = 0.01  # the deviation a spike is measured in is at least 1% of the mean
 
 
 @attrs.frozen
@@ -36,6 +46,15 @@ class LoopPolicy:
     nonfinite_limit: int = 3
     nonfinite_policy: NonFinitePolicy = NonFinitePolicy.SKIP
     snapshot_interval: int = 0  # rollback snapshots every this many steps (0: only at start)
+    spike_threshold: float = 0.0  # deviations above the running mean (0: no spike rule)
+    spike_policy: SpikePolicy = SpikePolicy.WARN
+
+    @property
+    def snapshots(self) -> bool:
+        """Whether a rollback may happen, so that the loop keeps an in-memory snapshot."""
+        return self.nonfinite_policy is NonFinitePolicy.ROLLBACK or (
+            self.spike_threshold > 0 and self.spike_policy is SpikePolicy.ROLLBACK
+        )
 
 
 def loop_policy(config: JobConfig) -> LoopPolicy:
@@ -57,6 +76,8 @@ def loop_policy(config: JobConfig) -> LoopPolicy:
         nonfinite_limit=config.nonfinite_limit,
         nonfinite_policy=config.resilience.on_nonfinite,
         snapshot_interval=config.resilience.snapshot_interval,
+        spike_threshold=config.resilience.spike_threshold,
+        spike_policy=config.resilience.on_spike,
     )
 
 
@@ -67,15 +88,62 @@ class NonFiniteAction(enum.Enum):
     ABORT = "abort"  # end the run: NAN_ABORT
 
 
-def nonfinite_action(streak: int, policy: LoopPolicy) -> NonFiniteAction:
-    """The NaN state machine: what a run does after ``streak`` consecutive non-finite steps."""
+def nonfinite_action(streak: int, policy: LoopPolicy, spike: bool = False) -> NonFiniteAction:
+    """The NaN state machine: what a run does after ``streak`` consecutive dropped steps, the
+    last of them non-finite, or (``spike``) a finite spike under ``on_spike``."""
     if streak == 0:
         return NonFiniteAction.CONTINUE
-    if streak >= policy.nonfinite_limit or policy.nonfinite_policy is NonFinitePolicy.ABORT:
+    rule = policy.nonfinite_policy
+    if spike and drops_spike(policy):
+        rule = NonFinitePolicy(policy.spike_policy.value)  # skip or rollback
+    if streak >= policy.nonfinite_limit or rule is NonFinitePolicy.ABORT:
         return NonFiniteAction.ABORT
-    if policy.nonfinite_policy is NonFinitePolicy.ROLLBACK:
+    if rule is NonFinitePolicy.ROLLBACK:
         return NonFiniteAction.ROLLBACK
     return NonFiniteAction.SKIP
+
+
+def observed(stats: LossStats, loss: float) -> LossStats:
+    """The running statistics with ``loss`` taken in: an exact mean and variance for the
+    first ``SPIKE_WINDOW`` steps, exponentially weighted after."""
+    count = stats.count + 1
+    alpha = max(1.0 / count, 1.0 / SPIKE_WINDOW)
+    delta = loss - stats.mean
+    return LossStats(
+        count=count,
+        mean=stats.mean + alpha * delta,
+        var=(1.0 - alpha) * (stats.var + alpha * delta * delta),
+    )
+
+
+def is_spike(loss: float, stats: LossStats, threshold: float) -> bool:
+    """Whether a finite ``loss`` lies more than ``threshold`` deviations above the running
+    mean (the deviation at least ``SPIKE_FLOOR`` of the mean, so that a flat loss does not
+    make noise a spike). Off (``threshold`` 0), and never before ``SPIKE_WARMUP`` steps."""
+    if threshold <= 0 or stats.count < SPIKE_WARMUP or not math.isfinite(loss):
+        return False
+    deviation = max(math.sqrt(stats.var), SPIKE_FLOOR * abs(stats.mean))
+    return loss > stats.mean + threshold * deviation
+
+
+@attrs.frozen
+class ReplayRule:
+    """Which steps are replayed: every ``interval``-th (0: none), and the first step of every
+    launch when ``first_step``."""
+
+    interval: int = 0
+    first_step: bool = False
+
+    def replays(self, step: int, first_of_launch: bool) -> bool:
+        """Whether step ``step`` (1-based) is replayed."""
+        return (self.interval > 0 and step % self.interval == 0) or (
+            self.first_step and first_of_launch
+        )
+
+
+def drops_spike(policy: LoopPolicy) -> bool:
+    """Whether a spiking step's update is dropped (``on_spike`` skip or rollback)."""
+    return policy.spike_threshold > 0 and policy.spike_policy is not SpikePolicy.WARN
 
 
 class SaveReason(enum.Enum):
@@ -92,6 +160,10 @@ def save_failure_is_fatal(reason: SaveReason, step: int, max_steps: int) -> bool
     return reason is not SaveReason.SCHEDULED or step >= max_steps
 
 
+# endings after which nothing of the last steps may be saved
+FAILURES = (LoopOutcome.HEALTH_FAILURE, LoopOutcome.NAN_ABORT, LoopOutcome.REPLAY_MISMATCH)
+
+
 @attrs.frozen
 class StepPlan:
     """The next state and the effects to run after one step."""
@@ -105,16 +177,27 @@ class StepPlan:
     snapshot: bool = False  # refresh the rollback snapshot at this state
 
 
-def advance(state: LoopState, result: StepResult, finite: bool = True) -> LoopState:
+def advance(
+    state: LoopState, result: StepResult, finite: bool = True, policy: LoopPolicy | None = None
+) -> LoopState:
     """Bookkeeping after a step, skipped or not (see the module docstring). ``finite`` is the
-    world-reduced verdict: false if any rank's step was not finite."""
+    world-reduced verdict: false if any rank's step was not finite. With a spike rule
+    (``policy``) an applied step's world loss joins the running statistics."""
     ok = finite and result.finite
+    applied = ok and not (result.spike and policy is not None and drops_spike(policy))
+    stats = state.loss_stats
+    if applied and result.world_loss is not None and not result.spike:
+        stats = observed(stats, result.world_loss)
+    replay = result.replay
     return attrs.evolve(
         state,
         step=state.step + 1,
         tokens_seen=state.tokens_seen + result.tokens,
-        nonfinite_streak=0 if ok else state.nonfinite_streak + 1,
-        last_step_finite=ok,
+        nonfinite_streak=0 if applied else state.nonfinite_streak + 1,
+        last_step_finite=applied,
+        loss_stats=stats,
+        spikes=state.spikes + (ok and result.spike),
+        replay_mismatches=state.replay_mismatches + bool(replay is not None and replay.mismatched),
     )
 
 
@@ -124,6 +207,8 @@ def stop_outcome(
     """Why the loop stops after reaching ``state``, most severe first; None to go on."""
     if signals.health_failed:
         return LoopOutcome.HEALTH_FAILURE
+    if signals.inconsistent:
+        return LoopOutcome.REPLAY_MISMATCH
     if action is NonFiniteAction.ABORT:
         return LoopOutcome.NAN_ABORT
     if signals.shutdown_requested:
@@ -140,7 +225,7 @@ def save_reason(
 ) -> SaveReason | None:
     """Scheduled or emergency save after reaching ``state``; never on a failure stop, nor on a
     step about to be rolled back."""
-    if policy.schedule is None or stop in (LoopOutcome.HEALTH_FAILURE, LoopOutcome.NAN_ABORT):
+    if policy.schedule is None or stop in FAILURES:
         return None
     if rollback:
         return None
@@ -156,8 +241,9 @@ def plan_step(
 ) -> StepPlan:
     """Pure: the next state and which effects (log, eval, save, snapshot, rollback, stop)
     follow this step. ``signals`` is the world-reduced control word."""
-    nxt = advance(state, result, finite=not signals.nonfinite)
-    action = nonfinite_action(nxt.nonfinite_streak, policy)
+    nxt = advance(state, result, not signals.nonfinite, policy)
+    spike = result.spike and not signals.nonfinite and result.finite
+    action = nonfinite_action(nxt.nonfinite_streak, policy, spike)
     stop = stop_outcome(nxt, signals, policy, action)
     rollback = action is NonFiniteAction.ROLLBACK and stop is None
     reason = save_reason(nxt, stop, policy, rollback)
@@ -176,7 +262,7 @@ def plan_step(
         save=reason,
         stop=stop,
         rollback=rollback,
-        snapshot=policy.nonfinite_policy is NonFinitePolicy.ROLLBACK
+        snapshot=policy.snapshots
         and interval > 0
         and nxt.step % interval == 0
         and nxt.last_step_finite

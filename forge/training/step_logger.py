@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 
+from forge.config.resilience import ResilienceConfig
 from forge.metrics.backends import TensorBoardSink, WandbSink
 from forge.metrics.flops import flops_per_token
 from forge.metrics.memory import memory_record
@@ -22,8 +23,17 @@ from forge.metrics.reduction import Recorded, Reduction, recorded_value
 from forge.metrics.sinks import JsonlSink, MetricsSink, console_sink, sink_failure, step_record
 from forge.metrics.sources import row_record, source_metrics
 from forge.parallel.reduce import reduce_metrics
+from forge.resilience.stragglers import (
+    StragglerStreak,
+    next_streak,
+    straggler_line,
+    straggler_reading,
+    warns,
+)
 from forge.training.context import DataContext, DistContext, RunContext
 from forge.types import LoopState, SourceTotals, StepResult
+
+BUSY = "straggler/busy_s"  # each rank's own time per step, gathered (not logged as such)
 
 
 def step_metrics(
@@ -39,6 +49,17 @@ def step_metrics(
     if sources is not None:
         metrics += source_metrics(source_names, sources)
     return metrics
+
+
+def resilience_record(state: LoopState, config: ResilienceConfig) -> dict[str, int]:
+    """The run's counts of spikes and of replayed steps that disagreed, where their checks
+    are on (or, for the replays, once one has disagreed)."""
+    record = {}
+    if config.spike_threshold > 0:
+        record["resilience/spikes"] = state.spikes
+    if config.replay_interval > 0 or state.replay_mismatches:
+        record["resilience/replay_mismatches"] = state.replay_mismatches
+    return record
 
 
 def add_sources(a: SourceTotals | None, b: SourceTotals | None) -> SourceTotals | None:
@@ -74,6 +95,9 @@ class StepLogger:
         self._mark_step = 0
         self._sources: SourceTotals | None = None  # a mixture's sums since the last log
         self._logged: StepResult | None = None  # the step whose sums the last log took
+        self._busy = (0.0, 0)  # this rank's own time in the steps since the last log, and they
+        self.resilience = run.config.resilience
+        self.streak = StragglerStreak()
 
     def restart_clock(self, state: LoopState) -> None:
         """Time the next steps from now (after a save, an eval or the start)."""
@@ -84,11 +108,17 @@ class StepLogger:
         metrics are reduced over ranks here, in one collective, so that no other step pays
         for a reduction."""
         sources = add_sources(self._sources, result.sources)
-        self._sources, self._logged = None, result
+        busy, steps = self._busy[0] + result.busy_s, self._busy[1] + 1
+        self._sources, self._logged, self._busy = None, result, (0.0, 0)
         metrics = step_metrics(result, sources, self.data.source_names)
         world, rank = self.dist.world_size, self.dist.rank
+        if world > 1:  # every rank's own time per step, gathered in the same collective
+            metrics.append(recorded_value(BUSY, busy / steps, Reduction.GATHER))
         reduced = reduce_metrics(metrics, world, rank, self.dist.token_slices, self.dist.device)
         loss, z_loss = reduced.pop("loss"), reduced.pop("z_loss", None)
+        if world > 1:
+            reduced |= self.stragglers(reduced.pop(BUSY))
+        reduced |= resilience_record(state, self.resilience)
         result = attrs.evolve(result, loss=loss, z_loss=z_loss)
         step_time = (self.clock() - self._mark_time) / max(1, state.step - self._mark_step)
         tps = result.tokens / step_time if step_time > 0 else math.inf
@@ -101,9 +131,22 @@ class StepLogger:
         self.restart_clock(state)
 
     def step_end(self, result: StepResult) -> None:
-        """Keep a mixture's sums of a step the log did not take, for the next log."""
+        """Keep a mixture's sums and this rank's own time of a step the log did not take, for
+        the next log."""
         if result is not self._logged:
             self._sources = add_sources(self._sources, result.sources)
+            self._busy = (self._busy[0] + result.busy_s, self._busy[1] + 1)
+
+    def stragglers(self, busy: Sequence[float]) -> dict[str, Any]:
+        """The straggler metrics of every rank's own time per step, and the warning (rank 0)
+        when one rank has stayed slow for ``resilience.straggler_logs`` logs."""
+        reading = straggler_reading(busy)
+        self.streak = next_streak(self.streak, reading, self.resilience.straggler_ratio)
+        logs = self.resilience.straggler_logs
+        if warns(self.streak, logs) and self.dist.is_main:
+            host = self.dist.host(reading.slowest_rank)
+            print(f"[forge] warning: {straggler_line(reading, host, logs)}", file=sys.stderr)
+        return {"straggler/slowest_rank": reading.slowest_rank, "straggler/ratio": reading.ratio}
 
     def cannot_log(self) -> bool:
         """Whether a metrics file could not be written: the run should stop (with a

@@ -20,7 +20,7 @@ from forge.model.chunked_loss import LossSpec
 from forge.model.moe import AUX, MoE
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer, resolve_schedule
-from forge.resilience.faults import parse_faults, with_nan_faults
+from forge.resilience.faults import parse_faults, with_faults
 from forge.training.steps.common import StepTotals, finish_step, micro_batch_loss
 from forge.training.steps.spec import StepSpec
 from forge.training.steps.text import make_text_step
@@ -150,7 +150,7 @@ def test_an_injected_nan_skips_the_step_and_leaves_the_routing_statistics(chunk)
     model = Transformer(CFG)
     opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
     spec = StepSpec(model, opt, NO_SCHEDULE, 1e-2, loss=LossSpec(chunk), bias_rate=0.05)
-    step = with_nan_faults(make_text_step(spec), model, parse_faults("nan:step=1"), rank=0)
+    step = with_faults(make_text_step(spec), model, parse_faults("nan:step=1"), rank=0)
     weights = copy.deepcopy(model.state_dict())
     result = step((batch(1), batch(2)), LoopState())
     assert math.isnan(result.loss) and math.isnan(result.grad_norm) and not result.finite

@@ -91,6 +91,17 @@ CASES = [
         None,
         R.FAILURE,
     ),
+    (
+        "replay mismatch mid-run",
+        LoopOutcome.REPLAY_MISMATCH,
+        3,
+        10,
+        2,
+        False,
+        True,
+        None,
+        R.FAILURE,
+    ),
     ("shutdown on the last step", LoopOutcome.SHUTDOWN, 10, 10, 10, True, True, None, R.SHUTDOWN),
     ("shutdown mid-run", LoopOutcome.SHUTDOWN, 5, 10, 5, True, True, None, R.SHUTDOWN),
     (

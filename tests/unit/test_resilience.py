@@ -8,7 +8,7 @@ import torch
 from forge.checkpoint.policy import SaveSchedule
 from forge.config.sections import NonFinitePolicy
 from forge.resilience.control import ControlChannel, StepMonitor, decode, encode
-from forge.resilience.faults import Fault, FaultKind, NanInjector, parse_faults, with_nan_faults
+from forge.resilience.faults import Fault, FaultKind, NanInjector, parse_faults, with_faults
 from forge.training.plan import (
     LoopPolicy,
     NonFiniteAction,
@@ -245,8 +245,8 @@ def test_without_a_nan_fault_the_step_is_returned_unwrapped():
         return StepResult(loss=1.0, grad_norm=1.0, tokens=1, lr=0.1)
 
     model = torch.nn.Linear(2, 2)
-    assert with_nan_faults(step, model, parse_faults("signal:step=2"), rank=0) is step
-    assert with_nan_faults(step, model, parse_faults("nan:step=2:rank=1"), rank=0) is step
+    assert with_faults(step, model, parse_faults("signal:step=2"), rank=0) is step
+    assert with_faults(step, model, parse_faults("nan:step=2:rank=1"), rank=0) is step
 
 
 def test_a_nan_fault_poisons_the_model_outputs_of_its_step_only():
@@ -257,7 +257,7 @@ def test_a_nan_fault_poisons_the_model_outputs_of_its_step_only():
         loss = model(x).sum()
         return StepResult(loss=float(loss), grad_norm=0.0, tokens=1, lr=0.1)
 
-    faulty = with_nan_faults(step, model, parse_faults("nan:step=2"), rank=0)
+    faulty = with_faults(step, model, parse_faults("nan:step=2"), rank=0)
     losses = [faulty(None, LoopState(step=k)).loss for k in range(3)]  # steps 1, 2, 3
     assert math.isfinite(losses[0]) and math.isnan(losses[1]) and losses[2] == losses[0]
     assert math.isfinite(faulty(None, LoopState(step=1)).loss)  # one-shot: a rerun is clean

@@ -153,8 +153,18 @@ def test_an_already_complete_run_says_how_to_extend_it():
     assert message is not None
     assert "complete at step 400" in message and "--train.max_steps above 400" in message
     assert "--run.dir" in message
-    others = set(LoopOutcome) - {LoopOutcome.ALREADY_COMPLETE, LoopOutcome.HEALTH_FAILURE}
-    assert all(outcome_message(o, 5, 10, "r") is None for o in others)
+    explained = {
+        LoopOutcome.ALREADY_COMPLETE,
+        LoopOutcome.HEALTH_FAILURE,
+        LoopOutcome.REPLAY_MISMATCH,
+    }
+    assert all(outcome_message(o, 5, 10, "r") is None for o in set(LoopOutcome) - explained)
+
+
+def test_a_replay_mismatch_says_nothing_of_its_step_was_saved():
+    message = outcome_message(LoopOutcome.REPLAY_MISMATCH, 3, 10, "runs/debug")
+    assert message is not None
+    assert "step 3 found no majority" in message and "no checkpoint" in message and "other hardware" in message
 
 
 def test_a_health_failure_says_where_the_stacks_are():

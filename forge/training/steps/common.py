@@ -22,11 +22,14 @@ from forge.model.transformer import is_moe, split_moe_output
 from forge.optim.schedules import lr_at
 from forge.parallel.grad_norm import clip_coefficient, scale_grads_
 from forge.training.expert_balance import balance_experts, global_loads
+from forge.training.plan import is_spike
 from forge.training.steps.spec import StepSpec
 from forge.types import (
     LoopState,
+    LossStats,
     MoeStepStats,
     PendingStep,
+    ReplayVerdict,
     SourceTotals,
     StepResult,
     stats_from_flat,
@@ -204,19 +207,34 @@ class StepTotals:
     sources: torch.Tensor | None = None
 
 
-def finish_step(spec: StepSpec, totals: StepTotals, step: int, lr: float) -> StepResult:
+def finish_step(
+    spec: StepSpec,
+    totals: StepTotals,
+    step: int,
+    lr: float,
+    stats: LossStats | None = None,
+    replay: ReplayVerdict | None = None,
+) -> StepResult:
     """Clip by the global norm and step, only if loss, norm (and z-loss, and a MoE model's
-    auxiliary losses) are finite; report step ``step`` (1-based), read by ``read_result``.
+    auxiliary losses) are finite, the loss is not a spike that ``spec`` drops (measured
+    against ``stats``, the loop's running statistics) and a replayed step found a majority;
+    report step ``step`` (1-based), read by ``read_result``.
 
     ``spec.before_update`` sees the step after that read, before clipping; a MoE model's
-    balancing bias moves right after an applied ``optimizer.step()``. A non-finite step
+    balancing bias moves right after an applied ``optimizer.step()``. A step not applied
     zeroes the gradients and never touches the optimizer state.
     """
     after_update = balance_after_update(spec.model, totals.moe, spec.bias_rate, spec.world_size)
-    result = read_result(totals, lr)
+    world = world_mean(totals.loss, spec.world_size) if spec.spike_threshold > 0 else None
+    result = read_result(totals, lr, world)
+    spike = result.world_loss is not None and is_spike(
+        result.world_loss, stats or LossStats(), spec.spike_threshold
+    )
+    result = attrs.evolve(result, spike=spike, replay=replay)
     if spec.before_update is not None:
         spec.before_update(PendingStep(step, result))
-    if result.finite:
+    inconsistent = replay is not None and bool(replay.inconsistent)
+    if result.finite and not (spike and spec.drops_spike) and not inconsistent:
         if math.isfinite(spec.max_norm):
             coefficient = clip_coefficient(result.grad_norm, spec.max_norm)
             scale_grads_(totals.params, coefficient)
@@ -227,12 +245,28 @@ def finish_step(spec: StepSpec, totals: StepTotals, step: int, lr: float) -> Ste
     return result
 
 
-def read_result(totals: StepTotals, lr: float) -> StepResult:
+def world_mean(loss: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The step's loss over every rank, on the device (one all-reduce of one number when
+    there are several): each rank's loss is its tokens' share of the step's mean, and ranks
+    that share tokens (tensor-parallel, pipeline peers) hold the same share, so the mean over
+    ranks is the step's mean."""
+    total = loss.detach().clone()
+    if world_size > 1:
+        torch_dist.all_reduce(total)
+        total = total / world_size
+    return total
+
+
+def read_result(
+    totals: StepTotals, lr: float, world_loss: torch.Tensor | None = None
+) -> StepResult:
     """The step's ``StepResult``, every total read in one host sync (one device-to-host
-    copy; a MoE model's statistics as ``moe_summary``)."""
+    copy; a MoE model's statistics as ``moe_summary``), with ``world_loss`` when given."""
     scalars = [totals.loss, totals.grad_norm]
     if totals.z_loss is not None:
         scalars.append(totals.z_loss)
+    if world_loss is not None:
+        scalars.append(world_loss)
     moe = moe_summary(totals.moe, totals.micro_batches) if totals.moe is not None else None
     sources = totals.sources.flatten() if totals.sources is not None else None
     parts = [
@@ -247,6 +281,7 @@ def read_result(totals: StepTotals, lr: float) -> StepResult:
         tokens=totals.tokens,
         lr=lr,
         z_loss=values[2] if totals.z_loss is not None else None,
+        world_loss=values[head - 1] if world_loss is not None else None,
         moe=moe_step_stats(values[head : head + n_moe], totals.moe.shape[0])
         if totals.moe is not None
         else None,

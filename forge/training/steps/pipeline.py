@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from forge.training.steps.common import (
     step_lr,
     trainable_parameters,
 )
+from forge.training.steps.replay import Replayer
 from forge.training.steps.spec import StepFunction, StepSpec
 from forge.types import LoopState, StepResult
 
@@ -98,9 +100,15 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
     stage = spec.model
     with_z = spec.loss.z_weight > 0
 
-    def pipeline_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
-        lr = set_lr(spec.optimizer, step_lr(spec, state, batches))
-        stage.train()
+    replayer = Replayer(
+        spec.replay,
+        lambda: spec.optimizer.zero_grad(set_to_none=True),
+        spec.world_size,
+        spec.rank,
+        next(stage.parameters()).device,
+    )
+
+    def gradients(batches: tuple[Batch, ...], step: int, computation: int) -> StepTotals:
         params = trainable_parameters(stage)  # a freeze schedule may change them
         device = next(stage.parameters()).device
         labels = step_labels(label_counts(batches), spec.token_slices, spec.world_size)
@@ -115,9 +123,12 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
             tied.sum_grads()
         n = len(batches)
         measured = stage_totals(pipeline, n, device, spec.moe_shape, with_z, spec.sources)
+        loss = measured.loss
+        if spec.fault is not None:
+            loss = spec.fault(step, computation, params, loss)
         counted = [p for p in params if tied is None or tied.in_norm or p is not tied.weight]
-        totals = StepTotals(
-            loss=measured.loss,
+        return StepTotals(
+            loss=loss,
             grad_norm=global_grad_norm(counted, pipeline.group),
             params=params,
             tokens=sum(b.num_tokens for b in batches) * spec.token_slices,
@@ -126,7 +137,13 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
             moe=measured.moe,
             sources=measured.sources,
         )
-        return finish_step(spec, totals, state.step + 1, lr)
+
+    def pipeline_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
+        lr = set_lr(spec.optimizer, step_lr(spec, state, batches))
+        stage.train()
+        step = state.step + 1
+        totals, verdict = replayer(step, functools.partial(gradients, batches, step))
+        return finish_step(spec, totals, step, lr, state.loss_stats, verdict)
 
     return pipeline_step
 

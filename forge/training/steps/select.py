@@ -12,7 +12,7 @@ from forge.optim.freezing import Freezer
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
 from forge.training.hooks import Hooks
 from forge.training.steps.pipeline import make_pipeline_step
-from forge.training.steps.spec import StepFunction, StepSpec, step_spec
+from forge.training.steps.spec import GradientFault, StepFunction, StepSpec, step_spec
 from forge.training.steps.text import make_text_step, make_vlm_step
 from forge.types import LoopState, StepResult
 
@@ -23,11 +23,12 @@ def make_step_fn(
     model: ModelContext,
     data: DataContext | None = None,
     hooks: Hooks | None = None,
+    fault: GradientFault | None = None,
 ) -> StepFunction:
     """The step function the config selects (``step_for``), over the run's ``StepSpec``
     (``data`` names a mixture's sources; ``hooks.on_before_optimizer_step`` runs inside
-    it); with ``[[freeze]]`` the schedule's transitions run before it."""
-    step = step_for(step_spec(run, dist, model, data, hooks), model)
+    it; ``fault``: test-only); with ``[[freeze]]`` the schedule's transitions run before it."""
+    step = step_for(step_spec(run, dist, model, data, hooks, fault), model)
     if model.freezer is None:
         return step
     return functools.partial(freezing_step, step, model.freezer)

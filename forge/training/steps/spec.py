@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import attrs
 import torch
@@ -21,9 +22,20 @@ from forge.model.moe import stats_width
 from forge.optim.schedules import Schedule
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
 from forge.training.hooks import Hooks
+from forge.training.plan import ReplayRule, drops_spike
 from forge.types import LoopState, PendingStep, StepResult
 
 StepFunction = Callable[[tuple[Batch, ...], LoopState], StepResult]  # one optimizer step
+
+
+class GradientFault(Protocol):
+    """A test-only fault (``forge.resilience.faults``) applied to one computation of a step
+    after its backward: it may change the gradients of ``params`` in place, and returns the
+    loss the computation reports."""
+
+    def __call__(
+        self, step: int, computation: int, params: Sequence[torch.Tensor], loss: torch.Tensor
+    ) -> torch.Tensor: ...
 
 
 @attrs.frozen
@@ -44,12 +56,17 @@ class StepSpec:
     # shares count over them
     token_slices: int = 1
     world_size: int = 1  # every rank: the MoE bias update sums the expert loads over them
+    rank: int = 0  # this rank: a replayed step's verdict names ranks
     loss: LossSpec = PLAIN_LOSS
     moe_shape: tuple[int, int] | None = None  # (MoE layers, statistics columns); None: dense
     bias_rate: float = 0.0  # aux-loss-free balancing (0: off)
     sources: tuple[str, ...] = ()  # a mixture's sources, whose losses the step reports
     before_update: Callable[[PendingStep], None] | None = None  # hooks, before clip and update
     vlm: VlmArch | None = None  # a vision-language step's architecture
+    spike_threshold: float = 0.0  # resilience.spike_threshold (0: no spike rule)
+    drops_spike: bool = False  # a spiking step's update is dropped (on_spike skip, rollback)
+    replay: ReplayRule = attrs.Factory(ReplayRule)  # which steps are computed again and compared
+    fault: GradientFault | None = None  # test-only faults in the step's computations
 
     @property
     def max_norm(self) -> float:
@@ -75,9 +92,10 @@ def step_spec(
     model: ModelContext,
     data: DataContext | None = None,
     hooks: Hooks | None = None,
+    fault: GradientFault | None = None,
 ) -> StepSpec:
     """The run's ``StepSpec``, from its contexts (``data`` names a mixture's sources;
-    ``hooks`` get ``on_before_optimizer_step``)."""
+    ``hooks`` get ``on_before_optimizer_step``; ``fault``: test-only)."""
     cfg = run.config
     before_update = None
     if hooks is not None:
@@ -92,10 +110,15 @@ def step_spec(
         fsdp_mixed_precision=model.fsdp,
         token_slices=dist.token_slices,
         world_size=dist.world_size,
+        rank=dist.rank,
         loss=model.loss,
         moe_shape=moe_stats_shape(cfg.model),
         bias_rate=cfg.model.moe_bias_update_rate if cfg.model.moe else 0.0,
         sources=data.source_names if data is not None else (),
         before_update=before_update,
         vlm=cfg.model.vlm,
+        spike_threshold=cfg.resilience.spike_threshold,
+        drops_spike=drops_spike(run.policy),
+        replay=ReplayRule(cfg.resilience.replay_interval, cfg.resilience.replay_first_step),
+        fault=fault,
     )

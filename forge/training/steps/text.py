@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import attrs
 import torch
@@ -23,6 +24,7 @@ from forge.training.steps.common import (
     step_lr,
     trainable_parameters,
 )
+from forge.training.steps.replay import Replayer
 from forge.training.steps.spec import StepFunction, StepSpec
 from forge.types import LoopState, StepResult
 
@@ -36,6 +38,8 @@ def make_text_step(spec: StepSpec) -> StepFunction:
     this rank's; it is averaged over data-parallel ranks only when logged. With a z-loss the
     reported ``loss`` stays the cross-entropy, ``z_loss`` the mean term; a mixture's
     per-source sums and a MoE model's statistics are summed over micro-batches and reported.
+    A replayed step (``spec.replay``) computes the gradients again and compares them
+    (``forge.training.steps.replay``) before anything is applied.
     Every labelled token of the step weighs the same wherever it sits (``label_weight``):
     packed rows, masked labels and captions of unequal length give a loss and gradient that
     do not depend on how the batch is split into micro-batches and data-parallel ranks.
@@ -47,9 +51,15 @@ def make_text_step(spec: StepSpec) -> StepFunction:
         else autocast_for(spec.precision, device_type_of(model))
     )
 
-    def text_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
-        lr = set_lr(optimizer, step_lr(spec, state, batches))
-        model.train()
+    replayer = Replayer(
+        spec.replay,
+        lambda: optimizer.zero_grad(set_to_none=True),
+        spec.world_size,
+        spec.rank,
+        next(model.parameters()).device,
+    )
+
+    def gradients(batches: tuple[Batch, ...], step: int, computation: int) -> StepTotals:
         params = trainable_parameters(model)  # a freeze schedule may change them
         device = next(model.parameters()).device
         total = torch.zeros((), device=device)  # summed on the device: no sync here
@@ -71,7 +81,9 @@ def make_text_step(spec: StepSpec) -> StepFunction:
                 total_z += terms.z * shares[i]
             if terms.moe is not None:
                 moe = terms.moe if moe is None else moe + terms.moe
-        totals = StepTotals(
+        if spec.fault is not None:
+            total = spec.fault(step, computation, params, total)
+        return StepTotals(
             loss=total,
             grad_norm=global_grad_norm(params),
             params=params,
@@ -81,7 +93,13 @@ def make_text_step(spec: StepSpec) -> StepFunction:
             moe=moe,
             sources=stats.drain() if stats is not None else None,
         )
-        return finish_step(spec, totals, state.step + 1, lr)
+
+    def text_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
+        lr = set_lr(optimizer, step_lr(spec, state, batches))
+        model.train()
+        step = state.step + 1
+        totals, verdict = replayer(step, functools.partial(gradients, batches, step))
+        return finish_step(spec, totals, step, lr, state.loss_stats, verdict)
 
     return text_step
 

@@ -1,0 +1,96 @@
+"""What a user reads about the quiet faults a step revealed: a loss spike, a replayed step
+whose computations disagreed (outvoted, or without a majority). The lines are pure functions;
+``FaultReport`` prints them once, on rank 0, as the step that revealed them is about to be
+applied (or not)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TextIO
+
+from forge.config.resilience import SpikePolicy
+from forge.types import Hooks, PendingStep, ReplayVerdict, StepResult
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# what happens to a spiking step under each ``resilience.on_spike``
+SPIKE_HANDLING = {
+    SpikePolicy.WARN: 'trained on (resilience.on_spike = "warn")',
+    SpikePolicy.SKIP: 'its update was dropped (resilience.on_spike = "skip")',
+    SpikePolicy.ROLLBACK: "the model goes back to the last snapshot (resilience.on_spike = "
+    '"rollback")',
+}
+
+
+def named(ranks: Sequence[int], hosts: Sequence[str]) -> str:
+    """``rank 1 (host a)`` or ``ranks 0 (host a), 1 (host b)``."""
+    parts = [f"{r} (host {hosts[r] if r < len(hosts) else '?'})" for r in ranks]
+    return ("rank " if len(parts) == 1 else "ranks ") + ", ".join(parts)
+
+
+def spike_line(step: int, loss: float, policy: SpikePolicy) -> str:
+    """The warning for a step whose loss was a spike."""
+    return (
+        f"step {step}'s loss {loss:.6g} is a spike (above resilience.spike_threshold "
+        f"deviations over its running mean): {SPIKE_HANDLING[policy]}"
+    )
+
+
+def outvoted_line(step: int, verdict: ReplayVerdict, hosts: Sequence[str]) -> str:
+    """The warning for a replayed step whose first two computations disagreed on some rank
+    and a third settled it."""
+    return (
+        f"step {step} computed differently twice on {named(verdict.mismatched, hosts)}; a "
+        "third computation agreed with one of them and the step went on with it. One such "
+        "step is a transient fault; if it recurs on the same rank, suspect its hardware"
+    )
+
+
+def inconsistent_line(step: int, verdict: ReplayVerdict, hosts: Sequence[str]) -> str:
+    """The error for a replayed step with no majority on some rank (exit 6)."""
+    return (
+        f"step {step} came out three different ways on {named(verdict.inconsistent, hosts)}: "
+        "a rank computes inconsistently, suspect its hardware. The step was not applied and "
+        f"nothing from step {step} on is saved; resume from the last checkpoint on other "
+        "hardware (exclude that node)"
+    )
+
+
+class FaultReport(Hooks):
+    """Prints the spike and replay lines of each step on rank 0 (every rank knows them: the
+    spike rule reads the loss over every rank, the replay verdict is agreed)."""
+
+    def __init__(
+        self,
+        is_main: bool,
+        hosts: Sequence[str],
+        spike_policy: SpikePolicy,
+        stream: TextIO | None = None,
+    ) -> None:
+        self.is_main = is_main
+        self.hosts = tuple(hosts)
+        self.spike_policy = spike_policy
+        self.stream = stream
+
+    def lines(self, step: int, result: StepResult) -> list[str]:
+        """What step ``step`` revealed, as ``[forge]`` lines."""
+        out = []
+        if result.spike and result.world_loss is not None:
+            out.append(f"warning: {spike_line(step, result.world_loss, self.spike_policy)}")
+        verdict = result.replay
+        if verdict is not None and verdict.inconsistent:
+            out.append(f"error: {inconsistent_line(step, verdict, self.hosts)}")
+        elif verdict is not None and verdict.mismatched:
+            out.append(f"warning: {outvoted_line(step, verdict, self.hosts)}")
+        return out
+
+    def on_before_optimizer_step(
+        self, state: PendingStep, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if not self.is_main:
+            return
+        for line in self.lines(state.step, state.result):
+            print(f"[forge] {line}", file=self.stream or sys.stderr, flush=True)
