@@ -4,7 +4,6 @@ health."""
 from __future__ import annotations
 
 import enum
-import math
 
 import attrs
 
@@ -67,8 +66,6 @@ class ResilienceConfig:
         non_negative(p, "resilience.health_check_interval", self.health_check_interval)
         positive(p, "resilience.health_timeout_s", self.health_timeout_s)
         positive(p, "resilience.shutdown_timeout_s", self.shutdown_timeout_s)
-        if not math.isfinite(self.spike_threshold):
-            p.append(("resilience.spike_threshold", f"must be finite, got {self.spike_threshold}"))
         non_negative(p, "resilience.spike_threshold", self.spike_threshold)
         non_negative(p, "resilience.replay_interval", self.replay_interval)
         if not self.straggler_ratio > 1:  # NaN included

@@ -190,18 +190,19 @@ def gradient_faults(faults: tuple[Fault, ...], rank: int) -> GradientFaults | No
 
 
 def flip_bit(params: Sequence[torch.Tensor], element: int) -> None:
-    """Flip the highest mantissa bit of gradient element ``element`` of the first parameter
-    holding more than three: its value changes, and stays finite."""
+    """Flip the highest mantissa bit of the ``element``-th non-zero gradient element of the
+    first parameter that has more than three: its value changes by up to a half, and stays
+    finite (a zero's flip would be a subnormal no update could feel)."""
     for p in params:
         grad = p.grad
         if grad is None:
             continue
         local = grad.to_local() if isinstance(grad, DTensor) else grad
-        if local.numel() <= 3:
+        nonzero = local.reshape(-1).nonzero().flatten()
+        if nonzero.numel() <= 3:
             continue
         flat = local.view(-1).view({4: torch.int32, 2: torch.int16}[local.element_size()])
-        bit = {4: 1 << 22, 2: 1 << 6}[local.element_size()]
-        flat[element] ^= bit
+        flat[nonzero[element]] ^= {4: 1 << 22, 2: 1 << 6}[local.element_size()]
         return
 
 

@@ -124,6 +124,53 @@ def test_stalled_rank_ends_in_health_failure_without_hanging(tmp_path, small_cor
     assert "in guarded" in waiting  # its stacks, dumped where guard_collectives caught it
 
 
+REPLAY = [*FSDP, "--resilience.replay_interval=1", "--checkpoint.interval=1"]
+
+
+def test_a_corrupted_gradient_is_outvoted_and_the_run_is_the_uninterrupted_one(
+    tmp_path, uninterrupted
+):
+    """One flipped gradient bit on rank 1 at step 3, every step replayed: the third
+    computation outvotes it, one warning names rank 1 and step 3, and every loss is
+    bit-identical to the run that had no fault (and replayed only its first step)."""
+    config, ref = uninterrupted
+    out, _ = two_ranks(config, tmp_path / "run", *REPLAY, faults="corrupt:step=3:rank=1")
+    ok(out)
+    warned = [x for x in out.stderr.splitlines() if "computed differently" in x]
+    assert len(warned) == 1 and "step 3" in warned[0] and "rank 1 (host " in warned[0], warned
+    assert [r["loss"] for r in records(tmp_path / "run")] == [r["loss"] for r in records(ref)]
+    mismatches = [r["resilience/replay_mismatches"] for r in records(tmp_path / "run")]
+    assert mismatches == [0, 0, 1, 1, 1, 1]
+
+
+def test_a_rank_that_computes_three_ways_ends_the_run_with_6_and_no_later_checkpoint(
+    tmp_path, small_corpus
+):
+    config = write_config(tmp_path, small_corpus)
+    faults = "corrupt:step=3:rank=1:times=3"
+    out, _ = two_ranks(config, tmp_path / "run", *REPLAY, faults=faults)
+    assert out.returncode == 6, out.stderr[-3000:]
+    errors = [x for x in out.stderr.splitlines() if "[forge] error: step 3 came out" in x]
+    assert len(errors) == 1 and "rank 1 (host " in errors[0] and "suspect its hardware" in errors[0]
+    assert "REPLAY_MISMATCH at step 3" in out.stdout
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert saved == ["step_1", "step_2"]
+
+
+def test_a_slow_rank_is_named_in_every_record_and_in_one_warning(tmp_path, uninterrupted):
+    config, _ = uninterrupted
+    args = [*FSDP, "--resilience.straggler_logs=3", "--resilience.straggler_ratio=1.3"]
+    out, _ = two_ranks(config, tmp_path / "run", *args, faults="slow:step=1:rank=1:seconds=0.4")
+    ok(out)
+    recs = records(tmp_path / "run")
+    assert [r["straggler/slowest_rank"] for r in recs] == [1] * 6
+    # 0.4 s more CPU time than a step's own (about 0.4 s here, twice that in the replayed
+    # first step): a ratio near 2, 1.5 at step 1; the waits of rank 0 count for nothing
+    assert all(r["straggler/ratio"] > 1.3 for r in recs), [r["straggler/ratio"] for r in recs]
+    warned = [x for x in out.stderr.splitlines() if "is a straggler" in x]
+    assert len(warned) == 1 and warned[0].startswith("[forge] warning: rank 1 (host "), warned
+
+
 def test_a_held_run_dir_stops_both_ranks_at_start_up(tmp_path, small_corpus):
     """Only rank 0 takes the lock; rank 1 learns of the refusal and never trains alone."""
     from forge.training.run_dir import lock_directories

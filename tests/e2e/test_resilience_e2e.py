@@ -140,3 +140,37 @@ def test_shutdown_timeout_forces_exit():
     )
     assert out.returncode == 75
     assert "did not finish within 0.5 s" in out.stderr
+
+
+SPIKE = ["--train.max_steps=20", "--resilience.spike_threshold=6", "--resilience.on_spike=skip"]
+
+
+def test_a_skipped_spike_continues_exactly_as_a_skipped_nan(tiny_config, tmp_path, monkeypatch):
+    """A finite spike x1000 at step 15 under on_spike=skip: dropped as a NaN at step 15 is
+    under on_nonfinite=skip, so steps 16-20 are bit-identical; the spike is counted."""
+    nan_run = reference_config(tiny_config, tmp_path)
+    monkeypatch.setenv("FORGE_FAULTS", "nan:step=15")
+    assert TRAIN.main([str(nan_run), "--train.max_steps=20"]) == 0
+    monkeypatch.setenv("FORGE_FAULTS", "spike:step=15:scale=1000")
+    assert TRAIN.main([str(tiny_config), *SPIKE]) == 0
+    spiked, skipped = records(tiny_config), records(nan_run)
+    assert [r["loss"] for r in spiked[15:]] == [r["loss"] for r in skipped[15:]]
+    assert [r["loss"] for r in spiked[:14]] == [r["loss"] for r in skipped[:14]]
+    assert spiked[14]["loss"] > 1000 * spiked[13]["loss"] / 2 and math.isnan(skipped[14]["loss"])
+    assert [r["resilience/spikes"] for r in spiked] == [0] * 14 + [1] * 6
+    assert train_state(tiny_config, 20)["loop_state"]["spikes"] == 1
+
+
+def test_a_resume_across_a_spike_is_exact(tiny_config, tmp_path, monkeypatch):
+    """Stopped at step 14, resumed: the spike at step 15 is measured against the statistics
+    the checkpoint kept (a resume that lost them would not see it before its warm-up)."""
+    from tests.e2e.test_train_script import SignalAt, losses
+
+    reference = reference_config(tiny_config, tmp_path)
+    monkeypatch.setenv("FORGE_FAULTS", "spike:step=15:scale=1000")
+    assert TRAIN.main([str(reference), *SPIKE]) == 0
+    assert TRAIN.main([str(tiny_config), *SPIKE], hooks=[SignalAt(13)]) == 75
+    assert train_state(tiny_config, 14)["loop_state"]["loss_stats"]["count"] == 14
+    assert TRAIN.main([str(tiny_config), *SPIKE]) == 0
+    assert losses(tiny_config) == losses(reference)
+    assert records(tiny_config)[-1]["resilience/spikes"] == 1

@@ -188,6 +188,42 @@ BAD = [
         "resilience.health_timeout_s: expected a finite number, got -inf",
     ),
     (
+        "negative spike threshold",
+        {"resilience": {"spike_threshold": -1}},
+        "resilience.spike_threshold: must be >= 0, got -1.0",
+    ),
+    (
+        "nan spike threshold",
+        {"resilience": {"spike_threshold": float("nan")}},
+        "resilience.spike_threshold: expected a finite number, got nan",
+    ),
+    (
+        "unknown spike policy",
+        {"resilience": {"on_spike": "ignore"}},
+        "resilience.on_spike: expected one of 'warn', 'skip', 'rollback', got 'ignore'",
+    ),
+    (
+        "negative replay interval",
+        {"resilience": {"replay_interval": -2}},
+        "resilience.replay_interval: must be >= 0, got -2",
+    ),
+    (
+        "replay first step as a string",
+        {"resilience": {"replay_first_step": "yes"}},
+        "resilience.replay_first_step: expected true or false, got 'yes'",
+    ),
+    (
+        "straggler ratio of one",
+        {"resilience": {"straggler_ratio": 1.0}},
+        "resilience.straggler_ratio: must be > 1 (the slowest rank's time over the median's), "
+        "got 1.0",
+    ),
+    (
+        "no straggler logs",
+        {"resilience": {"straggler_logs": 0}},
+        "resilience.straggler_logs: must be > 0, got 0",
+    ),
+    (
         "integer beyond 64 bits",
         {"train": {"seed": 99999999999999999999999}},
         "train.seed: 99999999999999999999999 is out of range: must fit in 64 bits (|value| < 2**63)",

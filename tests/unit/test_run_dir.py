@@ -164,7 +164,11 @@ def test_an_already_complete_run_says_how_to_extend_it():
 def test_a_replay_mismatch_says_nothing_of_its_step_was_saved():
     message = outcome_message(LoopOutcome.REPLAY_MISMATCH, 3, 10, "runs/debug")
     assert message is not None
-    assert "step 3 found no majority" in message and "no checkpoint" in message and "other hardware" in message
+    assert (
+        "step 3 found no majority" in message
+        and "no checkpoint" in message
+        and "other hardware" in message
+    )
 
 
 def test_a_health_failure_says_where_the_stacks_are():

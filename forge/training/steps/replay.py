@@ -48,7 +48,7 @@ def tensor_digest(tensor: torch.Tensor) -> torch.Tensor:
 def digest(totals: StepTotals) -> torch.Tensor:
     """The digest of one computation: the loss (and any other totals it measured) and every
     gradient this rank holds, in parameter order."""
-    measured = (totals.loss, totals.grad_norm, totals.z_loss, totals.moe, totals.sources)
+    measured = (totals.loss, totals.z_loss, totals.moe, totals.sources)  # this rank's own
     grads = [p.grad for p in totals.params if p.grad is not None]
     parts = [tensor_digest(t) for t in (*measured, *grads) if t is not None]
     return torch.stack(parts)
