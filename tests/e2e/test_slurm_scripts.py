@@ -19,7 +19,7 @@ trap 'echo USR1 > "$SHIM_DIR/srun.signal"; exit 75' USR1
 trap 'echo TERM > "$SHIM_DIR/srun.signal"; exit 75' TERM
 touch "$SHIM_DIR/srun.started"
 for _ in $(seq 1 {ticks}); do sleep 0.1; done
-exit 0
+exit "${FAKE_EXIT:-0}"
 """
 
 FAKE_SCONTROL = """#!/bin/bash
@@ -39,10 +39,11 @@ def shims(tmp: pathlib.Path, ticks: int) -> dict[str, str]:
             "SLURM_JOB_ID": "4242", "CONFIG": "configs/train/debug.toml"}  # fmt: skip
 
 
-def start(tmp: pathlib.Path, ticks: int) -> subprocess.Popen:
+def start(tmp: pathlib.Path, ticks: int, **env: str) -> subprocess.Popen:
     proc = subprocess.Popen(
         ["bash", str(SCRIPT), "--train.max_steps=10"],
-        cwd=REPO, env=shims(tmp, ticks), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env={**shims(tmp, ticks), **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 10
     while not (tmp / "srun.started").exists():
@@ -79,6 +80,15 @@ def test_a_clean_finish_is_not_requeued(tmp_path):
     proc.communicate(timeout=20)
     assert proc.returncode == 0
     assert not (tmp_path / "scontrol.calls").exists()
+
+
+def test_a_replay_mismatch_is_not_requeued_onto_the_same_nodes(tmp_path):
+    proc = start(tmp_path, ticks=3, FAKE_EXIT="6", SLURM_JOB_NODELIST="gpu[003-004]")
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 6
+    assert not (tmp_path / "scontrol.calls").exists()
+    assert "not requeued onto suspect hardware" in out and "gpu[003-004]" in out
+    assert "--exclude=<host>" in out
 
 
 def test_the_script_creates_its_log_folder_and_uses_the_venv(tmp_path):

@@ -14,6 +14,7 @@ replayed step leaves the streams where one computation would have.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 
 import torch
@@ -95,6 +96,9 @@ class Replayer:
         self.reset = reset  # drops a computation's gradients before the next
         self.world_size, self.rank, self.device = world_size, rank, device
         self.launched = False
+        replays = rule.interval > 0 or rule.first_step
+        if replays and device.type == "cuda":  # cuBLAS reads it when its handle is made
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
     def __call__(self, step: int, compute: Computation) -> tuple[StepTotals, ReplayVerdict | None]:
         """The computation's totals (gradients in the parameters) and, for a replayed step,
