@@ -140,11 +140,18 @@ class FreezeTransition:
 @attrs.frozen
 class ReplayVerdict:
     """A replayed step, agreed by every rank: the ranks whose first two computations
-    disagreed, and those whose third agreed with neither (no majority: the step is not
-    applied and the run ends REPLAY_MISMATCH)."""
+    disagreed, those whose third agreed with neither (no majority), and those whose
+    replicated gradients differ from their replicas'. Either of the last two: the step is not
+    applied and the run ends REPLAY_MISMATCH."""
 
     mismatched: tuple[int, ...] = ()
     inconsistent: tuple[int, ...] = ()
+    diverged: tuple[int, ...] = ()
+
+    @property
+    def failed(self) -> bool:
+        """Whether the step may not be applied: no majority, or diverged replicas."""
+        return bool(self.inconsistent or self.diverged)
 
 
 @attrs.frozen

@@ -89,7 +89,7 @@ class StepMonitor:
                 shutdown_requested=self.shutdown(),
                 nonfinite=not result.finite,
                 health_failed=result.collective_failed,
-                inconsistent=result.replay is not None and bool(result.replay.inconsistent),
+                inconsistent=result.replay is not None and result.replay.failed,
             )
         )
         due = self.interval > 0 and self.steps % self.interval == 0

@@ -10,7 +10,8 @@ Set ``FORGE_FAULTS`` (test-only; never in production) to a comma-separated list 
 - ``stall:step=4:rank=1:seconds=30`` — rank 1 sleeps 30 s after step 4;
 - ``corrupt:step=3:rank=1[:times=N]`` — one bit of one gradient element flips on rank 1 in
   each of the first N computations of step 3 (default 1), a different element each time
-  (``GradientFaults``: a replayed step outvotes one, not three);
+  (``GradientFaults``: a replayed step outvotes one, not three); with ``sticky=1`` the same
+  element each time, a persistent fault that only a comparison with replicas can see;
 - ``slow:step=1:rank=1:seconds=0.4`` — rank 1 computes 0.4 s longer in every step from step 1
   on (it keeps busy, as a slow device does: a sleeping rank would look like one waiting);
 - ``spike:step=15[:rank=R]:scale=1000`` — the loss and the gradients of step 15 are
@@ -62,6 +63,7 @@ class Fault:
     seconds: float = 30.0
     times: int = 1
     scale: float = 1.0
+    sticky: bool = False  # corrupt: the same element each time (a persistent fault)
 
     def hits(self, step: int, rank: int) -> bool:
         return self.step == step and self.on(rank)
@@ -86,6 +88,7 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
                     seconds=float(fields.pop("seconds", "30")),
                     times=int(fields.pop("times", "1")),
                     scale=float(fields.pop("scale", "1")),
+                    sticky=bool(int(fields.pop("sticky", "0"))),
                 )
             )
         except (KeyError, ValueError) as exc:
@@ -179,7 +182,7 @@ class GradientFaults:
                     if p.grad is not None:
                         p.grad.mul_(f.scale)
             elif computation < f.times:
-                flip_bit(params, computation)
+                flip_bit(params, 0 if f.sticky else computation)
         return loss
 
 

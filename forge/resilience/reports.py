@@ -59,6 +59,17 @@ def inconsistent_line(step: int, verdict: ReplayVerdict, hosts: Sequence[str]) -
     )
 
 
+def diverged_line(step: int, verdict: ReplayVerdict, hosts: Sequence[str]) -> str:
+    """The error for replicas whose gradients differ after a replayed step (exit 6)."""
+    return (
+        f"at step {step} the gradients of {named(verdict.diverged, hosts)} differ from those "
+        "its replicas hold (data-parallel replicas or tensor-parallel ranks must hold them bit "
+        "for bit after the reduction): suspect that rank's hardware or interconnect. The step "
+        f"was not applied and nothing from step {step} on is saved; resume from the last "
+        "checkpoint on other hardware (exclude that node)"
+    )
+
+
 class FaultReport(Hooks):
     """Prints the spike and replay lines of each step on rank 0 (every rank knows them: the
     spike rule reads the loss over every rank, the replay verdict is agreed)."""
@@ -83,7 +94,9 @@ class FaultReport(Hooks):
         verdict = result.replay
         if verdict is not None and verdict.inconsistent:
             out.append(f"error: {inconsistent_line(step, verdict, self.hosts)}")
-        elif verdict is not None and verdict.mismatched:
+        if verdict is not None and verdict.diverged:
+            out.append(f"error: {diverged_line(step, verdict, self.hosts)}")
+        if verdict is not None and verdict.mismatched and not verdict.failed:
             out.append(f"warning: {outvoted_line(step, verdict, self.hosts)}")
         return out
 

@@ -157,6 +157,24 @@ def test_a_rank_that_computes_three_ways_ends_the_run_with_6_and_no_later_checkp
     assert saved == ["step_1", "step_2"]
 
 
+def test_replicas_whose_gradients_differ_end_the_run_with_6(tmp_path, small_corpus):
+    """HSDP at 4 ranks (2 replicas of 2 shards): rank 1 flips the same gradient bit in every
+    computation of step 2, so its own replay agrees with itself; its replica (rank 3) holds
+    other gradients, and with two there is no majority: both are named, exit 6."""
+    config = write_config(tmp_path, small_corpus)
+    argv = [str(REPO / "scripts" / "train.py"), str(config), f"--run.dir={tmp_path / 'run'}",
+            *COMMON, "--distributed.dp_replicate=2", "--distributed.dp_shard=2",
+            "--train.batch_size=1", "--train.grad_accum_steps=2", *REPLAY[1:]]  # fmt: skip
+    faults = "corrupt:step=2:rank=1:times=3:sticky=1"
+    out = run_ranks(4, argv, env={"FORGE_FAULTS": faults}, timeout=240)
+    assert out.returncode == 6, out.stderr[-3000:]
+    errors = [x for x in out.stderr.splitlines() if "[forge] error: at step 2" in x]
+    assert len(errors) == 1 and "ranks 1 (host " in errors[0] and ", 3 (host " in errors[0]
+    assert "came out three different ways" not in out.stderr  # each replay agreed with itself
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert saved == ["step_1"]
+
+
 def test_a_slow_rank_is_named_in_every_record_and_in_one_warning(tmp_path, uninterrupted):
     config, _ = uninterrupted
     args = [*FSDP, "--resilience.straggler_logs=3", "--resilience.straggler_ratio=1.3"]

@@ -233,8 +233,8 @@ def finish_step(
     result = attrs.evolve(result, spike=spike, replay=replay)
     if spec.before_update is not None:
         spec.before_update(PendingStep(step, result))
-    inconsistent = replay is not None and bool(replay.inconsistent)
-    if result.finite and not (spike and spec.drops_spike) and not inconsistent:
+    failed = replay is not None and replay.failed
+    if result.finite and not (spike and spec.drops_spike) and not failed:
         if math.isfinite(spec.max_norm):
             coefficient = clip_coefficient(result.grad_norm, spec.max_norm)
             scale_grads_(totals.params, coefficient)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as torch_dist
@@ -55,14 +55,54 @@ def digest(totals: StepTotals) -> torch.Tensor:
     return torch.stack(parts)
 
 
-def ranks_where(flag: bool, world_size: int, rank: int, device: torch.device) -> tuple[int, ...]:
-    """The ranks whose ``flag`` is set, agreed by every rank in one all-reduce."""
+def ranks_where(
+    flags: Sequence[bool], world_size: int, rank: int, device: torch.device
+) -> list[tuple[int, ...]]:
+    """For each of this rank's ``flags``, the ranks where it is set, agreed by every rank in
+    one all-reduce."""
     if world_size == 1:
-        return (0,) if flag else ()
-    flags = torch.zeros(world_size, device=device)
-    flags[rank] = float(flag)
-    torch_dist.all_reduce(flags)
-    return tuple(int(r) for r in flags.nonzero().flatten().tolist())
+        return [(0,) if flag else () for flag in flags]
+    table = torch.zeros(len(flags), world_size, device=device)
+    table[:, rank] = torch.tensor([float(f) for f in flags], device=device)
+    torch_dist.all_reduce(table)
+    return [tuple(int(r) for r in row.nonzero().flatten().tolist()) for row in table]
+
+
+REPLICATED_DIMS = ("dp_replicate", "tp")  # mesh dims along which a Replicate()d value is equal
+
+
+def replica_groups(
+    params: Sequence[torch.Tensor],
+) -> list[tuple[torch_dist.ProcessGroup, list[torch.Tensor]]]:
+    """The gradients this rank holds that other ranks must hold bit for bit (a DTensor
+    replicated along an HSDP replica dim or a tensor-parallel dim), by the group of ranks
+    that hold them, in one order on every rank (by dim name, then ranks)."""
+    groups: dict[tuple[str, tuple[int, ...]], tuple[torch_dist.ProcessGroup, list]] = {}
+    for p in params:
+        grad = p.grad
+        if not isinstance(grad, DTensor):
+            continue
+        mesh = grad.device_mesh
+        names = mesh.mesh_dim_names or ()
+        for dim, (name, placement) in enumerate(zip(names, grad.placements, strict=False)):
+            if name in REPLICATED_DIMS and placement.is_replicate() and mesh.size(dim) > 1:
+                group = mesh.get_group(dim)
+                key = (name, tuple(torch_dist.get_process_group_ranks(group)))
+                groups.setdefault(key, (group, []))[1].append(grad)
+    return [groups[key] for key in sorted(groups)]
+
+
+def diverges_from_replicas(params: Sequence[torch.Tensor]) -> bool:
+    """Whether this rank's replicated gradients differ from those of most of a group that
+    must hold them equal (with no majority, every member of the group diverges)."""
+    diverged = False
+    for group, grads in replica_groups(params):  # every group's gather runs, on every member
+        mine = torch.stack([tensor_digest(g) for g in grads])
+        theirs = [torch.empty_like(mine) for _ in range(torch_dist.get_world_size(group))]
+        torch_dist.all_gather(theirs, mine, group=group)
+        agreeing = sum(torch.equal(mine, other) for other in theirs)
+        diverged |= 2 * agreeing <= len(theirs)
+    return diverged
 
 
 @contextlib.contextmanager
@@ -114,15 +154,21 @@ class Replayer:
             totals = compute(1)
             second_digest = digest(totals)
             differs = not torch.equal(first_digest, second_digest)
-            mismatched = ranks_where(differs, self.world_size, self.rank, self.device)
+            mismatched, diverged = self.agreed(differs, totals)
             if not mismatched:
-                return totals, ReplayVerdict()
+                return totals, ReplayVerdict(diverged=diverged)
             self.again(rng, cuda_rng)
             totals = compute(2)
             third_digest = digest(totals)
         alone = not any(torch.equal(third_digest, d) for d in (first_digest, second_digest))
-        inconsistent = ranks_where(alone, self.world_size, self.rank, self.device)
-        return totals, ReplayVerdict(mismatched=mismatched, inconsistent=inconsistent)
+        inconsistent, diverged = self.agreed(alone, totals)
+        return totals, ReplayVerdict(mismatched, inconsistent, diverged)
+
+    def agreed(self, flag: bool, totals: StepTotals) -> list[tuple[int, ...]]:
+        """The ranks where ``flag`` is set, and those whose replicated gradients diverge
+        from their replicas', agreed by every rank."""
+        diverged = self.world_size > 1 and diverges_from_replicas(totals.params)
+        return ranks_where([flag, diverged], self.world_size, self.rank, self.device)
 
     def again(self, rng: torch.Tensor, cuda_rng: torch.Tensor | None) -> None:
         """Back to where the step's first computation started: no gradients, the same RNG."""
