@@ -12,7 +12,13 @@ import pytest
 from forge.config.resilience import ResilienceConfig
 from forge.config.sections import NonFinitePolicy, SpikePolicy
 from forge.resilience.faults import Fault, FaultKind, parse_faults
-from forge.resilience.reports import FaultReport, inconsistent_line, named, outvoted_line
+from forge.resilience.reports import (
+    FaultReport,
+    diverged_line,
+    inconsistent_line,
+    named,
+    outvoted_line,
+)
 from forge.resilience.stragglers import (
     StragglerReading,
     StragglerStreak,
@@ -266,6 +272,10 @@ FAULTS = [
     ("corrupt:step=3:rank=1:times=3", (Fault(FaultKind.CORRUPT, 3, 1, times=3),)),
     ("slow:step=1:rank=1:seconds=0.4", (Fault(FaultKind.SLOW, 1, 1, seconds=0.4),)),
     ("spike:step=15:scale=1000", (Fault(FaultKind.SPIKE, 15, None, scale=1000.0),)),
+    (
+        "corrupt:step=2:rank=1:times=3:sticky=1",
+        (Fault(FaultKind.CORRUPT, 2, 1, times=3, sticky=True),),
+    ),
 ]
 
 
@@ -289,6 +299,24 @@ def test_the_lines_name_ranks_and_hosts():
     lost = inconsistent_line(3, ReplayVerdict((1,), (1,)), hosts)
     assert "rank 1 (host b)" in lost and "suspect its hardware" in lost
     assert "nothing from step 3 on is saved" in lost
+    apart = diverged_line(2, ReplayVerdict(diverged=(0, 1)), hosts)
+    assert "ranks 0 (host a), 1 (host b)" in apart and "replicas" in apart
+
+
+# (verdict, whether the step may not be applied, the lines FaultReport prints)
+VERDICT_LINES = [
+    (ReplayVerdict(), False, []),
+    (ReplayVerdict(mismatched=(1,)), False, ["warning: step 4 computed differently"]),
+    (ReplayVerdict((1,), (1,)), True, ["error: step 4 came out three different ways"]),
+    (ReplayVerdict(diverged=(0, 1)), True, ["error: at step 4 the gradients"]),
+]
+
+
+@pytest.mark.parametrize("verdict,failed,starts", VERDICT_LINES)
+def test_each_verdict_has_its_line(verdict, failed, starts):
+    assert verdict.failed is failed
+    lines = FaultReport(True, ("a", "b"), WARN).lines(4, result(replay=verdict))
+    assert [line[: len(s)] for line, s in zip(lines, starts, strict=True)] == starts
 
 
 def test_the_report_prints_on_rank_zero_only():
