@@ -165,16 +165,21 @@ def keep_busy(seconds: float) -> None:
 
 
 class GradientFaults:
-    """The ``corrupt`` and ``spike`` faults of this rank, as the step's ``GradientFault``."""
+    """The ``corrupt`` and ``spike`` faults of this rank, as the step's ``GradientFault``.
+    Each hits one run of its step: a step number run again after a rollback runs clean."""
 
     def __init__(self, faults: tuple[Fault, ...], rank: int) -> None:
         self.faults = [f for f in faults if f.kind in IN_COMPUTATION and f.on(rank)]
+        self.runs = [0] * len(self.faults)  # how often each fault's step began
 
     def __call__(
         self, step: int, computation: int, params: Sequence[torch.Tensor], loss: torch.Tensor
     ) -> torch.Tensor:
-        for f in self.faults:
+        for i, f in enumerate(self.faults):
             if f.step != step:
+                continue
+            self.runs[i] += computation == 0
+            if self.runs[i] > 1:  # the step again, after a rollback
                 continue
             if f.kind is FaultKind.SPIKE:
                 loss = loss * f.scale

@@ -271,8 +271,9 @@ def plan_step(
 
 
 def rolled_back(current: LoopState, snapshot: LoopState) -> LoopState:
-    """The state after restoring ``snapshot``: its step (and so its LR), but the data already
-    consumed stays consumed, and the skipped window is recorded."""
+    """The state after restoring ``snapshot``: its step (and so its LR) and its loss
+    statistics, but the data already consumed stays consumed, the skipped window is recorded,
+    and the run's counts of spikes and replay mismatches stand."""
     return attrs.evolve(
         snapshot,
         tokens_seen=current.tokens_seen,
@@ -280,6 +281,8 @@ def rolled_back(current: LoopState, snapshot: LoopState) -> LoopState:
         last_saved_step=current.last_saved_step,
         last_step_finite=False,
         skipped_ranges=(*current.skipped_ranges, (snapshot.step + 1, current.step)),
+        spikes=current.spikes,  # counts of the run, not of the model's state
+        replay_mismatches=current.replay_mismatches,
     )
 
 

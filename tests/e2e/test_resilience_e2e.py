@@ -174,3 +174,23 @@ def test_a_resume_across_a_spike_is_exact(tiny_config, tmp_path, monkeypatch):
     assert TRAIN.main([str(tiny_config), *SPIKE]) == 0
     assert losses(tiny_config) == losses(reference)
     assert records(tiny_config)[-1]["resilience/spikes"] == 1
+
+
+def test_a_spike_under_rollback_restores_the_snapshot_and_skips_the_window(
+    tiny_config, monkeypatch
+):
+    """A spike at step 14 with snapshots every 3 steps: back to step 12, batches 13-14 skipped,
+    as a NaN would be under on_nonfinite=rollback."""
+    monkeypatch.setenv("FORGE_FAULTS", "spike:step=14:scale=1000")
+    args = [
+        str(tiny_config),
+        "--train.max_steps=16",
+        "--resilience.spike_threshold=6",
+        "--resilience.on_spike=rollback",
+        "--resilience.snapshot_interval=3",
+    ]
+    assert TRAIN.main(args) == 0
+    steps = [r["step"] for r in records(tiny_config)]
+    assert steps == [*range(1, 15), 13, 14, 15, 16]
+    assert train_state(tiny_config, 16)["loop_state"]["skipped_ranges"] == [[13, 14]]
+    assert records(tiny_config)[-1]["resilience/spikes"] == 1

@@ -16,7 +16,7 @@ from forge.training.plan import (
     plan_step,
     rolled_back,
 )
-from forge.types import LoopOutcome, LoopState, Signals, StepResult
+from forge.types import LoopOutcome, LoopState, LossStats, Signals, StepResult
 
 SKIP, ROLLBACK, ABORT = NonFinitePolicy.SKIP, NonFinitePolicy.ROLLBACK, NonFinitePolicy.ABORT
 A = NonFiniteAction
@@ -141,6 +141,14 @@ def test_rolled_back_state_keeps_data_and_records_the_window():
         LoopState(step=9, tokens_seen=80, skipped_ranges=after.skipped_ranges), snap
     )
     assert again.skipped_ranges == ((7, 8), (7, 9))
+
+
+def test_rolled_back_state_keeps_the_runs_counts_and_the_snapshots_statistics():
+    current = LoopState(step=8, spikes=2, replay_mismatches=1, loss_stats=LossStats(8, 2.0, 0.1))
+    snap = LoopState(step=6, spikes=1, loss_stats=LossStats(6, 2.5, 0.2))
+    after = rolled_back(current, snap)
+    assert (after.spikes, after.replay_mismatches) == (2, 1)
+    assert after.loss_stats == snap.loss_stats
 
 
 @pytest.mark.parametrize(
