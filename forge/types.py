@@ -174,6 +174,7 @@ class StepResult:
     spike: bool = False  # the loss was a spike (resilience.spike_threshold)
     replay: ReplayVerdict | None = None  # the step was replayed, and how it came out
     busy_s: float = 0.0  # this rank's own time in the step, its waits for peers left out
+    applied: bool = True  # the step applied its update (false: non-finite, dropped, failed)
 
     @property
     def finite(self) -> bool:
@@ -202,7 +203,7 @@ class Signals:
     shutdown_requested: bool = False
     health_failed: bool = False
     nonfinite: bool = False  # some rank's loss or grad norm was not finite
-    inconsistent: bool = False  # a replayed step found no majority on some rank
+    replay_failed: bool = False  # a replayed step found no majority, or replicas diverged
 
 
 class Hooks:

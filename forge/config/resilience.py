@@ -28,7 +28,7 @@ class SpikePolicy(enum.Enum):
 
 @attrs.frozen
 class ResilienceConfig:
-    """Non-finite steps, preemption and health.
+    """Non-finite steps, loss spikes, replayed steps, stragglers, preemption and health.
 
     ``on_nonfinite``: ``skip`` drops the update, ``rollback`` restores the in-memory snapshot
     taken every ``snapshot_interval`` steps, ``abort`` ends the run at the first; after

@@ -91,10 +91,3 @@ class JobConfig:
     hooks: HooksConfig = attrs.Factory(HooksConfig)
     profiler: ProfilerConfig = attrs.Factory(ProfilerConfig)
     freeze: tuple[FreezeRule, ...] = ()  # [[freeze]]: which parameters train when
-
-    @property
-    def nonfinite_limit(self) -> int:
-        """Consecutive non-finite steps that end the run."""
-        if self.resilience.on_nonfinite is NonFinitePolicy.ABORT:
-            return 1
-        return self.resilience.max_consecutive_nonfinite

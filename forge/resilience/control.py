@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from forge.types import Signals, StepResult
 
-FIELDS = ("nonfinite", "shutdown_requested", "health_failed", "inconsistent")
+FIELDS = ("nonfinite", "shutdown_requested", "health_failed", "replay_failed")
 
 
 def encode(local: Signals) -> list[float]:
@@ -89,7 +89,7 @@ class StepMonitor:
                 shutdown_requested=self.shutdown(),
                 nonfinite=not result.finite,
                 health_failed=result.collective_failed,
-                inconsistent=result.replay is not None and result.replay.failed,
+                replay_failed=result.replay is not None and result.replay.failed,
             )
         )
         due = self.interval > 0 and self.steps % self.interval == 0

@@ -52,6 +52,13 @@ class FaultKind(enum.Enum):
 
 
 IN_COMPUTATION = (FaultKind.CORRUPT, FaultKind.SPIKE)  # ``GradientFaults``'
+# each gradient dtype's bits as an integer type, and its highest mantissa bit
+MANTISSA_TOP = {
+    torch.float64: (torch.int64, 1 << 51),
+    torch.float32: (torch.int32, 1 << 22),
+    torch.bfloat16: (torch.int16, 1 << 6),
+    torch.float16: (torch.int16, 1 << 9),
+}
 
 
 @attrs.frozen
@@ -209,8 +216,9 @@ def flip_bit(params: Sequence[torch.Tensor], element: int) -> None:
         nonzero = local.reshape(-1).nonzero().flatten()
         if nonzero.numel() <= 3:
             continue
-        flat = local.view(-1).view({4: torch.int32, 2: torch.int16}[local.element_size()])
-        flat[nonzero[element]] ^= {4: 1 << 22, 2: 1 << 6}[local.element_size()]
+        width, bit = MANTISSA_TOP[local.dtype]
+        flat = local.view(-1).view(width)
+        flat[nonzero[element]] ^= bit
         return
 
 

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 SPIKE_HANDLING = {
     SpikePolicy.WARN: 'trained on (resilience.on_spike = "warn")',
     SpikePolicy.SKIP: 'its update was dropped (resilience.on_spike = "skip")',
-    SpikePolicy.ROLLBACK: "the model goes back to the last snapshot (resilience.on_spike = "
-    '"rollback")',
+    SpikePolicy.ROLLBACK: "its update was dropped and the model goes back to the last snapshot "
+    '(resilience.on_spike = "rollback"), unless the run stops',
 }
 
 

@@ -12,6 +12,9 @@ import attrs
 
 from forge.types import LoopOutcome
 
+# endings after which the last state is not trusted: no save, scheduled or final
+FAILURES = (LoopOutcome.NAN_ABORT, LoopOutcome.HEALTH_FAILURE, LoopOutcome.REPLAY_MISMATCH)
+
 
 @attrs.frozen
 class CheckpointView:
@@ -66,7 +69,7 @@ def finalize(outcome: LoopOutcome, ckpt: CheckpointView) -> FinalSave:
     """Decide the final save for a loop that ended with ``outcome``."""
     if not ckpt.enabled:
         return _no(FinalSaveReason.DISABLED)
-    if outcome in (LoopOutcome.NAN_ABORT, LoopOutcome.HEALTH_FAILURE, LoopOutcome.REPLAY_MISMATCH):
+    if outcome in FAILURES:
         return _no(FinalSaveReason.FAILURE)
     if outcome is LoopOutcome.SHUTDOWN:
         return _no(FinalSaveReason.SHUTDOWN)

@@ -41,9 +41,9 @@ def outcome_message(outcome: LoopOutcome, step: int, max_steps: int, run_dir: st
         )
     if outcome is LoopOutcome.REPLAY_MISMATCH:
         return (
-            f"replayed step {step} found no majority (the error above names the "
-            "rank and host): no checkpoint of that step or later was saved; resume from the "
-            "last one on other hardware"
+            f"replayed step {step} found no majority, or replicas disagreed on it (the error "
+            "above names the rank and host): no checkpoint of that step or later was saved; "
+            "resume from the last one on other hardware"
         )
     return None
 

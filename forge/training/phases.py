@@ -92,6 +92,7 @@ from forge.training.run_dir import (
 )
 from forge.training.run_record import predated_model_defaults, run_identity
 from forge.training.run_records import RunRecordsError, write_run_records
+from forge.training.steps.replay import cuda_determinism_env
 from forge.training.vlm import vision_footprint, vlm_problems
 from forge.types import LoopState
 
@@ -181,24 +182,22 @@ def setup_distributed(run: RunContext) -> DistContext:
     them (``initial_value`` uses a generator per parameter), so every layout starts alike.
     """
     cfg = run.config
-    problem = shared_store_problem(os.environ)
-    if problem is not None:
+    if (problem := shared_store_problem(os.environ)) is not None:
         raise ConfigError(problem)
     world = world_info(os.environ)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    problem = local_gpu_problem(world.local_rank, gpus)
-    if problem is not None:
+    if (problem := local_gpu_problem(world.local_rank, gpus)) is not None:
         raise ConfigError(problem)
+    if gpus and (cfg.resilience.replay_interval or cfg.resilience.replay_first_step):
+        cuda_determinism_env(os.environ)  # before CUDA starts: replays compare bit for bit
     dims = resolve_dims(cfg.distributed, world.world_size)
     mesh = init_process_group(world, cfg.distributed, dims)
-    # Weights come from per-parameter generators (see initial_value), not from these streams;
-    # these serve anything sampled during training, and differ per rank.
+    # weights come from per-parameter generators (initial_value); these streams differ per rank
     seed_everything(cfg.train.seed + world.rank)
     if cfg.train.num_threads > 0:
         torch.set_num_threads(cfg.train.num_threads)
-    dist = DistContext(
-        world=world, dims=dims, mesh=mesh, device=device_for(world), hosts=host_names(world)
-    )
+    device = device_for(world)  # first: the gather of host names runs on it under NCCL
+    dist = DistContext(world=world, dims=dims, mesh=mesh, device=device, hosts=host_names(world))
     warning = precision_warning(run.config.train.mixed_precision, dist.device.type, cpu_flags())
     if warning and dist.is_main:
         print(f"[forge] warning: {warning}", file=sys.stderr)
@@ -272,8 +271,7 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
 
 def cxx_compiler_found() -> bool:
     """Whether inductor's CPU backend has a C++ compiler (``$CXX``, else ``c++``/``g++``)."""
-    names = [os.environ.get("CXX", ""), "c++", "g++", "clang++"]
-    return any(shutil.which(n) for n in names if n)
+    return any(shutil.which(n) for n in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if n)
 
 
 def setup_data(run: RunContext, dist: DistContext) -> DataContext:

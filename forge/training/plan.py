@@ -28,6 +28,7 @@ import attrs
 
 from forge.checkpoint.policy import SaveSchedule
 from forge.config.sections import JobConfig, NonFinitePolicy, SpikePolicy
+from forge.training.finalize import FAILURES
 from forge.types import LoopOutcome, LoopState, LossStats, Signals, StepResult
 
 SPIKE_WARMUP = 10  # applied steps in the statistics before a loss can be called a spike
@@ -48,6 +49,11 @@ class LoopPolicy:
     snapshot_interval: int = 0  # rollback snapshots every this many steps (0: only at start)
     spike_threshold: float = 0.0  # deviations above the running mean (0: no spike rule)
     spike_policy: SpikePolicy = SpikePolicy.WARN
+
+    @property
+    def drops_spikes(self) -> bool:
+        """Whether a spiking step's update is dropped (``on_spike`` skip or rollback)."""
+        return self.spike_threshold > 0 and self.spike_policy is not SpikePolicy.WARN
 
     @property
     def snapshots(self) -> bool:
@@ -73,7 +79,7 @@ def loop_policy(config: JobConfig) -> LoopPolicy:
         log_interval=config.metrics.log_interval,
         eval_interval=config.eval.interval,
         schedule=schedule,
-        nonfinite_limit=config.nonfinite_limit,
+        nonfinite_limit=config.resilience.max_consecutive_nonfinite,
         nonfinite_policy=config.resilience.on_nonfinite,
         snapshot_interval=config.resilience.snapshot_interval,
         spike_threshold=config.resilience.spike_threshold,
@@ -94,7 +100,7 @@ def nonfinite_action(streak: int, policy: LoopPolicy, spike: bool = False) -> No
     if streak == 0:
         return NonFiniteAction.CONTINUE
     rule = policy.nonfinite_policy
-    if spike and drops_spike(policy):
+    if spike and policy.drops_spikes:
         rule = NonFinitePolicy(policy.spike_policy.value)  # skip or rollback
     if streak >= policy.nonfinite_limit or rule is NonFinitePolicy.ABORT:
         return NonFiniteAction.ABORT
@@ -141,11 +147,6 @@ class ReplayRule:
         )
 
 
-def drops_spike(policy: LoopPolicy) -> bool:
-    """Whether a spiking step's update is dropped (``on_spike`` skip or rollback)."""
-    return policy.spike_threshold > 0 and policy.spike_policy is not SpikePolicy.WARN
-
-
 class SaveReason(enum.Enum):
     SCHEDULED = "scheduled"
     EMERGENCY = "emergency"
@@ -158,10 +159,6 @@ def save_failure_is_fatal(reason: SaveReason, step: int, max_steps: int) -> bool
     emergency save, or any save of the last step is the run's last chance to keep its work,
     so its failure fails the run."""
     return reason is not SaveReason.SCHEDULED or step >= max_steps
-
-
-# endings after which nothing of the last steps may be saved
-FAILURES = (LoopOutcome.HEALTH_FAILURE, LoopOutcome.NAN_ABORT, LoopOutcome.REPLAY_MISMATCH)
 
 
 @attrs.frozen
@@ -177,18 +174,18 @@ class StepPlan:
     snapshot: bool = False  # refresh the rollback snapshot at this state
 
 
-def advance(
-    state: LoopState, result: StepResult, finite: bool = True, policy: LoopPolicy | None = None
-) -> LoopState:
+def advance(state: LoopState, result: StepResult, finite: bool = True) -> LoopState:
     """Bookkeeping after a step, skipped or not (see the module docstring). ``finite`` is the
-    world-reduced verdict: false if any rank's step was not finite. With a spike rule
-    (``policy``) an applied step's world loss joins the running statistics."""
+    world-reduced verdict: false if any rank's step was not finite. A step whose update was
+    applied (``result.applied``, as the step decided) enters the loss statistics with its
+    world loss, a spike kept under ``on_spike = "warn"`` included: it is the run's loss now."""
     ok = finite and result.finite
-    applied = ok and not (result.spike and policy is not None and drops_spike(policy))
+    applied = ok and result.applied
     stats = state.loss_stats
-    if applied and result.world_loss is not None and not result.spike:
+    if applied and result.world_loss is not None:
         stats = observed(stats, result.world_loss)
     replay = result.replay
+    disagreed = replay is not None and bool(replay.mismatched or replay.diverged)
     return attrs.evolve(
         state,
         step=state.step + 1,
@@ -197,7 +194,7 @@ def advance(
         last_step_finite=applied,
         loss_stats=stats,
         spikes=state.spikes + (ok and result.spike),
-        replay_mismatches=state.replay_mismatches + bool(replay is not None and replay.mismatched),
+        replay_mismatches=state.replay_mismatches + disagreed,
     )
 
 
@@ -207,7 +204,7 @@ def stop_outcome(
     """Why the loop stops after reaching ``state``, most severe first; None to go on."""
     if signals.health_failed:
         return LoopOutcome.HEALTH_FAILURE
-    if signals.inconsistent:
+    if signals.replay_failed:
         return LoopOutcome.REPLAY_MISMATCH
     if action is NonFiniteAction.ABORT:
         return LoopOutcome.NAN_ABORT
@@ -241,7 +238,7 @@ def plan_step(
 ) -> StepPlan:
     """Pure: the next state and which effects (log, eval, save, snapshot, rollback, stop)
     follow this step. ``signals`` is the world-reduced control word."""
-    nxt = advance(state, result, not signals.nonfinite, policy)
+    nxt = advance(state, result, not signals.nonfinite)
     spike = result.spike and not signals.nonfinite and result.finite
     action = nonfinite_action(nxt.nonfinite_streak, policy, spike)
     stop = stop_outcome(nxt, signals, policy, action)

@@ -95,7 +95,7 @@ class StepLogger:
         self._mark_step = 0
         self._sources: SourceTotals | None = None  # a mixture's sums since the last log
         self._logged: StepResult | None = None  # the step whose sums the last log took
-        self._busy = (0.0, 0)  # this rank's own time in the steps since the last log, and they
+        self._busy = (0.0, 0)  # this rank's own time since the last log, and its steps
         self.resilience = run.config.resilience
         self.streak = StragglerStreak()
 
@@ -112,11 +112,12 @@ class StepLogger:
         self._sources, self._logged, self._busy = None, result, (0.0, 0)
         metrics = step_metrics(result, sources, self.data.source_names)
         world, rank = self.dist.world_size, self.dist.rank
-        if world > 1:  # every rank's own time per step, gathered in the same collective
+        stragglers = world > 1 and self.dist.device.type == "cpu"  # docs/resilience.md
+        if stragglers:  # every rank's own time per step, gathered in the same collective
             metrics.append(recorded_value(BUSY, busy / steps, Reduction.GATHER))
         reduced = reduce_metrics(metrics, world, rank, self.dist.token_slices, self.dist.device)
         loss, z_loss = reduced.pop("loss"), reduced.pop("z_loss", None)
-        if world > 1:
+        if stragglers:
             reduced |= self.stragglers(reduced.pop(BUSY))
         reduced |= resilience_record(state, self.resilience)
         result = attrs.evolve(result, loss=loss, z_loss=z_loss)

@@ -23,8 +23,8 @@ from tests.distributed.test_equivalence import records, train, weights, write_co
 from tests.distributed.test_moe_parallel import ONE_RANK as MOE_ONE_RANK
 from tests.distributed.test_moe_parallel import ONE_ROW, write_moe_config
 
-# metrics that measure the machine, not the training: they differ between any two runs
-# the machine's measurements, and the ranks' (a one-rank run has no stragglers to name)
+# metrics that measure the machine, not the training: they differ between any two runs (and
+# a one-rank run has no stragglers to name)
 MACHINE = ("step_time", "tokens_per_sec", "tokens_per_sec_per_device", "tflops", "mfu")
 MACHINE += ("straggler/slowest_rank", "straggler/ratio")
 

@@ -24,7 +24,7 @@ from forge.resilience.faults import parse_faults, with_faults
 from forge.training.steps.common import StepTotals, finish_step, micro_batch_loss
 from forge.training.steps.spec import StepSpec
 from forge.training.steps.text import make_text_step
-from forge.types import LoopState
+from forge.types import LoopState, ReplayVerdict
 
 CFG = ModelConfig(
     dim=32,
@@ -191,3 +191,24 @@ def test_a_step_is_the_same_whichever_expert_kernel_runs(capacity):
         assert result.moe == want.moe
         for name, tensor in state.items():
             torch.testing.assert_close(tensor, weights[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_a_replayed_moe_step_moves_the_bias_once_and_equals_one_computed_once():
+    """Every step computed twice (``replay_interval = 1``): the aux-loss-free bias moves once
+    per step, and loss, statistics, weights and biases equal the unreplayed run's."""
+    from forge.training.plan import ReplayRule
+
+    runs = []
+    for rule in (ReplayRule(), ReplayRule(interval=1)):
+        torch.manual_seed(0)
+        model = Transformer(CFG)
+        opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
+        spec = StepSpec(model, opt, NO_SCHEDULE, 1e-2, loss=SPEC, bias_rate=0.05, replay=rule)
+        step = make_text_step(spec)
+        results = [step((batch(k), batch(k + 5)), LoopState(step=k)) for k in range(3)]
+        runs.append((results, model.state_dict(), biases(model)))
+    (once, w1, b1), (twice, w2, b2) = runs
+    assert [r.replay for r in twice] == [ReplayVerdict()] * 3
+    assert [(r.loss, r.moe) for r in once] == [(r.loss, r.moe) for r in twice]
+    assert all(torch.equal(a, b) for a, b in zip(b1, b2, strict=True))
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)

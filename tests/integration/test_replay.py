@@ -93,16 +93,59 @@ def test_a_replayed_run_equals_one_computed_once():
         assert torch.equal(p1, p2)
 
 
-def test_the_rng_stream_after_a_replayed_step_is_that_of_one_computation():
-    _, once = setup()
-    _, replayed = setup(ReplayRule(interval=1))
+class Noisy(torch.nn.Module):
+    """A model that draws from the RNG in every forward (as dropout would): its logits are
+    scaled by ``1 + rand / 100``."""
+
+    def __init__(self, inner: Transformer) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, tokens, **kwargs):
+        return self.inner(tokens, **kwargs) * (1 + torch.rand(()) / 100)
+
+
+def noisy_setup(rule):
+    torch.manual_seed(0)
+    model = Noisy(Transformer(CFG))
+    opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
+    sched = resolve_schedule(SchedulerConfig(warmup_steps=0), 100)
+    return model, make_text_step(StepSpec(model, opt, sched, 1e-2, replay=rule))
+
+
+def test_a_model_that_draws_random_numbers_replays_alike_and_leaves_the_streams_as_once():
+    """Each computation starts from the same RNG state (else the draws, and so the
+    gradients, would differ and every replay would fail), and the streams end where one
+    computation leaves them."""
+    m1, once = noisy_setup(ReplayRule())
+    m2, replayed = noisy_setup(ReplayRule(interval=1))
     torch.manual_seed(5)
-    once((batch(0),), LoopState())
-    expected = torch.rand(3)
+    a = run(once)
+    after_once = torch.rand(3)
     torch.manual_seed(5)
-    torch.rand(0)
-    replayed((batch(0),), LoopState())
-    assert torch.equal(torch.rand(3), expected)
+    b = run(replayed)
+    assert [v for _, v in b] == [ReplayVerdict()] * 3
+    assert [loss for loss, _ in a] == [loss for loss, _ in b]
+    assert torch.equal(torch.rand(3), after_once)
+    for p1, p2 in zip(weights(m1), weights(m2), strict=True):
+        assert torch.equal(p1, p2)
+
+
+def test_the_digest_is_the_same_chunk_by_chunk(monkeypatch):
+    from forge.training.steps import replay
+
+    t = torch.randn(1000)
+    whole = tensor_digest(t)
+    monkeypatch.setattr(replay, "DIGEST_CHUNK", 7)
+    assert torch.equal(tensor_digest(t), whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_flip_bit_takes_every_gradient_dtype(dtype):
+    p = torch.nn.Parameter(torch.ones(8, dtype=dtype))
+    p.grad = torch.ones(8, dtype=dtype)
+    flip_bit([p], element=3)
+    assert p.grad[3] == 1.5 and (p.grad != 1).sum() == 1
 
 
 def test_a_corrupted_computation_is_outvoted_and_the_run_goes_on_as_if_it_had_not_been():
@@ -155,3 +198,24 @@ def test_a_spike_under_warn_is_trained_on():
     before = weights(model)
     assert step((batch(0),), LoopState(loss_stats=stats)).spike
     assert not all(torch.equal(p, q) for p, q in zip(before, weights(model), strict=True))
+
+
+def test_an_operation_without_a_deterministic_kernel_turns_replays_off_with_one_warning(
+    monkeypatch, capsys
+):
+    """Where torch warns that an operation has no deterministic kernel (CUDA), two
+    computations may differ on healthy hardware: no verdict, one warning naming it, and no
+    more replays this launch (never an exit 6 on noise)."""
+    import contextlib
+
+    from forge.training.steps import replay
+
+    @contextlib.contextmanager
+    def noisy_kernels(device):
+        yield ["index_add_cuda_"]
+
+    monkeypatch.setattr(replay, "deterministic_kernels", noisy_kernels)
+    _, step = setup(ReplayRule(interval=1))
+    assert [v for _, v in run(step)] == [None, None, None]
+    lines = [x for x in capsys.readouterr().err.splitlines() if "could not be replayed" in x]
+    assert len(lines) == 1 and "step 1" in lines[0] and "index_add_cuda_" in lines[0]

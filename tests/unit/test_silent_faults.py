@@ -33,7 +33,6 @@ from forge.training.plan import (
     LoopPolicy,
     NonFiniteAction,
     ReplayRule,
-    drops_spike,
     is_spike,
     nonfinite_action,
     observed,
@@ -125,32 +124,45 @@ def test_a_dropped_spike_follows_its_own_policy_and_the_shared_limit(
     assert nonfinite_action(streak, policy, spike) is action
 
 
-def result(loss: float = 2.0, spike: bool = False, replay: ReplayVerdict | None = None):
+def result(
+    loss: float = 2.0,
+    spike: bool = False,
+    replay: ReplayVerdict | None = None,
+    applied: bool = True,
+) -> StepResult:
     return StepResult(
-        loss=loss, grad_norm=1.0, tokens=8, lr=0.1, world_loss=loss, spike=spike, replay=replay
+        loss=loss,
+        grad_norm=1.0,
+        tokens=8,
+        lr=0.1,
+        world_loss=loss,
+        spike=spike,
+        replay=replay,
+        applied=applied,
     )
 
 
-# (case, spike policy, spike, streak after, applied, rollback, spikes, stats count after)
+# (case, spike policy, spike, applied by the step, streak after, rollback, spikes, stats count)
 PLANS = [
-    ("a normal step joins the statistics", SKIP, False, 0, True, False, 0, 11),
-    ("warn: trained on, counted, kept out", WARN, True, 0, True, False, 1, 10),
-    ("skip: dropped, counted", SKIP, True, 1, False, False, 1, 10),
-    ("rollback: dropped, rolled back", ROLLBACK, True, 1, False, True, 1, 10),
+    ("a normal step joins the statistics", SKIP, False, True, 0, False, 0, 11),
+    ("warn: trained on, counted, joins them", WARN, True, True, 0, False, 1, 11),
+    ("skip: dropped, counted, kept out", SKIP, True, False, 1, False, 1, 10),
+    ("rollback: dropped, rolled back", ROLLBACK, True, False, 1, True, 1, 10),
 ]
 
 
 @pytest.mark.parametrize(
-    "spike_policy,spike,streak,applied,rollback,spikes,count",
+    "spike_policy,spike,applied,streak,rollback,spikes,count",
     [c[1:] for c in PLANS],
     ids=[c[0] for c in PLANS],
 )
 def test_plan_step_handles_a_spike_as_its_policy_says(
-    spike_policy, spike, streak, applied, rollback, spikes, count
+    spike_policy, spike, applied, streak, rollback, spikes, count
 ):
     policy = LoopPolicy(max_steps=20, spike_threshold=6.0, spike_policy=spike_policy)
     state = LoopState(step=12, loss_stats=stats_of([2.0] * 10))
-    plan = plan_step(state, result(50.0 if spike else 2.0, spike), Signals(), policy)
+    step = result(50.0 if spike else 2.0, spike, applied=applied)
+    plan = plan_step(state, step, Signals(), policy)
     assert plan.state.nonfinite_streak == streak
     assert plan.state.last_step_finite is applied
     assert plan.rollback is rollback
@@ -158,13 +170,29 @@ def test_plan_step_handles_a_spike_as_its_policy_says(
     assert plan.state.loss_stats.count == count
 
 
+def test_a_spike_dropped_under_abort_on_nan_is_skipped_not_aborted():
+    """``on_nonfinite = "abort"`` ends the run at a NaN, not at a spike ``on_spike`` skips."""
+    from forge.config.sections import JobConfig, ResilienceConfig
+    from forge.training.plan import loop_policy
+
+    resilience = ResilienceConfig(
+        on_nonfinite=NonFinitePolicy.ABORT, spike_threshold=6.0, on_spike=SKIP
+    )
+    policy = loop_policy(JobConfig(resilience=resilience))
+    state = LoopState(step=12, loss_stats=stats_of([2.0] * 10))
+    spiked = plan_step(state, result(50.0, spike=True, applied=False), Signals(), policy)
+    assert spiked.stop is None and spiked.state.nonfinite_streak == 1
+    nan = plan_step(state, result(math.nan), Signals(nonfinite=True), policy)
+    assert nan.stop is LoopOutcome.NAN_ABORT
+
+
 def test_snapshots_are_kept_when_either_policy_rolls_back():
     assert LoopPolicy(max_steps=1, nonfinite_policy=NonFinitePolicy.ROLLBACK).snapshots
     assert LoopPolicy(max_steps=1, spike_threshold=6.0, spike_policy=ROLLBACK).snapshots
     assert not LoopPolicy(max_steps=1, spike_threshold=0.0, spike_policy=ROLLBACK).snapshots
     assert not LoopPolicy(max_steps=1, spike_threshold=6.0, spike_policy=SKIP).snapshots
-    assert drops_spike(LoopPolicy(max_steps=1, spike_threshold=6.0, spike_policy=SKIP))
-    assert not drops_spike(LoopPolicy(max_steps=1, spike_threshold=6.0, spike_policy=WARN))
+    assert LoopPolicy(max_steps=1, spike_threshold=6.0, spike_policy=SKIP).drops_spikes
+    assert not LoopPolicy(max_steps=1, spike_threshold=6.0, spike_policy=WARN).drops_spikes
 
 
 # (case, signals, verdict, stop, save, mismatches)
@@ -173,7 +201,7 @@ REPLAYS = [
     ("outvoted", Signals(), ReplayVerdict(mismatched=(1,)), None, "scheduled", 1),
     (
         "no majority",
-        Signals(inconsistent=True),
+        Signals(replay_failed=True),
         ReplayVerdict(mismatched=(1,), inconsistent=(1,)),
         LoopOutcome.REPLAY_MISMATCH,
         None,
@@ -193,7 +221,8 @@ def test_a_replay_without_majority_stops_the_run_without_a_save(
     from forge.checkpoint.policy import SaveSchedule
 
     policy = LoopPolicy(max_steps=20, schedule=SaveSchedule(interval=3))
-    plan = plan_step(LoopState(step=2), result(replay=verdict), signals, policy)
+    applied = not verdict.failed
+    plan = plan_step(LoopState(step=2), result(replay=verdict, applied=applied), signals, policy)
     assert plan.stop is stop
     assert (plan.save.value if plan.save else None) == save
     assert plan.state.replay_mismatches == mismatches

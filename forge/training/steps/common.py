@@ -234,7 +234,9 @@ def finish_step(
     if spec.before_update is not None:
         spec.before_update(PendingStep(step, result))
     failed = replay is not None and replay.failed
-    if result.finite and not (spike and spec.drops_spike) and not failed:
+    applied = result.finite and not (spike and spec.drops_spike) and not failed
+    result = attrs.evolve(result, applied=applied)
+    if applied:
         if math.isfinite(spec.max_norm):
             coefficient = clip_coefficient(result.grad_norm, spec.max_norm)
             scale_grads_(totals.params, coefficient)

@@ -14,8 +14,9 @@ replayed step leaves the streams where one computation would have.
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Callable, Iterator, Sequence
+import sys
+import warnings
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 
 import torch
 import torch.distributed as torch_dist
@@ -37,13 +38,21 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return local.detach().contiguous().view(_INT_OF_WIDTH[local.element_size()]).reshape(-1)
 
 
+DIGEST_CHUNK = 1 << 22  # elements digested at once: bounds the int64 temporaries (~100 MB)
+
+
 def tensor_digest(tensor: torch.Tensor) -> torch.Tensor:
     """Two int64 sums of ``tensor``'s bits (wrapping): plain, and each element weighted by
     its position. A changed element always changes the first; changes that cancel in it
-    (or the same change in another place) change the second."""
-    b = bits(tensor).to(torch.int64)
-    where = torch.arange(1, b.numel() + 1, dtype=torch.int64, device=b.device)
-    return torch.stack([b.sum(), (b * where).sum()])
+    (or the same change in another place) change the second. Chunk by chunk, so that a
+    large gradient needs no int64 copy of its own size."""
+    flat = bits(tensor)
+    sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), DIGEST_CHUNK):
+        b = flat[start : start + DIGEST_CHUNK].to(torch.int64)
+        where = torch.arange(start + 1, start + b.numel() + 1, dtype=torch.int64, device=b.device)
+        sums += torch.stack([b.sum(), (b * where).sum()])
+    return sums
 
 
 def digest(totals: StepTotals) -> torch.Tensor:
@@ -105,24 +114,45 @@ def diverges_from_replicas(params: Sequence[torch.Tensor]) -> bool:
     return diverged
 
 
+NONDETERMINISTIC = "does not have a deterministic implementation"  # torch's warning
+
+
 @contextlib.contextmanager
-def deterministic_kernels(device: torch.device) -> Iterator[None]:
+def deterministic_kernels(device: torch.device) -> Iterator[list[str]]:
     """On CUDA, deterministic kernels for the computations compared (cuBLAS also needs
-    ``CUBLAS_WORKSPACE_CONFIG``, set at start-up); CPU kernels are deterministic already."""
+    ``CUBLAS_WORKSPACE_CONFIG``, set before CUDA starts: ``cuda_determinism_env``); yields
+    the operations that ran without one (torch warns of each): their results may differ
+    between computations on healthy hardware. CPU kernels are deterministic already."""
+    unverifiable: list[str] = []
     if device.type != "cuda":
-        yield
+        yield unverifiable
         return
     before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        yield
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield unverifiable
     finally:
         torch.use_deterministic_algorithms(before)
+    for w in caught:
+        if NONDETERMINISTIC in str(w.message):
+            unverifiable.append(str(w.message).split(" does not")[0])
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def cuda_determinism_env(env: MutableMapping[str, str]) -> None:
+    """What cuBLAS needs for deterministic kernels, set in ``env`` before CUDA starts (unless
+    the user set it)."""
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 class Replayer:
     """Runs a step's computation once, or replays it (``rule``), for one launch: the first
-    step this launch runs counts as its first step."""
+    step this launch runs counts as its first step. Where an operation has no deterministic
+    kernel (CUDA), a replay cannot tell a fault from noise: the first such step says so, on
+    rank 0, and replays stop for the launch."""
 
     def __init__(
         self,
@@ -136,9 +166,6 @@ class Replayer:
         self.reset = reset  # drops a computation's gradients before the next
         self.world_size, self.rank, self.device = world_size, rank, device
         self.launched = False
-        replays = rule.interval > 0 or rule.first_step
-        if replays and device.type == "cuda":  # cuBLAS reads it when its handle is made
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
     def __call__(self, step: int, compute: Computation) -> tuple[StepTotals, ReplayVerdict | None]:
         """The computation's totals (gradients in the parameters) and, for a replayed step,
@@ -148,27 +175,45 @@ class Replayer:
             return compute(0), None
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        with deterministic_kernels(self.device):
+        with deterministic_kernels(self.device) as unverifiable:
             first_digest = digest(compute(0))
             self.again(rng, cuda_rng)
             totals = compute(1)
             second_digest = digest(totals)
-            differs = not torch.equal(first_digest, second_digest)
-            mismatched, diverged = self.agreed(differs, totals)
-            if not mismatched:
-                return totals, ReplayVerdict(diverged=diverged)
+        differs = not torch.equal(first_digest, second_digest)
+        mismatched, diverged, noisy = self.agreed(differs, totals, bool(unverifiable))
+        if noisy:
+            return totals, self.give_up(step, unverifiable)
+        if not mismatched:
+            return totals, ReplayVerdict(diverged=diverged)
+        with deterministic_kernels(self.device):
             self.again(rng, cuda_rng)
             totals = compute(2)
             third_digest = digest(totals)
         alone = not any(torch.equal(third_digest, d) for d in (first_digest, second_digest))
-        inconsistent, diverged = self.agreed(alone, totals)
+        inconsistent, diverged, _ = self.agreed(alone, totals, False)
         return totals, ReplayVerdict(mismatched, inconsistent, diverged)
 
-    def agreed(self, flag: bool, totals: StepTotals) -> list[tuple[int, ...]]:
-        """The ranks where ``flag`` is set, and those whose replicated gradients diverge
-        from their replicas', agreed by every rank."""
+    def give_up(self, step: int, unverifiable: list[str]) -> None:
+        """Stop replaying for this launch: some operation has no deterministic kernel."""
+        self.rule = ReplayRule()
+        if self.rank == 0:
+            ops = ", ".join(sorted(set(unverifiable))) or "an operation on another rank"
+            print(
+                f"[forge] warning: step {step} could not be replayed bit for bit ({ops} has "
+                "no deterministic kernel on this device): replays are off for this launch; "
+                "set resilience.replay_interval = 0 and replay_first_step = false to skip them",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def agreed(self, flag: bool, totals: StepTotals, unverifiable: bool) -> list[tuple[int, ...]]:
+        """The ranks where ``flag`` is set, those whose replicated gradients diverge from
+        their replicas', and those that ran an operation without a deterministic kernel,
+        agreed by every rank in one all-reduce."""
         diverged = self.world_size > 1 and diverges_from_replicas(totals.params)
-        return ranks_where([flag, diverged], self.world_size, self.rank, self.device)
+        flags = [flag, diverged, unverifiable]
+        return ranks_where(flags, self.world_size, self.rank, self.device)
 
     def again(self, rng: torch.Tensor, cuda_rng: torch.Tensor | None) -> None:
         """Back to where the step's first computation started: no gradients, the same RNG."""

@@ -22,7 +22,7 @@ from forge.model.moe import stats_width
 from forge.optim.schedules import Schedule
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
 from forge.training.hooks import Hooks
-from forge.training.plan import ReplayRule, drops_spike
+from forge.training.plan import ReplayRule
 from forge.types import LoopState, PendingStep, StepResult
 
 StepFunction = Callable[[tuple[Batch, ...], LoopState], StepResult]  # one optimizer step
@@ -118,7 +118,7 @@ def step_spec(
         before_update=before_update,
         vlm=cfg.model.vlm,
         spike_threshold=cfg.resilience.spike_threshold,
-        drops_spike=drops_spike(run.policy),
+        drops_spike=run.policy.drops_spikes,
         replay=ReplayRule(cfg.resilience.replay_interval, cfg.resilience.replay_first_step),
         fault=fault,
     )
