@@ -157,7 +157,7 @@ class CheckpointEffects:
             freezer.hold(freezer.trainable_at(step), step)
         self.slots.load(ROLLBACK_SLOT)
         if self.dist.is_main:
-            print(f"[forge] non-finite step: rolled back to step {state.step}", file=sys.stderr)
+            print(f"[forge] rolled back to step {state.step}", file=sys.stderr)
 
     def abandon(self) -> None:
         """After a fatal save failure: stop the checkpoint process, without waiting."""
