@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pathlib
 import shutil
-import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -33,7 +32,6 @@ from forge.checkpoint.async_staging import (
     stop_checkpoint_process,
 )
 from forge.checkpoint.checksum_writer import ChecksummingWriter, hashing_pool
-from forge.checkpoint.costs import SaveCost
 from forge.checkpoint.integrity import checksums_of, own_files
 from forge.checkpoint.rng import capture_rng
 from forge.checkpoint.store import (
@@ -55,8 +53,6 @@ class PendingSave:
     future: Future | None  # the write, then this rank's checksums; None: a synchronous save
     # a synchronous save's shard checksums, computed as they were written (waits for them)
     shards: Callable[[], Mapping[str, list]] = dict
-    started: float = 0.0  # when ``save`` began (``time.perf_counter``)
-    blocked_s: float = 0.0  # how long ``save`` held the caller
 
 
 class Checkpointer:
@@ -82,7 +78,6 @@ class Checkpointer:
             assert isinstance(group, dist.ProcessGroup)
             self.group = group
         self.pending: PendingSave | None = None
-        self.costs: list[SaveCost] = []  # committed saves' costs, for the caller to take
         self._hasher: ThreadPoolExecutor | None = None
         self._pieces: ThreadPoolExecutor | None = None
         self.stager = ReusingStager(shared=mode is AsyncMode.ASYNC_PROCESS)
@@ -135,7 +130,6 @@ class Checkpointer:
         is never committed), raises ``CheckpointSaveError`` on every rank, leaving the previous
         checkpoint intact."""
         self.wait()
-        started = time.perf_counter()
         tmp = self.root / f"step_{step}.tmp"
         try:
             error = nonfinite_parameter(model)
@@ -166,8 +160,7 @@ class Checkpointer:
             raise self._fail(step, tmp, one_line(exc)) from None
         if future is not None:  # checksum this rank's files in the background, once written
             future = self._background().submit(written_checksums, future, tmp, self.rank)
-        blocked = time.perf_counter() - started
-        self.pending = PendingSave(step, tmp, train_state, future, shards, started, blocked)
+        self.pending = PendingSave(step, tmp, train_state, future, shards)
         if self.mode is AsyncMode.DISABLED:
             self.wait()
 
@@ -199,7 +192,6 @@ class Checkpointer:
         pending, self.pending = self.pending, None
         if pending is None:
             return None
-        waited = time.perf_counter()
         error, sums = None, {}
         try:  # the write and this rank's checksums of it, fresh in the page cache
             if pending.future is not None:
@@ -224,14 +216,9 @@ class Checkpointer:
                 error = one_line(exc)
         if error := self._agree(error):
             raise self._fail(pending.step, pending.tmp, error)
-        committed = time.perf_counter()
         if self.rank == 0:
             self.on_commit(pending.step, final)
-        # retention and hooks are done before any rank goes on; each rank's times travel along
-        times = (pending.blocked_s + committed - waited, committed - pending.started)
-        blocked, commit = (max(t) for t in zip(*self._gather(times), strict=True))
-        size = sum(int(entry[0]) for entry in checksums.values())
-        self.costs.append(SaveCost(pending.step, blocked, commit, size))
+        self._agree(None)  # retention and hooks are done before any rank goes on
         return final
 
     @property

@@ -12,7 +12,6 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from forge.checkpoint.costs import ResumeCost
 from forge.checkpoint.resume import ResumePlan
 from forge.config.sections import JobConfig
 from forge.data.batch import Batch
@@ -180,7 +179,6 @@ class CheckpointContext:
     initial_state: LoopState
     schedule: Schedule | None = None
     peak_lr: float | None = None
-    resume_cost: ResumeCost | None = None  # this rank's, when a checkpoint was loaded
 
     def applied_to(self, model: ModelContext) -> ModelContext:
         """``model`` with the recorded schedule in place of the configured one, if kept."""

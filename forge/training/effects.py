@@ -11,14 +11,13 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-from forge.checkpoint.costs import ResumeCost
 from forge.metrics.sinks import JsonlSink, MetricsSink
 from forge.training.checkpoint_effects import CheckpointEffects
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
 from forge.training.downstream import DownstreamTasks
 from forge.training.evaluate import held_out_loss
 from forge.training.hooks import HookList, Hooks
-from forge.training.plan import SaveReason, starting_outcome
+from forge.training.plan import SaveReason
 from forge.training.step_logger import StepLogger
 from forge.types import LoopOutcome, LoopState, StepResult
 
@@ -52,31 +51,20 @@ class TrainingEffects:
         """Why records could not be written, if so."""
         return self.logger.log_failure
 
-    def begin(self, state: LoopState, resume: ResumeCost | None = None) -> None:
-        """Record what the resume cost (``resume``: this rank's; the longest over ranks is
-        logged), start timing and call ``on_train_begin``."""
-        if resume is not None and starting_outcome(state, self.run.policy) is None:
-            self.logger.emit_max(resume.record(state.step))  # a complete run writes nothing
+    def begin(self, state: LoopState) -> None:
+        """Start timing and call ``on_train_begin``."""
         self.logger.restart_clock(state)
         self.hooks.on_train_begin(state)
 
     def save(self, state: LoopState, reason: SaveReason) -> None:
         """Start a save (``CheckpointEffects.save``); the steps after it are timed from its
         end."""
-        started = self.checkpoints.save(state, reason)
-        self.record_saves()
-        if started:
+        if self.checkpoints.save(state, reason):
             self.logger.restart_clock(state)
 
     def wait(self) -> None:
         """Finish and commit the save in flight, if any."""
         self.checkpoints.wait()
-        self.record_saves()
-
-    def record_saves(self) -> None:
-        """A record of each save committed since the last (the longest over ranks already)."""
-        for cost in self.checkpoints.take_costs():
-            self.logger.emit(cost.record())
 
     def log(self, state: LoopState, result: StepResult) -> None:
         """The step's record, its metrics reduced over ranks in one collective (every rank
@@ -142,7 +130,6 @@ class TrainingEffects:
         processes."""
         self.hooks.on_train_end(outcome, state)
         self.checkpoints.close()
-        self.record_saves()
         self.logger.close()
         self.close_loaders()
 

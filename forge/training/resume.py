@@ -6,10 +6,8 @@ schedule, and what it restores."""
 from __future__ import annotations
 
 import pathlib
-import time
 from collections.abc import Callable, Sequence
 
-from forge.checkpoint.costs import ResumeCost
 from forge.checkpoint.integrity import IntegrityError, verify_checkpoint
 from forge.checkpoint.resume import ResumePlan, first_loadable
 from forge.checkpoint.store import (
@@ -138,15 +136,9 @@ def resume_run(
         run.config, model.peak_lr, model.schedule
     )
 
-    spent = {"load": 0.0, "verify": 0.0}  # every candidate's, a damaged one's included
-
     def load(path: pathlib.Path) -> tuple[TrainState, ChangeVerdict]:
         check_loadable(path, model.model, Verification.METADATA)  # safe reads first: a
-        start = time.perf_counter()
-        try:
-            verified_by_main(path, cfg.verify, dist)  # file carrying code is refused, not skipped
-        finally:
-            spent["verify"] += time.perf_counter() - start
+        verified_by_main(path, cfg.verify, dist)  # file carrying code is refused, not skipped
         train_state = parse_train_state(read_train_state(path), path)
         trains = train_state.step < run.config.train.max_steps
         verdict = check_changes(train_state, current, path, cfg, say, trains)
@@ -154,11 +146,9 @@ def resume_run(
         if model.freezer is not None:  # the optimizer as in the last step run
             hold_checkpoint_stage(model.freezer, train_state, run.config.freeze)
         optimizer = None if verdict.fresh_optimizer else model.optimizer
-        start = time.perf_counter()
         load_checkpoint(
             path, model.model, optimizer, rank=dist.rank, verify=Verification.METADATA, say=say
         )
-        spent["load"] += time.perf_counter() - start
         return train_state, verdict
 
     assert plan.path is not None
@@ -166,8 +156,7 @@ def resume_run(
     state = train_state.loop_state
     data.train_loader.load_state_dict(CONVERTER.unstructure(train_state.loader))
     say(f"resumed from {path} at step {state.step}")
-    cost = ResumeCost(spent["load"], spent["verify"])
     if not verdict.keep_schedule:
-        return CheckpointContext(plan=plan, initial_state=state, resume_cost=cost)
+        return CheckpointContext(plan=plan, initial_state=state)
     schedule, peak_lr = recorded_schedule(train_state)
-    return CheckpointContext(plan, state, schedule, peak_lr, resume_cost=cost)
+    return CheckpointContext(plan, state, schedule=schedule, peak_lr=peak_lr)

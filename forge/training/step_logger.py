@@ -154,14 +154,6 @@ class StepLogger:
         checkpoint) rather than train on without its records."""
         return self.log_failure is not None
 
-    def emit_max(self, record: Mapping[str, Any]) -> None:
-        """``record``'s values (but its step) as the largest over ranks, in one collective
-        (every rank calls this), to every sink."""
-        metrics = [recorded_value(k, v, Reduction.MAX) for k, v in record.items() if k != "step"]
-        world, rank = self.dist.world_size, self.dist.rank
-        reduced = reduce_metrics(metrics, world, rank, self.dist.token_slices, self.dist.device)
-        self.emit({"step": record["step"], **reduced})
-
     def emit(self, record: Mapping[str, Any]) -> None:
         """``record`` to every sink."""
         for sink in list(self.sinks):  # write drops a sink that fails

@@ -24,11 +24,9 @@ from tests.distributed.test_moe_parallel import ONE_RANK as MOE_ONE_RANK
 from tests.distributed.test_moe_parallel import ONE_ROW, write_moe_config
 
 # metrics that measure the machine, not the training: they differ between any two runs (and
-# a one-rank run has no stragglers to name, and writes its checkpoints in other files)
+# a one-rank run has no stragglers to name)
 MACHINE = ("step_time", "tokens_per_sec", "tokens_per_sec_per_device", "tflops", "mfu")
 MACHINE += ("straggler/slowest_rank", "straggler/ratio")
-MACHINE += ("checkpoint/blocked_s", "checkpoint/commit_s", "checkpoint/bytes")
-MACHINE += ("checkpoint/load_s", "checkpoint/verify_s")
 
 MIXTURE = """
 [[data.sources]]

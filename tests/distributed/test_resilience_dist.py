@@ -81,13 +81,6 @@ def test_sigterm_on_one_rank_stops_both_at_the_same_step_and_resume_is_exact(
     ]
     ref_w, got_w = weights(config, ref, 6), weights(config, run, 6)
     assert all(torch.equal(ref_w[k], got_w[k]) for k in ref_w)
-    # what the checkpoints cost: both ranks' files, and the resume at step 4
-    (resume,) = records(run, "checkpoint/load_s")
-    assert resume["step"] == 4 and resume["checkpoint/verify_s"] >= 0
-    files = json.loads((step4 / "checksums.json").read_text())["files"]
-    written = sum(n for name, (n, _) in files.items() if name != "train_state.json")
-    saves = {r["step"]: r for r in records(run, "checkpoint/bytes")}
-    assert saves[4]["checkpoint/bytes"] == written
 
 
 def test_nan_on_one_rank_rolls_back_both_ranks_together(tmp_path, small_corpus):
