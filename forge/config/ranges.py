@@ -3,6 +3,8 @@ checks that produce them."""
 
 from __future__ import annotations
 
+import re
+
 Problem = tuple[str, str]
 
 # Linux's limits (NAME_MAX, PATH_MAX) on the common filesystems: a longer name fails in the
@@ -29,10 +31,27 @@ def not_empty(problems: list[Problem], key: str, value: str | None) -> None:
         problems.append((key, "must not be empty; leave it out for the default"))
 
 
+def url_scheme(value: str) -> str | None:
+    """The scheme of a URL-shaped ``value`` (``s3`` of ``s3://bucket/prefix``), else None."""
+    match = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", value)
+    return match.group(1) if match else None
+
+
 def usable_path(problems: list[Problem], key: str, value: str | None) -> None:
-    """A path the operating system can take: no NUL byte, no name longer than 255 bytes, at
-    most 4095 bytes in all (unset and empty are left to ``not_empty``)."""
+    """A path the operating system can take: not a URL (``s3://...`` would silently become a
+    local folder named ``s3:``), no NUL byte, no name longer than 255 bytes, at most 4095
+    bytes in all (unset and empty are left to ``not_empty``)."""
     if not value:
+        return
+    if (scheme := url_scheme(value)) is not None:
+        problems.append(
+            (
+                key,
+                f"'{value}' is a URL ({scheme}://), and forge reads and writes local (or "
+                "mounted) paths only: mount the store (s3fs, gcsfuse, ...) and give the mounted "
+                "path",
+            )
+        )
         return
     if "\0" in value:
         problems.append((key, "contains a NUL byte, which no file name can hold; fix the path"))

@@ -188,6 +188,19 @@ BAD = [
         "resilience.health_timeout_s: expected a finite number, got -inf",
     ),
     (
+        "an object-store checkpoint dir",
+        {"checkpoint": {"dir": "s3://bucket/prefix"}},
+        "checkpoint.dir: 's3://bucket/prefix' is a URL (s3://), and forge reads and writes "
+        "local (or mounted) paths only: mount the store (s3fs, gcsfuse, ...) and give the "
+        "mounted path",
+    ),
+    (
+        "a URL as the run dir",
+        {"run": {"dir": "gs://bucket/run"}},
+        "run.dir: 'gs://bucket/run' is a URL (gs://), and forge reads and writes local (or "
+        "mounted) paths only: mount the store (s3fs, gcsfuse, ...) and give the mounted path",
+    ),
+    (
         "negative spike threshold",
         {"resilience": {"spike_threshold": -1}},
         "resilience.spike_threshold: must be >= 0, got -1.0",
@@ -388,6 +401,11 @@ def test_bad_config_gives_one_line_naming_the_key(raw, line):
     with pytest.raises(ConfigError) as info:
         structure_config(raw)
     assert info.value.lines == [line]
+
+
+@pytest.mark.parametrize("path", ["runs/a:b", "C:/runs", "file:name", "runs/x//y"])
+def test_a_path_with_a_colon_or_double_slash_is_not_taken_for_a_url(path):
+    assert structure_config({"checkpoint": {"dir": path}}).checkpoint.dir == path
 
 
 def test_all_type_problems_are_reported_at_once():
