@@ -147,6 +147,10 @@ class ReplayVerdict:
     mismatched: tuple[int, ...] = ()
     inconsistent: tuple[int, ...] = ()
     diverged: tuple[int, ...] = ()
+    # false: an operation without a deterministic kernel (these, on this rank) ran, and replays
+    # stopped for the launch; nothing was compared
+    compared: bool = True
+    unverifiable: tuple[str, ...] = ()
 
     @property
     def failed(self) -> bool:

@@ -70,6 +70,16 @@ def diverged_line(step: int, verdict: ReplayVerdict, hosts: Sequence[str]) -> st
     )
 
 
+def uncompared_line(step: int, verdict: ReplayVerdict) -> str:
+    """The warning for a replayed step that could not be compared bit for bit."""
+    ops = ", ".join(verdict.unverifiable) or "an operation on another rank"
+    return (
+        f"step {step} could not be replayed bit for bit ({ops} has no deterministic kernel on "
+        "this device): replays are off for this launch; set resilience.replay_interval = 0 "
+        "and replay_first_step = false to skip them"
+    )
+
+
 class FaultReport(Hooks):
     """Prints the spike and replay lines of each step on rank 0 (every rank knows them: the
     spike rule reads the loss over every rank, the replay verdict is agreed)."""
@@ -92,6 +102,8 @@ class FaultReport(Hooks):
         if result.spike and result.world_loss is not None:
             out.append(f"warning: {spike_line(step, result.world_loss, self.spike_policy)}")
         verdict = result.replay
+        if verdict is not None and not verdict.compared:
+            out.append(f"warning: {uncompared_line(step, verdict)}")
         if verdict is not None and verdict.inconsistent:
             out.append(f"error: {inconsistent_line(step, verdict, self.hosts)}")
         if verdict is not None and verdict.diverged:

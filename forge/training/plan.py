@@ -34,6 +34,11 @@ from forge.types import LoopOutcome, LoopState, LossStats, Signals, StepResult
 SPIKE_WARMUP = 10  # applied steps in the statistics before a loss can be called a spike
 SPIKE_WINDOW = 20  # the statistics' horizon in steps: each new loss weighs at least 1/20
 SPIKE_FLOOR = 0.01  # the deviation a spike is measured in is at least 1% of the mean
+# a spike whose update is dropped is handled as a non-finite step under this policy
+DROPPED_SPIKE = {
+    SpikePolicy.SKIP: NonFinitePolicy.SKIP,
+    SpikePolicy.ROLLBACK: NonFinitePolicy.ROLLBACK,
+}
 
 
 @attrs.frozen
@@ -101,7 +106,7 @@ def nonfinite_action(streak: int, policy: LoopPolicy, spike: bool = False) -> No
         return NonFiniteAction.CONTINUE
     rule = policy.nonfinite_policy
     if spike and policy.drops_spikes:
-        rule = NonFinitePolicy(policy.spike_policy.value)  # skip or rollback
+        rule = DROPPED_SPIKE[policy.spike_policy]
     if streak >= policy.nonfinite_limit or rule is NonFinitePolicy.ABORT:
         return NonFiniteAction.ABORT
     if rule is NonFinitePolicy.ROLLBACK:

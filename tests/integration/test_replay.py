@@ -4,19 +4,23 @@ leave the weights alone, and a spike dropped by the step never touches the optim
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from forge.config import ModelConfig, OptimizerConfig, Precision, SchedulerConfig
+from forge.config.sections import SpikePolicy
 from forge.data.batch import Batch
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer, resolve_schedule
 from forge.resilience.faults import flip_bit, gradient_faults, parse_faults
+from forge.resilience.reports import FaultReport
 from forge.training.plan import ReplayRule, observed
 from forge.training.steps.replay import tensor_digest
 from forge.training.steps.spec import StepSpec
 from forge.training.steps.text import make_text_step
-from forge.types import LoopState, LossStats, ReplayVerdict
+from forge.types import LoopState, LossStats, PendingStep, ReplayVerdict, StepResult
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, max_seq_len=16)
 
@@ -216,6 +220,13 @@ def test_an_operation_without_a_deterministic_kernel_turns_replays_off_with_one_
 
     monkeypatch.setattr(replay, "deterministic_kernels", noisy_kernels)
     _, step = setup(ReplayRule(interval=1))
-    assert [v for _, v in run(step)] == [None, None, None]
+    uncompared = ReplayVerdict(compared=False, unverifiable=("index_add_cuda_",))
+    verdicts = [v for _, v in run(step)]
+    assert verdicts == [uncompared, None, None] and not uncompared.failed
+    report = FaultReport(True, ("h",), SpikePolicy.WARN, sys.stderr)
+    for k, verdict in enumerate(verdicts, start=1):
+        report.on_before_optimizer_step(
+            PendingStep(k, StepResult(1.0, 1.0, 1, 0.1, replay=verdict)), None, None
+        )  # type: ignore[arg-type]
     lines = [x for x in capsys.readouterr().err.splitlines() if "could not be replayed" in x]
     assert len(lines) == 1 and "step 1" in lines[0] and "index_add_cuda_" in lines[0]

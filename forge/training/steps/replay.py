@@ -14,7 +14,6 @@ replayed step leaves the streams where one computation would have.
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 
@@ -151,8 +150,8 @@ def cuda_determinism_env(env: MutableMapping[str, str]) -> None:
 class Replayer:
     """Runs a step's computation once, or replays it (``rule``), for one launch: the first
     step this launch runs counts as its first step. Where an operation has no deterministic
-    kernel (CUDA), a replay cannot tell a fault from noise: the first such step says so, on
-    rank 0, and replays stop for the launch."""
+    kernel (CUDA), a replay cannot tell a fault from noise: the first such step's verdict says
+    so (not compared), and replays stop for the launch."""
 
     def __init__(
         self,
@@ -183,7 +182,7 @@ class Replayer:
         differs = not torch.equal(first_digest, second_digest)
         mismatched, diverged, noisy = self.agreed(differs, totals, bool(unverifiable))
         if noisy:
-            return totals, self.give_up(step, unverifiable)
+            return totals, self.give_up(unverifiable)
         if not mismatched:
             return totals, ReplayVerdict(diverged=diverged)
         with deterministic_kernels(self.device):
@@ -194,18 +193,11 @@ class Replayer:
         inconsistent, diverged, _ = self.agreed(alone, totals, False)
         return totals, ReplayVerdict(mismatched, inconsistent, diverged)
 
-    def give_up(self, step: int, unverifiable: list[str]) -> None:
-        """Stop replaying for this launch: some operation has no deterministic kernel."""
+    def give_up(self, unverifiable: list[str]) -> ReplayVerdict:
+        """Stop replaying for this launch (some operation has no deterministic kernel); the
+        verdict of a step that could not be compared, naming this rank's such operations."""
         self.rule = ReplayRule()
-        if self.rank == 0:
-            ops = ", ".join(sorted(set(unverifiable))) or "an operation on another rank"
-            print(
-                f"[forge] warning: step {step} could not be replayed bit for bit ({ops} has "
-                "no deterministic kernel on this device): replays are off for this launch; "
-                "set resilience.replay_interval = 0 and replay_first_step = false to skip them",
-                file=sys.stderr,
-                flush=True,
-            )
+        return ReplayVerdict(compared=False, unverifiable=tuple(sorted(set(unverifiable))))
 
     def agreed(self, flag: bool, totals: StepTotals, unverifiable: bool) -> list[tuple[int, ...]]:
         """The ranks where ``flag`` is set, those whose replicated gradients diverge from
