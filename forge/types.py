@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 
@@ -210,6 +210,16 @@ class Signals:
     replay_failed: bool = False  # a replayed step found no majority, or replicas diverged
 
 
+class RemoteLocation(Protocol):
+    """A checkpoint in an object store (``forge.checkpoint.object_path.ObjectPath``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def url(self) -> str: ...
+
+
 class Hooks:
     """Callbacks at fixed points of a run; a no-op base whose every method is optional.
     Subclass it (as ``forge.training.hooks.Hooks``) and override what you need."""
@@ -226,8 +236,9 @@ class Hooks:
     def on_step_end(self, state: LoopState, result: StepResult) -> None:
         """After every step and its effects."""
 
-    def on_checkpoint_save(self, step: int, path: pathlib.Path) -> None:
-        """On rank 0, after a checkpoint is committed (``latest`` points at it)."""
+    def on_checkpoint_save(self, step: int, path: pathlib.Path | RemoteLocation) -> None:
+        """On rank 0, after a checkpoint is committed (``latest`` points at it); ``path`` is
+        a ``RemoteLocation`` when ``checkpoint.dir`` is an object-store URL."""
 
     def on_eval_end(self, state: LoopState, loss: float) -> None:
         """On every rank, after an evaluation; ``loss`` is the mean over data-parallel ranks."""

@@ -194,3 +194,22 @@ def tiny_vlm_config(
     path = folder / "tiny_vlm.toml"
     path.write_text(TINY_VLM.format(arch=arch, data=data) + f'\n[run]\ndir = "{folder / "run"}"\n')
     return path
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's S3 server on 127.0.0.1, once per worker (``tests/object_store.py``)."""
+    from tests.object_store import moto_server
+
+    with moto_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint, monkeypatch) -> str:
+    """A new, empty bucket; the AWS variables point this process and its children at it."""
+    from tests.object_store import ENV, new_bucket
+
+    for name, value in {**ENV, "AWS_ENDPOINT_URL": s3_endpoint}.items():
+        monkeypatch.setenv(name, value)
+    return new_bucket(s3_endpoint)

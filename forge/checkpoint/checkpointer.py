@@ -1,17 +1,18 @@
-"""Saving with at most one save in flight: write to ``step_<N>.tmp``, commit when durable.
+"""Saving with at most one save in flight: write to the storage's staging place
+(``step_<N>.tmp`` on a disk), commit when durable.
 
 A save stages the state, writes DCP shards (in a background thread with ``async_mode =
-"async"``, in torch's checkpoint process with ``"async_process"``) and the RNG file into
-``step_<N>.tmp``. The commit (train state, rename to ``step_<N>``,
-``latest`` moved by atomic rename, retention) happens only in ``wait()``, once every rank's
+"async"``, in torch's checkpoint process with ``"async_process"``) and the RNG file into the
+staging place. The commit (train state, checksums, ``step_<N>`` made visible, ``latest``
+moved: the storage's ``commit``; then retention) happens only in ``wait()``, once every rank's
 shards are written: before the next save, before the final save returns, and before exit.
 DCP's collectives run on a dedicated gloo group so they never interleave with training ones.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
-import shutil
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.storage import StorageWriter
 from torch.distributed.tensor import DTensor
 
 from forge.checkpoint.async_staging import (
@@ -33,7 +35,9 @@ from forge.checkpoint.async_staging import (
 )
 from forge.checkpoint.checksum_writer import ChecksummingWriter, hashing_pool
 from forge.checkpoint.integrity import checksums_of, own_files
+from forge.checkpoint.paths import CheckpointPath, save_tensors
 from forge.checkpoint.rng import capture_rng
+from forge.checkpoint.storage import storage_of
 from forge.checkpoint.store import (
     STATE_DICT_OPTIONS,
     commit_checkpoint,
@@ -48,7 +52,7 @@ from forge.model.transformer import canonical_name
 @attrs.define
 class PendingSave:
     step: int
-    tmp: pathlib.Path
+    tmp: CheckpointPath
     train_state: dict[str, Any]
     future: Future | None  # the write, then this rank's checksums; None: a synchronous save
     # a synchronous save's shard checksums, computed as they were written (waits for them)
@@ -61,14 +65,15 @@ class Checkpointer:
 
     def __init__(
         self,
-        root: pathlib.Path,
+        root: CheckpointPath,
         mode: AsyncMode,
         rank: int,
         world_size: int,
-        on_commit: Callable[[int, pathlib.Path], None] = lambda step, path: None,
+        on_commit: Callable[[int, CheckpointPath], None] = lambda step, path: None,
         daemon_log: pathlib.Path | None = None,  # async_process: the checkpoint process's log
     ) -> None:
         self.root = root
+        self.storage = storage_of(root)
         self.mode = mode
         self.rank = rank
         self.on_commit = on_commit
@@ -112,10 +117,11 @@ class Checkpointer:
             merged |= rank_sums
         return merged, error
 
-    def _fail(self, step: int, tmp: pathlib.Path, error: str) -> CheckpointSaveError:
-        """Remove the failed save's temporary directory (rank 0); the error to raise."""
+    def _fail(self, step: int, tmp: CheckpointPath, error: str) -> CheckpointSaveError:
+        """Remove the failed save's files (rank 0); the error to raise."""
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            with contextlib.suppress(OSError):  # unreachable store: the save's error says more
+                self.storage.discard(tmp)
         return CheckpointSaveError(str(self.root), step, error)
 
     def save(
@@ -130,7 +136,7 @@ class Checkpointer:
         is never committed), raises ``CheckpointSaveError`` on every rank, leaving the previous
         checkpoint intact."""
         self.wait()
-        tmp = self.root / f"step_{step}.tmp"
+        tmp = self.storage.staging(self.root, step)
         try:
             error = nonfinite_parameter(model)
         except RuntimeError as exc:  # a device error: every rank must still reach the agreement
@@ -139,9 +145,7 @@ class Checkpointer:
             raise self._fail(step, tmp, error)
         if self.rank == 0:
             try:
-                self.root.mkdir(parents=True, exist_ok=True)
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir()
+                self.storage.prepare(self.root, tmp)
             except OSError as exc:
                 error = one_line(exc)
         if error := self._agree(error):
@@ -149,7 +153,7 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
         state = {"model": model_sd, "optimizer": optim_sd}
         try:
-            torch.save(capture_rng(), tmp / f"rng_rank{self.rank}.pt")
+            save_tensors(capture_rng(), tmp / f"rng_rank{self.rank}.pt")
         except (OSError, RuntimeError) as exc:  # torch reports a failed write as RuntimeError
             error = one_line(exc)
         if error := self._agree(error):  # before DCP's collectives: no rank enters them alone
@@ -165,28 +169,27 @@ class Checkpointer:
             self.wait()
 
     def _write(
-        self, state: dict[str, Any], tmp: pathlib.Path
+        self, state: dict[str, Any], tmp: CheckpointPath
     ) -> tuple[Future | None, Callable[[], Mapping[str, list]]]:
         """DCP's write of ``state`` into ``tmp``: synchronous, returning how to get the shards'
-        checksums (computed as they were written; read in ``wait``, where every rank agrees on
-        a failure), or started in the background, returning its future."""
+        checksums (computed as they were written where the storage allows, else read back in
+        ``wait``, where every rank agrees on a failure), or started in the background,
+        returning its future."""
         with single_process_dcp():
             if self.mode is AsyncMode.DISABLED:
-                writer = ChecksummingWriter(tmp, self._piece_pool())
-                dcp_save(
-                    state, checkpoint_id=str(tmp), storage_writer=writer, process_group=self.group
-                )
-                return None, writer.checksums
+                writer = self.storage.writer(tmp, self._piece_pool())
+                dcp_save(state, storage_writer=writer, process_group=self.group)
+                return None, written_shards(writer)
             result = async_save(
                 state,
-                checkpoint_id=str(tmp),
+                storage_writer=self.storage.writer(tmp, None),
                 process_group=self.group,
                 async_checkpointer_type=self._executor_type,
                 async_stager=self.stager,
             )
             return (result if isinstance(result, Future) else result.upload_completion), dict
 
-    def wait(self) -> pathlib.Path | None:
+    def wait(self) -> CheckpointPath | None:
         """Finish and commit the save in flight, if any; returns the committed path. A failed
         write raises ``CheckpointSaveError`` on every rank (nothing is committed)."""
         pending, self.pending = self.pending, None
@@ -263,7 +266,13 @@ class Checkpointer:
         return self.pending.step if self.pending else None
 
 
-def written_checksums(write: Future, tmp: pathlib.Path, rank: int) -> dict[str, list]:
+def written_shards(writer: StorageWriter) -> Callable[[], Mapping[str, list]]:
+    """How to get the checksums a writer took of the shards as it wrote them (none: they
+    are read back with the small files)."""
+    return writer.checksums if isinstance(writer, ChecksummingWriter) else dict
+
+
+def written_checksums(write: Future, tmp: CheckpointPath, rank: int) -> dict[str, list]:
     """After the write ``write`` completes (its error raised here), this rank's checksums of
     the files it wrote into ``tmp``."""
     write.result()
@@ -292,14 +301,14 @@ def nonfinite_parameter(model: nn.Module) -> str | None:
 
 
 def save_checkpoint(
-    root: pathlib.Path,
+    root: CheckpointPath,
     step: int,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     train_state: dict[str, Any],
     *,
     rank: int = 0,
-) -> pathlib.Path:
+) -> CheckpointPath:
     """Write ``step_<step>`` synchronously, in one process; returns its path. (Training uses
     ``Checkpointer``, which also handles many ranks and async saves.)"""
     writer = Checkpointer(root, AsyncMode.DISABLED, rank, world_size=1)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import pathlib
 import re
 import zlib
 from collections.abc import Iterable, Mapping
@@ -26,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import attrs
 
+from forge.checkpoint.object_path import ObjectPath
+from forge.checkpoint.paths import CheckpointPath, file_sizes, write_atomically
 from forge.config.checkpoint import Verification
 from forge.errors import UserInputError
 
@@ -42,17 +43,19 @@ class IntegrityError(UserInputError):
 
 
 def checksums_of(
-    folder: pathlib.Path, names: Iterable[str], piece: int | None = None
+    folder: CheckpointPath, names: Iterable[str], piece: int | None = None
 ) -> dict[str, list]:
     """``{name: [length, [crc32 of each piece]]}`` of the files ``names`` in ``folder``, in
-    pieces of ``piece`` bytes (``PIECE``): each memory-mapped (no copy) and checksummed in
-    parallel threads."""
+    pieces of ``piece`` bytes (``PIECE``): each memory-mapped (no copy; in an object store,
+    a ranged read) and checksummed in parallel threads."""
     piece = piece or PIECE
+    names = list(names)
+    sizes = file_sizes(folder) if isinstance(folder, ObjectPath) and names else {}
     sums: dict[str, list] = {}
     with ThreadPoolExecutor(max_workers=checksum_threads()) as pool:
         for name in names:
             path = folder / name
-            size = path.stat().st_size
+            size = sizes[name] if name in sizes else path.stat().st_size
             pieces = [
                 pool.submit(crc_of_range, path, offset, min(piece, size - offset))
                 for offset in range(0, size, piece)
@@ -61,9 +64,11 @@ def checksums_of(
     return sums
 
 
-def crc_of_range(path: pathlib.Path, offset: int, length: int) -> str:
+def crc_of_range(path: CheckpointPath, offset: int, length: int) -> str:
     """The CRC-32 of ``length`` bytes of ``path`` from ``offset`` (a multiple of the page
-    size, as a piece's is), memory-mapped: no copy."""
+    size, as a piece's is), memory-mapped: no copy (an object: one ranged read)."""
+    if isinstance(path, ObjectPath):
+        return crc_hex(path.read_range(offset, length))
     with (
         path.open("rb") as f,
         mmap.mmap(f.fileno(), length, access=mmap.ACCESS_READ, offset=offset) as m,
@@ -87,31 +92,26 @@ def crc_hex(data: memoryview | bytes) -> str:
     return f"{zlib.crc32(data):08x}"
 
 
-def own_files(folder: pathlib.Path, rank: int) -> list[str]:
+def own_files(folder: CheckpointPath, rank: int) -> list[str]:
     """The files of a checkpoint being written that rank ``rank`` wrote: its DCP shards
     (``__<rank>_<n>.distcp``), its RNG state, and for rank 0 the DCP metadata."""
     shard = re.compile(rf"__{rank}_\d+\.distcp")
-    names = [p.name for p in folder.iterdir() if p.is_file() and shard.fullmatch(p.name)]
-    names += [n for n in (f"rng_rank{rank}.pt",) if (folder / n).is_file()]
-    if rank == 0 and (folder / ".metadata").is_file():
+    present = file_sizes(folder)
+    names = [n for n in present if shard.fullmatch(n)]
+    names += [n for n in (f"rng_rank{rank}.pt",) if n in present]
+    if rank == 0 and ".metadata" in present:
         names.append(".metadata")
     return sorted(names)
 
 
-def write_checksums(folder: pathlib.Path, sums: Mapping[str, list]) -> None:
+def write_checksums(folder: CheckpointPath, sums: Mapping[str, list]) -> None:
     """Record ``sums`` in ``folder/checksums.json``, with a checksum of every other file of
     ``folder`` that ``sums`` lacks (so that nothing in a committed checkpoint goes unchecked).
-    Written to a temporary name and renamed."""
-    rest = [
-        p.name
-        for p in sorted(folder.iterdir())
-        if p.is_file() and p.name not in sums and not p.name.startswith(CHECKSUMS)
-    ]
+    Written whole or not at all (``write_atomically``)."""
+    rest = [n for n in sorted(file_sizes(folder)) if n not in sums and not n.startswith(CHECKSUMS)]
     every = {**sums, **checksums_of(folder, rest)}
     record = {"version": CHECKSUMS_VERSION, "algorithm": "crc32", "piece": PIECE, "files": every}
-    tmp = folder / f"{CHECKSUMS}.tmp"
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
-    tmp.replace(folder / CHECKSUMS)
+    write_atomically(folder / CHECKSUMS, json.dumps(record, indent=1, sort_keys=True).encode())
 
 
 @attrs.frozen
@@ -122,7 +122,7 @@ class Record:
     files: dict[str, list]
 
 
-def recorded_checksums(folder: pathlib.Path) -> Record | None:
+def recorded_checksums(folder: CheckpointPath) -> Record | None:
     """The checksums recorded at commit; None for a checkpoint written before forge recorded
     them. A record that does not parse, or is not one forge writes, is an ``IntegrityError``
     naming what is wrong with it."""
@@ -166,15 +166,11 @@ def record_problem(record: object) -> str | None:
     return None
 
 
-def unrecorded_files(folder: pathlib.Path, recorded: Iterable[str]) -> list[str]:
+def unrecorded_files(folder: CheckpointPath, recorded: Iterable[str]) -> list[str]:
     """The files of ``folder`` that a record does not list (the record itself aside): added
     or renamed after commit, and so unchecked if they were let through."""
     listed = set(recorded)
-    return sorted(
-        p.name
-        for p in folder.iterdir()
-        if p.is_file() and not p.name.startswith(CHECKSUMS) and p.name not in listed
-    )
+    return sorted(n for n in file_sizes(folder) if not n.startswith(CHECKSUMS) and n not in listed)
 
 
 def usable_piece(piece: object) -> bool:
@@ -182,7 +178,7 @@ def usable_piece(piece: object) -> bool:
     return type(piece) is int and piece > 0 and piece % mmap.ALLOCATIONGRANULARITY == 0
 
 
-def verify_checkpoint(folder: pathlib.Path, mode: Verification = Verification.FULL) -> bool:
+def verify_checkpoint(folder: CheckpointPath, mode: Verification = Verification.FULL) -> bool:
     """Check every file ``checksums.json`` lists against it (lengths only under
     ``METADATA``), and that it lists every file of the folder (it fails closed: an empty or
     partial record is damage); an ``IntegrityError`` naming the first that differs. False
@@ -192,6 +188,7 @@ def verify_checkpoint(folder: pathlib.Path, mode: Verification = Verification.FU
     if record is None:
         return False
     sums = record.files
+    present = file_sizes(folder)
     unlisted = unrecorded_files(folder, sums)
     if unlisted:
         shown = ", ".join(unlisted[:3]) + (
@@ -202,11 +199,10 @@ def verify_checkpoint(folder: pathlib.Path, mode: Verification = Verification.FU
             "commit, or the record lost entries): its bytes cannot be verified"
         )
     for name, (length, _) in sorted(sums.items()):
-        path = folder / name
         where = f"{folder.name}/{name}"
-        if not path.is_file():
+        if name not in present:
             raise IntegrityError(f"{where}: missing (recorded at commit)")
-        size = path.stat().st_size
+        size = present[name]
         if size != length:
             raise IntegrityError(f"{where}: {size} bytes, {length} when committed")
     if mode is Verification.METADATA:

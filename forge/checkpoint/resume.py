@@ -20,10 +20,11 @@ import attrs
 import torch
 from torch import nn
 
+from forge.checkpoint.paths import CheckpointPath
 from forge.checkpoint.policy import step_of
 from forge.checkpoint.safety import UnsafeCheckpointError
+from forge.checkpoint.storage import LATEST, storage_of
 from forge.checkpoint.store import (
-    LATEST,
     CheckpointError,
     ShapeMismatchError,
     is_complete,
@@ -44,21 +45,20 @@ class ResumeSource(enum.Enum):
 @attrs.frozen
 class ResumePlan:
     source: ResumeSource
-    path: pathlib.Path | None = None
-    skipped: tuple[pathlib.Path, ...] = ()  # incomplete checkpoints newer than ``path``
-    fallbacks: tuple[pathlib.Path, ...] = ()  # every other complete checkpoint, newest first
+    path: CheckpointPath | None = None
+    skipped: tuple[CheckpointPath, ...] = ()  # incomplete checkpoints newer than ``path``
+    fallbacks: tuple[CheckpointPath, ...] = ()  # every other complete checkpoint, newest first
     # said once when ``latest`` names something other than ``path``: what, and why not it
     latest_note: str | None = None
 
 
-def latest_problem(checkpoint_dir: pathlib.Path) -> str | None:
+def latest_problem(checkpoint_dir: CheckpointPath) -> str | None:
     """Why ``checkpoint_dir/latest`` names no checkpoint of this directory to resume from
     (dangling, a loop, outside the directory, not a step folder, incomplete), or None when it
     names one, or does not exist."""
-    link = checkpoint_dir / LATEST
-    if not link.is_symlink():
+    target = storage_of(checkpoint_dir).latest_target(checkpoint_dir)
+    if target is None:
         return None
-    target = os.readlink(link)
     if os.path.isabs(target) or pathlib.PurePath(target).name != target:
         return f"it points outside this checkpoint directory ({target})"
     step = step_of(target)
@@ -72,7 +72,7 @@ def latest_problem(checkpoint_dir: pathlib.Path) -> str | None:
     return None
 
 
-def resolve_resume(checkpoint_dir: pathlib.Path, load_path: pathlib.Path | None) -> ResumePlan:
+def resolve_resume(checkpoint_dir: CheckpointPath, load_path: CheckpointPath | None) -> ResumePlan:
     """Where a run starts from (see the module docstring for the precedence)."""
     found = newest_complete(checkpoint_dir)
     candidates = list_steps(checkpoint_dir)
@@ -117,10 +117,10 @@ T = TypeVar("T")
 
 
 def first_loadable(
-    paths: Sequence[pathlib.Path],
-    load: Callable[[pathlib.Path], T],
+    paths: Sequence[CheckpointPath],
+    load: Callable[[CheckpointPath], T],
     report: Callable[[str], None] = lambda line: None,
-) -> tuple[pathlib.Path, T]:
+) -> tuple[CheckpointPath, T]:
     """``load`` the first of ``paths`` (newest first) that loads; a damaged one (truncated
     shards or RNG files, unreadable metadata, a train state of the wrong shape) is reported
     and skipped. An unsafe file, or one written for another model, is never skipped: an older
@@ -141,12 +141,12 @@ def first_loadable(
 
 
 def load_newest_weights(
-    checkpoint_dir: pathlib.Path,
-    load_path: pathlib.Path | None,
+    checkpoint_dir: CheckpointPath,
+    load_path: CheckpointPath | None,
     model: nn.Module,
     report: Callable[[str], None] = lambda line: None,
     optimizer: torch.optim.Optimizer | None = None,
-) -> pathlib.Path:
+) -> CheckpointPath:
     """Load the weights a run would resume from into ``model`` (and ``optimizer``, whose state
     some optimizers need for their evaluation weights), with the same resolver and the same
     fallback past damaged checkpoints as training; returns the checkpoint used."""
@@ -156,7 +156,7 @@ def load_newest_weights(
     if plan.latest_note is not None:
         report(f"warning: {plan.latest_note}")
 
-    def load(path: pathlib.Path) -> None:
+    def load(path: CheckpointPath) -> None:
         load_checkpoint(path, model, optimizer, restore_rng_state=False)
 
     path, _ = first_loadable((plan.path, *plan.fallbacks), load, report)

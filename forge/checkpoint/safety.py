@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
+from forge.checkpoint.object_path import ObjectPath
+from forge.checkpoint.paths import CheckpointPath
 from forge.errors import UserInputError
 
 _ALLOWED = {
@@ -62,7 +64,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def read_metadata_safely(checkpoint: pathlib.Path) -> Metadata:
+def read_metadata_safely(checkpoint: CheckpointPath) -> Metadata:
     """DCP's metadata of ``checkpoint``, refusing anything but metadata classes and any data
     file outside the directory."""
     path = checkpoint / ".metadata"
@@ -93,7 +95,7 @@ def read_metadata_safely(checkpoint: pathlib.Path) -> Metadata:
 _CODE_OPCODES = {"GLOBAL", "STACK_GLOBAL", "REDUCE", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX"}
 
 
-def _calls_code(path: pathlib.Path) -> bool:
+def _calls_code(path: CheckpointPath) -> bool:
     """Whether the file, read as a pickle, imports or calls anything (never executes it)."""
     try:
         with path.open("rb") as f:
@@ -102,10 +104,11 @@ def _calls_code(path: pathlib.Path) -> bool:
         return False
 
 
-def load_tensors_safely(path: pathlib.Path) -> Any:
+def load_tensors_safely(path: CheckpointPath) -> Any:
     """``torch.load`` that admits tensors and plain values only (no pickled code)."""
     try:
-        return torch.load(path, weights_only=True)
+        source = path.stream() if isinstance(path, ObjectPath) else path
+        return torch.load(source, weights_only=True)
     except pickle.UnpicklingError as exc:
         # torch names a forbidden class or function as "GLOBAL module.name"; a bare pickle
         # may stop torch's reader earlier, so it is scanned for code-calling opcodes. Anything

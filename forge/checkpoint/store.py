@@ -1,20 +1,20 @@
-"""On-disk checkpoints: DCP shards for model and optimizer, JSON train state, RNG tensors.
+"""Checkpoints: DCP shards for model and optimizer, JSON train state, RNG tensors.
 
-Layout under the checkpoint directory::
+Layout under the checkpoint directory (a local one; an object store's is alike, ``latest``
+being a small object naming the step, ``forge.checkpoint.storage``)::
 
     step_<N>/            .metadata + *.distcp (model, optimizer), train_state.json, rng_rank<r>.pt
     latest -> step_<N>   relative symlink, moved by atomic rename
 
 A save is written to ``step_<N>.tmp`` and renamed when complete; ``latest`` moves after that,
-then retention runs. A crash at any instant leaves the previous checkpoint loadable.
+then retention runs. A crash at any instant leaves the previous checkpoint loadable. The
+rules that differ between a disk and an object store live in the storage seam; everything here
+reads through it.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import pathlib
-import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from forge.checkpoint.integrity import (
     IntegrityError,
     verify_checkpoint,
-    write_checksums,
 )
+from forge.checkpoint.paths import CheckpointPath, file_sizes
 from forge.checkpoint.policy import SaveSchedule, retention_plan, step_of
 from forge.checkpoint.rng import restore_rng
 from forge.checkpoint.safety import (
@@ -44,15 +44,14 @@ from forge.checkpoint.safety import (
     load_tensors_safely,
     read_metadata_safely,
 )
+from forge.checkpoint.storage import TRAIN_STATE, storage_of
 from forge.config.checkpoint import Verification
 from forge.errors import UserInputError, one_line
 from forge.model.transformer import canonical_name
 
-TRAIN_STATE = "train_state.json"
 # Optimizer state and param-group settings keyed by parameter name, not by group index: each
 # pipeline stage then contributes distinct keys, and a checkpoint re-splits at any layout.
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-LATEST = "latest"
 
 
 class CheckpointError(UserInputError):
@@ -71,31 +70,29 @@ def single_process_dcp() -> Iterator[None]:
         yield
 
 
-def step_dir(root: pathlib.Path, step: int) -> pathlib.Path:
+def step_dir(root: CheckpointPath, step: int) -> CheckpointPath:
     return root / f"step_{step}"
 
 
-def is_complete(path: pathlib.Path) -> bool:
-    """DCP writes ``.metadata`` last and the train state is written after DCP returns."""
-    return (path / ".metadata").is_file() and (path / TRAIN_STATE).is_file()
+def is_complete(path: CheckpointPath) -> bool:
+    """Committed: on a disk, DCP's ``.metadata`` (written last by DCP) and the train state
+    (written after DCP returns); in an object store, the marker written last at commit."""
+    return storage_of(path).is_complete(path)
 
 
-def list_steps(root: pathlib.Path) -> list[int]:
-    """Steps of every ``step_<N>`` directory (complete or not), ascending."""
-    if not root.is_dir():
-        return []
-    return sorted(s for p in root.iterdir() if (s := step_of(p.name)) is not None)
+def list_steps(root: CheckpointPath) -> list[int]:
+    """Steps of the checkpoints a reader may consider, ascending: every ``step_<N>``
+    directory on a disk (complete or not), the committed ones in an object store."""
+    return storage_of(root).list_steps(root)
 
 
-def latest_step(root: pathlib.Path) -> int | None:
-    """Step the ``latest`` link names, if it exists."""
-    link = root / LATEST
-    if not link.is_symlink():
-        return None
-    return step_of(os.readlink(link))
+def latest_step(root: CheckpointPath) -> int | None:
+    """Step the ``latest`` pointer names, if it exists."""
+    target = storage_of(root).latest_target(root)
+    return None if target is None else step_of(target)
 
 
-def newest_complete(root: pathlib.Path) -> pathlib.Path | None:
+def newest_complete(root: CheckpointPath) -> CheckpointPath | None:
     """The checkpoint to resume from: ``latest`` if complete, else the newest complete step."""
     latest = latest_step(root)
     if latest is not None and is_complete(step_dir(root, latest)):
@@ -106,88 +103,52 @@ def newest_complete(root: pathlib.Path) -> pathlib.Path | None:
     return None
 
 
-def _write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _point_latest(root: pathlib.Path, step: int) -> None:
-    tmp = root / f"{LATEST}.tmp"
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    tmp.symlink_to(f"step_{step}")
-    os.replace(tmp, root / LATEST)
-
-
 def commit_checkpoint(
-    root: pathlib.Path,
-    tmp: pathlib.Path,
+    root: CheckpointPath,
+    tmp: CheckpointPath,
     step: int,
     train_state: dict[str, Any],
     checksums: dict[str, list] | None = None,
-) -> pathlib.Path:
+) -> CheckpointPath:
     """Rank 0, once every rank's shards are in ``tmp``: write the train state and the
     checksum record (``checksums``, what the ranks measured of their files, completed with
-    the rest), rename ``tmp`` to ``step_<step>`` and move ``latest`` to it."""
-    final = step_dir(root, step)
-    _write_json(tmp / TRAIN_STATE, train_state)
-    write_checksums(tmp, checksums or {})
-    if final.exists():  # re-saving a step (e.g. after a resume): keep the new one
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _point_latest(root, step)
-    return final
+    the rest), make ``tmp`` checkpoint ``step`` and point ``latest`` at it (the storage's one
+    commit function)."""
+    return storage_of(root).commit(root, tmp, step, train_state, checksums or {})
 
 
 def save_model_only(
-    root: pathlib.Path, step: int, model: nn.Module, train_state: dict[str, Any]
-) -> pathlib.Path:
+    root: CheckpointPath, step: int, model: nn.Module, train_state: dict[str, Any]
+) -> CheckpointPath:
     """A model-only checkpoint ``root/step_<step>`` (one process), usable as ``load_path``."""
-    root.mkdir(parents=True, exist_ok=True)
-    final, tmp = step_dir(root, step), root / f"step_{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    storage = storage_of(root)
+    tmp = storage.staging(root, step)
+    storage.prepare(root, tmp)
     with single_process_dcp():
-        dcp_save({"model": model.state_dict()}, checkpoint_id=str(tmp))
-    _write_json(tmp / TRAIN_STATE, train_state)
-    write_checksums(tmp, {})
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _point_latest(root, step)
-    return final
+        dcp_save({"model": model.state_dict()}, storage_writer=storage.writer(tmp, None))
+    return commit_checkpoint(root, tmp, step, train_state)
 
 
-def remove_stale_temporaries(root: pathlib.Path) -> list[str]:
-    """Delete ``step_<N>.tmp`` folders and ``latest.tmp`` left by a crash (call at start-up,
-    when no save can be in flight); returns their names."""
-    if not root.is_dir():
-        return []
-    stale = [p for p in root.iterdir() if p.name.endswith(".tmp")]
-    for p in stale:
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
-    return [p.name for p in stale]
+def remove_stale_temporaries(root: CheckpointPath) -> list[str]:
+    """Remove what a crashed save left (``step_<N>.tmp`` folders and ``latest.tmp`` on a
+    disk, uncommitted ``step_<N>/`` prefixes in an object store; call at start-up, when no
+    save can be in flight); returns their names."""
+    return storage_of(root).remove_stale(root)
 
 
-def apply_retention(root: pathlib.Path, keep_last_n: int, schedule: SaveSchedule) -> list[int]:
+def apply_retention(root: CheckpointPath, keep_last_n: int, schedule: SaveSchedule) -> list[int]:
     """Delete what ``retention_plan`` names; returns the deleted steps."""
     steps = list_steps(root)
     complete = [s for s in steps if is_complete(step_dir(root, s))]
     incomplete = [s for s in steps if s not in complete]
     doomed = retention_plan(complete, keep_last_n, latest_step(root), schedule, None, incomplete)
+    storage = storage_of(root)
     for step in doomed:
-        shutil.rmtree(step_dir(root, step), ignore_errors=True)
+        storage.remove(step_dir(root, step))
     return doomed
 
 
-def read_train_state(path: pathlib.Path) -> dict[str, Any]:
+def read_train_state(path: CheckpointPath) -> dict[str, Any]:
     """The JSON train state of a checkpoint directory (a JSON object; its fields are checked
     by whoever reads them)."""
     try:
@@ -200,7 +161,7 @@ def read_train_state(path: pathlib.Path) -> dict[str, Any]:
 
 
 def load_checkpoint(
-    path: pathlib.Path,
+    path: CheckpointPath,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     *,
@@ -235,7 +196,7 @@ def load_checkpoint(
 
 
 def check_loadable(
-    path: pathlib.Path, model: nn.Module, verify: Verification = Verification.FULL
+    path: CheckpointPath, model: nn.Module, verify: Verification = Verification.FULL
 ) -> None:
     """Raise ``CheckpointError`` unless every file of ``path`` reads and fits ``model``: complete,
     DCP metadata safe and readable, every shard file as long as the metadata says, the train
@@ -248,7 +209,7 @@ def check_loadable(
         meta = read_metadata_safely(path)
         _check_shard_sizes(path, meta)
         read_train_state(path)
-        for rng_file in sorted(path.glob("rng_rank*.pt")):
+        for rng_file in sorted(path.glob("rng_rank*.pt"), key=str):
             rng = load_tensors_safely(rng_file)
             if not isinstance(rng, dict) or not {"torch_cpu", "python"} <= rng.keys():
                 raise CheckpointError(f"{rng_file}: not an RNG state file")
@@ -263,7 +224,7 @@ def check_loadable(
     _check_shapes(path, model, meta)
 
 
-def _check_shard_sizes(path: pathlib.Path, meta: Metadata) -> None:
+def _check_shard_sizes(path: CheckpointPath, meta: Metadata) -> None:
     """Every byte range the metadata names lies inside its file (a truncated shard fails here,
     before DCP has written half of the model)."""
     needed: dict[str, int] = {}
@@ -271,34 +232,36 @@ def _check_shard_sizes(path: pathlib.Path, meta: Metadata) -> None:
         name = str(getattr(info, "relative_path", ""))
         end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
         needed[name] = max(needed.get(name, 0), end)
+    present = file_sizes(path)
     for name, end in needed.items():
         shard = path / name
-        size = shard.stat().st_size if shard.is_file() else -1
+        size = present.get(name, -1)
         if size < end:
             what = "is missing" if size < 0 else f"holds {size} bytes, the metadata names {end}"
             raise CheckpointError(f"{shard}: {what} (truncated or incomplete checkpoint)")
 
 
 def read_tensors(
-    state: dict[str, Any], path: pathlib.Path, process_group: dist.ProcessGroup | None = None
+    state: dict[str, Any], path: CheckpointPath, process_group: dist.ProcessGroup | None = None
 ) -> None:
     """Fill ``state`` (a ``{"model": ..., "optimizer": ...}`` template) from checkpoint ``path``."""
     _dcp_load(state, path, process_group)
 
 
 def _dcp_load(
-    state: dict[str, Any], path: pathlib.Path, process_group: dist.ProcessGroup | None = None
+    state: dict[str, Any], path: CheckpointPath, process_group: dist.ProcessGroup | None = None
 ) -> None:
     try:
         with single_process_dcp():
-            dcp_load(state, checkpoint_id=str(path), process_group=process_group)
+            reader = storage_of(path).reader(path)
+            dcp_load(state, storage_reader=reader, process_group=process_group)
     except BaseException as exc:  # DCP's CheckpointException is not an Exception
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
         raise CheckpointError(f"{path}: DCP load failed ({one_line(exc)})") from None
 
 
-def _check_shapes(path: pathlib.Path, model: nn.Module, meta: Metadata) -> None:
+def _check_shapes(path: CheckpointPath, model: nn.Module, meta: Metadata) -> None:
     """One line naming the first parameter whose saved shape differs from the model's."""
     saved = {
         k.removeprefix("model."): tuple(v.size)

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import attrs
 
-from forge.config.ranges import Problem, non_negative, not_empty, positive, usable_path
+from forge.config.ranges import (
+    Problem,
+    non_negative,
+    not_empty,
+    positive,
+    url_scheme,
+    usable_location,
+)
 
 
 class AsyncMode(enum.Enum):
@@ -79,13 +87,25 @@ class CheckpointConfig:
     # which LR schedule a resume follows when lr, [scheduler] or max_steps changed: the
     # "checkpoint"'s, or the "config"'s from the resume step; unset: such a resume is refused
     schedule_from: ScheduleSource | None = None
+    # fsspec's storage options for a ``dir`` or ``load_path`` in an object store (endpoint,
+    # credentials, ...); unset: the store's standard environment (AWS_* for S3)
+    storage_options: dict[str, Any] = attrs.field(factory=dict)
 
     def problems(self) -> list[Problem]:
         p: list[Problem] = []
         not_empty(p, "checkpoint.dir", self.dir)
         not_empty(p, "checkpoint.load_path", self.load_path)
-        usable_path(p, "checkpoint.dir", self.dir)
-        usable_path(p, "checkpoint.load_path", self.load_path)
+        usable_location(p, "checkpoint.dir", self.dir)
+        usable_location(p, "checkpoint.load_path", self.load_path)
+        remote = [v for v in (self.dir, self.load_path) if v and url_scheme(v)]
+        if self.storage_options and not remote:
+            p.append(
+                (
+                    "checkpoint.storage_options",
+                    "is set, but neither checkpoint.dir nor checkpoint.load_path is a URL "
+                    "(s3://...); remove it or give the URL",
+                )
+            )
         positive(p, "checkpoint.interval", self.interval)
         if self.dyn_ckpt_window is not None:
             p += self.dyn_ckpt_window.problems("checkpoint.dyn_ckpt_window")

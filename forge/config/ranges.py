@@ -37,19 +37,56 @@ def url_scheme(value: str) -> str | None:
     return match.group(1) if match else None
 
 
+# forge's optional extras that bring an object store's fsspec package, by URL protocol
+STORE_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+
+
+def store_url_problem(url: str) -> str | None:
+    """Why fsspec cannot open ``url``: a protocol it does not know, or one whose package is not
+    installed (naming forge's extra that brings it), else None."""
+    from fsspec.registry import get_filesystem_class, known_implementations
+
+    scheme = url_scheme(url) or ""
+    if scheme not in known_implementations:
+        return (
+            f"'{url}': '{scheme}://' is not a storage protocol fsspec knows (s3://, gs://, "
+            "and those of fsspec's registry); fix the URL"
+        )
+    try:
+        get_filesystem_class(scheme)
+    except ImportError:
+        extra = STORE_EXTRAS.get(scheme)
+        fix = (
+            f"install forge's '{extra}' extra: pip install -e '.[{extra}]'"
+            if extra
+            else f"install fsspec's package for it ({known_implementations[scheme].get('err')})"
+        )
+        return f"'{url}': {scheme}:// needs a package that is not installed; {fix}"
+    return None
+
+
+def usable_location(problems: list[Problem], key: str, value: str | None) -> None:
+    """A local path (``usable_path``) or an object-store URL fsspec can open."""
+    if value and url_scheme(value) is not None:
+        if (problem := store_url_problem(value)) is not None:
+            problems.append((key, problem))
+        return
+    usable_path(problems, key, value)
+
+
 def usable_path(problems: list[Problem], key: str, value: str | None) -> None:
     """A path the operating system can take: not a URL (``s3://...`` would silently become a
-    local folder named ``s3:``), no NUL byte, no name longer than 255 bytes, at most 4095
-    bytes in all (unset and empty are left to ``not_empty``)."""
+    local folder named ``s3:``; ``usable_location`` takes both), no NUL byte, no name longer
+    than 255 bytes, at most 4095 bytes in all (unset and empty are left to ``not_empty``)."""
     if not value:
         return
     if (scheme := url_scheme(value)) is not None:
         problems.append(
             (
                 key,
-                f"'{value}' is a URL ({scheme}://), and forge reads and writes local (or "
-                "mounted) paths only: mount the store (s3fs, gcsfuse, ...) and give the mounted "
-                "path",
+                f"'{value}' is a URL ({scheme}://), and this key takes a local (or mounted) "
+                "path only (checkpoint.dir and checkpoint.load_path may name an object store); "
+                "give a local path",
             )
         )
         return

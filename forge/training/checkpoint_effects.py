@@ -4,7 +4,6 @@ save's verdict, and the in-memory rollback slot."""
 
 from __future__ import annotations
 
-import pathlib
 import sys
 from typing import Any
 
@@ -14,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from forge.checkpoint.async_staging import stop_checkpoint_process
 from forge.checkpoint.checkpointer import Checkpointer
+from forge.checkpoint.paths import CheckpointPath
 from forge.checkpoint.slots import Slots
 from forge.checkpoint.store import apply_retention
 from forge.config.loader import CONVERTER
@@ -107,7 +107,7 @@ class CheckpointEffects:
             self.export()
         return True
 
-    def _committed(self, step: int, path: pathlib.Path) -> None:
+    def _committed(self, step: int, path: CheckpointPath) -> None:
         """Rank 0, after a commit: retention, then ``on_checkpoint_save``."""
         if self._schedule is not None:
             keep = self.run.config.checkpoint.keep_last_n

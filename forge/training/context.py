@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from forge.checkpoint.paths import CheckpointPath
 from forge.checkpoint.resume import ResumePlan
 from forge.config.sections import JobConfig
 from forge.data.batch import Batch
@@ -39,7 +40,7 @@ class RunContext:
     config: JobConfig
     config_source: pathlib.Path
     run_dir: pathlib.Path
-    checkpoint_dir: pathlib.Path
+    checkpoint_dir: CheckpointPath  # a local path or an object-store prefix
     policy: LoopPolicy = attrs.field(
         default=attrs.Factory(lambda self: loop_policy(self.config), takes_self=True)
     )

@@ -22,7 +22,7 @@ from torch import nn
 
 from forge.config.hooks import HooksConfig
 from forge.config.loader import ConfigError
-from forge.types import Hooks, LoopOutcome, LoopState, PendingStep, StepResult
+from forge.types import Hooks, LoopOutcome, LoopState, PendingStep, RemoteLocation, StepResult
 
 __all__ = ["HookList", "Hooks", "configured_hooks", "hook_class", "hook_problems"]
 
@@ -47,7 +47,7 @@ class HookList(Hooks):
         for h in self.hooks:
             h.on_step_end(state, result)
 
-    def on_checkpoint_save(self, step: int, path: pathlib.Path) -> None:
+    def on_checkpoint_save(self, step: int, path: pathlib.Path | RemoteLocation) -> None:
         for h in self.hooks:
             h.on_checkpoint_save(step, path)
 

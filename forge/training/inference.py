@@ -10,6 +10,7 @@ import attrs
 import torch
 from torch import nn
 
+from forge.checkpoint.paths import CheckpointPath, location
 from forge.checkpoint.resume import first_loadable, load_newest_weights
 from forge.checkpoint.store import load_checkpoint
 from forge.cli import DtypeRequest
@@ -31,7 +32,7 @@ class LoadedModel:
 
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
-    checkpoint: pathlib.Path
+    checkpoint: CheckpointPath
     device: torch.device
     dtype: torch.dtype
 
@@ -76,7 +77,7 @@ def load_run_weights(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     report: Callable[[str], None],
-) -> pathlib.Path:
+) -> CheckpointPath:
     """Load into ``model`` (and ``optimizer``) the weights of ``checkpoint``, or of the newest
     loadable checkpoint of the run (then its ``checkpoint.load_path``), as training would
     resume; returns the checkpoint used. Every script that reads a checkpoint loads here, so
@@ -88,7 +89,8 @@ def load_run_weights(
             report,
         )
         return used
-    load_path = pathlib.Path(config.checkpoint.load_path) if config.checkpoint.load_path else None
+    cfg = config.checkpoint
+    load_path = location(cfg.load_path, cfg.storage_options) if cfg.load_path else None
     return load_newest_weights(
         checkpoint_dir_of(config, run_dir), load_path, model, report, optimizer
     )

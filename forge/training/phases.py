@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from forge.checkpoint.paths import CheckpointPath, location
 from forge.checkpoint.resume import ResumeSource, resolve_resume
 from forge.checkpoint.store import (
     load_checkpoint,
@@ -166,10 +167,10 @@ def run_dir_problems(run: RunContext) -> list[str]:
     return []
 
 
-def run_directories(run: RunContext) -> list[tuple[str, pathlib.Path]]:
+def run_directories(run: RunContext) -> list[tuple[str, CheckpointPath]]:
     """The directories a run writes, with the config key that names each: the run directory
     and, when checkpointing is on or it holds checkpoints, the checkpoint directory."""
-    dirs = [("run.dir", run.run_dir)]
+    dirs: list[tuple[str, CheckpointPath]] = [("run.dir", run.run_dir)]
     if run.config.checkpoint.enabled or run.checkpoint_dir.exists():
         dirs.append(("checkpoint.dir", run.checkpoint_dir))
     return dirs
@@ -323,7 +324,7 @@ def setup_checkpointing(
     any tensor is loaded; a damaged one gives way to the next older one.
     """
     cfg = run.config.checkpoint
-    load_path = pathlib.Path(cfg.load_path) if cfg.load_path else None
+    load_path = location(cfg.load_path, cfg.storage_options) if cfg.load_path else None
     plan = resolve_resume(run.checkpoint_dir, load_path)
     say = report_on_main(dist)
     for path in plan.skipped:

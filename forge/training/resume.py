@@ -5,10 +5,10 @@ schedule, and what it restores."""
 
 from __future__ import annotations
 
-import pathlib
 from collections.abc import Callable, Sequence
 
 from forge.checkpoint.integrity import IntegrityError, verify_checkpoint
+from forge.checkpoint.paths import CheckpointPath
 from forge.checkpoint.resume import ResumePlan, first_loadable
 from forge.checkpoint.store import (
     TRAIN_STATE,
@@ -58,7 +58,7 @@ def hold_checkpoint_stage(
     freezer.hold(trainable_names(freezer.params, schedule, last), last)
 
 
-def verified_by_main(path: pathlib.Path, mode: Verification, dist: DistContext) -> None:
+def verified_by_main(path: CheckpointPath, mode: Verification, dist: DistContext) -> None:
     """Verify ``path``'s bytes (``mode``) once, on rank 0, and raise the same
     ``CheckpointError`` on every rank when they do not verify, so that every rank takes the
     same fallback."""
@@ -76,7 +76,7 @@ def verified_by_main(path: pathlib.Path, mode: Verification, dist: DistContext) 
 def check_changes(
     train_state: TrainState,
     current: dict,
-    path: pathlib.Path,
+    path: CheckpointPath,
     cfg: CheckpointConfig,
     say: Callable[[str], None],
     trains: bool = True,
@@ -97,7 +97,7 @@ def check_changes(
     return verdict
 
 
-def loader_position(train_state: TrainState, data: DataContext, path: pathlib.Path) -> None:
+def loader_position(train_state: TrainState, data: DataContext, path: CheckpointPath) -> None:
     """Check, before any tensor loads, that the train loader can seek to the checkpoint's
     position; a ``CheckpointError`` (damage: the next checkpoint is tried) naming it if not."""
     try:
@@ -136,7 +136,7 @@ def resume_run(
         run.config, model.peak_lr, model.schedule
     )
 
-    def load(path: pathlib.Path) -> tuple[TrainState, ChangeVerdict]:
+    def load(path: CheckpointPath) -> tuple[TrainState, ChangeVerdict]:
         check_loadable(path, model.model, Verification.METADATA)  # safe reads first: a
         verified_by_main(path, cfg.verify, dist)  # file carrying code is refused, not skipped
         train_state = parse_train_state(read_train_state(path), path)

@@ -18,12 +18,15 @@ from collections.abc import Sequence
 
 import attrs
 
+from forge.checkpoint.object_path import ObjectPath
+from forge.checkpoint.paths import CheckpointPath, location
 from forge.config.loader import ConfigError, load_config
 from forge.config.sections import JobConfig
 from forge.errors import UserInputError
 from forge.training.resume_rules import changes
 from forge.training.run_record import predated_model_defaults, run_identity
 from forge.training.run_records import config_in_force
+from forge.training.store_claim import StoreClaimError, claim_prefix, store_problem
 
 LOCK_FILE = ".forge.lock"
 
@@ -32,9 +35,12 @@ class RunDirBusyError(UserInputError):
     """Another process holds the run (or checkpoint) directory."""
 
 
-def path_problem(key: str, path: pathlib.Path) -> str | None:
+def path_problem(key: str, path: CheckpointPath) -> str | None:
     """Why ``path`` cannot be a directory this run writes into, if it cannot: it is a file, it
-    lies below a file, or its nearest existing ancestor is not writable."""
+    lies below a file, or its nearest existing ancestor is not writable (a prefix in an object
+    store: ``store_problem``)."""
+    if isinstance(path, ObjectPath):
+        return store_problem(key, path)
     if path.exists() and not path.is_dir():
         return f"{key}: {path} is a file, not a directory; choose another {key}"
     ancestor = path
@@ -91,12 +97,22 @@ def _make_dirs(key: str, folder: pathlib.Path, lock: RunDirLock) -> None:
     lock.created += reversed(missing)
 
 
-def lock_directories(dirs: Sequence[tuple[str, pathlib.Path]]) -> RunDirLock:
+def lock_directories(dirs: Sequence[tuple[str, CheckpointPath]]) -> RunDirLock:
     """Create and lock each ``(config key, directory)``; raise ``RunDirBusyError`` naming the
-    directory and the holder if another process holds one (then nothing stays locked)."""
+    directory and the holder if another process holds one (then nothing stays locked). A
+    prefix in an object store is claimed for the run directory (the first entry) instead
+    (``store_claim``)."""
     lock = RunDirLock()
     try:
         for key, folder in dirs:
+            if isinstance(folder, ObjectPath):
+                try:
+                    run_dir = dirs[0][1]
+                    assert isinstance(run_dir, pathlib.Path), "the run directory is local"
+                    claim_prefix(key, folder, run_dir)
+                except StoreClaimError as exc:
+                    raise RunDirBusyError(exc.lines) from None
+                continue
             _make_dirs(key, folder, lock)
             lock_file = folder / LOCK_FILE
             if not lock_file.exists():
@@ -129,13 +145,15 @@ def lock_directories(dirs: Sequence[tuple[str, pathlib.Path]]) -> RunDirLock:
     return lock
 
 
-def checkpoint_dir_of(config: JobConfig, run_dir: pathlib.Path) -> pathlib.Path:
-    """``checkpoint.dir``, or ``<run.dir>/checkpoints`` when unset."""
-    return pathlib.Path(config.checkpoint.dir) if config.checkpoint.dir else run_dir / "checkpoints"
+def checkpoint_dir_of(config: JobConfig, run_dir: pathlib.Path) -> CheckpointPath:
+    """``checkpoint.dir`` (a local path or an object-store URL), or ``<run.dir>/checkpoints``
+    when unset."""
+    cfg = config.checkpoint
+    return location(cfg.dir, cfg.storage_options) if cfg.dir else run_dir / "checkpoints"
 
 
 def foreign_records_problem(
-    run_dir: pathlib.Path, checkpoint_dir: pathlib.Path, config: JobConfig
+    run_dir: pathlib.Path, checkpoint_dir: CheckpointPath, config: JobConfig
 ) -> str | None:
     """Why a fresh start (no checkpoint to resume) must not write into ``run_dir``: it holds
     the records of another run (a different checkpoint directory or model / data order).

@@ -4,12 +4,12 @@ shape is skipped like a truncated one instead of half-loading the model."""
 
 from __future__ import annotations
 
-import pathlib
 from typing import Any
 
 import attrs
 from cattrs.errors import ClassValidationError, IterableValidationError
 
+from forge.checkpoint.paths import CheckpointPath
 from forge.checkpoint.policy import step_of
 from forge.checkpoint.store import TRAIN_STATE, CheckpointError
 from forge.config.loader import CONVERTER, ConfigError, leaf_errors
@@ -69,7 +69,7 @@ def train_state_to_json(state: TrainState) -> dict[str, Any]:
     return CONVERTER.unstructure(state)
 
 
-def parse_train_state(raw: Any, path: pathlib.Path) -> TrainState:
+def parse_train_state(raw: Any, path: CheckpointPath) -> TrainState:
     """Structure ``raw`` strictly; a ``CheckpointError`` naming the first bad field otherwise."""
     if isinstance(raw, dict):
         raw = {k: v for k, v in raw.items() if k not in RETIRED_KEYS}

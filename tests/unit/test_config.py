@@ -1,5 +1,6 @@
 """Config loading: TOML + CLI overrides, strict types, every problem reported at once."""
 
+import importlib
 import pathlib
 
 import attrs
@@ -188,17 +189,23 @@ BAD = [
         "resilience.health_timeout_s: expected a finite number, got -inf",
     ),
     (
-        "an object-store checkpoint dir",
-        {"checkpoint": {"dir": "s3://bucket/prefix"}},
-        "checkpoint.dir: 's3://bucket/prefix' is a URL (s3://), and forge reads and writes "
-        "local (or mounted) paths only: mount the store (s3fs, gcsfuse, ...) and give the "
-        "mounted path",
+        "a checkpoint dir in a store fsspec does not know",
+        {"checkpoint": {"dir": "nosuch://bucket/prefix"}},
+        "checkpoint.dir: 'nosuch://bucket/prefix': 'nosuch://' is not a storage protocol "
+        "fsspec knows (s3://, gs://, and those of fsspec's registry); fix the URL",
+    ),
+    (
+        "storage options with no URL to use them",
+        {"checkpoint": {"dir": "runs/ckpt", "storage_options": {"anon": True}}},
+        "checkpoint.storage_options: is set, but neither checkpoint.dir nor "
+        "checkpoint.load_path is a URL (s3://...); remove it or give the URL",
     ),
     (
         "a URL as the run dir",
         {"run": {"dir": "gs://bucket/run"}},
-        "run.dir: 'gs://bucket/run' is a URL (gs://), and forge reads and writes local (or "
-        "mounted) paths only: mount the store (s3fs, gcsfuse, ...) and give the mounted path",
+        "run.dir: 'gs://bucket/run' is a URL (gs://), and this key takes a local (or mounted) "
+        "path only (checkpoint.dir and checkpoint.load_path may name an object store); give a "
+        "local path",
     ),
     (
         "negative spike threshold",
@@ -401,6 +408,27 @@ def test_bad_config_gives_one_line_naming_the_key(raw, line):
     with pytest.raises(ConfigError) as info:
         structure_config(raw)
     assert info.value.lines == [line]
+
+
+def test_a_store_url_without_its_package_names_the_extra_to_install(monkeypatch):
+    registry = importlib.import_module("fsspec.registry")  # fsspec.registry is also a dict
+
+    def missing(protocol):
+        raise ImportError(f"Install s3fs to access {protocol}")
+
+    monkeypatch.setattr(registry, "get_filesystem_class", missing)
+    with pytest.raises(ConfigError) as info:
+        structure_config({"checkpoint": {"dir": "s3://bucket/prefix"}})
+    assert info.value.lines == [
+        "checkpoint.dir: 's3://bucket/prefix': s3:// needs a package that is not installed; "
+        "install forge's 's3' extra: pip install -e '.[s3]'"
+    ]
+
+
+def test_an_object_store_checkpoint_dir_and_its_options_are_taken():
+    raw = {"checkpoint": {"dir": "s3://bucket/prefix", "storage_options": {"anon": True}}}
+    cfg = structure_config(raw).checkpoint
+    assert (cfg.dir, cfg.storage_options) == ("s3://bucket/prefix", {"anon": True})
 
 
 @pytest.mark.parametrize("path", ["runs/a:b", "C:/runs", "file:name", "runs/x//y"])

@@ -1,0 +1,167 @@
+"""Checkpoints in an object store (``checkpoint.dir = "s3://..."``) against a real S3
+endpoint (moto's server on 127.0.0.1, driven through s3fs): a resume is the uninterrupted local
+run bit for bit, in every async mode; damage is named and the run falls back; retention,
+the prefix's owner, and the scripts that read checkpoints all go through the URL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from forge.checkpoint.integrity import CHECKSUMS
+from forge.checkpoint.paths import location
+from forge.checkpoint.resume import ResumeSource, resolve_resume
+from tests.conftest import REPO
+from tests.e2e.test_train_script import TRAIN, load_script, losses, reference_config, run_dir
+from tests.object_store import s3
+
+EVAL = load_script("eval")
+SAME_LR = "--scheduler.decay_steps=10"  # the schedule must not depend on where a run stops
+
+
+def remote(bucket: str, *extra: str) -> list[str]:
+    return [f"--checkpoint.dir=s3://{bucket}/run", "--checkpoint.interval=2", SAME_LR, *extra]
+
+
+def objects(endpoint: str, bucket: str) -> list[str]:
+    prefix = f"{bucket}/run/"
+    return sorted(p.removeprefix(prefix) for p in s3(endpoint).find(prefix))
+
+
+@pytest.fixture
+def local_reference(tiny_config, tmp_path):
+    """The uninterrupted run of 10 steps, its checkpoints on the local disk."""
+    reference = reference_config(tiny_config, tmp_path)
+    assert TRAIN.main([str(reference), "--train.max_steps=10", SAME_LR]) == 0
+    return reference
+
+
+MODES = ["disabled", "async", "async_process"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_resume_from_s3_is_the_uninterrupted_local_run(
+    tiny_config, local_reference, s3_bucket, s3_endpoint, mode
+):
+    args = remote(s3_bucket, f"--checkpoint.async_mode={mode}")
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=6", *args]) == 0
+    assert objects(s3_endpoint, s3_bucket)[:2] == ["latest", "owner.json"]
+    assert s3(s3_endpoint).cat(f"{s3_bucket}/run/latest") == b"step_6"
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=10", *args]) == 0
+    assert losses(tiny_config) == losses(local_reference)  # exact floats, steps 1-10
+    assert not (run_dir(tiny_config) / "checkpoints").exists()  # nothing local
+
+
+def test_a_flipped_byte_in_the_newest_checkpoint_falls_back_naming_it(
+    tiny_config, local_reference, s3_bucket, s3_endpoint, capsys
+):
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=6", *remote(s3_bucket)]) == 0
+    fs = s3(s3_endpoint)
+    shards = {p: fs.size(p) for p in fs.find(f"{s3_bucket}/run/step_6")}
+    largest = max(shards, key=shards.__getitem__)
+    data = bytearray(fs.cat(largest))
+    data[len(data) // 3] ^= 0x01
+    fs.pipe(largest, bytes(data))
+    capsys.readouterr()
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=10", *remote(s3_bucket)]) == 0
+    err = capsys.readouterr().err
+    assert f"step_6/{largest.rsplit('/', 1)[-1]}: checksum mismatch" in err
+    assert f"resumed from s3://{s3_bucket}/run/step_4 at step 4" in err
+    assert losses(tiny_config) == losses(local_reference)
+
+
+def test_retention_keeps_the_last_n_in_the_store(tiny_config, s3_bucket, s3_endpoint):
+    args = remote(s3_bucket, "--checkpoint.keep_last_n=2")
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=10", *args]) == 0
+    steps = {o.split("/")[0] for o in objects(s3_endpoint, s3_bucket) if o.startswith("step_")}
+    assert steps == {"step_8", "step_10"}
+
+
+def test_eval_reads_the_checkpoint_from_the_url(tiny_config, s3_bucket, capsys):
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=4", *remote(s3_bucket)]) == 0
+    capsys.readouterr()
+    assert EVAL.main([str(run_dir(tiny_config)), "--json"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["checkpoint"] == f"s3://{s3_bucket}/run/step_4"
+
+
+def test_a_second_run_directory_cannot_write_to_the_same_prefix(
+    tiny_config, tmp_path, s3_bucket, s3_endpoint, capsys
+):
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=4", *remote(s3_bucket)]) == 0
+    before = objects(s3_endpoint, s3_bucket)
+    other = tmp_path / "other"
+    capsys.readouterr()
+    code = TRAIN.main([str(tiny_config), f"--run.dir={other}", *remote(s3_bucket)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error: checkpoint.dir:")
+    assert f"another run (run.dir {run_dir(tiny_config)}" in err[-1]
+    assert not other.exists() and objects(s3_endpoint, s3_bucket) == before
+    # the owner itself resumes, from any process
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=6", *remote(s3_bucket)]) == 0
+
+
+# (case, the URL, a fragment of the one-line refusal)
+BAD_URLS = [
+    ("a bucket that does not exist", "s3://forge-no-such-bucket/run", "the bucket 'forge-no-such-bucket' does not exist"),
+    ("an unknown protocol", "nosuch://bucket/run", "'nosuch://' is not a storage protocol"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("url", "message"), [c[1:] for c in BAD_URLS], ids=[c[0] for c in BAD_URLS]
+)
+def test_a_url_the_run_cannot_use_is_refused_in_one_line(
+    tiny_config, s3_bucket, capsys, url, message
+):
+    capsys.readouterr()
+    assert TRAIN.main([str(tiny_config), f"--checkpoint.dir={url}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: checkpoint.dir") and message in err[-1], err
+    assert not run_dir(tiny_config).exists()
+
+
+def test_a_save_killed_during_its_upload_is_invisible_and_the_next_run_resumes_before_it(
+    tiny_config, tmp_path, s3_bucket, s3_endpoint
+):
+    """SIGKILL while a checkpoint's objects are being uploaded (some there, no marker): no
+    reader sees that checkpoint, and the next run resumes from the one before, exactly."""
+    big = ["--model.dim=256", "--model.n_layers=4", "--model.n_heads=8", "--model.n_kv_heads=4"]
+    args = [*big, *remote(s3_bucket, "--checkpoint.interval=1"), "--train.max_steps=10"]
+    reference = reference_config(tiny_config, tmp_path)
+    assert TRAIN.main([str(reference), *big, "--train.max_steps=10", SAME_LR]) == 0
+    fs = s3(s3_endpoint)
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "scripts" / "train.py"), str(tiny_config), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    partial, deadline = None, time.monotonic() + 120
+    try:
+        while partial is None and proc.poll() is None and time.monotonic() < deadline:
+            found: dict[str, set[str]] = {}  # step folder -> its objects so far
+            for name in fs.find(f"{s3_bucket}/run/"):
+                parts = name.split("/")
+                if len(parts) == 4 and parts[2].startswith("step_"):
+                    found.setdefault(parts[2], set()).add(parts[3])
+            partial = next(
+                (s for s, f in found.items() if CHECKSUMS not in f and s != "step_1"), None
+            )
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert partial is not None, "no upload in progress was caught"
+    root = location(f"s3://{s3_bucket}/run")
+    plan = resolve_resume(root, None)
+    assert plan.source is ResumeSource.CHECKPOINT_DIR and plan.path is not None
+    assert int(plan.path.name.removeprefix("step_")) < int(partial.removeprefix("step_"))
+    assert all(p.name != partial for p in (*plan.fallbacks, *plan.skipped))
+    assert TRAIN.main([str(tiny_config), *args]) == 0
+    assert losses(tiny_config)[-10:] == losses(reference)
