@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from forge.checkpoint.paths import CheckpointPath
 from forge.cli import add_device_options, summary
 from forge.config.data import EvalTask
 from forge.errors import UserInputError, one_line, print_errors
@@ -78,7 +79,7 @@ def option_problems(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def output_path(args: argparse.Namespace, run_dir: pathlib.Path, checkpoint: pathlib.Path):
+def output_path(args: argparse.Namespace, run_dir: pathlib.Path, checkpoint: CheckpointPath):
     """Where the JSON goes: ``--output``, else ``<run>/eval_harness/<checkpoint name>.json``."""
     if args.output is not None:
         return args.output

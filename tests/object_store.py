@@ -72,3 +72,37 @@ def new_bucket(endpoint: str) -> str:
     name = f"forge-{uuid.uuid4().hex[:12]}"
     s3(endpoint).mkdir(name)
     return name
+
+
+@contextlib.contextmanager
+def guarded_store() -> Iterator[dict[str, str]]:
+    """A moto server that checks credentials (IAM): one bucket, and a user who may only read
+    it. Yields the endpoint, the bucket and that user's key and secret."""
+    import json
+
+    import boto3
+
+    admin_actions = 4  # the requests below; every later one must carry valid credentials
+    with moto_server({"INITIAL_NO_AUTH_ACTION_COUNT": str(admin_actions)}) as endpoint:
+        kw = {"endpoint_url": endpoint, "region_name": ENV["AWS_DEFAULT_REGION"]}
+        kw |= {"aws_access_key_id": "admin", "aws_secret_access_key": "admin"}
+        bucket = "forge-guarded"
+        boto3.client("s3", **kw).create_bucket(Bucket=bucket)
+        iam = boto3.client("iam", **kw)
+        iam.create_user(UserName="reader")
+        key = iam.create_access_key(UserName="reader")["AccessKey"]
+        read_only = {
+            "Version": "2012-10-17",
+            "Statement": [
+                {"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}
+            ],
+        }
+        iam.put_user_policy(
+            UserName="reader", PolicyName="read-only", PolicyDocument=json.dumps(read_only)
+        )
+        yield {
+            "endpoint": endpoint,
+            "bucket": bucket,
+            "key": key["AccessKeyId"],
+            "secret": key["SecretAccessKey"],
+        }

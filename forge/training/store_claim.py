@@ -31,13 +31,15 @@ class StoreClaimError(UserInputError):
 def store_problem(key: str, prefix: ObjectPath) -> str | None:
     """Why the run cannot use ``prefix`` (reads only): the store is unreachable, refuses the
     credentials, or its bucket does not exist."""
+    bucket = prefix.key.split("/", 1)[0]
     try:
-        prefix.file_sizes()  # a listing: reaches the store with these credentials
-        bucket = prefix.key.split("/", 1)[0]
-        if prefix.protocol in BUCKET_PROTOCOLS and not prefix.fs.exists(bucket):
-            return (
-                f"{key}: {prefix}: the bucket '{bucket}' does not exist; create it or fix the URL"
-            )
+        try:  # a listing: reaches the store with these credentials
+            prefix.fs.ls(prefix.key, detail=False)
+        except FileNotFoundError:  # a new prefix, or no bucket: the bucket's root says which
+            if prefix.protocol in BUCKET_PROTOCOLS:
+                prefix.fs.ls(bucket, detail=False)
+    except FileNotFoundError:
+        return f"{key}: {prefix}: the bucket '{bucket}' does not exist; create it or fix the URL"
     except PermissionError as exc:
         return f"{key}: {prefix}: access denied ({one_line(exc)}); {CREDENTIALS}"
     except OSError as exc:

@@ -21,7 +21,9 @@ from tests.conftest import REPO
 from tests.e2e.test_train_script import TRAIN, load_script, losses, reference_config, run_dir
 from tests.object_store import s3
 
+CONVERT = load_script("convert_checkpoint")
 EVAL = load_script("eval")
+GENERATE = load_script("generate")
 SAME_LR = "--scheduler.decay_steps=10"  # the schedule must not depend on where a run stops
 
 
@@ -92,6 +94,19 @@ def test_eval_reads_the_checkpoint_from_the_url(tiny_config, s3_bucket, capsys):
     assert report["checkpoint"] == f"s3://{s3_bucket}/run/step_4"
 
 
+def test_generate_and_export_read_the_checkpoint_from_the_url(
+    tiny_config, tmp_path, s3_bucket, capsys
+):
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=4", *remote(s3_bucket)]) == 0
+    out = tmp_path / "export"
+    capsys.readouterr()
+    assert CONVERT.main(["export", str(run_dir(tiny_config)), "--out", str(out)]) == 0
+    assert f"s3://{s3_bucket}/run/step_4" in capsys.readouterr().out
+    assert (out / "model.safetensors").is_file()
+    prompt = ["--prompt", "def ", "--max-new-tokens", "4", "--seed", "1"]
+    assert GENERATE.main([str(run_dir(tiny_config)), *prompt]) == 0
+
+
 def test_a_second_run_directory_cannot_write_to_the_same_prefix(
     tiny_config, tmp_path, s3_bucket, s3_endpoint, capsys
 ):
@@ -133,7 +148,7 @@ def test_a_save_killed_during_its_upload_is_invisible_and_the_next_run_resumes_b
 ):
     """SIGKILL while a checkpoint's objects are being uploaded (some there, no marker): no
     reader sees that checkpoint, and the next run resumes from the one before, exactly."""
-    big = ["--model.dim=256", "--model.n_layers=4", "--model.n_heads=8", "--model.n_kv_heads=4"]
+    big = ["--model.dim=128", "--model.n_layers=4", "--model.n_heads=8", "--model.n_kv_heads=4"]
     args = [*big, *remote(s3_bucket, "--checkpoint.interval=1"), "--train.max_steps=10"]
     reference = reference_config(tiny_config, tmp_path)
     assert TRAIN.main([str(reference), *big, "--train.max_steps=10", SAME_LR]) == 0
@@ -165,3 +180,45 @@ def test_a_save_killed_during_its_upload_is_invisible_and_the_next_run_resumes_b
     assert all(p.name != partial for p in (*plan.fallbacks, *plan.skipped))
     assert TRAIN.main([str(tiny_config), *args]) == 0
     assert losses(tiny_config)[-10:] == losses(reference)
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    from tests.object_store import guarded_store
+
+    with guarded_store() as store:
+        yield store
+
+
+# (case, the credentials, a fragment of the one-line refusal)
+REFUSED_CREDENTIALS = [
+    ("unknown credentials", ("nobody", "nothing"), "access denied (PermissionError: The AWS Access Key Id you provided does not exist"),
+    ("a user who may only read", None, "cannot write to s3://forge-guarded/run (PermissionError: Access Denied): a read-only prefix?"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("credentials", "message"),
+    [c[1:] for c in REFUSED_CREDENTIALS],
+    ids=[c[0] for c in REFUSED_CREDENTIALS],
+)
+def test_credentials_the_store_refuses_are_one_line_and_nothing_is_written(
+    tiny_config, guarded, credentials, message
+):
+    """In a process of its own: the endpoint and credentials come from the environment."""
+    key, secret = credentials or (guarded["key"], guarded["secret"])
+    env = {**os.environ, "AWS_ENDPOINT_URL": guarded["endpoint"], "AWS_ACCESS_KEY_ID": key}
+    env |= {"AWS_SECRET_ACCESS_KEY": secret, "AWS_DEFAULT_REGION": "us-east-1"}
+    url = f"--checkpoint.dir=s3://{guarded['bucket']}/run"
+    cmd = [sys.executable, str(REPO / "scripts" / "train.py"), str(tiny_config), url]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and err[-1].startswith("error: checkpoint.dir:"), done.stderr
+    assert message in err[-1] and "Traceback" not in done.stderr
+    assert not run_dir(tiny_config).exists()
+    import s3fs
+
+    reader = s3fs.S3FileSystem(
+        endpoint_url=guarded["endpoint"], key=guarded["key"], secret=guarded["secret"]
+    )
+    assert reader.ls(guarded["bucket"], refresh=True) == []  # nothing in the store either
