@@ -272,3 +272,22 @@ def test_a_checksum_that_fails_on_one_rank_fails_the_save_on_both(tmp_path):
         assert f"rank {rank}: refused:" in out.stdout, out.stdout + out.stderr[-3000:]
     assert "Input/output error" in out.stdout
     assert not (tmp_path / "ckpt" / "step_1").exists()
+
+
+def test_two_ranks_save_to_s3_and_resume_as_the_uninterrupted_local_run(
+    tmp_path, small_corpus, s3_bucket
+):
+    """Each rank uploads its own shards and checksums what it wrote; rank 0 commits. The
+    resumed run's losses are the local uninterrupted run's, bit for bit."""
+    config = write_config(tmp_path, small_corpus)
+    ref, _ = two_ranks(config, tmp_path / "ref", *FSDP)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    url = [f"--checkpoint.dir=s3://{s3_bucket}/run", "--checkpoint.interval=2"]
+    first, _ = two_ranks(config, tmp_path / "run", *FSDP, *url, "--train.max_steps=4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second, _ = two_ranks(config, tmp_path / "run", *FSDP, *url)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from s3://{s3_bucket}/run/step_4 at step 4" in second.stderr
+    losses = [(r["step"], r["loss"]) for r in records(tmp_path / "run")]
+    assert losses == [(r["step"], r["loss"]) for r in records(tmp_path / "ref")]
+    assert len(losses) == 6
