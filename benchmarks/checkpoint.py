@@ -8,18 +8,24 @@ committed; what the integrity work adds to a sync save (the checksums of every f
 while DCP writes the shards, the finiteness check of the weights; target: at most 5%) against a
 plain DCP save of the same state measured in the same run, beside what reading the files back
 to checksum them would cost; the time a resume spends verifying the checksums; and the resume
-load time::
+load time. Then the storage axis: the same saves and resume of the debug model on the local
+disk and in S3 (moto's server, started here on 127.0.0.1), as ratios::
 
-    python benchmarks/checkpoint.py [--skip-large]
+    python benchmarks/checkpoint.py [--skip-large] [--storage-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import pathlib
+import socket
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -30,6 +36,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from forge.checkpoint.checkpointer import Checkpointer, nonfinite_parameter
 from forge.checkpoint.checksum_writer import ChecksummingWriter, hashing_pool
 from forge.checkpoint.integrity import checksums_of, verify_checkpoint
+from forge.checkpoint.object_path import ObjectPath
+from forge.checkpoint.paths import CheckpointPath, location
 from forge.checkpoint.store import STATE_DICT_OPTIONS, load_checkpoint, step_dir
 from forge.cli import summary
 from forge.config import ModelConfig, OptimizerConfig
@@ -124,15 +132,85 @@ def measure(name: str, cfg: ModelConfig, root: pathlib.Path) -> None:
     print("\n".join(lines))
 
 
+@contextlib.contextmanager
+def local_s3() -> Iterator[str]:
+    """moto's S3 server on a free local port, the AWS variables pointing at it; a bucket."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            time.sleep(0.05)
+        endpoint = f"http://127.0.0.1:{port}"
+        os.environ.update(
+            AWS_ENDPOINT_URL=endpoint,
+            AWS_ACCESS_KEY_ID="bench",
+            AWS_SECRET_ACCESS_KEY="bench",
+            AWS_DEFAULT_REGION="us-east-1",
+        )
+        root = location("s3://forge-bench/checkpoints")
+        assert isinstance(root, ObjectPath)
+        root.fs.mkdir("forge-bench")
+        yield str(root)
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def costs(cfg: ModelConfig, root: CheckpointPath) -> list[float]:
+    """[sync save, async save's block of the loop (a later save), its commit, resume load]
+    in seconds, the fastest of three saves each."""
+    model, opt = trained(cfg)
+    sync = Checkpointer(root, AsyncMode.DISABLED, 0, 1)
+    saved = [seconds(partial(sync.save, step, model, opt, {"step": step})) for step in (1, 2, 3)]
+    sync.close()
+    background = Checkpointer(root, AsyncMode.ASYNC, 0, 1)
+    blocked, committed = [], []
+    for step in (4, 5, 6):
+        start = time.perf_counter()
+        background.save(step, model, opt, {"step": step})
+        blocked.append(time.perf_counter() - start)
+        background.wait()
+        committed.append(time.perf_counter() - start)
+    background.close()
+    fresh, fresh_opt = trained(cfg)
+    load = seconds(partial(load_checkpoint, step_dir(root, 3), fresh, fresh_opt))
+    return [min(saved), min(blocked[1:]), min(committed[1:]), load]
+
+
+def measure_storage(name: str, cfg: ModelConfig, root: pathlib.Path) -> None:
+    """The same saves and resume on the local disk and in S3 (moto's server on this machine:
+    the cost of the object-store path, not of a network), local first, as ratios."""
+    with local_s3() as url:
+        local = costs(cfg, root / "local")
+        remote = costs(cfg, location(url))
+    what = ["sync save", "async save blocks the loop", "async save committed", "resume load"]
+    print(f"{name}, S3 (moto, 127.0.0.1) against the local disk:")
+    for label, here, there in zip(what, local, remote, strict=True):
+        print(f"  {label:>26}: local {here:.3f} s, S3 {there:.3f} s, ratio {there / here:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=summary(__doc__))
     parser.add_argument("--skip-large", action="store_true")
+    parser.add_argument(
+        "--storage-only", action="store_true", help="only the local-disk against S3 figures"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         for name, cfg in MODELS.items():
             if name == "100M" and args.skip_large:
                 continue
-            measure(name, cfg, pathlib.Path(tmp) / name)
+            if not args.storage_only:
+                measure(name, cfg, pathlib.Path(tmp) / name)
+        measure_storage("debug", MODELS["debug"], pathlib.Path(tmp) / "storage")
 
 
 if __name__ == "__main__":

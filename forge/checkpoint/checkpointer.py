@@ -35,7 +35,7 @@ from forge.checkpoint.async_staging import (
 )
 from forge.checkpoint.checksum_writer import ChecksummingWriter, hashing_pool
 from forge.checkpoint.integrity import checksums_of, own_files
-from forge.checkpoint.paths import CheckpointPath, save_tensors
+from forge.checkpoint.paths import CheckpointPath, is_remote, save_tensors
 from forge.checkpoint.rng import capture_rng
 from forge.checkpoint.storage import storage_of
 from forge.checkpoint.store import (
@@ -152,8 +152,12 @@ class Checkpointer:
             raise self._fail(step, tmp, error)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
         state = {"model": model_sd, "optimizer": optim_sd}
+        rng = RngFile(tmp / f"rng_rank{self.rank}.pt", capture_rng())
+        # an upload of the RNG file waits for the background write, off the loop
+        uploads_later = is_remote(tmp) and self.mode is not AsyncMode.DISABLED
         try:
-            save_tensors(capture_rng(), tmp / f"rng_rank{self.rank}.pt")
+            if not uploads_later:
+                rng.write()
         except (OSError, RuntimeError) as exc:  # torch reports a failed write as RuntimeError
             error = one_line(exc)
         if error := self._agree(error):  # before DCP's collectives: no rank enters them alone
@@ -163,7 +167,8 @@ class Checkpointer:
         except (Exception, CheckpointException) as exc:  # DCP reports all ranks' failures
             raise self._fail(step, tmp, one_line(exc)) from None
         if future is not None:  # checksum this rank's files in the background, once written
-            future = self._background().submit(written_checksums, future, tmp, self.rank)
+            later = rng if uploads_later else None
+            future = self._background().submit(written_checksums, future, tmp, self.rank, later)
         self.pending = PendingSave(step, tmp, train_state, future, shards)
         if self.mode is AsyncMode.DISABLED:
             self.wait()
@@ -272,10 +277,25 @@ def written_shards(writer: StorageWriter) -> Callable[[], Mapping[str, list]]:
     return writer.checksums if isinstance(writer, ChecksummingWriter) else dict
 
 
-def written_checksums(write: Future, tmp: CheckpointPath, rank: int) -> dict[str, list]:
-    """After the write ``write`` completes (its error raised here), this rank's checksums of
-    the files it wrote into ``tmp``."""
+@attrs.frozen
+class RngFile:
+    """This rank's random streams, and where a save writes them."""
+
+    path: CheckpointPath
+    state: dict[str, Any]
+
+    def write(self) -> None:
+        save_tensors(self.state, self.path)
+
+
+def written_checksums(
+    write: Future, tmp: CheckpointPath, rank: int, rng: RngFile | None = None
+) -> dict[str, list]:
+    """After the write ``write`` completes (its error raised here), and the RNG file ``rng``
+    is written when given, this rank's checksums of the files it wrote into ``tmp``."""
     write.result()
+    if rng is not None:
+        rng.write()
     return checksums_of(tmp, own_files(tmp, rank))
 
 

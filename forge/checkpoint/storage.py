@@ -7,8 +7,8 @@ Two implementations, chosen by the kind of path (``storage_of``):
 - ``ObjectStorage`` (any fsspec URL: ``s3://``, ``gs://``...): no rename, no symlink, so a
   save is written in place under ``step_<N>/`` and committed by writing its marker,
   ``checksums.json``, last (after the train state); ``latest`` is a small object written after
-  the commit. A checkpoint without its marker is invisible to every reader, and is removed at
-  start-up or before its step is written again. Removal deletes the marker first.
+  the commit. A checkpoint without its marker is invisible to every reader and is removed at
+  start-up; a step written again loses its marker first. Removal deletes the marker first.
 
 Each commit is one function (``commit``). Everything else reads checkpoints through
 ``CheckpointPath`` (``forge.checkpoint.paths``).
@@ -172,7 +172,11 @@ class ObjectStorage:
         return root / f"step_{step}"
 
     def prepare(self, root: ObjectPath, staging: ObjectPath) -> None:
-        self.remove(staging)  # an earlier save of this step, committed or not
+        """An earlier save of this step loses its marker (one request, on the loop): no
+        reader sees its old record beside the new objects. What it held besides is
+        overwritten, or recorded with the new save (DCP reads only the shards its metadata
+        names); what a crashed save left goes at start-up (``remove_stale``)."""
+        (staging / CHECKSUMS).unlink(missing_ok=True)
 
     def commit(
         self,

@@ -147,16 +147,23 @@ def test_retention_removes_the_marker_first_and_keeps_the_newest(ckpt):
     assert list_steps(ckpt) == [2] and not step_dir(ckpt, 1).exists()
 
 
-def test_a_step_saved_again_replaces_the_earlier_save(ckpt):
-    storage = ObjectStorage()
-    stale = step_dir(ckpt, 2) / "__9_0.distcp"  # a leftover of a run with more ranks
-    stale.write_bytes(b"x")
+def test_a_step_saved_again_is_committed_whole_over_the_earlier_save(ckpt):
+    """Its old marker goes first; a leftover object of the earlier save (a run with more
+    ranks) is recorded with the new save, which verifies and loads the new weights."""
+    leftover = step_dir(ckpt, 2) / "__9_0.distcp"
+    leftover.write_bytes(b"x")
     model, opt = model_and_optimizer()
+    with torch.no_grad():
+        next(model.parameters()).mul_(3.0)
     ck = Checkpointer(ckpt, MODES[0], 0, 1)
     try:
         ck.save(2, model, opt, train_state(2))
-        ck.wait()
     finally:
         ck.close()
-    assert not stale.exists() and storage.is_complete(step_dir(ckpt, 2))
-    assert verify_checkpoint(step_dir(ckpt, 2)) is True
+    path = step_dir(ckpt, 2)
+    assert ObjectStorage().is_complete(path) and verify_checkpoint(path) is True
+    loaded = Transformer(CFG)
+    load_checkpoint(path, loaded, None)
+    assert all(
+        torch.equal(a, b) for a, b in zip(loaded.parameters(), model.parameters(), strict=True)
+    )
