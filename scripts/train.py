@@ -123,7 +123,7 @@ def train(
         lambda: flag.requested() or effects.cannot_log(),  # rank 0 alone writes the metrics
         res.health_check_interval,
     )
-    effects.begin(ckpt.initial_state)
+    effects.begin(ckpt.initial_state, ckpt.resume_cost)
     try:
         outcome, state = run_training_loop(
             ckpt.initial_state,

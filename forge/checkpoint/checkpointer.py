@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import pathlib
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -34,6 +35,7 @@ from forge.checkpoint.async_staging import (
     stop_checkpoint_process,
 )
 from forge.checkpoint.checksum_writer import ChecksummingWriter, hashing_pool
+from forge.checkpoint.costs import SaveCost
 from forge.checkpoint.integrity import checksums_of, own_files
 from forge.checkpoint.paths import CheckpointPath, is_remote, save_tensors
 from forge.checkpoint.rng import capture_rng
@@ -57,6 +59,8 @@ class PendingSave:
     future: Future | None  # the write, then this rank's checksums; None: a synchronous save
     # a synchronous save's shard checksums, computed as they were written (waits for them)
     shards: Callable[[], Mapping[str, list]] = dict
+    started: float = 0.0  # when ``save`` began (``time.perf_counter``)
+    blocked_s: float = 0.0  # how long ``save`` held the caller
 
 
 class Checkpointer:
@@ -83,6 +87,7 @@ class Checkpointer:
             assert isinstance(group, dist.ProcessGroup)
             self.group = group
         self.pending: PendingSave | None = None
+        self.costs: list[SaveCost] = []  # this rank's, of the committed saves, to be taken
         self._hasher: ThreadPoolExecutor | None = None
         self._pieces: ThreadPoolExecutor | None = None
         self.stager = ReusingStager(shared=mode is AsyncMode.ASYNC_PROCESS)
@@ -136,6 +141,7 @@ class Checkpointer:
         is never committed), raises ``CheckpointSaveError`` on every rank, leaving the previous
         checkpoint intact."""
         self.wait()
+        started = time.perf_counter()
         tmp = self.storage.staging(self.root, step)
         try:
             error = nonfinite_parameter(model)
@@ -169,7 +175,8 @@ class Checkpointer:
         if future is not None:  # checksum this rank's files in the background, once written
             later = rng if uploads_later else None
             future = self._background().submit(written_checksums, future, tmp, self.rank, later)
-        self.pending = PendingSave(step, tmp, train_state, future, shards)
+        blocked = time.perf_counter() - started
+        self.pending = PendingSave(step, tmp, train_state, future, shards, started, blocked)
         if self.mode is AsyncMode.DISABLED:
             self.wait()
 
@@ -200,6 +207,7 @@ class Checkpointer:
         pending, self.pending = self.pending, None
         if pending is None:
             return None
+        waited = time.perf_counter()
         error, sums = None, {}
         try:  # the write and this rank's checksums of it, fresh in the page cache
             if pending.future is not None:
@@ -224,6 +232,10 @@ class Checkpointer:
                 error = one_line(exc)
         if error := self._agree(error):
             raise self._fail(pending.step, pending.tmp, error)
+        committed = time.perf_counter()
+        size = sum(int(entry[0]) for entry in checksums.values())
+        held = pending.blocked_s + committed - waited
+        self.costs.append(SaveCost(pending.step, held, committed - pending.started, size))
         if self.rank == 0:
             self.on_commit(pending.step, final)
         self._agree(None)  # retention and hooks are done before any rank goes on

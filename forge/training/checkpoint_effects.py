@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from forge.checkpoint.async_staging import stop_checkpoint_process
 from forge.checkpoint.checkpointer import Checkpointer
+from forge.checkpoint.costs import SaveCost
 from forge.checkpoint.paths import CheckpointPath
 from forge.checkpoint.slots import Slots
 from forge.checkpoint.store import apply_retention
@@ -169,3 +170,8 @@ class CheckpointEffects:
     def close(self) -> None:
         """Commit the save in flight and stop the checkpointer's threads and process."""
         self.checkpointer.close()
+
+    def take_costs(self) -> list[SaveCost]:
+        """This rank's costs of the saves committed since the last call."""
+        costs, self.checkpointer.costs = self.checkpointer.costs, []
+        return costs

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from forge.checkpoint.costs import ResumeCost
 from forge.checkpoint.paths import CheckpointPath
 from forge.checkpoint.resume import ResumePlan
 from forge.config.sections import JobConfig
@@ -180,6 +181,7 @@ class CheckpointContext:
     initial_state: LoopState
     schedule: Schedule | None = None
     peak_lr: float | None = None
+    resume_cost: ResumeCost | None = None  # this rank's, when a checkpoint was loaded
 
     def applied_to(self, model: ModelContext) -> ModelContext:
         """``model`` with the recorded schedule in place of the configured one, if kept."""

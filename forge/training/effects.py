@@ -11,6 +11,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
+from forge.checkpoint.costs import ResumeCost
 from forge.metrics.sinks import JsonlSink, MetricsSink
 from forge.training.checkpoint_effects import CheckpointEffects
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
@@ -51,20 +52,31 @@ class TrainingEffects:
         """Why records could not be written, if so."""
         return self.logger.log_failure
 
-    def begin(self, state: LoopState) -> None:
-        """Start timing and call ``on_train_begin``."""
+    def begin(self, state: LoopState, resume: ResumeCost | None = None) -> None:
+        """Start timing and call ``on_train_begin``; what the resume cost (``resume``, this
+        rank's) goes into the first logged record."""
+        if resume is not None:
+            self.logger.carry(resume.recorded())
         self.logger.restart_clock(state)
         self.hooks.on_train_begin(state)
 
     def save(self, state: LoopState, reason: SaveReason) -> None:
         """Start a save (``CheckpointEffects.save``); the steps after it are timed from its
         end."""
-        if self.checkpoints.save(state, reason):
+        started = self.checkpoints.save(state, reason)
+        self.carry_save_costs()
+        if started:
             self.logger.restart_clock(state)
 
     def wait(self) -> None:
         """Finish and commit the save in flight, if any."""
         self.checkpoints.wait()
+        self.carry_save_costs()
+
+    def carry_save_costs(self) -> None:
+        """The latest committed save's costs, for the next logged record."""
+        for cost in self.checkpoints.take_costs():
+            self.logger.carry(cost.recorded())
 
     def log(self, state: LoopState, result: StepResult) -> None:
         """The step's record, its metrics reduced over ranks in one collective (every rank

@@ -5,8 +5,10 @@ schedule, and what it restores."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
+from forge.checkpoint.costs import ResumeCost
 from forge.checkpoint.integrity import IntegrityError, verify_checkpoint
 from forge.checkpoint.paths import CheckpointPath
 from forge.checkpoint.resume import ResumePlan, first_loadable
@@ -136,9 +138,15 @@ def resume_run(
         run.config, model.peak_lr, model.schedule
     )
 
+    spent = {"load": 0.0, "verify": 0.0}  # every candidate's, one that gave way included
+
     def load(path: CheckpointPath) -> tuple[TrainState, ChangeVerdict]:
         check_loadable(path, model.model, Verification.METADATA)  # safe reads first: a
-        verified_by_main(path, cfg.verify, dist)  # file carrying code is refused, not skipped
+        start = time.perf_counter()  # file carrying code is refused, not skipped
+        try:
+            verified_by_main(path, cfg.verify, dist)
+        finally:
+            spent["verify"] += time.perf_counter() - start
         train_state = parse_train_state(read_train_state(path), path)
         trains = train_state.step < run.config.train.max_steps
         verdict = check_changes(train_state, current, path, cfg, say, trains)
@@ -146,9 +154,11 @@ def resume_run(
         if model.freezer is not None:  # the optimizer as in the last step run
             hold_checkpoint_stage(model.freezer, train_state, run.config.freeze)
         optimizer = None if verdict.fresh_optimizer else model.optimizer
+        start = time.perf_counter()
         load_checkpoint(
             path, model.model, optimizer, rank=dist.rank, verify=Verification.METADATA, say=say
         )
+        spent["load"] += time.perf_counter() - start
         return train_state, verdict
 
     assert plan.path is not None
@@ -156,7 +166,8 @@ def resume_run(
     state = train_state.loop_state
     data.train_loader.load_state_dict(CONVERTER.unstructure(train_state.loader))
     say(f"resumed from {path} at step {state.step}")
+    cost = ResumeCost(spent["load"], spent["verify"])
     if not verdict.keep_schedule:
-        return CheckpointContext(plan=plan, initial_state=state)
+        return CheckpointContext(plan=plan, initial_state=state, resume_cost=cost)
     schedule, peak_lr = recorded_schedule(train_state)
-    return CheckpointContext(plan, state, schedule=schedule, peak_lr=peak_lr)
+    return CheckpointContext(plan, state, schedule, peak_lr, resume_cost=cost)

@@ -98,6 +98,13 @@ class StepLogger:
         self._busy = (0.0, 0)  # this rank's own time since the last log, and its steps
         self.resilience = run.config.resilience
         self.streak = StragglerStreak()
+        self._carried: dict[str, Recorded] = {}  # for the next logged record
+
+    def carry(self, metrics: Sequence[Recorded]) -> None:
+        """Metrics (every rank the same, at the same steps) the next logged record reduces
+        with its own, in its one collective; a later one of a name replaces one not yet
+        logged."""
+        self._carried |= {m.name: m for m in metrics}
 
     def restart_clock(self, state: LoopState) -> None:
         """Time the next steps from now (after a save, an eval or the start)."""
@@ -115,6 +122,8 @@ class StepLogger:
         stragglers = world > 1 and self.dist.device.type == "cpu"  # docs/resilience.md
         if stragglers:  # every rank's own time per step, gathered in the same collective
             metrics.append(recorded_value(BUSY, busy / steps, Reduction.GATHER))
+        metrics += [self._carried[name] for name in sorted(self._carried)]
+        self._carried = {}
         reduced = reduce_metrics(metrics, world, rank, self.dist.token_slices, self.dist.device)
         loss, z_loss = reduced.pop("loss"), reduced.pop("z_loss", None)
         if stragglers:

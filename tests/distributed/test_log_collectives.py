@@ -1,5 +1,6 @@
 """A logged step reduces all of its metrics over ranks in one collective, whatever metrics
-the run has: 2 real ranks, a two-source mixture, a mixture-of-experts model and the z-loss."""
+the run has: 2 real ranks, a two-source mixture, a mixture-of-experts model, the z-loss and
+the costs of the saves committed since the last log."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_a_logged_step_makes_one_collective_at_two_ranks(tmp_path, small_corpus,
         "--metrics.log_interval=2",  # step 3 is not logged: its sums join step 4's
         "--distributed.dp_shard=2",
         "--train.batch_size=2",
-        "--checkpoint.enabled=false",
+        "--checkpoint.interval=1",  # saves at 1 and 3 ride in the records of 2 and 4
         "--eval.interval=0",
     ]
     out = run_ranks(2, [DRIVER, str(config), *args])
@@ -35,6 +36,7 @@ def test_a_logged_step_makes_one_collective_at_two_ranks(tmp_path, small_corpus,
     for record in logged:  # every family the one reduction carries is in the record
         assert {"loss", "z_loss", *MOE_METRICS} <= record.keys()
         assert {"data/json_email/loss", "data/unittest/tokens"} <= record.keys()
+    assert [r.get("checkpoint/step") for r in logged] == [None, 1, 3]
     for rank in (0, 1):
         counts = json.loads((run_dir / f"log_collectives_rank{rank}.json").read_text())
         assert counts == [["all_reduce"]] * 3, rank

@@ -58,6 +58,11 @@ def test_a_resume_from_s3_is_the_uninterrupted_local_run(
     assert TRAIN.main([str(tiny_config), "--train.max_steps=10", *args]) == 0
     assert losses(tiny_config) == losses(local_reference)  # exact floats, steps 1-10
     assert not (run_dir(tiny_config) / "checkpoints").exists()  # nothing local
+    records = [json.loads(line) for line in (run_dir(tiny_config) / "metrics.jsonl").open()]
+    costs = {r["step"]: r for r in records if "checkpoint/bytes" in r}
+    assert costs and all(r["checkpoint/bytes"] > 0 for r in costs.values())
+    (resume,) = [r for r in records if "checkpoint/load_s" in r]  # what the resume cost
+    assert resume["step"] == 7 and resume["checkpoint/verify_s"] > 0
 
 
 def test_a_flipped_byte_in_the_newest_checkpoint_falls_back_naming_it(
@@ -222,3 +227,13 @@ def test_credentials_the_store_refuses_are_one_line_and_nothing_is_written(
         endpoint_url=guarded["endpoint"], key=guarded["key"], secret=guarded["secret"]
     )
     assert reader.ls(guarded["bucket"], refresh=True) == []  # nothing in the store either
+
+
+def test_a_url_as_load_path_gives_a_new_run_its_initial_weights(
+    tiny_config, tmp_path, s3_bucket, capsys
+):
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=4", *remote(s3_bucket)]) == 0
+    capsys.readouterr()
+    load = f"--checkpoint.load_path=s3://{s3_bucket}/run/step_4"
+    assert TRAIN.main([str(tiny_config), f"--run.dir={tmp_path / 'new'}", load]) == 0
+    assert f"initial weights from s3://{s3_bucket}/run/step_4" in capsys.readouterr().err
