@@ -87,6 +87,7 @@ class Checkpointer:
             assert isinstance(group, dist.ProcessGroup)
             self.group = group
         self.pending: PendingSave | None = None
+        self._newest: int | None = None  # rank 0: the newest step committed here, once known
         self.costs: list[SaveCost] = []  # this rank's, of the committed saves, to be taken
         self._hasher: ThreadPoolExecutor | None = None
         self._pieces: ThreadPoolExecutor | None = None
@@ -129,6 +130,13 @@ class Checkpointer:
                 self.storage.discard(tmp)
         return CheckpointSaveError(str(self.root), step, error)
 
+    def _past_every_commit(self, step: int) -> bool:
+        """Whether ``step`` is newer than every checkpoint committed in ``root`` (listed at
+        the first save, then followed): no earlier save of it can exist."""
+        if self._newest is None:
+            self._newest = max(self.storage.list_steps(self.root), default=-1)
+        return step > self._newest
+
     def save(
         self,
         step: int,
@@ -151,7 +159,7 @@ class Checkpointer:
             raise self._fail(step, tmp, error)
         if self.rank == 0:
             try:
-                self.storage.prepare(self.root, tmp)
+                self.storage.prepare(self.root, tmp, fresh=self._past_every_commit(step))
             except OSError as exc:
                 error = one_line(exc)
         if error := self._agree(error):
@@ -236,6 +244,7 @@ class Checkpointer:
         size = sum(int(entry[0]) for entry in checksums.values())
         held = pending.blocked_s + committed - waited
         self.costs.append(SaveCost(pending.step, held, committed - pending.started, size))
+        self._newest = max(self._newest if self._newest is not None else -1, pending.step)
         if self.rank == 0:
             self.on_commit(pending.step, final)
         self._agree(None)  # retention and hooks are done before any rank goes on

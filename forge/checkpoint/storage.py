@@ -44,8 +44,9 @@ class Storage(Protocol):
         """Where a save of ``step`` writes its files before the commit."""
         ...
 
-    def prepare(self, root: Any, staging: Any) -> None:
-        """Rank 0, before any rank writes: ``staging`` exists and is empty."""
+    def prepare(self, root: Any, staging: Any, fresh: bool = False) -> None:
+        """Rank 0, before any rank writes: ``staging`` is ready for a save (``fresh``: no
+        checkpoint of this step can exist, as the caller knows)."""
         ...
 
     def commit(self, root: Any, staging: Any, step: int, train_state: dict, checksums: dict) -> Any:
@@ -99,7 +100,7 @@ class PosixStorage:
     def staging(self, root: pathlib.Path, step: int) -> pathlib.Path:
         return root / f"step_{step}.tmp"
 
-    def prepare(self, root: pathlib.Path, staging: pathlib.Path) -> None:
+    def prepare(self, root: pathlib.Path, staging: pathlib.Path, fresh: bool = False) -> None:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
@@ -171,12 +172,13 @@ class ObjectStorage:
     def staging(self, root: ObjectPath, step: int) -> ObjectPath:
         return root / f"step_{step}"
 
-    def prepare(self, root: ObjectPath, staging: ObjectPath) -> None:
-        """An earlier save of this step loses its marker (one request, on the loop): no
-        reader sees its old record beside the new objects. What it held besides is
-        overwritten, or recorded with the new save (DCP reads only the shards its metadata
-        names); what a crashed save left goes at start-up (``remove_stale``)."""
-        (staging / CHECKSUMS).unlink(missing_ok=True)
+    def prepare(self, root: ObjectPath, staging: ObjectPath, fresh: bool = False) -> None:
+        """An earlier save of this step (unless ``fresh``) loses its marker: no reader sees
+        its old record beside the new objects. What it held besides is overwritten, or
+        recorded with the new save (DCP reads only the shards its metadata names); what a
+        crashed save left goes at start-up (``remove_stale``)."""
+        if not fresh:
+            (staging / CHECKSUMS).unlink(missing_ok=True)
 
     def commit(
         self,
