@@ -16,6 +16,7 @@ from forge.checkpoint.object_path import ObjectPath, object_path
 from forge.config.ranges import url_scheme
 
 CheckpointPath = pathlib.Path | ObjectPath
+LOCAL_PROTOCOLS = frozenset({"file", "local"})
 
 
 def write_atomically(path: CheckpointPath, data: bytes) -> None:
@@ -58,6 +59,9 @@ def file_sizes(folder: CheckpointPath) -> dict[str, int]:
 def location(text: str, options: Mapping[str, Any] | None = None) -> CheckpointPath:
     """The checkpoint location a config value names: a URL (``s3://bucket/prefix``, opened
     with fsspec's ``options``) or a local path."""
-    if url_scheme(text) is not None:
+    scheme = url_scheme(text)
+    if scheme in LOCAL_PROTOCOLS:  # a local folder: the disk's rules (rename, symlink)
+        return pathlib.Path(text.split("://", 1)[1])
+    if scheme is not None:
         return object_path(text, options)
     return pathlib.Path(text)

@@ -16,6 +16,7 @@ Each commit is one function (``commit``). Everything else reads checkpoints thro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -194,11 +195,17 @@ class ObjectStorage:
         return staging
 
     def discard(self, staging: ObjectPath) -> None:
-        self.remove(staging)
+        """The staging place is the step's own prefix: never a committed checkpoint (a save
+        that failed before its marker was removed, or once its marker was written)."""
+        with contextlib.suppress(OSError):  # an unreachable store: the save's error says more
+            if not self.is_complete(staging):
+                staging.remove_tree()
 
     def remove(self, path: ObjectPath) -> None:
-        (path / CHECKSUMS).unlink(missing_ok=True)  # invisible before anything else goes
-        path.remove_tree()
+        """Best effort, as on a disk; never leaves a checkpoint half-removed and visible."""
+        with contextlib.suppress(OSError):
+            (path / CHECKSUMS).unlink(missing_ok=True)  # invisible before anything else goes
+            path.remove_tree()
 
     def is_complete(self, path: ObjectPath) -> bool:
         return (path / CHECKSUMS).is_file()
@@ -228,10 +235,10 @@ class ObjectStorage:
 
     def writer(self, staging: ObjectPath, pool: ThreadPoolExecutor | None) -> FileSystemWriter:
         # an object is durable once its upload completes: no fsync (DCP would sync the disk)
-        return FsspecWriter(str(staging), sync_files=False, **staging.options)
+        return FsspecWriter(str(staging), sync_files=False, **staging.fs_options)
 
     def reader(self, path: ObjectPath) -> FileSystemReader:
-        return FsspecReader(str(path), **path.options)
+        return FsspecReader(str(path), **path.fs_options)
 
 
 def storage_of(path: CheckpointPath) -> Storage:

@@ -12,6 +12,7 @@ from forge.config.ranges import (
     non_negative,
     not_empty,
     positive,
+    store_options_problem,
     url_scheme,
     usable_location,
 )
@@ -98,6 +99,9 @@ class CheckpointConfig:
         usable_location(p, "checkpoint.dir", self.dir)
         usable_location(p, "checkpoint.load_path", self.load_path)
         remote = [v for v in (self.dir, self.load_path) if v and url_scheme(v)]
+        for url in remote[:1]:
+            if (problem := store_options_problem(url, self.storage_options)) is not None:
+                p.append(("checkpoint.storage_options", problem))
         if self.storage_options and not remote:
             p.append(
                 (

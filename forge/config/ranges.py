@@ -3,7 +3,11 @@ checks that produce them."""
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import re
+from collections.abc import Mapping
+from typing import Any
 
 Problem = tuple[str, str]
 
@@ -62,6 +66,36 @@ def store_url_problem(url: str) -> str | None:
             else f"install fsspec's package for it ({known_implementations[scheme].get('err')})"
         )
         return f"'{url}': {scheme}:// needs a package that is not installed; {fix}"
+    return None
+
+
+# what every fsspec file system takes besides its own options (its listing cache, its
+# instance cache)
+FSSPEC_OPTIONS = frozenset(
+    {"use_listings_cache", "listings_expiry_time", "max_paths", "skip_instance_cache"}
+)
+
+
+def store_options_problem(url: str, options: Mapping[str, Any]) -> str | None:
+    """The first of ``options`` that the file system of ``url`` does not take (a misspelt
+    option would be dropped silently: ``endpoint`` for ``endpoint_url`` talks to AWS), else
+    None; None too where the store's options are not declared one by one."""
+    from fsspec.registry import get_filesystem_class
+
+    scheme = url_scheme(url) or ""
+    try:
+        cls = get_filesystem_class(scheme)
+    except (ImportError, ValueError):
+        return None  # store_url_problem says why
+    params = inspect.signature(cls.__init__).parameters.values()
+    named = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    if named <= {"self"}:
+        return None
+    known = (named - {"self"}) | FSSPEC_OPTIONS
+    for name in sorted(set(options) - known):
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        return f"'{name}' is not an option of {scheme}:// ({cls.__name__}){hint}"
     return None
 
 

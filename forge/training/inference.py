@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 from collections.abc import Callable
 
 import attrs
@@ -39,6 +40,13 @@ class LoadedModel:
 
 def run_dir_of(path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path | None]:
     """(the run directory, the checkpoint asked for or None): ``path`` is either."""
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", str(path)):  # argparse's Path ate a "//"
+        raise UserInputError(
+            [
+                f"{path}: a URL; give the run directory (its config.toml names the "
+                "checkpoint.dir, which may be a URL: its checkpoints are read from there)"
+            ]
+        )
     if (path / "config.toml").is_file():
         return path, None
     if (path / "train_state.json").is_file():

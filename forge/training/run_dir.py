@@ -26,7 +26,7 @@ from forge.errors import UserInputError
 from forge.training.resume_rules import changes
 from forge.training.run_record import predated_model_defaults, run_identity
 from forge.training.run_records import config_in_force
-from forge.training.store_claim import StoreClaimError, claim_prefix, store_problem
+from forge.training.store_claim import Claim, StoreClaimError, claim_prefix, store_problem
 
 LOCK_FILE = ".forge.lock"
 
@@ -70,16 +70,20 @@ class RunDirLock:
 
     files: list[object] = attrs.Factory(list)  # open lock files (their descriptors hold the lock)
     created: list[pathlib.Path] = attrs.Factory(list)  # directories and lock files made here
+    claims: list[Claim] = attrs.Factory(list)  # object-store prefixes claimed here
 
     def release(self, discard: bool = False) -> None:
         for f in self.files:
             f.close()  # type: ignore[attr-defined]
         self.files.clear()
         if discard:
+            for claim in self.claims:
+                claim.withdraw()
             for path in reversed(self.created):
                 with contextlib.suppress(OSError):  # a folder only if nothing else is in it
                     path.rmdir() if path.is_dir() else path.unlink()
         self.created.clear()
+        self.claims.clear()
 
 
 def _make_dirs(key: str, folder: pathlib.Path, lock: RunDirLock) -> None:
@@ -109,7 +113,7 @@ def lock_directories(dirs: Sequence[tuple[str, CheckpointPath]]) -> RunDirLock:
                 try:
                     run_dir = dirs[0][1]
                     assert isinstance(run_dir, pathlib.Path), "the run directory is local"
-                    claim_prefix(key, folder, run_dir)
+                    lock.claims.append(claim_prefix(key, folder, run_dir))
                 except StoreClaimError as exc:
                     raise RunDirBusyError(exc.lines) from None
                 continue

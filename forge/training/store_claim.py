@@ -11,10 +11,13 @@ run directory is always the owner.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import socket
 import uuid
+
+import attrs
 
 from forge.checkpoint.object_path import ObjectPath
 from forge.errors import UserInputError, one_line
@@ -32,6 +35,8 @@ def store_problem(key: str, prefix: ObjectPath) -> str | None:
     """Why the run cannot use ``prefix`` (reads only): the store is unreachable, refuses the
     credentials, or its bucket does not exist."""
     bucket = prefix.key.split("/", 1)[0]
+    if prefix.protocol in BUCKET_PROTOCOLS and not bucket:
+        return f"{key}: {prefix}: names no bucket; give {prefix.protocol}://<bucket>/<prefix>"
     try:
         try:  # a listing: reaches the store with these credentials
             prefix.fs.ls(prefix.key, detail=False)
@@ -42,8 +47,9 @@ def store_problem(key: str, prefix: ObjectPath) -> str | None:
         return f"{key}: {prefix}: the bucket '{bucket}' does not exist; create it or fix the URL"
     except PermissionError as exc:
         return f"{key}: {prefix}: access denied ({one_line(exc)}); {CREDENTIALS}"
-    except OSError as exc:
-        return f"{key}: {prefix}: the store cannot be used ({one_line(exc)}); {CREDENTIALS}"
+    except Exception as exc:  # the store's own: no credentials, no connection, bad options
+        cause = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        return f"{key}: {prefix}: the store cannot be used ({cause}); {CREDENTIALS}"
     return None
 
 
@@ -53,9 +59,26 @@ CREDENTIALS = (
 )
 
 
-def claim_prefix(key: str, prefix: ObjectPath, run_dir: pathlib.Path) -> None:
+@attrs.frozen
+class Claim:
+    """What a claim wrote (for a run that then never starts to take back): the owner
+    object and the token file, each when this claim created it."""
+
+    owner: ObjectPath | None = None
+    token_file: pathlib.Path | None = None
+
+    def withdraw(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.owner is not None:
+                self.owner.unlink(missing_ok=True)
+            if self.token_file is not None:
+                self.token_file.unlink(missing_ok=True)
+
+
+def claim_prefix(key: str, prefix: ObjectPath, run_dir: pathlib.Path) -> Claim:
     """Make ``prefix`` this run's (``run_dir``'s), or raise ``StoreClaimError`` naming its
-    owner or why it cannot be written; nothing is written when it is refused."""
+    owner or why it cannot be written; nothing is written when it is refused. Returns what
+    it wrote."""
     token_file = run_dir / OWNER_TOKEN
     token = token_file.read_text().strip() if token_file.is_file() else uuid.uuid4().hex
     owner = prefix / OWNER
@@ -66,7 +89,7 @@ def claim_prefix(key: str, prefix: ObjectPath, run_dir: pathlib.Path) -> None:
     except (OSError, ValueError) as exc:
         raise StoreClaimError(f"{key}: {owner}: unreadable ({one_line(exc)})") from None
     if isinstance(recorded, dict) and recorded.get("token") == token:
-        return
+        return Claim()
     if recorded is not None:
         holder = recorded if isinstance(recorded, dict) else {}
         raise StoreClaimError(
@@ -75,10 +98,17 @@ def claim_prefix(key: str, prefix: ObjectPath, run_dir: pathlib.Path) -> None:
             f"{key}, or delete {owner} if that run is gone for good"
         )
     record = {"token": token, "run_dir": str(run_dir.resolve()), "host": socket.gethostname()}
+    made_token = not token_file.is_file()
+    try:
+        token_file.write_text(token + "\n")  # first: no owner object names a lost token
+    except OSError as exc:
+        raise StoreClaimError(f"run.dir: cannot write {token_file} ({one_line(exc)})") from None
     try:
         owner.write_text(json.dumps(record, indent=1))
     except OSError as exc:
+        if made_token:
+            token_file.unlink(missing_ok=True)
         raise StoreClaimError(
             f"{key}: cannot write to {prefix} ({one_line(exc)}): a read-only prefix? {CREDENTIALS}"
         ) from None
-    token_file.write_text(token + "\n")
+    return Claim(owner, token_file if made_token else None)

@@ -27,6 +27,7 @@ from forge.checkpoint.store import (
     step_dir,
 )
 from forge.config.sections import Verification
+from forge.errors import CheckpointSaveError
 from forge.model.transformer import Transformer
 from tests.integration.test_checkpoint_integrity import (
     CFG,
@@ -142,9 +143,51 @@ def test_latest_naming_a_vanished_checkpoint_is_reported_and_the_newest_used(ckp
     assert plan.latest_note is not None and "step_7, which does not exist" in plan.latest_note
 
 
-def test_retention_removes_the_marker_first_and_keeps_the_newest(ckpt):
+def test_retention_keeps_the_newest(ckpt):
     assert apply_retention(ckpt, 1, SaveSchedule(interval=1)) == [1]
     assert list_steps(ckpt) == [2] and not step_dir(ckpt, 1).exists()
+
+
+def test_retention_removes_the_marker_first(ckpt, monkeypatch):
+    """A removal that fails after the marker leaves the checkpoint invisible, never visible
+    and half-removed (and the run goes on: removal is best effort, as on a disk)."""
+
+    def unreachable(self):
+        raise OSError("the store went away")
+
+    monkeypatch.setattr(ObjectPath, "remove_tree", unreachable)
+    apply_retention(ckpt, 1, SaveSchedule(interval=1))
+    assert list_steps(ckpt) == [2] and (step_dir(ckpt, 1) / TRAIN_STATE).exists()
+
+
+def test_a_step_saved_again_loses_its_old_marker_before_anything_is_written(ckpt, monkeypatch):
+    def failing_writer(self, staging, pool):
+        raise RuntimeError("the write failed")
+
+    monkeypatch.setattr(ObjectStorage, "writer", failing_writer)
+    model, opt = model_and_optimizer()
+    ck = Checkpointer(ckpt, MODES[0], 0, 1)
+    try:
+        with pytest.raises(CheckpointSaveError, match="the write failed"):
+            ck.save(2, model, opt, train_state(2))
+    finally:
+        ck.close()
+    assert list_steps(ckpt) == [1] and not step_dir(ckpt, 2).exists()
+
+
+def test_a_save_refused_before_writing_leaves_the_committed_step_alone(ckpt):
+    """The staging place of an object store is the step's own prefix: a save of step_2
+    refused for non-finite weights must not remove the committed step_2."""
+    model, opt = model_and_optimizer()
+    with torch.no_grad():
+        next(model.parameters())[0] = float("nan")
+    ck = Checkpointer(ckpt, MODES[0], 0, 1)
+    try:
+        with pytest.raises(CheckpointSaveError, match="not finite"):
+            ck.save(2, model, opt, train_state(2))
+    finally:
+        ck.close()
+    assert list_steps(ckpt) == [1, 2] and verify_checkpoint(step_dir(ckpt, 2)) is True
 
 
 def test_a_step_saved_again_is_committed_whole_over_the_earlier_save(ckpt):

@@ -195,6 +195,12 @@ BAD = [
         "fsspec knows (s3://, gs://, and those of fsspec's registry); fix the URL",
     ),
     (
+        "a misspelt storage option (dropped silently by fsspec: this one would talk to AWS)",
+        {"checkpoint": {"dir": "s3://bucket/prefix", "storage_options": {"endpoint": "x"}}},
+        "checkpoint.storage_options: 'endpoint' is not an option of s3:// (S3FileSystem); "
+        "did you mean 'endpoint_url'?",
+    ),
+    (
         "storage options with no URL to use them",
         {"checkpoint": {"dir": "runs/ckpt", "storage_options": {"anon": True}}},
         "checkpoint.storage_options: is set, but neither checkpoint.dir nor "
@@ -423,6 +429,16 @@ def test_a_store_url_without_its_package_names_the_extra_to_install(monkeypatch)
         "checkpoint.dir: 's3://bucket/prefix': s3:// needs a package that is not installed; "
         "install forge's 's3' extra: pip install -e '.[s3]'"
     ]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("file:///tmp/ckpt", pathlib.Path("/tmp/ckpt")), ("runs/x/ckpt", pathlib.Path("runs/x/ckpt"))],
+)
+def test_a_local_url_or_path_is_a_local_checkpoint_directory(text, expected):
+    from forge.checkpoint.paths import location
+
+    assert location(text) == expected
 
 
 def test_an_object_store_checkpoint_dir_and_its_options_are_taken():
