@@ -87,7 +87,8 @@ class Checkpointer:
             assert isinstance(group, dist.ProcessGroup)
             self.group = group
         self.pending: PendingSave | None = None
-        self._newest: int | None = None  # rank 0: the newest step committed here, once known
+        # the newest step committed in root, once known (rank 0 lists it, for ``prepare``)
+        self._newest: int | None = None
         self.costs: list[SaveCost] = []  # this rank's, of the committed saves, to be taken
         self._hasher: ThreadPoolExecutor | None = None
         self._pieces: ThreadPoolExecutor | None = None

@@ -44,7 +44,7 @@ from forge.checkpoint.safety import (
     load_tensors_safely,
     read_metadata_safely,
 )
-from forge.checkpoint.storage import TRAIN_STATE, storage_of
+from forge.checkpoint.storage import TRAIN_STATE, step_dir, storage_of
 from forge.config.checkpoint import Verification
 from forge.errors import UserInputError, one_line
 from forge.model.transformer import canonical_name
@@ -68,10 +68,6 @@ def single_process_dcp() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         yield
-
-
-def step_dir(root: CheckpointPath, step: int) -> CheckpointPath:
-    return root / f"step_{step}"
 
 
 def is_complete(path: CheckpointPath) -> bool:

@@ -89,7 +89,7 @@ def write_nan_weights(path):
 
 
 def swap_in_the_older_shard(path):
-    shard_of(path).write_bytes(shard_of(path.parent / "step_1").read_bytes())
+    shutil.copyfile(shard_of(path.parent / "step_1"), shard_of(path))
 
 
 def edit_the_step(path):

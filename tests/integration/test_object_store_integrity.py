@@ -35,6 +35,8 @@ from tests.integration.test_checkpoint_integrity import (
     MODES,
     flip_a_bit,
     model_and_optimizer,
+    shard_of,
+    swap_in_the_older_shard,
     train_state,
 )
 from tests.object_store import ENV, new_bucket, s3
@@ -99,8 +101,22 @@ def test_every_object_of_a_committed_checkpoint_is_recorded_in_every_mode(aws, m
     )
 
 
+def swap_in_the_older_object(path):
+    """``swap_in_the_older_shard`` in a store (no ``shutil.copyfile`` there)."""
+    shard_of(path).write_bytes(shard_of(path.parent / "step_1").read_bytes())
+
+
+# the disk's table of damage, each case done to objects
+STORE_DAMAGE = [
+    (case, swap_in_the_older_object if damage is swap_in_the_older_shard else damage, *rest)
+    for case, damage, *rest in DAMAGE
+]
+
+
 @pytest.mark.parametrize(
-    ("damage", "message", "by_length"), [c[1:] for c in DAMAGE], ids=[c[0] for c in DAMAGE]
+    ("damage", "message", "by_length"),
+    [c[1:] for c in STORE_DAMAGE],
+    ids=[c[0] for c in STORE_DAMAGE],
 )
 def test_damaged_objects_are_named_before_anything_loads(ckpt, damage, message, by_length):
     path = step_dir(ckpt, 2)
