@@ -13,27 +13,24 @@ from forge.checkpoint.integrity import CHECKSUMS, recorded_checksums, verify_che
 from forge.checkpoint.object_path import ObjectPath
 from forge.checkpoint.paths import location
 from forge.checkpoint.policy import SaveSchedule
-from forge.checkpoint.resume import first_loadable, resolve_resume
+from forge.checkpoint.resume import resolve_resume
 from forge.checkpoint.storage import ObjectStorage
 from forge.checkpoint.store import (
     TRAIN_STATE,
-    CheckpointError,
     apply_retention,
-    check_loadable,
     latest_step,
     list_steps,
     load_checkpoint,
     remove_stale_temporaries,
     step_dir,
 )
-from forge.config.sections import Verification
 from forge.errors import CheckpointSaveError
 from forge.model.transformer import Transformer
+from tests.integration import test_checkpoint_integrity as on_disk
 from tests.integration.test_checkpoint_integrity import (
     CFG,
     DAMAGE,
     MODES,
-    flip_a_bit,
     model_and_optimizer,
     shard_of,
     swap_in_the_older_shard,
@@ -119,28 +116,12 @@ STORE_DAMAGE = [
     ids=[c[0] for c in STORE_DAMAGE],
 )
 def test_damaged_objects_are_named_before_anything_loads(ckpt, damage, message, by_length):
-    path = step_dir(ckpt, 2)
-    damage(path)
-    with pytest.raises(CheckpointError, match=message) as err:
-        check_loadable(path, Transformer(CFG))
-    assert "step_2" in str(err.value)
-    if by_length:
-        with pytest.raises(CheckpointError):
-            check_loadable(path, Transformer(CFG), Verification.METADATA)
-    else:  # same length: only the checksums see it
-        check_loadable(path, Transformer(CFG), Verification.METADATA)
+    """The disk's test, on objects."""
+    on_disk.test_damaged_bytes_are_named_before_anything_loads(ckpt, damage, message, by_length)
 
 
 def test_a_damaged_newest_checkpoint_gives_way_to_the_older_one(ckpt):
-    flip_a_bit(step_dir(ckpt, 2))
-    plan = resolve_resume(ckpt, None)
-    said: list[str] = []
-    assert plan.path is not None
-    path, _ = first_loadable(
-        (plan.path, *plan.fallbacks), lambda p: check_loadable(p, Transformer(CFG)), said.append
-    )
-    assert path == step_dir(ckpt, 1)
-    assert "step_2/__0_0.distcp: checksum mismatch" in said[0]
+    on_disk.test_a_damaged_newest_checkpoint_gives_way_to_the_older_one(ckpt)
 
 
 def test_a_checkpoint_without_its_marker_is_invisible_and_removed_at_start(ckpt):
