@@ -43,6 +43,7 @@ from forge.checkpoint.storage import storage_of
 from forge.checkpoint.store import (
     STATE_DICT_OPTIONS,
     commit_checkpoint,
+    ignore_single_process_warning,
     single_process_dcp,
     step_dir,
 )
@@ -196,6 +197,8 @@ class Checkpointer:
         checksums (computed as they were written where the storage allows, else read back in
         ``wait``, where every rank agrees on a failure), or started in the background,
         returning its future."""
+        if self.mode is not AsyncMode.DISABLED and not dist.is_initialized():
+            ignore_single_process_warning()  # DCP's thread may warn once the block has ended
         with single_process_dcp():
             if self.mode is AsyncMode.DISABLED:
                 writer = self.storage.writer(tmp, self._piece_pool())

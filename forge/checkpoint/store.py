@@ -62,12 +62,21 @@ class ShapeMismatchError(CheckpointError):
     """The checkpoint was written for another model configuration."""
 
 
+SINGLE_PROCESS_WARNING = ".*torch.distributed is disabled.*"
+
+
 @contextmanager
 def single_process_dcp() -> Iterator[None]:
     """DCP warns that it assumes one process when no process group exists; here that is intended."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
         yield
+
+
+def ignore_single_process_warning() -> None:
+    """The same, for the rest of the process: an async save's write runs in DCP's thread and
+    can warn once ``single_process_dcp`` has ended (a slow store's upload did, every save)."""
+    warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
 
 
 def is_complete(path: CheckpointPath) -> bool:
