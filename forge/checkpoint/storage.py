@@ -180,6 +180,7 @@ class ObjectStorage:
         crashed save left goes at start-up (``remove_stale``)."""
         if not fresh:
             (staging / CHECKSUMS).unlink(missing_ok=True)
+            (staging / ".metadata").unlink(missing_ok=True)  # else DCP warns it overwrites
 
     def commit(
         self,
@@ -218,8 +219,8 @@ class ObjectStorage:
 
     def latest_target(self, root: ObjectPath) -> str | None:
         latest = root / LATEST
-        try:
-            return latest.read_text().strip()
+        try:  # bytes that are not text name no folder: latest_problem says so
+            return latest.read_bytes().decode("utf-8", "replace").strip()
         except FileNotFoundError:
             return None
 

@@ -45,6 +45,15 @@ def url_scheme(value: str) -> str | None:
 STORE_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 
 
+def one_slash_scheme(value: str) -> str | None:
+    """The protocol of a storage URL written with one slash (``s3:/bucket/x``, which a path
+    would take for a local folder named ``s3:``), else None (``C:/runs`` is a path)."""
+    from fsspec.registry import known_implementations
+
+    match = re.match(r"([A-Za-z][A-Za-z0-9+.-]*):/(?!/)", value)
+    return match.group(1) if match and match.group(1).lower() in known_implementations else None
+
+
 def store_url_problem(url: str) -> str | None:
     """Why fsspec cannot open ``url``: a protocol it does not know, or one whose package is not
     installed (naming forge's extra that brings it), else None."""
@@ -113,6 +122,15 @@ def usable_path(problems: list[Problem], key: str, value: str | None) -> None:
     local folder named ``s3:``; ``usable_location`` takes both), no NUL byte, no name longer
     than 255 bytes, at most 4095 bytes in all (unset and empty are left to ``not_empty``)."""
     if not value:
+        return
+    if (scheme := one_slash_scheme(value)) is not None:
+        problems.append(
+            (
+                key,
+                f"'{value}' is a URL with one slash ({scheme}:/): write {scheme}://... for "
+                f"the store, or ./{value} for a local folder of that name",
+            )
+        )
         return
     if (scheme := url_scheme(value)) is not None:
         problems.append(

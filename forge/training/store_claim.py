@@ -48,7 +48,7 @@ def store_problem(key: str, prefix: ObjectPath) -> str | None:
     except PermissionError as exc:
         return f"{key}: {prefix}: access denied ({one_line(exc)}); {CREDENTIALS}"
     except Exception as exc:  # the store's own: no credentials, no connection, bad options
-        cause = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        cause = f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:240]
         return f"{key}: {prefix}: the store cannot be used ({cause}); {CREDENTIALS}"
     return None
 
@@ -111,4 +111,12 @@ def claim_prefix(key: str, prefix: ObjectPath, run_dir: pathlib.Path) -> Claim:
         raise StoreClaimError(
             f"{key}: cannot write to {prefix} ({one_line(exc)}): a read-only prefix? {CREDENTIALS}"
         ) from None
-    return Claim(owner, token_file if made_token else None)
+    claim = Claim(owner, token_file if made_token else None)
+    try:  # a prefix this run may write but not read: no resume could read its checkpoints
+        owner.read_text()
+    except OSError as exc:
+        claim.withdraw()
+        raise StoreClaimError(
+            f"{key}: cannot read back {owner} ({one_line(exc)}): a write-only prefix? {CREDENTIALS}"
+        ) from None
+    return claim

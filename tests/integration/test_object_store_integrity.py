@@ -140,6 +140,13 @@ def test_latest_naming_a_vanished_checkpoint_is_reported_and_the_newest_used(ckp
     assert plan.latest_note is not None and "step_7, which does not exist" in plan.latest_note
 
 
+def test_latest_holding_bytes_that_are_not_text_names_no_checkpoint(ckpt):
+    (ckpt / "latest").write_bytes(b"garbage\xff\x00")
+    plan = resolve_resume(ckpt, None)
+    assert plan.path == step_dir(ckpt, 2)
+    assert plan.latest_note is not None and "not a step_<N> folder" in plan.latest_note
+
+
 def test_retention_keeps_the_newest(ckpt):
     assert apply_retention(ckpt, 1, SaveSchedule(interval=1)) == [1]
     assert list_steps(ckpt) == [2] and not step_dir(ckpt, 1).exists()

@@ -201,6 +201,12 @@ BAD = [
         "did you mean 'endpoint_url'?",
     ),
     (
+        "a URL with one slash (it would be a local folder named 's3:')",
+        {"checkpoint": {"dir": "s3:/bucket/x"}},
+        "checkpoint.dir: 's3:/bucket/x' is a URL with one slash (s3:/): write s3://... for "
+        "the store, or ./s3:/bucket/x for a local folder of that name",
+    ),
+    (
         "storage options with no URL to use them",
         {"checkpoint": {"dir": "runs/ckpt", "storage_options": {"anon": True}}},
         "checkpoint.storage_options: is set, but neither checkpoint.dir nor "
