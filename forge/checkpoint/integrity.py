@@ -166,11 +166,11 @@ def record_problem(record: object) -> str | None:
     return None
 
 
-def unrecorded_files(folder: CheckpointPath, recorded: Iterable[str]) -> list[str]:
-    """The files of ``folder`` that a record does not list (the record itself aside): added
-    or renamed after commit, and so unchecked if they were let through."""
+def unrecorded_files(present: Iterable[str], recorded: Iterable[str]) -> list[str]:
+    """The files ``present`` in a checkpoint that a record does not list (the record itself
+    aside): added or renamed after commit, and so unchecked if they were let through."""
     listed = set(recorded)
-    return sorted(n for n in file_sizes(folder) if not n.startswith(CHECKSUMS) and n not in listed)
+    return sorted(n for n in present if not n.startswith(CHECKSUMS) and n not in listed)
 
 
 def usable_piece(piece: object) -> bool:
@@ -188,8 +188,8 @@ def verify_checkpoint(folder: CheckpointPath, mode: Verification = Verification.
     if record is None:
         return False
     sums = record.files
-    present = file_sizes(folder)
-    unlisted = unrecorded_files(folder, sums)
+    present = file_sizes(folder)  # one listing: in an object store, one request
+    unlisted = unrecorded_files(present, sums)
     if unlisted:
         shown = ", ".join(unlisted[:3]) + (
             f" and {len(unlisted) - 3} more" if len(unlisted) > 3 else ""

@@ -11,7 +11,7 @@ import attrs
 import torch
 from torch import nn
 
-from forge.checkpoint.paths import CheckpointPath, location
+from forge.checkpoint.paths import CheckpointPath
 from forge.checkpoint.resume import first_loadable, load_newest_weights
 from forge.checkpoint.store import load_checkpoint
 from forge.cli import DtypeRequest
@@ -23,7 +23,7 @@ from forge.model.attention import runnable_here
 from forge.model.vlm import empty_model
 from forge.optim.param_groups import inference_optimizer
 from forge.parallel.devices import choose_dtype, stored_dtype
-from forge.training.run_dir import checkpoint_dir_of
+from forge.training.run_dir import checkpoint_dir_of, load_path_of
 
 
 @attrs.frozen
@@ -97,10 +97,8 @@ def load_run_weights(
             report,
         )
         return used
-    cfg = config.checkpoint
-    load_path = location(cfg.load_path, cfg.storage_options) if cfg.load_path else None
     return load_newest_weights(
-        checkpoint_dir_of(config, run_dir), load_path, model, report, optimizer
+        checkpoint_dir_of(config, run_dir), load_path_of(config), model, report, optimizer
     )
 
 

@@ -21,13 +21,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from forge.checkpoint.paths import CheckpointPath, location
+from forge.checkpoint.paths import CheckpointPath
 from forge.checkpoint.resume import ResumeSource, resolve_resume
-from forge.checkpoint.store import (
-    load_checkpoint,
-    read_train_state,
-    remove_stale_temporaries,
-)
+from forge.checkpoint.store import load_checkpoint, read_train_state, remove_stale_temporaries
 from forge.config.loader import ConfigError, load_config_checked, unstructure_config
 from forge.config.sections import JobConfig, Precision
 from forge.config.toml_writer import dumps_toml
@@ -88,6 +84,7 @@ from forge.training.run_dir import (
     RunDirBusyError,
     RunDirLock,
     foreign_records_problem,
+    load_path_of,
     lock_directories,
     path_problem,
 )
@@ -324,8 +321,7 @@ def setup_checkpointing(
     any tensor is loaded; a damaged one gives way to the next older one.
     """
     cfg = run.config.checkpoint
-    load_path = location(cfg.load_path, cfg.storage_options) if cfg.load_path else None
-    plan = resolve_resume(run.checkpoint_dir, load_path)
+    plan = resolve_resume(run.checkpoint_dir, load_path_of(run.config))
     say = report_on_main(dist)
     for path in plan.skipped:
         say(f"skipping incomplete checkpoint {path}")

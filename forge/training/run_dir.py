@@ -156,6 +156,12 @@ def checkpoint_dir_of(config: JobConfig, run_dir: pathlib.Path) -> CheckpointPat
     return location(cfg.dir, cfg.storage_options) if cfg.dir else run_dir / "checkpoints"
 
 
+def load_path_of(config: JobConfig) -> CheckpointPath | None:
+    """``checkpoint.load_path`` (a local path or an object-store URL), if set."""
+    cfg = config.checkpoint
+    return location(cfg.load_path, cfg.storage_options) if cfg.load_path else None
+
+
 def foreign_records_problem(
     run_dir: pathlib.Path, checkpoint_dir: CheckpointPath, config: JobConfig
 ) -> str | None:
