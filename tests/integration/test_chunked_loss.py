@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import forge.model.chunked_loss as chunked_loss
 from forge.config.sections import ModelConfig
 from forge.data.batch import Batch
 from forge.data.packing import IGNORE_INDEX, pack
-from forge.model.chunked_loss import LossSpec, chunked_lm_loss
+from forge.model.chunked_loss import LossSpec, add_into, chunked_lm_loss
 from forge.model.transformer import Transformer
 from forge.training.steps.common import micro_batch_loss
 
@@ -191,3 +192,59 @@ def test_the_compiled_chunk_equals_the_eager_one():
         results.append((objective, ce, z, h.grad, w.grad))
     for eager, compiled in zip(*results, strict=True):
         torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)
+
+
+def loss_and_grads(dtype: torch.dtype, ignored: int, z_weight: float):
+    h, w, labels = inputs(ignored)
+    h = h.detach().to(dtype).requires_grad_()
+    w = w.detach().to(dtype).requires_grad_()
+    objective, ce, z = chunked_lm_loss(h, w, labels, LossSpec(8, z_weight))
+    (3 * objective).backward()
+    return objective, ce, z, h.grad, w.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("rows_per_pass", "rows_per_add", "ignored", "z_weight"),
+    [
+        (1, 1, 0, 0.0),  # one row at a time
+        (3, 7, 0, 0.0),  # blocks that divide neither the chunk nor the vocabulary
+        (3, 7, 11, 1e-2),  # with ignored labels and the z-loss
+        (8, 200, 0, 1e-2),  # one block: the whole chunk, the whole weight
+    ],
+)
+def test_the_loss_over_a_few_rows_at_a_time_is_the_same_bits_as_over_whole_chunks(
+    monkeypatch, dtype, rows_per_pass, rows_per_add, ignored, z_weight
+):
+    """On a CPU the chunk's elementwise tail runs over a few rows at a time and the weight's
+    gradient is added block by block (to stay in the cache): every value is per row, so the
+    loss and the gradients are the bits of the chunk taken whole."""
+    monkeypatch.setattr(chunked_loss, "CPU_ROWS_PER_PASS", 0)
+    monkeypatch.setattr(chunked_loss, "CPU_ROWS_PER_ADD", 0)
+    whole = loss_and_grads(dtype, ignored, z_weight)
+    monkeypatch.setattr(chunked_loss, "CPU_ROWS_PER_PASS", rows_per_pass)
+    monkeypatch.setattr(chunked_loss, "CPU_ROWS_PER_ADD", rows_per_add)
+    blocked = loss_and_grads(dtype, ignored, z_weight)
+    for name, a, b in zip(
+        ("objective", "ce", "z", "hidden grad", "weight grad"), whole, blocked, strict=True
+    ):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(
+    ("part_dtype", "rows"),
+    [
+        (torch.bfloat16, 1),
+        (torch.bfloat16, 7),  # a last block shorter than the others
+        (torch.bfloat16, 4096),  # one block larger than the tensor
+        (torch.bfloat16, 0),  # one add
+        (torch.float32, 7),  # same dtype: one add
+    ],
+)
+def test_add_into_is_one_add_of_the_converted_part(part_dtype, rows):
+    gen = torch.Generator().manual_seed(1)
+    total = torch.randn(101, 16, generator=gen)
+    part = torch.randn(101, 16, generator=gen).to(part_dtype)
+    expected = total + part.float()
+    add_into(total, part, rows)
+    assert torch.equal(total, expected)
