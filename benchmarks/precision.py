@@ -1,7 +1,7 @@
 """forge's training throughput in each precision mode against bare hand-written loops.
 
-One run, KempnerForge's debug shapes (the debug config with vocab 32000, FFN 768, seq 512,
-batch 4). Three bare loops, each the loop anyone would write by hand:
+One run, KempnerForge's debug shapes (the debug config with 4 KV heads, vocab 32000, FFN 768,
+seq 512, batch 4: 19.8M parameters). Three bare loops, each the loop anyone would write by hand:
 
   (a) fp32 parameters and compute, loss on the fp32 logits;
   (b) fp32 parameters, bf16 autocast, loss on the logits upcast to fp32;
@@ -14,7 +14,7 @@ Every forge mode runs eager (``train.compile = false``), whatever the default; r
 the order so that machine noise hits every mode; medians are compared::
 
     python benchmarks/precision.py [--steps 8] [--rounds 3] [--compile] [--loss-memory]
-    python benchmarks/precision.py --base 66b08b1 [--steps 8] [--rounds 4]
+    python benchmarks/precision.py --base 66b08b1 [--steps 8] [--rounds 4] [--compile]
 
 ``--base`` measures this script in fresh processes, alternately with this tree's forge and
 with the base commit's (a temporary git worktree), one round each, and prints each side's
@@ -58,7 +58,8 @@ from forge.training.phases import build_model_and_optim
 from forge.training.steps.select import make_step_fn
 from forge.types import LoopState
 
-SHAPES = [
+SHAPES = [  # KempnerForge's configs/train/debug.toml (forge's debug config has 2 KV heads)
+    "--model.n_kv_heads=4",
     "--model.vocab_size=32000",
     "--model.ffn_hidden_dim=768",
     "--model.max_seq_len=512",
@@ -287,6 +288,7 @@ RATIOS = [
     ("forge mixed bf16", "bare (c) pure bf16, bf16 loss"),
     ("forge fp32", "bare (a) fp32"),
 ]
+COMPILED_RATIOS = [(f"{mode} + compile", bare) for mode, bare in RATIOS]
 
 
 def compare_with_base(args: argparse.Namespace) -> None:
@@ -302,12 +304,13 @@ def compare_with_base(args: argparse.Namespace) -> None:
                 root = REPO if side == "ours" else base
                 argv = [*python_with_forge_of(root), __file__, "--config", args.config]
                 argv += ["--steps", str(args.steps), "--rounds", "1", "--medians-json", str(out)]
+                argv += ["--compile"] if args.compile else []
                 done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO)
                 if done.returncode != 0:
                     sys.exit(f"{side} ({root}) failed:\n{done.stderr[-3000:]}")
                 sides[side].append(json.loads(out.read_text()))
     print(f"forge against the bare loops, ours and base {args.base} ({args.rounds} rounds each):")
-    for mode, bare in RATIOS:
+    for mode, bare in [*RATIOS, *(COMPILED_RATIOS if args.compile else [])]:
         ratios = {
             side: statistics.median(m[mode] / m[bare] for m in rounds)
             for side, rounds in sides.items()
