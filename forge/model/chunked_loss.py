@@ -80,6 +80,26 @@ CPU_ROWS_PER_PASS = 32
 CPU_ROWS_PER_ADD = 8192
 
 
+class ChunkBuffers(NamedTuple):
+    """Tensors one loss call reuses for every chunk, in the compute dtype: the chunk's logits,
+    their gradient (not in fp32: fp32 logits hold their own) and the output weight's gradient.
+    A tensor made afresh for each chunk is new memory each time, paid for in page faults."""
+
+    logits: torch.Tensor  # (chunk, V_local)
+    grad: torch.Tensor | None  # (chunk, V_local)
+    grad_weight: torch.Tensor  # (V_local, D)
+
+
+def chunk_buffers(chunk: int, weight: torch.Tensor, dtype: torch.dtype) -> ChunkBuffers:
+    """Buffers for chunks of up to ``chunk`` tokens projected onto ``weight`` in ``dtype``."""
+    v_local = weight.shape[0]
+    return ChunkBuffers(
+        weight.new_empty((chunk, v_local), dtype=dtype),
+        None if dtype == torch.float32 else weight.new_empty((chunk, v_local), dtype=dtype),
+        weight.new_empty(weight.shape, dtype=dtype),
+    )
+
+
 class ChunkTerms(NamedTuple):
     """One chunk's contribution: each token's cross-entropy, the sum of its squared
     logsumexps, and (when gradients are wanted) the gradients of its hidden states and of the
@@ -136,14 +156,21 @@ def chunk_terms(
     with_grad: bool,
     group: ProcessGroup | None,
     rows_per_pass: int = 0,  # the tail's rows at a time; 0: all at once
+    buffers: ChunkBuffers | None = None,  # written instead of new tensors
 ) -> ChunkTerms:
     """Project one chunk, take its fp32 logsumexp and, with ``with_grad``, the gradients of
     ``mean CE + z_weight × mean lse²`` with respect to ``h`` and ``w``."""
-    logits = h @ w.t()
-    n = logits.shape[0]
+    n = h.shape[0]
+    logits = h @ w.t() if buffers is None else torch.mm(h, w.t(), out=buffers.logits[:n])
     grad = None
-    if with_grad:  # fp32 logits become their own gradient in place
-        grad = logits if logits.dtype == torch.float32 else torch.empty_like(logits)
+    if with_grad and logits.dtype == torch.float32:
+        grad = logits  # becomes its own gradient, in place
+    elif with_grad:
+        grad = (
+            torch.empty_like(logits)
+            if buffers is None or buffers.grad is None
+            else buffers.grad[:n]
+        )
     step = rows_per_pass or n
     parts = [
         row_terms(
@@ -162,7 +189,9 @@ def chunk_terms(
     z_sum = (lse.square() * valid).sum()
     if grad is None:
         return ChunkTerms(ce, z_sum, None, None)
-    return ChunkTerms(ce, z_sum, grad @ w, grad.t() @ h)
+    if buffers is None:
+        return ChunkTerms(ce, z_sum, grad @ w, grad.t() @ h)
+    return ChunkTerms(ce, z_sum, grad @ w, torch.mm(grad.t(), h, out=buffers.grad_weight))
 
 
 def add_into(total: torch.Tensor, part: torch.Tensor, rows: int) -> None:
@@ -226,10 +255,12 @@ class ChunkedLMLoss(torch.autograd.Function):
         grad_weight: torch.Tensor | None = None  # summed over chunks in fp32
         w = weight.to(dtype)
         terms_of = compiled_chunk_terms() if compiled and group is None else chunk_terms
-        # per-row passes over a few rows at a time on a CPU (not under TP: each pass would
-        # be two collectives; not compiled: inductor fuses the passes itself)
+        # per-row passes over a few rows at a time, into buffers reused by every chunk, on a
+        # CPU (not under TP: each pass would be two collectives; not compiled: inductor fuses
+        # the passes itself)
         on_cpu = device.type == "cpu"
         rows = CPU_ROWS_PER_PASS if on_cpu and group is None and not compiled else 0
+        buffers = chunk_buffers(min(chunk_size, n), weight, dtype) if rows else None
         with torch.autocast(device.type, enabled=False):
             for start in range(0, n, chunk_size):
                 part = slice(start, min(start + chunk_size, n))
@@ -245,6 +276,7 @@ class ChunkedLMLoss(torch.autograd.Function):
                     with_grad,
                     group,
                     rows,
+                    buffers,
                 )
                 ce[part] = terms.ce
                 z_sum += terms.z_sum
@@ -252,8 +284,8 @@ class ChunkedLMLoss(torch.autograd.Function):
                     grad_hidden[part] = terms.grad_hidden
                 if terms.grad_weight is None:
                     continue
-                if grad_weight is None:
-                    grad_weight = terms.grad_weight.float()
+                if grad_weight is None:  # a copy: the chunk's may be a buffer
+                    grad_weight = terms.grad_weight.to(torch.float32, copy=True)
                 else:
                     add_into(grad_weight, terms.grad_weight, CPU_ROWS_PER_ADD if on_cpu else 0)
         z = z_sum / count
