@@ -260,7 +260,7 @@ class ChunkedLMLoss(torch.autograd.Function):
         # the passes itself)
         on_cpu = device.type == "cpu"
         rows = CPU_ROWS_PER_PASS if on_cpu and group is None and not compiled else 0
-        buffers = chunk_buffers(min(chunk_size, n), weight, dtype) if rows else None
+        buffers = chunk_buffers(min(chunk_size, n), weight, dtype) if rows and with_grad else None
         with torch.autocast(device.type, enabled=False):
             for start in range(0, n, chunk_size):
                 part = slice(start, min(start + chunk_size, n))
@@ -290,7 +290,9 @@ class ChunkedLMLoss(torch.autograd.Function):
                     add_into(grad_weight, terms.grad_weight, CPU_ROWS_PER_ADD if on_cpu else 0)
         z = z_sum / count
         objective = ce.sum() / count + z_weight * z
-        if grad_weight is not None:
+        if with_grad:
+            if grad_weight is None:  # no tokens, no chunk
+                grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device)
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         ctx.mark_non_differentiable(ce, z)
         return objective, ce, z

@@ -248,3 +248,14 @@ def test_add_into_is_one_add_of_the_converted_part(part_dtype, rows):
     expected = total + part.float()
     add_into(total, part, rows)
     assert torch.equal(total, expected)
+
+
+def test_no_tokens_give_zero_gradients():
+    """An empty micro-batch has no chunk: the weight's gradient is zeros, not missing."""
+    h = torch.randn(1, 0, D, requires_grad=True)
+    w = torch.randn(V, D, requires_grad=True)
+    objective, ce, _ = chunked_lm_loss(h, w, torch.zeros(1, 0, dtype=torch.long), LossSpec(8))
+    objective.backward()
+    assert ce.shape == (1, 0)
+    assert w.grad is not None and torch.equal(w.grad, torch.zeros(V, D))
+    assert h.grad is not None and h.grad.shape == (1, 0, D)
