@@ -145,6 +145,16 @@ def row_terms(
     return ce, lse
 
 
+def row_blocks(n: int, rows: int) -> list[slice]:
+    """``n`` rows in blocks of ``rows``, the last one never a single row of several: torch sums
+    one long row in parallel pieces (another order than a row among others), so a lone row
+    would change the bits."""
+    starts = list(range(0, n, rows))
+    if len(starts) > 1 and n - starts[-1] == 1:
+        starts.pop()
+    return [slice(a, b) for a, b in zip(starts, [*starts[1:], n], strict=True)]
+
+
 def chunk_terms(
     h: torch.Tensor,  # (C, D), in the compute dtype
     w: torch.Tensor,  # (V_local, D), in the compute dtype
@@ -171,7 +181,6 @@ def chunk_terms(
             if buffers is None or buffers.grad is None
             else buffers.grad[:n]
         )
-    step = rows_per_pass or n
     parts = [
         row_terms(
             logits[p],
@@ -183,7 +192,7 @@ def chunk_terms(
             group,
             None if grad is None else grad[p],
         )
-        for p in (slice(s, min(s + step, n)) for s in range(0, n, step))
+        for p in row_blocks(n, rows_per_pass or n)
     ]
     ce, lse = parts[0] if len(parts) == 1 else (torch.cat(t) for t in zip(*parts, strict=True))
     z_sum = (lse.square() * valid).sum()

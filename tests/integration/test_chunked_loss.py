@@ -259,3 +259,17 @@ def test_no_tokens_give_zero_gradients():
     assert ce.shape == (1, 0)
     assert w.grad is not None and torch.equal(w.grad, torch.zeros(V, D))
     assert h.grad is not None and h.grad.shape == (1, 0, D)
+
+
+@pytest.mark.parametrize(
+    ("n", "rows", "expected"),
+    [
+        (8, 3, [(0, 3), (3, 6), (6, 8)]),
+        (7, 3, [(0, 3), (3, 7)]),  # a lone last row joins the block before it
+        (1, 32, [(0, 1)]),  # one row alone is the whole chunk
+        (33, 32, [(0, 33)]),
+        (64, 32, [(0, 32), (32, 64)]),
+    ],
+)
+def test_row_blocks_never_leave_a_lone_row(n, rows, expected):
+    assert [(b.start, b.stop) for b in chunked_loss.row_blocks(n, rows)] == expected
