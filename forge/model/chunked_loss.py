@@ -75,9 +75,9 @@ def compute_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:
 # in the cache between its passes; a whole chunk's (32 MiB) go to memory and back at each one.
 # (16 to 64 measured alike; the tail of a 256-token chunk took 8 ms in blocks of 32, 12 whole.)
 CPU_ROWS_PER_PASS = 32
-# The output weight's gradient is added into its fp32 sum this many rows at a time on a CPU
-# (each block converted in a small buffer that stays in the cache).
-CPU_ROWS_PER_ADD = 8192
+# On a CPU the output weight's gradient joins its fp32 sum through a block of this many bytes
+# (each few rows converted in it while it stays in the cache; 0: one converted copy of all).
+CPU_BYTES_PER_ADD = 8 << 20
 
 
 class ChunkBuffers(NamedTuple):
@@ -100,10 +100,18 @@ def chunk_buffers(chunk: int, weight: torch.Tensor, dtype: torch.dtype) -> Chunk
     )
 
 
+def add_block(weight: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """An fp32 block of the output weight's rows, at most ``nbytes``, for ``add_into``."""
+    v_local, d = weight.shape
+    rows = min(v_local, max(1, nbytes // (4 * d)))
+    return weight.new_empty((rows, d), dtype=torch.float32)
+
+
 class ChunkTerms(NamedTuple):
     """One chunk's contribution: each token's cross-entropy, the sum of its squared
     logsumexps, and (when gradients are wanted) the gradients of its hidden states and of the
-    output weight. (A NamedTuple, not attrs: ``torch.compile`` traces building it.)"""
+    output weight. (A NamedTuple, not attrs: ``torch.compile`` traces building it.) With
+    ``ChunkBuffers``, ``grad_weight`` is their tensor: the next chunk overwrites it."""
 
     ce: torch.Tensor
     z_sum: torch.Tensor
@@ -171,7 +179,12 @@ def chunk_terms(
     """Project one chunk, take its fp32 logsumexp and, with ``with_grad``, the gradients of
     ``mean CE + z_weight × mean lse²`` with respect to ``h`` and ``w``."""
     n = h.shape[0]
-    logits = h @ w.t() if buffers is None else torch.mm(h, w.t(), out=buffers.logits[:n])
+    if buffers is not None:
+        logits = torch.mm(h, w.t(), out=buffers.logits[:n])
+    elif rows_per_pass:
+        logits = h @ w.t()
+    else:  # the whole chunk at once: its compute-dtype logits freed as soon as converted
+        logits = (h @ w.t()).float()
     grad = None
     if with_grad and logits.dtype == torch.float32:
         grad = logits  # becomes its own gradient, in place
@@ -198,21 +211,29 @@ def chunk_terms(
     z_sum = (lse.square() * valid).sum()
     if grad is None:
         return ChunkTerms(ce, z_sum, None, None)
+    grad = grad.to(h.dtype)  # the whole chunk's fp32 gradient; else already in h's dtype
     if buffers is None:
         return ChunkTerms(ce, z_sum, grad @ w, grad.t() @ h)
     return ChunkTerms(ce, z_sum, grad @ w, torch.mm(grad.t(), h, out=buffers.grad_weight))
 
 
-def add_into(total: torch.Tensor, part: torch.Tensor, rows: int) -> None:
-    """``total += part``, with ``part`` converted to ``total``'s dtype ``rows`` rows at a time
-    (the same bits as one ``add_``, without a converted copy of the whole of ``part``)."""
-    if part.dtype == total.dtype or rows <= 0:
+def sum_start(part: torch.Tensor) -> torch.Tensor:
+    """The fp32 sum that starts with ``part``: ``0 + part``, so a -0.0 in it becomes +0.0 as in
+    a sum started from zeros (in one pass, without filling zeros first)."""
+    total = torch.empty(part.shape, dtype=torch.float32, device=part.device)
+    return torch.add(part, 0.0, out=total)
+
+
+def add_into(total: torch.Tensor, part: torch.Tensor, block: torch.Tensor | None) -> None:
+    """``total += part``, with ``part`` converted to ``total``'s dtype through ``block``, a few
+    rows at a time (the same bits as one ``add_``, without a converted copy of all ``part``)."""
+    if part.dtype == total.dtype or block is None:
         total.add_(part)
         return
-    buffer = total.new_empty((min(rows, len(part)), *part.shape[1:]))
+    rows = len(block)
     for start in range(0, len(part), rows):
-        block = part[start : start + rows]
-        total[start : start + rows].add_(buffer[: len(block)].copy_(block))
+        piece = part[start : start + rows]
+        total[start : start + rows].add_(block[: len(piece)].copy_(piece))
 
 
 @functools.cache
@@ -270,6 +291,8 @@ class ChunkedLMLoss(torch.autograd.Function):
         on_cpu = device.type == "cpu"
         rows = CPU_ROWS_PER_PASS if on_cpu and group is None and not compiled else 0
         buffers = chunk_buffers(min(chunk_size, n), weight, dtype) if rows and with_grad else None
+        converts = on_cpu and with_grad and dtype != torch.float32 and n > chunk_size
+        block = add_block(weight, CPU_BYTES_PER_ADD) if converts and CPU_BYTES_PER_ADD else None
         with torch.autocast(device.type, enabled=False):
             for start in range(0, n, chunk_size):
                 part = slice(start, min(start + chunk_size, n))
@@ -284,8 +307,8 @@ class ChunkedLMLoss(torch.autograd.Function):
                     z_weight,
                     with_grad,
                     group,
-                    rows,
-                    buffers,
+                    rows_per_pass=rows,
+                    buffers=buffers,
                 )
                 ce[part] = terms.ce
                 z_sum += terms.z_sum
@@ -293,10 +316,10 @@ class ChunkedLMLoss(torch.autograd.Function):
                     grad_hidden[part] = terms.grad_hidden
                 if terms.grad_weight is None:
                     continue
-                if grad_weight is None:  # a copy: the chunk's may be a buffer
-                    grad_weight = terms.grad_weight.to(torch.float32, copy=True)
+                if grad_weight is None:  # a new tensor: the chunk's may be a buffer
+                    grad_weight = sum_start(terms.grad_weight)
                 else:
-                    add_into(grad_weight, terms.grad_weight, CPU_ROWS_PER_ADD if on_cpu else 0)
+                    add_into(grad_weight, terms.grad_weight, block)
         z = z_sum / count
         objective = ce.sum() / count + z_weight * z
         if with_grad:

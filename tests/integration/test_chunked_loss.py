@@ -12,7 +12,7 @@ import forge.model.chunked_loss as chunked_loss
 from forge.config.sections import ModelConfig
 from forge.data.batch import Batch
 from forge.data.packing import IGNORE_INDEX, pack
-from forge.model.chunked_loss import LossSpec, add_into, chunked_lm_loss
+from forge.model.chunked_loss import LossSpec, add_into, chunked_lm_loss, sum_start
 from forge.model.transformer import Transformer
 from forge.training.steps.common import micro_batch_loss
 
@@ -194,60 +194,126 @@ def test_the_compiled_chunk_equals_the_eager_one():
         torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)
 
 
-def loss_and_grads(dtype: torch.dtype, ignored: int, z_weight: float):
+def loss_and_grads(dtype: torch.dtype, ignored: int, z_weight: float, autocast: bool = False):
+    """The chunked loss's objective, CE and z, and the gradients of 3 × the objective, with
+    ``h`` and ``w`` in ``dtype`` (or fp32 under bf16 autocast), 8 tokens per chunk."""
     h, w, labels = inputs(ignored)
     h = h.detach().to(dtype).requires_grad_()
     w = w.detach().to(dtype).requires_grad_()
-    objective, ce, z = chunked_lm_loss(h, w, labels, LossSpec(8, z_weight))
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        objective, ce, z = chunked_lm_loss(h, w, labels, LossSpec(8, z_weight))
     (3 * objective).backward()
     return objective, ce, z, h.grad, w.grad
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def whole_chunk_loss_and_grads(
+    dtype: torch.dtype, ignored: int, z_weight: float, autocast: bool = False
+):
+    """``loss_and_grads`` as forge computed it before its CPU path (d89bca1), written out
+    again on its own: each 8-token chunk whole, its fp32 logits turned into their gradient in
+    place, converted to the compute dtype, the weight's gradient summed in fp32 from zeros."""
+    h, w, labels = inputs(ignored)
+    hidden, weight, labels = h.detach().to(dtype)[0], w.detach().to(dtype), labels[0]
+    compute = torch.bfloat16 if autocast else dtype
+    valid = labels != IGNORE_INDEX
+    count = valid.sum().float()
+    index = torch.where(valid, labels, 0)
+    ce, z_sum = torch.zeros(N), torch.zeros(())
+    grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros(V, D)
+    wc = weight.to(compute)
+    for start in range(0, N, 8):
+        part = slice(start, min(start + 8, N))
+        hc = hidden[part].to(compute)
+        logits = (hc @ wc.t()).float()
+        peak = logits.amax(-1)
+        picked = logits.gather(-1, index[part, None]).squeeze(-1)
+        exp = logits.sub_(peak[:, None]).exp_()
+        sums = torch.stack([exp.sum(-1), torch.where(valid[part], picked, 0.0)])
+        lse = peak + sums[0].log()
+        ce[part] = torch.where(valid[part], lse - sums[1], 0.0)
+        z_sum += (lse.square() * valid[part]).sum()
+        g_ce = valid[part] / count
+        g_lse = 2 * z_weight * lse * g_ce
+        d_logits = exp.mul_(((g_ce + g_lse) / sums[0])[:, None])
+        d_logits.scatter_add_(-1, index[part, None], -torch.where(valid[part], g_ce, 0.0)[:, None])
+        d_logits = d_logits.to(compute)
+        grad_hidden[part] = d_logits @ wc
+        grad_weight += d_logits.t() @ hc
+    z = z_sum / count
+    objective = ce.sum() / count + z_weight * z
+    scale = (3 * torch.ones(())).to(dtype)
+    return objective, ce[None], z, (grad_hidden * scale)[None], grad_weight.to(dtype) * scale
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns: unlike ``torch.equal``, -0.0 differs from +0.0."""
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+NAMES = ("objective", "ce", "z", "hidden grad", "weight grad")
+
+
 @pytest.mark.parametrize(
-    ("rows_per_pass", "rows_per_add", "ignored", "z_weight"),
+    ("dtype", "autocast"),
+    [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+)
+@pytest.mark.parametrize(
+    ("rows_per_pass", "bytes_per_add", "ignored", "z_weight"),
     [
-        (1, 1, 0, 0.0),  # one row at a time
-        (3, 7, 0, 0.0),  # blocks that divide neither the chunk nor the vocabulary
-        (3, 7, 11, 1e-2),  # with ignored labels and the z-loss
-        (8, 200, 0, 1e-2),  # one block: the whole chunk, the whole weight
+        (0, 0, 0, 0.0),  # whole chunks, one add: the path GPUs, TP and compiled chunks take
+        (1, 64, 0, 0.0),  # one row at a time; one weight row per add
+        (3, 7 * 64, 0, 0.0),  # blocks that divide neither the chunk nor the vocabulary
+        (3, 7 * 64, 11, 1e-2),  # with ignored labels and the z-loss
+        (8, 200 * 64, 0, 1e-2),  # one block: the whole chunk, the whole weight
+        (32, 8 << 20, 5, 1e-2),  # the defaults
     ],
 )
-def test_the_loss_over_a_few_rows_at_a_time_is_the_same_bits_as_over_whole_chunks(
-    monkeypatch, dtype, rows_per_pass, rows_per_add, ignored, z_weight
+def test_the_loss_is_the_same_bits_as_forge_computed_before_its_cpu_path(
+    monkeypatch, dtype, autocast, rows_per_pass, bytes_per_add, ignored, z_weight
 ):
     """On a CPU the chunk's elementwise tail runs over a few rows at a time and the weight's
     gradient is added block by block (to stay in the cache): every value is per row, so the
-    loss and the gradients are the bits of the chunk taken whole."""
-    monkeypatch.setattr(chunked_loss, "CPU_ROWS_PER_PASS", 0)
-    monkeypatch.setattr(chunked_loss, "CPU_ROWS_PER_ADD", 0)
-    whole = loss_and_grads(dtype, ignored, z_weight)
+    loss and the gradients are the bits of whole chunks, as before (-0.0 included)."""
     monkeypatch.setattr(chunked_loss, "CPU_ROWS_PER_PASS", rows_per_pass)
-    monkeypatch.setattr(chunked_loss, "CPU_ROWS_PER_ADD", rows_per_add)
-    blocked = loss_and_grads(dtype, ignored, z_weight)
-    for name, a, b in zip(
-        ("objective", "ce", "z", "hidden grad", "weight grad"), whole, blocked, strict=True
-    ):
-        assert a.dtype == b.dtype and torch.equal(a, b), name
+    monkeypatch.setattr(chunked_loss, "CPU_BYTES_PER_ADD", bytes_per_add)
+    expected = whole_chunk_loss_and_grads(dtype, ignored, z_weight, autocast)
+    got = loss_and_grads(dtype, ignored, z_weight, autocast)
+    for name, a, b in zip(NAMES, expected, got, strict=True):
+        assert b is not None and a.dtype == b.dtype and torch.equal(bits(a), bits(b)), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("value", [-0.0, 0.0, 1.5, -3.25, float("inf"), float("-inf")])
+def test_a_sum_starts_as_zeros_plus_its_first_part(dtype, value):
+    part = torch.full((3, 5), value, dtype=dtype)
+    assert torch.equal(bits(sum_start(part)), bits(torch.zeros(3, 5) + part))
 
 
 @pytest.mark.parametrize(
-    ("part_dtype", "rows"),
+    ("part_dtype", "block_rows"),
     [
         (torch.bfloat16, 1),
         (torch.bfloat16, 7),  # a last block shorter than the others
-        (torch.bfloat16, 4096),  # one block larger than the tensor
-        (torch.bfloat16, 0),  # one add
+        (torch.bfloat16, 101),  # one block: the whole tensor
+        (torch.bfloat16, 0),  # no block: one add
         (torch.float32, 7),  # same dtype: one add
     ],
 )
-def test_add_into_is_one_add_of_the_converted_part(part_dtype, rows):
+def test_add_into_is_one_add_of_the_converted_part(part_dtype, block_rows):
     gen = torch.Generator().manual_seed(1)
     total = torch.randn(101, 16, generator=gen)
     part = torch.randn(101, 16, generator=gen).to(part_dtype)
     expected = total + part.float()
-    add_into(total, part, rows)
-    assert torch.equal(total, expected)
+    add_into(total, part, torch.full((block_rows, 16), 7.0) if block_rows else None)
+    assert torch.equal(bits(total), bits(expected))
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "rows"),
+    [(64, 1), (7 * 64, 7), (1, 1), (1 << 30, V)],  # a row is 16 fp32 (64 bytes); at most V
+)
+def test_the_add_block_holds_whole_rows_within_its_bytes(nbytes, rows):
+    assert chunked_loss.add_block(torch.empty(V, D), nbytes).shape == (rows, D)
 
 
 def test_no_tokens_give_zero_gradients():
