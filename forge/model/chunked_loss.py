@@ -194,20 +194,24 @@ def chunk_terms(
             if buffers is None or buffers.grad is None
             else buffers.grad[:n]
         )
-    parts = [
-        row_terms(
-            logits[p],
-            index[p],
-            owned[p],
-            valid[p],
-            count,
-            z_weight,
-            group,
-            None if grad is None else grad[p],
-        )
-        for p in row_blocks(n, rows_per_pass or n)
-    ]
-    ce, lse = parts[0] if len(parts) == 1 else (torch.cat(t) for t in zip(*parts, strict=True))
+    blocks = row_blocks(n, rows_per_pass or n)
+    if len(blocks) == 1:  # no views: a compiled graph copies a mutated view back into its base
+        ce, lse = row_terms(logits, index, owned, valid, count, z_weight, group, grad)
+    else:
+        parts = [
+            row_terms(
+                logits[p],
+                index[p],
+                owned[p],
+                valid[p],
+                count,
+                z_weight,
+                group,
+                None if grad is None else grad[p],
+            )
+            for p in blocks
+        ]
+        ce, lse = (torch.cat(t) for t in zip(*parts, strict=True))
     z_sum = (lse.square() * valid).sum()
     if grad is None:
         return ChunkTerms(ce, z_sum, None, None)
