@@ -80,6 +80,21 @@ FORGE_MODES = {
 COMPILED = {
     f"{name} + compile": [*a[:-1], "--train.compile=true"] for name, a in FORGE_MODES.items()
 }
+BARE = {
+    "bare (a) fp32": "a",
+    "bare (b) bf16 autocast, fp32 loss": "b",
+    "bare (c) pure bf16, bf16 loss": "c",
+}
+# --only: one precision's forge mode and the bare loops it is compared with
+ONLY = {
+    "fp32": {"forge fp32", "bare (a) fp32"},
+    "mixed": {
+        "forge mixed bf16",
+        "bare (b) bf16 autocast, fp32 loss",
+        "bare (c) pure bf16, bf16 loss",
+    },
+    "pure": {"forge param_dtype=bf16", "bare (c) pure bf16, bf16 loss"},
+}
 
 
 def cpu_flags() -> set[str]:
@@ -213,6 +228,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also forge with train.compile")
     parser.add_argument("--loss-memory", action="store_true", help="also the loss's peak memory")
     parser.add_argument("--base", help="a commit whose forge is measured alternately with ours")
+    parser.add_argument("--only", choices=sorted(ONLY), help="one precision and its bare loops")
     parser.add_argument("--medians-json", help=argparse.SUPPRESS)  # a --base round's output
     args = parser.parse_args()
     if args.base:
@@ -232,13 +248,14 @@ def main() -> None:
     )
     data = batches(base.model.vocab_size, base.train.batch_size, base.train.seq_len)
     modes = {**FORGE_MODES, **(COMPILED if args.compile else {})}
+    wanted = ONLY[args.only] if args.only else {*BARE, *FORGE_MODES}
     with tempfile.TemporaryDirectory() as tmp:
         loops: dict[str, Callable[[list[Batch]], None]] = {
-            "bare (a) fp32": bare_loop(base, "a"),
-            "bare (b) bf16 autocast, fp32 loss": bare_loop(base, "b"),
-            "bare (c) pure bf16, bf16 loss": bare_loop(base, "c"),
+            name: bare_loop(base, mode) for name, mode in BARE.items() if name in wanted
         }
         for name, extra in modes.items():
+            if name.removesuffix(" + compile") not in wanted:
+                continue
             config = load_config([args.config, *SHAPES, *extra]).config
             loops[name] = forge_loop(config, pathlib.Path(tmp) / name.replace(" ", "_"))
         for name, loop in loops.items():  # warm-up: allocator, thread pool, compile
@@ -261,16 +278,19 @@ def main() -> None:
             f"{name:38s} {med[name]:8,.0f} tokens/s (rounds: {', '.join(f'{x:,.0f}' for x in v)})"
         )
     print()
-    a, c = med["bare (a) fp32"], med["bare (c) pure bf16, bf16 loss"]
-    targets = [
-        ("forge param_dtype=bf16 / bare (c)", med["forge param_dtype=bf16"] / c, 1.10, True),
-        ("forge mixed bf16 / bare (c)", med["forge mixed bf16"] / c, 1.0, True),
-        ("forge fp32 / bare (a)", med["forge fp32"] / a, 0.97, False),
+    targets = [  # forge mode, bare loop, the ratio it should reach, whether it needs bf16
+        ("forge param_dtype=bf16", "bare (c) pure bf16, bf16 loss", 1.10, True),
+        ("forge mixed bf16", "bare (c) pure bf16, bf16 loss", 1.0, True),
+        ("forge fp32", "bare (a) fp32", 0.97, False),
     ]
     for name in COMPILED if args.compile else ():
         plain = name.removesuffix(" + compile")
-        print(f"ratio {name} / {plain}: {med[name] / med[plain]:.2f}")
-    for label, ratio, target, needs_bf16 in targets:
+        if plain in med:
+            print(f"ratio {name} / {plain}: {med[name] / med[plain]:.2f}")
+    for mode, bare, target, needs_bf16 in targets:
+        if mode not in med:
+            continue
+        label, ratio = f"{mode} / {bare[:8]}", med[mode] / med[bare]
         if needs_bf16 and not native_bf16:
             verdict = "target skipped: no AVX-512 BF16 / AMX on this CPU"
         else:
@@ -305,20 +325,27 @@ def compare_with_base(args: argparse.Namespace) -> None:
                 argv = [*python_with_forge_of(root), __file__, "--config", args.config]
                 argv += ["--steps", str(args.steps), "--rounds", "1", "--medians-json", str(out)]
                 argv += ["--compile"] if args.compile else []
+                argv += ["--only", args.only] if args.only else []
                 done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO)
                 if done.returncode != 0:
                     sys.exit(f"{side} ({root}) failed:\n{done.stderr[-3000:]}")
                 sides[side].append(json.loads(out.read_text()))
-    print(f"forge against the bare loops, ours and base {args.base} ({args.rounds} rounds each):")
+    print(f"forge against the bare loops, ours and base {args.base} ({args.rounds} rounds each;")
+    print("each side's median over its processes, with their lowest and highest):")
     for mode, bare in [*RATIOS, *(COMPILED_RATIOS if args.compile else [])]:
-        ratios = {
-            side: statistics.median(m[mode] / m[bare] for m in rounds)
-            for side, rounds in sides.items()
-        }
+        if mode not in sides["ours"][0]:
+            continue
+        ratios = {side: [m[mode] / m[bare] for m in rounds] for side, rounds in sides.items()}
+        ours, base = (statistics.median(ratios[side]) for side in ("ours", "base"))
         print(
-            f"  {mode} / {bare:34s} ours {ratios['ours']:.3f} | base {ratios['base']:.3f} | "
-            f"ours / base {ratios['ours'] / ratios['base']:.3f}"
+            f"  {mode} / {bare[:8]}: ours {ours:.3f} ({spread(ratios['ours'])}) | "
+            f"base {base:.3f} ({spread(ratios['base'])}) | ours / base {ours / base:.3f}"
         )
+
+
+def spread(values: list[float]) -> str:
+    """The lowest and highest of ``values``, as ``lo-hi``."""
+    return f"{min(values):.3f}-{max(values):.3f}"
 
 
 if __name__ == "__main__":
