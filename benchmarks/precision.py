@@ -15,11 +15,14 @@ the order so that machine noise hits every mode; medians are compared::
 
     python benchmarks/precision.py [--steps 8] [--rounds 3] [--compile] [--loss-memory]
     python benchmarks/precision.py --base 66b08b1 [--steps 8] [--rounds 4] [--compile]
+    python benchmarks/precision.py --base 66b08b1 --only fp32 [--compile] [--rounds 12]
 
 ``--base`` measures this script in fresh processes, alternately with this tree's forge and
 with the base commit's (a temporary git worktree), one round each, and prints each side's
-forge-over-bare ratios (medians over its rounds): a change to forge's step against the
-step it replaces, the bare loops being the same code on both sides.
+forge-over-bare ratios (medians over its rounds, with the lowest and highest: one process's
+ratio moves by ±10% on a noisy machine): a change to forge's step against the step it
+replaces, the bare loops being the same code on both sides. ``--only`` measures one
+precision's forge mode and its bare loops, so that more rounds fit in the same time.
 ``--loss-memory`` also prints the peak memory of one forward + backward of the loss alone,
 plain (full fp32 logits) vs chunked, at growing batch sizes.
 """
@@ -85,16 +88,13 @@ BARE = {
     "bare (b) bf16 autocast, fp32 loss": "b",
     "bare (c) pure bf16, bf16 loss": "c",
 }
-# --only: one precision's forge mode and the bare loops it is compared with
-ONLY = {
-    "fp32": {"forge fp32", "bare (a) fp32"},
-    "mixed": {
-        "forge mixed bf16",
-        "bare (b) bf16 autocast, fp32 loss",
-        "bare (c) pure bf16, bf16 loss",
-    },
-    "pure": {"forge param_dtype=bf16", "bare (c) pure bf16, bf16 loss"},
-}
+ONLY = {"fp32": "forge fp32", "mixed": "forge mixed bf16", "pure": "forge param_dtype=bf16"}
+
+
+def loops_of(mode: str) -> set[str]:
+    """``--only``'s loops: a forge mode and the bare loops it is compared with (``RATIOS``)."""
+    assert mode in FORGE_MODES, mode
+    return {mode, *(bare for forge, bare in RATIOS if forge == mode)}
 
 
 def cpu_flags() -> set[str]:
@@ -248,7 +248,7 @@ def main() -> None:
     )
     data = batches(base.model.vocab_size, base.train.batch_size, base.train.seq_len)
     modes = {**FORGE_MODES, **(COMPILED if args.compile else {})}
-    wanted = ONLY[args.only] if args.only else {*BARE, *FORGE_MODES}
+    wanted = loops_of(ONLY[args.only]) if args.only else {*BARE, *FORGE_MODES}
     with tempfile.TemporaryDirectory() as tmp:
         loops: dict[str, Callable[[list[Batch]], None]] = {
             name: bare_loop(base, mode) for name, mode in BARE.items() if name in wanted

@@ -13,9 +13,10 @@ the caller's DTensor reduces.
 
 Between its matmuls a chunk's work is elementwise passes over ``chunk × vocab`` values (its
 fp32 logits, their max, exp and sum, the scaled gradient in the compute dtype), bound by
-memory traffic. On a CPU they run ``CPU_ROWS_PER_PASS`` rows at a time, so that each pass
-reads what the previous one left in the cache, and the output weight's gradient joins its
-fp32 sum in blocks. Both give the bits of the whole chunk: every step of the tail is per row.
+memory traffic. Eager on a CPU without TP they run ``CPU_ROWS_PER_PASS`` rows at a time, so
+that each pass reads what the previous one left in the cache; on a CPU a bf16 gradient of the
+output weight joins its fp32 sum in blocks (``chunk_plan``). Both give the bits of whole
+chunks: every step of the tail is per row.
 """
 
 from __future__ import annotations
@@ -78,6 +79,41 @@ CPU_ROWS_PER_PASS = 32
 # On a CPU the output weight's gradient joins its fp32 sum through a block of this many bytes
 # (each few rows converted in it while it stays in the cache; 0: one converted copy of all).
 CPU_BYTES_PER_ADD = 8 << 20
+
+
+@attrs.frozen
+class ChunkPlan:
+    """How one loss call runs its chunks: the tail ``rows_per_pass`` rows at a time (0: each
+    chunk whole), into ``ChunkBuffers`` reused by every chunk or not, and the weight's gradient
+    converted into its fp32 sum through a block of ``add_bytes`` (0: a converted copy of all)."""
+
+    rows_per_pass: int
+    buffers: bool
+    add_bytes: int
+
+
+def chunk_plan(
+    device_type: str,
+    tp: bool,
+    compiled: bool,
+    with_grad: bool,
+    dtype: torch.dtype,
+    tokens: int,
+    chunk_size: int,
+) -> ChunkPlan:
+    """Blocks and buffers only where they pay: the row blocks eager on a CPU without TP (under
+    TP each pass would be two collectives; inductor fuses a compiled chunk's passes itself;
+    a GPU's passes are kernels over the whole chunk), buffers when gradients are made, the add
+    block on a CPU when several chunks' gradients in a narrower dtype than fp32 are summed."""
+    cpu = device_type == "cpu"
+    rows = CPU_ROWS_PER_PASS if cpu and not tp and not compiled else 0
+    narrower = dtype != torch.float32 and torch.promote_types(dtype, torch.float32) == torch.float32
+    converts = cpu and with_grad and narrower and tokens > chunk_size
+    return ChunkPlan(
+        rows_per_pass=rows,
+        buffers=bool(rows) and with_grad and tokens > 0,
+        add_bytes=CPU_BYTES_PER_ADD if converts else 0,
+    )
 
 
 class ChunkBuffers(NamedTuple):
@@ -154,10 +190,10 @@ def row_terms(
 
 
 def row_blocks(n: int, rows: int) -> list[slice]:
-    """``n`` rows in blocks of ``rows``, the last one never a single row of several: torch sums
+    """``n`` rows in blocks of ``rows`` (at least 2), none a single row of several: torch sums
     one long row in parallel pieces (another order than a row among others), so a lone row
     would change the bits."""
-    starts = list(range(0, n, rows))
+    starts = list(range(0, n, max(rows, 2)))
     if len(starts) > 1 and n - starts[-1] == 1:
         starts.pop()
     return [slice(a, b) for a, b in zip(starts, [*starts[1:], n], strict=True)]
@@ -221,11 +257,19 @@ def chunk_terms(
     return ChunkTerms(ce, z_sum, grad @ w, torch.mm(grad.t(), h, out=buffers.grad_weight))
 
 
-def sum_start(part: torch.Tensor) -> torch.Tensor:
+def sum_start(part: torch.Tensor, block: torch.Tensor | None) -> torch.Tensor:
     """The fp32 sum that starts with ``part``: ``0 + part``, so a -0.0 in it becomes +0.0 as in
-    a sum started from zeros (in one pass, without filling zeros first)."""
+    a sum started from zeros, without filling zeros first. A bf16 ``part`` is converted
+    through ``block`` a few rows at a time (``add`` computes in its inputs' dtype: without a
+    block a CPU makes a whole bf16 sum, then converts it)."""
     total = torch.empty(part.shape, dtype=torch.float32, device=part.device)
-    return torch.add(part, 0.0, out=total)
+    if part.dtype == total.dtype or block is None:
+        return torch.add(part, 0.0, out=total)
+    rows = len(block)
+    for start in range(0, len(part), rows):
+        piece = part[start : start + rows]
+        torch.add(block[: len(piece)].copy_(piece), 0.0, out=total[start : start + rows])
+    return total
 
 
 def add_into(total: torch.Tensor, part: torch.Tensor, block: torch.Tensor | None) -> None:
@@ -289,14 +333,9 @@ class ChunkedLMLoss(torch.autograd.Function):
         grad_weight: torch.Tensor | None = None  # summed over chunks in fp32
         w = weight.to(dtype)
         terms_of = compiled_chunk_terms() if compiled and group is None else chunk_terms
-        # per-row passes over a few rows at a time, into buffers reused by every chunk, on a
-        # CPU (not under TP: each pass would be two collectives; not compiled: inductor fuses
-        # the passes itself)
-        on_cpu = device.type == "cpu"
-        rows = CPU_ROWS_PER_PASS if on_cpu and group is None and not compiled else 0
-        buffers = chunk_buffers(min(chunk_size, n), weight, dtype) if rows and with_grad else None
-        converts = on_cpu and with_grad and dtype != torch.float32 and n > chunk_size
-        block = add_block(weight, CPU_BYTES_PER_ADD) if converts and CPU_BYTES_PER_ADD else None
+        plan = chunk_plan(device.type, group is not None, compiled, with_grad, dtype, n, chunk_size)
+        buffers = chunk_buffers(min(chunk_size, n), weight, dtype) if plan.buffers else None
+        block = add_block(weight, plan.add_bytes) if plan.add_bytes else None
         with torch.autocast(device.type, enabled=False):
             for start in range(0, n, chunk_size):
                 part = slice(start, min(start + chunk_size, n))
@@ -311,7 +350,7 @@ class ChunkedLMLoss(torch.autograd.Function):
                     z_weight,
                     with_grad,
                     group,
-                    rows_per_pass=rows,
+                    rows_per_pass=plan.rows_per_pass,
                     buffers=buffers,
                 )
                 ce[part] = terms.ce
@@ -321,7 +360,7 @@ class ChunkedLMLoss(torch.autograd.Function):
                 if terms.grad_weight is None:
                     continue
                 if grad_weight is None:  # a new tensor: the chunk's may be a buffer
-                    grad_weight = sum_start(terms.grad_weight)
+                    grad_weight = sum_start(terms.grad_weight, block)
                 else:
                     add_into(grad_weight, terms.grad_weight, block)
         z = z_sum / count

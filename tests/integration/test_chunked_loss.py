@@ -25,11 +25,11 @@ def reference_terms(hidden, weight, labels):
     return ce, logits.logsumexp(-1)
 
 
-def inputs(ignored: int = 0, seed: int = 0):
+def inputs(ignored: int = 0, seed: int = 0, n: int = N, v: int = V):
     gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(1, N, D, generator=gen, dtype=torch.float64).float()
-    weight = torch.randn(V, D, generator=gen) * 0.5
-    labels = torch.randint(0, V, (1, N), generator=gen)
+    hidden = torch.randn(1, n, D, generator=gen, dtype=torch.float64).float()
+    weight = torch.randn(v, D, generator=gen) * 0.5
+    labels = torch.randint(0, v, (1, n), generator=gen)
     labels[0, :ignored] = IGNORE_INDEX
     return hidden.requires_grad_(), weight.requires_grad_(), labels
 
@@ -194,35 +194,48 @@ def test_the_compiled_chunk_equals_the_eager_one():
         torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)
 
 
-def loss_and_grads(dtype: torch.dtype, ignored: int, z_weight: float, autocast: bool = False):
+def loss_and_grads(
+    dtype: torch.dtype,
+    ignored: int,
+    z_weight: float,
+    autocast: bool = False,
+    shape: tuple[int, int, int] = (N, V, 8),
+):
     """The chunked loss's objective, CE and z, and the gradients of 3 × the objective, with
-    ``h`` and ``w`` in ``dtype`` (or fp32 under bf16 autocast), 8 tokens per chunk."""
-    h, w, labels = inputs(ignored)
+    ``h`` and ``w`` in ``dtype`` (or fp32 under bf16 autocast); ``shape``: tokens, vocabulary,
+    tokens per chunk."""
+    n, v, chunk = shape
+    h, w, labels = inputs(ignored, n=n, v=v)
     h = h.detach().to(dtype).requires_grad_()
     w = w.detach().to(dtype).requires_grad_()
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-        objective, ce, z = chunked_lm_loss(h, w, labels, LossSpec(8, z_weight))
+        objective, ce, z = chunked_lm_loss(h, w, labels, LossSpec(chunk, z_weight))
     (3 * objective).backward()
     return objective, ce, z, h.grad, w.grad
 
 
 def whole_chunk_loss_and_grads(
-    dtype: torch.dtype, ignored: int, z_weight: float, autocast: bool = False
+    dtype: torch.dtype,
+    ignored: int,
+    z_weight: float,
+    autocast: bool = False,
+    shape: tuple[int, int, int] = (N, V, 8),
 ):
     """``loss_and_grads`` as forge computed it before its CPU path (d89bca1), written out
-    again on its own: each 8-token chunk whole, its fp32 logits turned into their gradient in
-    place, converted to the compute dtype, the weight's gradient summed in fp32 from zeros."""
-    h, w, labels = inputs(ignored)
+    again on its own: each chunk whole, its fp32 logits turned into their gradient in place,
+    converted to the compute dtype, the weight's gradient summed in fp32 from zeros."""
+    n, v, chunk = shape
+    h, w, labels = inputs(ignored, n=n, v=v)
     hidden, weight, labels = h.detach().to(dtype)[0], w.detach().to(dtype), labels[0]
     compute = torch.bfloat16 if autocast else dtype
     valid = labels != IGNORE_INDEX
     count = valid.sum().float()
     index = torch.where(valid, labels, 0)
-    ce, z_sum = torch.zeros(N), torch.zeros(())
-    grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros(V, D)
+    ce, z_sum = torch.zeros(n), torch.zeros(())
+    grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros(v, D)
     wc = weight.to(compute)
-    for start in range(0, N, 8):
-        part = slice(start, min(start + 8, N))
+    for start in range(0, n, chunk):
+        part = slice(start, min(start + chunk, n))
         hc = hidden[part].to(compute)
         logits = (hc @ wc.t()).float()
         peak = logits.amax(-1)
@@ -261,11 +274,11 @@ NAMES = ("objective", "ce", "z", "hidden grad", "weight grad")
     ("rows_per_pass", "bytes_per_add", "ignored", "z_weight"),
     [
         (0, 0, 0, 0.0),  # whole chunks, one add: the path GPUs, TP and compiled chunks take
-        (1, 64, 0, 0.0),  # one row at a time; one weight row per add
+        (1, 64, 0, 0.0),  # the fewest rows (blocks of 2: never one row); one weight row per add
         (3, 7 * 64, 0, 0.0),  # blocks that divide neither the chunk nor the vocabulary
         (3, 7 * 64, 11, 1e-2),  # with ignored labels and the z-loss
         (8, 200 * 64, 0, 1e-2),  # one block: the whole chunk, the whole weight
-        (32, 8 << 20, 5, 1e-2),  # the defaults
+        (32, 8 << 20, 5, 1e-2),  # the defaults: at 8 tokens per chunk, one block
     ],
 )
 def test_the_loss_is_the_same_bits_as_forge_computed_before_its_cpu_path(
@@ -283,10 +296,57 @@ def test_the_loss_is_the_same_bits_as_forge_computed_before_its_cpu_path(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows_per_pass", [1, 32])
+def test_the_loss_at_a_real_vocabulary_is_the_same_bits_as_before(
+    monkeypatch, dtype, rows_per_pass
+):
+    """At vocab 65536 torch sums a long row in parallel pieces when it is alone (another
+    order, other bits): 66 tokens in chunks of 33 on 2 threads leave a 33rd row after a
+    32-row block, and blocks of 1 row would be alone; neither may be summed alone."""
+    monkeypatch.setattr(chunked_loss, "CPU_ROWS_PER_PASS", rows_per_pass)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        shape = (66, 65536, 33)
+        expected = whole_chunk_loss_and_grads(dtype, 3, 1e-2, shape=shape)
+        got = loss_and_grads(dtype, 3, 1e-2, shape=shape)
+    finally:
+        torch.set_num_threads(threads)
+    for name, a, b in zip(NAMES, expected, got, strict=True):
+        assert b is not None and torch.equal(bits(a), bits(b)), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_rows", [0, 1, 2, 4])  # 0: no block
 @pytest.mark.parametrize("value", [-0.0, 0.0, 1.5, -3.25, float("inf"), float("-inf")])
-def test_a_sum_starts_as_zeros_plus_its_first_part(dtype, value):
+def test_a_sum_starts_as_zeros_plus_its_first_part(dtype, block_rows, value):
     part = torch.full((3, 5), value, dtype=dtype)
-    assert torch.equal(bits(sum_start(part)), bits(torch.zeros(3, 5) + part))
+    block = torch.full((block_rows, 5), 7.0) if block_rows else None
+    assert torch.equal(bits(sum_start(part, block)), bits(torch.zeros(3, 5) + part))
+
+
+@pytest.mark.parametrize(
+    ("device", "tp", "compiled", "with_grad", "dtype", "tokens", "plan"),
+    [
+        # eager on a CPU: row blocks, buffers; the add block for several bf16 chunks
+        ("cpu", False, False, True, torch.bfloat16, 2048, (32, True, 8 << 20)),
+        ("cpu", False, False, True, torch.float32, 2048, (32, True, 0)),  # fp32: no conversion
+        ("cpu", False, False, True, torch.float64, 2048, (32, True, 0)),  # wider: no conversion
+        ("cpu", False, False, True, torch.bfloat16, 256, (32, True, 0)),  # one chunk: no sum
+        ("cpu", False, False, False, torch.bfloat16, 2048, (32, False, 0)),  # evaluation
+        ("cpu", False, False, True, torch.bfloat16, 0, (32, False, 0)),  # no tokens
+        # whole chunks: compiled (inductor fuses the passes), under TP, on a GPU
+        ("cpu", False, True, True, torch.bfloat16, 2048, (0, False, 8 << 20)),
+        ("cpu", True, False, True, torch.bfloat16, 2048, (0, False, 8 << 20)),
+        ("cuda", False, False, True, torch.bfloat16, 2048, (0, False, 0)),
+        ("cuda", True, True, True, torch.float32, 2048, (0, False, 0)),
+    ],
+)
+def test_the_chunk_plan_blocks_only_eager_cpu_chunks(
+    device, tp, compiled, with_grad, dtype, tokens, plan
+):
+    got = chunked_loss.chunk_plan(device, tp, compiled, with_grad, dtype, tokens, 256)
+    assert (got.rows_per_pass, got.buffers, got.add_bytes) == plan
 
 
 @pytest.mark.parametrize(
@@ -334,6 +394,8 @@ def test_no_tokens_give_zero_gradients():
         (7, 3, [(0, 3), (3, 7)]),  # a lone last row joins the block before it
         (1, 32, [(0, 1)]),  # one row alone is the whole chunk
         (33, 32, [(0, 33)]),
+        (5, 1, [(0, 2), (2, 5)]),  # never a block of one row
+        (1, 1, [(0, 1)]),
         (64, 32, [(0, 32), (32, 64)]),
     ],
 )
