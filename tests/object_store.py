@@ -91,11 +91,12 @@ def guarded_store() -> Iterator[dict[str, str]]:
         iam = boto3.client("iam", **kw)
         iam.create_user(UserName="reader")
         key = iam.create_access_key(UserName="reader")["AccessKey"]
+        # every read, head and list action: moto 5.2.6 checks ListObjectsV2 and HeadObject as
+        # s3:ListObjectsV2 and s3:HeadObject (AWS and moto 5.2.5: s3:ListBucket, s3:GetObject)
+        reads = ["s3:Get*", "s3:Head*", "s3:List*"]
         read_only = {
             "Version": "2012-10-17",
-            "Statement": [
-                {"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}
-            ],
+            "Statement": [{"Effect": "Allow", "Action": reads, "Resource": "*"}],
         }
         iam.put_user_policy(
             UserName="reader", PolicyName="read-only", PolicyDocument=json.dumps(read_only)
