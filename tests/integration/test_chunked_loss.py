@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import forge.model.chunked_loss as chunked_loss
+import forge.model.chunk_blocks as chunk_blocks
 from forge.config.sections import ModelConfig
 from forge.data.batch import Batch
 from forge.data.packing import IGNORE_INDEX, pack
-from forge.model.chunked_loss import LossSpec, add_into, chunked_lm_loss, sum_start
+from forge.model.chunk_blocks import add_into, sum_start
+from forge.model.chunked_loss import LossSpec, chunked_lm_loss
 from forge.model.transformer import Transformer
 from forge.training.steps.common import micro_batch_loss
 
@@ -287,8 +288,8 @@ def test_the_loss_is_the_same_bits_as_forge_computed_before_its_cpu_path(
     """On a CPU the chunk's elementwise tail runs over a few rows at a time and the weight's
     gradient is added block by block (to stay in the cache): every value is per row, so the
     loss and the gradients are the bits of whole chunks, as before (-0.0 included)."""
-    monkeypatch.setattr(chunked_loss, "CPU_ROWS_PER_PASS", rows_per_pass)
-    monkeypatch.setattr(chunked_loss, "CPU_BYTES_PER_ADD", bytes_per_add)
+    monkeypatch.setattr(chunk_blocks, "CPU_ROWS_PER_PASS", rows_per_pass)
+    monkeypatch.setattr(chunk_blocks, "CPU_BYTES_PER_ADD", bytes_per_add)
     expected = whole_chunk_loss_and_grads(dtype, ignored, z_weight, autocast)
     got = loss_and_grads(dtype, ignored, z_weight, autocast)
     for name, a, b in zip(NAMES, expected, got, strict=True):
@@ -303,7 +304,7 @@ def test_the_loss_at_a_real_vocabulary_is_the_same_bits_as_before(
     """At vocab 65536 torch sums a long row in parallel pieces when it is alone (another
     order, other bits): 66 tokens in chunks of 33 on 2 threads leave a 33rd row after a
     32-row block, and blocks of 1 row would be alone; neither may be summed alone."""
-    monkeypatch.setattr(chunked_loss, "CPU_ROWS_PER_PASS", rows_per_pass)
+    monkeypatch.setattr(chunk_blocks, "CPU_ROWS_PER_PASS", rows_per_pass)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -345,7 +346,7 @@ def test_a_sum_starts_as_zeros_plus_its_first_part(dtype, block_rows, value):
 def test_the_chunk_plan_blocks_only_eager_cpu_chunks(
     device, tp, compiled, with_grad, dtype, tokens, plan
 ):
-    got = chunked_loss.chunk_plan(device, tp, compiled, with_grad, dtype, tokens, 256)
+    got = chunk_blocks.chunk_plan(device, tp, compiled, with_grad, dtype, tokens, 256)
     assert (got.rows_per_pass, got.buffers, got.add_bytes) == plan
 
 
@@ -373,7 +374,7 @@ def test_add_into_is_one_add_of_the_converted_part(part_dtype, block_rows):
     [(64, 1), (7 * 64, 7), (1, 1), (1 << 30, V)],  # a row is 16 fp32 (64 bytes); at most V
 )
 def test_the_add_block_holds_whole_rows_within_its_bytes(nbytes, rows):
-    assert chunked_loss.add_block(torch.empty(V, D), nbytes).shape == (rows, D)
+    assert chunk_blocks.add_block(torch.empty(V, D), nbytes).shape == (rows, D)
 
 
 def test_no_tokens_give_zero_gradients():
@@ -400,4 +401,4 @@ def test_no_tokens_give_zero_gradients():
     ],
 )
 def test_row_blocks_never_leave_a_lone_row(n, rows, expected):
-    assert [(b.start, b.stop) for b in chunked_loss.row_blocks(n, rows)] == expected
+    assert [(b.start, b.stop) for b in chunk_blocks.row_blocks(n, rows)] == expected
