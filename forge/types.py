@@ -62,6 +62,9 @@ class LoopState:
     step: int = 0  # optimizer steps taken so far (the next step to run has this index)
     tokens_seen: int = 0
     nonfinite_streak: int = 0  # consecutive steps whose update was dropped (non-finite, spike)
+    # the latest dropped step not yet passed by an applied one: after a rollback the steps
+    # up to it recur, and the streak clears once it is applied (a step that always fails aborts)
+    failed_at: int | None = None
     last_saved_step: int | None = None
     last_step_finite: bool = True  # the last step's update was applied
     skipped_ranges: tuple[tuple[int, int], ...] = ()  # (first, last) steps rolled back over

@@ -151,7 +151,7 @@ def train(
             print(f"[forge] warning: {line}", file=sys.stderr)
     if dist.is_main:
         print(f"[forge] {outcome.name} at step {state.step}; final save: {decision.reason.value}")
-        message = outcome_message(outcome, state.step, policy.max_steps, str(run.run_dir))
+        message = outcome_message(outcome, state, policy, str(run.run_dir))
         if message:
             print(f"[forge] {message}")
     flag.uninstall()

@@ -9,6 +9,10 @@ import attrs
 
 from forge.config.ranges import Problem, non_negative, positive
 
+# the control word waits for the slowest rank's step and rank 0's logging: under a second it
+# times out on healthy ranks, and every run ends HEALTH_FAILURE at step 1
+MIN_HEALTH_TIMEOUT_S = 1.0
+
 
 class NonFinitePolicy(enum.Enum):
     """What the loop does with a step whose loss or grad norm is not finite."""
@@ -64,7 +68,15 @@ class ResilienceConfig:
         positive(p, "resilience.max_consecutive_nonfinite", self.max_consecutive_nonfinite)
         positive(p, "resilience.snapshot_interval", self.snapshot_interval)
         non_negative(p, "resilience.health_check_interval", self.health_check_interval)
-        positive(p, "resilience.health_timeout_s", self.health_timeout_s)
+        if not self.health_timeout_s >= MIN_HEALTH_TIMEOUT_S:
+            p.append(
+                (
+                    "resilience.health_timeout_s",
+                    f"must be >= {MIN_HEALTH_TIMEOUT_S:g} s, got {self.health_timeout_s:g}: the "
+                    "per-step control word waits that long for the slowest rank's step, so a "
+                    "shorter one fails healthy runs; it bounds how long a dead peer goes unnoticed",
+                )
+            )
         positive(p, "resilience.shutdown_timeout_s", self.shutdown_timeout_s)
         non_negative(p, "resilience.spike_threshold", self.spike_threshold)
         non_negative(p, "resilience.replay_interval", self.replay_interval)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pathlib
 
 from forge.resilience.stacks import every_rank
-from forge.types import ExitCode, LoopOutcome
+from forge.training.plan import LoopPolicy
+from forge.types import ExitCode, LoopOutcome, LoopState
 
 _EXIT_CODES = {
     LoopOutcome.COMPLETED: ExitCode.OK,
@@ -24,8 +25,21 @@ def exit_code(outcome: LoopOutcome) -> int:
     return int(_EXIT_CODES[outcome])
 
 
-def outcome_message(outcome: LoopOutcome, step: int, max_steps: int, run_dir: str) -> str | None:
+def outcome_message(
+    outcome: LoopOutcome, state: LoopState, policy: LoopPolicy, run_dir: str
+) -> str | None:
     """A plain sentence for an ending the user may not expect, else None."""
+    step, max_steps = state.step, policy.max_steps
+    if outcome is LoopOutcome.NAN_ABORT:
+        failed = state.step if state.failed_at is None else state.failed_at
+        recurred = any(first <= failed <= last for first, last in state.skipped_ranges)
+        again = ", failing again each time the run rolled back and came to it" if recurred else ""
+        return (
+            f"{state.nonfinite_streak} steps dropped (non-finite or spiking) without an applied "
+            f"step past step {failed}{again}; resilience.max_consecutive_nonfinite="
+            f"{policy.nonfinite_limit}: lower the LR or look at that step's data, then resume "
+            "from the last checkpoint"
+        )
     if outcome is LoopOutcome.ALREADY_COMPLETE:
         return (
             f"the run in {run_dir} is already complete at step {step} (train.max_steps="
@@ -37,7 +51,9 @@ def outcome_message(outcome: LoopOutcome, step: int, max_steps: int, run_dir: st
     if outcome is LoopOutcome.HEALTH_FAILURE:
         return (
             f"a rank stalled or died after step {step}: where each rank was is in "
-            f"{every_rank(pathlib.Path(run_dir))}; check the other ranks' logs, then resume"
+            f"{every_rank(pathlib.Path(run_dir))}; check the other ranks' logs, then resume "
+            "(no rank died, only slow? raise resilience.health_timeout_s, the bound on each "
+            "step's control word, or distributed.timeout_s, on a collective)"
         )
     if outcome is LoopOutcome.REPLAY_MISMATCH:
         return (

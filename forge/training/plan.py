@@ -11,7 +11,12 @@ step, and the shutdown poll and checkpoint gate still run.
 Rollback (``resilience.on_nonfinite = "rollback"``): the model and optimizer return to the last
 in-memory snapshot (step ``s``); the step counter (and so the LR) returns to ``s``; the data
 position does not, so the batches of steps ``s+1..k`` that led to the failure are skipped, and
-the range is recorded in ``LoopState.skipped_ranges``.
+the range is recorded in ``LoopState.skipped_ranges``. The streak of dropped steps clears only
+when the latest failed step, or one past it, is applied (``LoopState.failed_at``): a step that fails
+again each time the run comes back to it counts toward ``max_consecutive_nonfinite`` as if the
+good steps between were not there, so a step that always fails ends the run (NAN_ABORT, naming
+the step) instead of rolling back forever. Under skip the step counter only moves on, so the
+step after a failure already passes it.
 
 A loss spike (``resilience.spike_threshold``) is measured against running statistics of the
 steps applied so far (``observed``, ``is_spike``), which the loop state carries into every
@@ -186,6 +191,8 @@ def advance(state: LoopState, result: StepResult, finite: bool = True) -> LoopSt
     world loss, a spike kept under ``on_spike = "warn"`` included: it is the run's loss now."""
     ok = finite and result.finite
     applied = ok and result.applied
+    step = state.step + 1
+    recovered = applied and (state.failed_at is None or step >= state.failed_at)
     stats = state.loss_stats
     if applied and result.world_loss is not None:
         stats = observed(stats, result.world_loss)
@@ -193,9 +200,10 @@ def advance(state: LoopState, result: StepResult, finite: bool = True) -> LoopSt
     disagreed = replay is not None and bool(replay.mismatched or replay.diverged)
     return attrs.evolve(
         state,
-        step=state.step + 1,
+        step=step,
         tokens_seen=state.tokens_seen + result.tokens,
-        nonfinite_streak=0 if applied else state.nonfinite_streak + 1,
+        nonfinite_streak=0 if recovered else state.nonfinite_streak + (not applied),
+        failed_at=None if recovered else max(step, state.failed_at or 0),
         last_step_finite=applied,
         loss_stats=stats,
         spikes=state.spikes + (ok and result.spike),
@@ -245,7 +253,8 @@ def plan_step(
     follow this step. ``signals`` is the world-reduced control word."""
     nxt = advance(state, result, not signals.nonfinite)
     spike = result.spike and not signals.nonfinite and result.finite
-    action = nonfinite_action(nxt.nonfinite_streak, policy, spike)
+    # an applied step short of the failed one keeps the streak but is no failure itself
+    action = nonfinite_action(0 if nxt.last_step_finite else nxt.nonfinite_streak, policy, spike)
     stop = stop_outcome(nxt, signals, policy, action)
     rollback = action is NonFiniteAction.ROLLBACK and stop is None
     reason = save_reason(nxt, stop, policy, rollback)
@@ -280,6 +289,7 @@ def rolled_back(current: LoopState, snapshot: LoopState) -> LoopState:
         snapshot,
         tokens_seen=current.tokens_seen,
         nonfinite_streak=current.nonfinite_streak,
+        failed_at=current.failed_at,  # the streak clears only once it is applied
         last_saved_step=current.last_saved_step,
         last_step_finite=False,
         skipped_ranges=(*current.skipped_ranges, (snapshot.step + 1, current.step)),

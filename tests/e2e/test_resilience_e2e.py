@@ -86,6 +86,36 @@ def test_consecutive_nonfinite_steps_abort_without_a_final_save(tiny_config, mon
     assert latest(tiny_config) == "step_5"
 
 
+@pytest.mark.parametrize(
+    "policy,code,steps",
+    [
+        # rolled back to step 4 each time: 5, 6, 5, 6, 5, 6, then the limit ends it
+        ("rollback", 3, [1, 2, 3, 4, 5, 6, 5, 6, 5, 6]),
+        # the step counter moves on: step 6 is skipped once, the other five faults never fire
+        ("skip", 0, list(range(1, 13))),
+    ],
+)
+def test_a_step_that_fails_each_time_it_recurs_is_bounded(
+    tiny_config, monkeypatch, capsys, policy, code, steps
+):
+    """A NaN at step 6 every time the run gets there (six times), max 3 in a row: rollback
+    ends the run NAN_ABORT naming step 6 instead of rolling back forever; skip moves on."""
+    monkeypatch.setenv("FORGE_FAULTS", ",".join(["nan:step=6"] * 6))
+    args = [
+        str(tiny_config),
+        f"--resilience.on_nonfinite={policy}",
+        "--resilience.snapshot_interval=4",
+        "--resilience.max_consecutive_nonfinite=3",
+        "--metrics.log_interval=1",
+    ]
+    assert TRAIN.main(args) == code
+    assert [r["step"] for r in records(tiny_config)] == steps
+    captured = capsys.readouterr()
+    if code:
+        assert "without an applied step past step 6, failing again each time" in captured.out
+        assert captured.err.count("rolled back to step 4") == 2
+
+
 @pytest.mark.parametrize("policy", ["skip", "rollback"])
 def test_resume_after_a_recovered_nan_is_exact(tiny_config, tmp_path, monkeypatch, policy):
     """A run that recovered from a NaN, stopped and resumed, equals the same run uninterrupted."""

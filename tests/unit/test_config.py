@@ -184,6 +184,13 @@ BAD = [
         "model.rope_theta: expected a finite number, got nan",
     ),
     (
+        "a health timeout too short for a healthy step (every run ended at step 1, unnamed)",
+        {"resilience": {"health_timeout_s": 0.001}},
+        "resilience.health_timeout_s: must be >= 1 s, got 0.001: the per-step control word "
+        "waits that long for the slowest rank's step, so a shorter one fails healthy runs; it "
+        "bounds how long a dead peer goes unnoticed",
+    ),
+    (
         "-inf timeout",
         {"resilience": {"health_timeout_s": float("-inf")}},
         "resilience.health_timeout_s: expected a finite number, got -inf",

@@ -8,6 +8,7 @@ import attrs
 import pytest
 
 from forge.checkpoint.policy import SaveSchedule
+from forge.config.sections import NonFinitePolicy
 from forge.training.loop import conclude, run_training_loop
 from forge.training.plan import LoopPolicy, SaveReason
 from forge.types import LoopOutcome, LoopState, Signals, StepResult
@@ -271,3 +272,90 @@ def test_checkpointing_disabled_never_saves():
     _, _, decision, spy = run([1.0] * 10, pol)
     assert spy.saves() == []
     assert not decision.save
+
+
+def failing_at(failures: dict[int, int], ran: list[int]):
+    """A step function whose step ``k`` (1-based) is non-finite the first ``failures[k]`` times
+    the run reaches it, as a fault tied to the step (its LR, its weights) would be; each step
+    it runs is appended to ``ran``."""
+    left = dict(failures)
+
+    def step(batch: int, state: LoopState) -> StepResult:
+        k = state.step + 1
+        ran.append(k)
+        bad = left.get(k, 0) > 0
+        left[k] = left.get(k, 0) - bad
+        return StepResult(loss=NAN if bad else 1.0, grad_norm=1.0, tokens=4, lr=0.1)
+
+    return step
+
+
+def recurring(nonfinite_policy: NonFinitePolicy, limit: int = 3, snapshots: int = 0):
+    return attrs.evolve(
+        policy(10, 100, nonfinite_limit=limit),
+        nonfinite_policy=nonfinite_policy,
+        snapshot_interval=snapshots,
+    )
+
+
+ROLL, SKIP = NonFinitePolicy.ROLLBACK, NonFinitePolicy.SKIP
+
+# (case, policy, {step: times it fails}, outcome, the steps run in order)
+RECURRING = [
+    (
+        "rollback: a step that always fails ends the run at the limit",
+        recurring(ROLL, 3, snapshots=4),
+        {6: 100},
+        LoopOutcome.NAN_ABORT,
+        [1, 2, 3, 4, 5, 6, 5, 6, 5, 6],
+    ),
+    (
+        "rollback: a step failing six times is not rolled back six times",
+        recurring(ROLL, 3, snapshots=4),
+        {6: 6},
+        LoopOutcome.NAN_ABORT,
+        [1, 2, 3, 4, 5, 6, 5, 6, 5, 6],
+    ),
+    (
+        "rollback: a step failing once less than the limit recovers",
+        recurring(ROLL, 3, snapshots=4),
+        {6: 2},
+        LoopOutcome.COMPLETED,
+        [1, 2, 3, 4, 5, 6, 5, 6, 5, 6, 7, 8, 9, 10],
+    ),
+    (
+        "rollback: passing the failed step clears the streak",
+        recurring(ROLL, 2, snapshots=2),
+        {4: 1, 8: 1},
+        LoopOutcome.COMPLETED,
+        [1, 2, 3, 4, 3, 4, 5, 6, 7, 8, 7, 8, 9, 10],
+    ),
+    (
+        "rollback: the failed step itself applied clears the streak",
+        recurring(ROLL, 2, snapshots=2),
+        {3: 1, 4: 1},
+        LoopOutcome.COMPLETED,
+        [1, 2, 3, 3, 4, 3, 4, 5, 6, 7, 8, 9, 10],
+    ),
+    (
+        "skip: the step counter moves on, the recurring step is skipped once",
+        recurring(SKIP, 3),
+        {6: 100},
+        LoopOutcome.COMPLETED,
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "pol,failures,outcome,steps", [r[1:] for r in RECURRING], ids=[r[0] for r in RECURRING]
+)
+def test_a_recurring_failure_is_bounded(pol, failures, outcome, steps):
+    ran: list[int] = []
+    got, state = run_training_loop(
+        LoopState(), iter(range(100)), failing_at(failures, ran), pol, Spy(), lambda _: Signals()
+    )
+    assert got is outcome
+    assert ran == steps
+    if outcome is LoopOutcome.NAN_ABORT:  # the step it could not pass, for the message
+        assert state.failed_at == max(steps)

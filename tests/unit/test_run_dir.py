@@ -9,7 +9,7 @@ import pytest
 
 from forge.config import dumps_toml, structure_config, unstructure_config
 from forge.training.outcome import outcome_message
-from forge.training.plan import SaveReason, save_failure_is_fatal
+from forge.training.plan import LoopPolicy, SaveReason, save_failure_is_fatal
 from forge.training.run_dir import (
     LOCK_FILE,
     RunDirBusyError,
@@ -17,7 +17,7 @@ from forge.training.run_dir import (
     lock_directories,
     path_problem,
 )
-from forge.types import LoopOutcome
+from forge.types import LoopOutcome, LoopState
 
 
 def make(tmp: pathlib.Path, spec: str) -> None:
@@ -149,7 +149,9 @@ def test_save_failure_is_fatal(reason, step, max_steps, fatal):
 
 
 def test_an_already_complete_run_says_how_to_extend_it():
-    message = outcome_message(LoopOutcome.ALREADY_COMPLETE, 400, 100, "runs/debug")
+    message = outcome_message(
+        LoopOutcome.ALREADY_COMPLETE, LoopState(step=400), LoopPolicy(max_steps=100), "runs/debug"
+    )
     assert message is not None
     assert "complete at step 400" in message and "--train.max_steps above 400" in message
     assert "--run.dir" in message
@@ -157,12 +159,18 @@ def test_an_already_complete_run_says_how_to_extend_it():
         LoopOutcome.ALREADY_COMPLETE,
         LoopOutcome.HEALTH_FAILURE,
         LoopOutcome.REPLAY_MISMATCH,
+        LoopOutcome.NAN_ABORT,
     }
-    assert all(outcome_message(o, 5, 10, "r") is None for o in set(LoopOutcome) - explained)
+    assert all(
+        outcome_message(o, LoopState(step=5), LoopPolicy(max_steps=10), "r") is None
+        for o in set(LoopOutcome) - explained
+    )
 
 
 def test_a_replay_mismatch_says_nothing_of_its_step_was_saved():
-    message = outcome_message(LoopOutcome.REPLAY_MISMATCH, 3, 10, "runs/debug")
+    message = outcome_message(
+        LoopOutcome.REPLAY_MISMATCH, LoopState(step=3), LoopPolicy(max_steps=10), "runs/debug"
+    )
     assert message is not None
     assert (
         "step 3 found no majority" in message
@@ -172,7 +180,9 @@ def test_a_replay_mismatch_says_nothing_of_its_step_was_saved():
 
 
 def test_a_health_failure_says_where_the_stacks_are():
-    message = outcome_message(LoopOutcome.HEALTH_FAILURE, 3, 10, "runs/debug")
+    message = outcome_message(
+        LoopOutcome.HEALTH_FAILURE, LoopState(step=3), LoopPolicy(max_steps=10), "runs/debug"
+    )
     assert message is not None
     assert "after step 3" in message and "runs/debug/stacks/rank<R>.txt" in message
 
@@ -198,3 +208,25 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path):
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+
+
+# (case, the state at the abort, words the message has)
+NAN_ABORTS = [
+    (
+        "consecutive dropped steps",
+        LoopState(step=8, nonfinite_streak=2, failed_at=8),
+        ["2 steps dropped", "past step 8", "max_consecutive_nonfinite=3"],
+    ),
+    (
+        "a step that fails each time the run rolls back to it",
+        LoopState(step=6, nonfinite_streak=3, failed_at=6, skipped_ranges=((5, 6), (5, 6))),
+        ["3 steps dropped", "past step 6", "failing again each time the run rolled back"],
+    ),
+]
+
+
+@pytest.mark.parametrize("state,words", [r[1:] for r in NAN_ABORTS], ids=[r[0] for r in NAN_ABORTS])
+def test_a_nan_abort_names_the_step_it_could_not_pass(state, words):
+    message = outcome_message(LoopOutcome.NAN_ABORT, state, LoopPolicy(max_steps=10), "r")
+    assert message is not None
+    assert all(w in message for w in words), message
