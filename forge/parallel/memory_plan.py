@@ -8,7 +8,8 @@ The estimate adds what a training rank holds at its peak (``MemoryPlan``):
   (AdamW and Schedule-Free two tensors, Lion one, Muon one for hidden matrices and two for
   the rest);
 - **gathered weights**: FSDP2 all-gathers a block to compute it, and prefetches the next one:
-  two blocks in the compute dtype;
+  two blocks in the compute dtype (replicas alone too: FSDP2 copies a shard of one rank out
+  to compute with it, as it would gather it);
 - **activations**: what backward keeps per token and layer, counted for this model with SDPA
   attention (no ``T × T`` scores kept): the norms' inputs and outputs, q/k/v before and after
   RoPE, the attention output, and SwiGLU's four ``ffn``-wide tensors, i.e.
@@ -164,7 +165,7 @@ def memory_plan(
     param_bytes = dtype_bytes(t.param_dtype)
     compute_bytes = dtype_bytes(t.mixed_precision)
     gathered = 0
-    if shard > 1:
+    if shard > 1 or dims.replicas_alone:  # whole shards are copied out all the same
         gathered = 2 * largest_block_parameters(m) * compute_bytes // dims.tp
     tokens = t.batch_size * (t.seq_len // dims.cp + vision.decoder_tokens)
     layers = -(-m.n_layers // dims.pp)

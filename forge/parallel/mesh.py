@@ -116,7 +116,8 @@ def init_process_group(
 
 
 def has_dim(mesh: DeviceMesh, name: str) -> bool:
-    """Whether ``mesh`` has a dim ``name``, as built or flattened (size-1 dims were dropped)."""
+    """Whether ``mesh`` has a dim ``name``, as built or flattened (size-1 dims were dropped,
+    but for ``MeshDims.named``'s one)."""
     if name in (mesh.mesh_dim_names or ()):
         return True
     try:
@@ -127,7 +128,7 @@ def has_dim(mesh: DeviceMesh, name: str) -> bool:
 
 
 def submesh(mesh: DeviceMesh | None, *names: str) -> DeviceMesh | None:
-    """The sub-mesh over ``names`` that exist in ``mesh`` (size-1 dims were dropped)."""
+    """The sub-mesh over ``names`` that exist in ``mesh`` (most size-1 dims were dropped)."""
     if mesh is None or mesh.mesh_dim_names is None:
         return None
     present = [n for n in names if has_dim(mesh, n)]
@@ -140,7 +141,10 @@ def data_parallel_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     """The mesh FSDP2 shards over and averages gradients across: every rank that holds
     distinct tokens (``dp_replicate × dp_shard × cp``; context-parallel ranks compute
     gradients from different tokens of the same rows). ``dp_shard`` and ``cp`` are one
-    flattened dim ``dp_shard_cp`` when both are there; None for one process."""
+    flattened dim ``dp_shard_cp`` when both are there; None for one process. With
+    ``dp_replicate`` FSDP2 gets a 2-D mesh and replicates over its first dim (HSDP): the
+    replicas alone are ``(dp_replicate, dp_shard = 1)`` (``MeshDims.named``), whole
+    parameters on every replica."""
     if mesh is not None and has_dim(mesh, "dp_shard_cp"):
         return submesh(mesh, "dp_replicate", "dp_shard_cp")
     return submesh(mesh, "dp_replicate", "dp_shard", "cp")

@@ -173,9 +173,24 @@ class MeshDims:
                 out.append((name, size))
         return tuple(out)
 
+    @property
+    def replicas_alone(self) -> bool:
+        """Whether ``dp_replicate`` is the only data-parallel dim (no ``dp_shard``, no ``cp``):
+        then the mesh keeps a ``dp_shard`` of size 1 (``named``)."""
+        return self.dp_replicate > 1 and self.dp_shard == 1 and self.cp == 1
+
     def named(self) -> tuple[tuple[str, int], ...]:
-        """(name, size) of the dims larger than 1, outermost first: the mesh to build."""
-        return tuple((n, getattr(self, n)) for n in MESH_ORDER if getattr(self, n) > 1)
+        """(name, size) of the dims larger than 1, outermost first: the mesh to build. One
+        size-1 dim is kept, ``dp_shard`` when ``replicas_alone``: FSDP2 shards over a 1-D
+        mesh and replicates over the first dim of a 2-D one only, so replicas need the 2-D
+        ``(dp_replicate, dp_shard = 1)``, HSDP whose shards are whole parameters."""
+        # why HSDP and not torch's replicate (torch.distributed._composable, private): the
+        # layout is HSDP's (Replicate(), Shard(0)) on the same named dims, so the replica
+        # comparison, Muon, checkpoints and resumes read it as they read HSDP; FSDP2 skips the
+        # reduce-scatter of one rank and all-reduces over the replicas as replicate does, and
+        # frees a block's copy after its forward where replicate keeps every block's
+        keep = "dp_shard" if self.replicas_alone else None
+        return tuple((n, getattr(self, n)) for n in MESH_ORDER if getattr(self, n) > 1 or n == keep)
 
 
 def resolve_dims(cfg: DistributedConfig, world_size: int) -> MeshDims:

@@ -175,6 +175,30 @@ def test_replicas_whose_gradients_differ_end_the_run_with_6(tmp_path, small_corp
     assert saved == ["step_1"]
 
 
+def test_replicas_alone_hold_whole_parameters_and_a_persistent_fault_ends_with_6(
+    tmp_path, small_corpus
+):
+    """``dp_replicate=2, dp_shard=1`` at 2 ranks: each replica holds every parameter whole
+    (the step-1 checkpoint has one chunk per tensor, where ``dp_shard=2`` has two), so the
+    comparison of replicas has something to compare: rank 1 flips the same gradient bit in
+    every computation of step 2, and with two replicas both are named, exit 6."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    config = write_config(tmp_path, small_corpus)
+    replicas = ["--distributed.dp_replicate=2", "--distributed.dp_shard=1"]
+    faults = "corrupt:step=2:rank=1:times=3:sticky=1"
+    out, _ = two_ranks(config, tmp_path / "run", *REPLAY, *replicas, faults=faults)
+    assert out.returncode == 6, out.stderr[-3000:]
+    errors = [x for x in out.stderr.splitlines() if "[forge] error: at step 2" in x]
+    assert len(errors) == 1 and "ranks 0 (host " in errors[0] and ", 1 (host " in errors[0]
+    saved = tmp_path / "run" / "checkpoints" / "step_1"
+    meta = FileSystemReader(str(saved)).read_metadata().state_dict_metadata
+    chunks = {k: len(m.chunks) for k, m in meta.items() if isinstance(m, TensorStorageMetadata)}
+    assert any(k.startswith("model.") for k in chunks), sorted(chunks)
+    assert set(chunks.values()) == {1}, chunks
+
+
 def test_a_slow_rank_is_named_in_every_record_and_in_one_warning(tmp_path, uninterrupted):
     config, _ = uninterrupted
     args = [*FSDP, "--resilience.straggler_logs=3", "--resilience.straggler_ratio=1.3"]

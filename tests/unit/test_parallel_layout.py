@@ -130,6 +130,27 @@ DIMS = [
         MeshDims(dp_replicate=2, dp_shard=2),
         (("dp_replicate", 2), ("dp_shard", 2)),
     ),
+    (  # FSDP2 replicates over the first dim of a 2-D mesh only: a 1-D one would shard
+        "replicas alone keep a dp_shard of 1",
+        DistributedConfig(dp_replicate=2, dp_shard=1),
+        2,
+        MeshDims(dp_replicate=2),
+        (("dp_replicate", 2), ("dp_shard", 1)),
+    ),
+    (
+        "replicas x tp keep a dp_shard of 1",
+        DistributedConfig(dp_replicate=2, dp_shard=1, tp=2),
+        4,
+        MeshDims(dp_replicate=2, tp=2),
+        (("dp_replicate", 2), ("dp_shard", 1), ("tp", 2)),
+    ),
+    (  # cp is the dim FSDP2 shards over
+        "replicas x cp need no dp_shard",
+        DistributedConfig(dp_replicate=2, dp_shard=1, cp=2),
+        4,
+        MeshDims(dp_replicate=2, cp=2),
+        (("dp_replicate", 2), ("cp", 2)),
+    ),
     (
         "pp outermost",
         DistributedConfig(pp=2, tp=2),

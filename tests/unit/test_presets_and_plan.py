@@ -141,6 +141,8 @@ SCALING = [
     (dict(dims=MeshDims(dp_shard=8, tp=2)), "parameters", 0.5),
     (dict(dims=MeshDims(dp_shard=8, tp=2)), "activations_without_ac", 0.5),  # sequence-parallel
     (dict(dims=MeshDims(dp_replicate=2, dp_shard=4)), "optimizer_state", 2.0),  # replicas hold it
+    (dict(dims=MeshDims(dp_replicate=8)), "optimizer_state", 8.0),  # replicas alone: all of it
+    (dict(dims=MeshDims(dp_replicate=8)), "gathered_weights", 1.0),  # whole shards copied out
     (dict(train=dict(param_dtype=Precision.BF16)), "optimizer_state", 0.5),  # pure bf16
     (dict(optimizer=OptimizerName.LION), "optimizer_state", 0.5),  # one moment
     (dict(train=dict(batch_size=2)), "activations", 2.0),
