@@ -1,11 +1,12 @@
 """The one resume resolver every entry point uses.
 
 Precedence: (1) the newest complete checkpoint in ``checkpoint.dir`` (auto-resume: model,
-optimizer, train state), ``latest``'s target first; (2) else ``checkpoint.load_path`` as
-initial weights (model only); (3) else a fresh start. Incomplete checkpoints are reported and
-skipped, never returned; a complete-looking one that fails to load (truncated shards, bytes
-that do not match their checksums, a train state of another step) gives way to the next of
-every other complete ``step_*`` directory, newest first (``fallbacks``).
+optimizer, train state), whatever ``latest`` names (an older target is named, not followed); (2)
+else ``checkpoint.load_path`` as initial weights (model only); (3) else a fresh start.
+Incomplete checkpoints are reported and skipped, never returned; a complete-looking one that
+fails to load (truncated shards, bytes that do not match their checksums, a train state of
+another step) gives way to the next of every other complete ``step_*`` directory, newest first
+(``fallbacks``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ class ResumePlan:
     latest_note: str | None = None
 
 
+def newest_committed(plan: ResumePlan) -> int | None:
+    """The step of the newest committed checkpoint the resolver found (loadable or not); None
+    when it found none to resume."""
+    if plan.source is not ResumeSource.CHECKPOINT_DIR or plan.path is None:
+        return None
+    return max(step_of(p.name) or 0 for p in (plan.path, *plan.fallbacks))
+
+
 def latest_problem(checkpoint_dir: CheckpointPath) -> str | None:
     """Why ``checkpoint_dir/latest`` names no checkpoint of this directory to resume from
     (dangling, a loop, outside the directory, not a step folder, incomplete), or None when it
@@ -72,10 +81,44 @@ def latest_problem(checkpoint_dir: CheckpointPath) -> str | None:
     return None
 
 
+def not_a_folder(checkpoint_dir: CheckpointPath, steps: Sequence[int]) -> CheckpointPath | None:
+    """The first ``step_<N>`` entry that is a file (or anything else) on a disk, not a folder:
+    no checkpoint, and in the way of the save of step N."""
+    if not isinstance(checkpoint_dir, pathlib.Path):
+        return None  # in an object store a step is a prefix: a file beside it is in no way
+    for step in steps:
+        path = step_dir(checkpoint_dir, step)
+        if path.exists() and not path.is_dir():
+            assert isinstance(path, pathlib.Path)
+            return path
+    return None
+
+
+def older_latest_note(checkpoint_dir: CheckpointPath, found: CheckpointPath) -> str | None:
+    """The line for a ``latest`` that names a complete checkpoint older than ``found``."""
+    latest = latest_step(checkpoint_dir)
+    found_step = step_of(found.name)
+    if latest is None or found_step is None or latest >= found_step:
+        return None
+    return (
+        f"{checkpoint_dir / LATEST} names step_{latest}, but {found.name} is newer and "
+        f"complete: resuming from {found.name} (forge resumes from the newest committed "
+        f"checkpoint; to go back to step_{latest} on purpose, move the newer step folders out "
+        "of the checkpoint directory and pass --checkpoint.allow_rewind=true)"
+    )
+
+
 def resolve_resume(checkpoint_dir: CheckpointPath, load_path: CheckpointPath | None) -> ResumePlan:
     """Where a run starts from (see the module docstring for the precedence)."""
-    found = newest_complete(checkpoint_dir)
     candidates = list_steps(checkpoint_dir)
+    blocked = not_a_folder(checkpoint_dir, candidates)
+    if blocked is not None:
+        raise CheckpointError(
+            f"{blocked}: not a checkpoint folder, and in the way of this run's save of "
+            f"{blocked.name}; move it out of "
+            f"{checkpoint_dir}, then run again"
+        )
+    found = newest_complete(checkpoint_dir)
     latest = latest_step(checkpoint_dir)
     newest_step = max([*candidates, *([latest] if latest is not None else [])], default=None)
     if found is not None:
@@ -91,7 +134,7 @@ def resolve_resume(checkpoint_dir: CheckpointPath, load_path: CheckpointPath | N
             if s != found_step and is_complete(step_dir(checkpoint_dir, s))
         )
         problem = latest_problem(checkpoint_dir)
-        note = None if problem is None else (
+        note = older_latest_note(checkpoint_dir, found) if problem is None else (
             f"{checkpoint_dir / LATEST}: {problem}; resuming from {found.name}, the newest "
             "complete checkpoint, instead"
         )  # fmt: skip

@@ -98,10 +98,10 @@ def latest_step(root: CheckpointPath) -> int | None:
 
 
 def newest_complete(root: CheckpointPath) -> CheckpointPath | None:
-    """The checkpoint to resume from: ``latest`` if complete, else the newest complete step."""
-    latest = latest_step(root)
-    if latest is not None and is_complete(step_dir(root, latest)):
-        return step_dir(root, latest)
+    """The checkpoint to resume from: the newest complete step. ``latest`` names it too,
+    unless a commit was cut between making the step and moving the pointer, or someone moved
+    the pointer back; either way the newest committed work wins (``resolve_resume`` says
+    so), and no newer checkpoint is later overwritten."""
     for step in reversed(list_steps(root)):
         if is_complete(step_dir(root, step)):
             return step_dir(root, step)

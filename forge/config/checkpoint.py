@@ -77,6 +77,9 @@ class CheckpointConfig:
     load_optimizer: bool = False  # with load_path: also take its optimizer state
     # resume even if the model or data order differs from the checkpoint's (with a warning)
     allow_config_change: bool = False
+    # start from the newest committed checkpoint (or afresh) although the run's records say a
+    # later step was committed (checkpoints deleted on purpose, or lost by a store)
+    allow_rewind: bool = False
     export_final: bool = False  # the final save also writes <run.dir>/export (safetensors)
     export_dtype: ExportDtype = ExportDtype.BFLOAT16
     # what a resume checks of a checkpoint's bytes before loading it: every file's length and

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import sys
 from collections.abc import Mapping
@@ -125,13 +126,20 @@ class JsonlSink:
         self.file.close()
 
 
+def superseded_path(path: pathlib.Path) -> pathlib.Path:
+    """Where ``trim_records_after`` keeps the records it takes out of ``path``."""
+    return path.with_name(f"{path.stem}.superseded{path.suffix}")
+
+
 def trim_records_after(path: pathlib.Path, step: int) -> int:
-    """Drop records logged after ``step`` (by a run that crashed past its last checkpoint), and
-    lines that are not a JSON object (torn by a crash, or damaged bytes), so that a resumed
-    run's file reads as one uninterrupted run. Returns how many were dropped."""
+    """Take out records logged after ``step`` (by a run that crashed past its last checkpoint),
+    and lines that are not a JSON object (torn by a crash, or damaged bytes), so that a resumed
+    run's file reads as one uninterrupted run. Nothing is lost: what is taken out is appended
+    to ``superseded_path(path)`` first (the work a fault cost, for whoever audits the run).
+    Returns how many records were taken out."""
     if not path.is_file():
         return 0
-    kept, dropped = [], 0
+    kept, dropped = [], []
     for raw in path.read_bytes().splitlines():
         if not raw.strip():
             continue
@@ -139,16 +147,20 @@ def trim_records_after(path: pathlib.Path, step: int) -> int:
             line = raw.decode("utf-8")
             record = json.loads(line)
         except ValueError:  # a line torn by a crash mid-write, or damaged bytes
-            dropped += 1
+            dropped.append(raw)
             continue
         recorded = record.get("step", 0) if isinstance(record, dict) else None
         if type(recorded) is not int or recorded > step:  # no record, or one past the resume
-            dropped += 1
+            dropped.append(raw)
         else:
             kept.append(line)
     if dropped:
+        with superseded_path(path).open("ab") as archive:
+            archive.write(b"".join(raw + b"\n" for raw in dropped))
+            archive.flush()
+            os.fsync(archive.fileno())
         replace_file(path, "".join(line + "\n" for line in kept))
-    return dropped
+    return len(dropped)
 
 
 def step_record(

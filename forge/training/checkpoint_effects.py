@@ -26,6 +26,7 @@ from forge.training.context import DataContext, DistContext, ModelContext, RunCo
 from forge.training.hooks import HookList
 from forge.training.plan import SaveReason, save_failure_is_fatal
 from forge.training.run_record import current_settings, run_identity
+from forge.training.run_records import record_commit
 from forge.training.train_state import (
     TRAIN_STATE_VERSION,
     LoaderRecord,
@@ -109,7 +110,14 @@ class CheckpointEffects:
         return True
 
     def _committed(self, step: int, path: CheckpointPath) -> None:
-        """Rank 0, after a commit: retention, then ``on_checkpoint_save``."""
+        """Rank 0, after a commit: the run's record of it, retention, then
+        ``on_checkpoint_save``."""
+        try:
+            record_commit(self.run.run_dir, step)
+        except OSError as exc:  # the checkpoint stands; only the check of a later start weakens
+            print(
+                f"[forge] warning: cannot record the commit of step {step}: {exc}", file=sys.stderr
+            )
         if self._schedule is not None:
             keep = self.run.config.checkpoint.keep_last_n
             apply_retention(self.run.checkpoint_dir, keep, self._schedule)

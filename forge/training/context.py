@@ -182,6 +182,9 @@ class CheckpointContext:
     schedule: Schedule | None = None
     peak_lr: float | None = None
     resume_cost: ResumeCost | None = None  # this rank's, when a checkpoint was loaded
+    # the step the run's records went to, when this start goes back from it on purpose
+    # (``checkpoint.allow_rewind``; recorded by ``prepare_run_dir``)
+    rewound_from: int | None = None
 
     def applied_to(self, model: ModelContext) -> ModelContext:
         """``model`` with the recorded schedule in place of the configured one, if kept."""

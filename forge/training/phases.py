@@ -18,6 +18,7 @@ import shutil
 import sys
 from collections.abc import Callable, Sequence
 
+import attrs
 import numpy as np
 import torch
 
@@ -78,7 +79,7 @@ from forge.training.problems import (
     memory_problem,
     precision_warning,
 )
-from forge.training.resume import RunMismatchError, resume_run
+from forge.training.resume import RunMismatchError, records_ahead, resume_run
 from forge.training.resume_rules import changes
 from forge.training.run_dir import (
     RunDirBusyError,
@@ -328,11 +329,14 @@ def setup_checkpointing(
     if plan.latest_note is not None:
         say(f"warning: {plan.latest_note}")
     if plan.source is ResumeSource.CHECKPOINT_DIR and plan.path is not None:
-        return resume_run(run, dist, model, data, plan, say)
+        rewound_from = records_ahead(run, dist, plan, say)
+        ctx = resume_run(run, dist, model, data, plan, say)
+        return attrs.evolve(ctx, rewound_from=rewound_from)
     if plan.source is not ResumeSource.LOAD_PATH or plan.path is None:
         problem = foreign_records_problem(run.run_dir, run.checkpoint_dir, run.config)
-        if problem is not None:
+        if problem is not None:  # another run's records: the more telling refusal
             raise RunMismatchError(problem)
+    rewound_from = records_ahead(run, dist, plan, say)
     if plan.source is ResumeSource.LOAD_PATH and plan.path is not None:
         optimizer = model.optimizer if cfg.load_optimizer else None
         load_checkpoint(
@@ -352,7 +356,7 @@ def setup_checkpointing(
         say(f"initial weights from {plan.path}")
         for difference in differences:
             say(f"  differs from the run that wrote it: {difference.describe()}")
-    return CheckpointContext(plan=plan, initial_state=LoopState())
+    return CheckpointContext(plan=plan, initial_state=LoopState(), rewound_from=rewound_from)
 
 
 def report_on_main(dist: DistContext) -> Callable[[str], None]:
@@ -376,7 +380,9 @@ def prepare_run_dir(run: RunContext, dist: DistContext, ckpt: CheckpointContext)
     problem = None
     if dist.is_main:
         text = dumps_toml(unstructure_config(run.config))
-        problem = write_run_records(run.run_dir, run.metrics_path, ckpt.initial_state.step, text)
+        problem = write_run_records(
+            run.run_dir, run.metrics_path, ckpt.initial_state.step, text, ckpt.rewound_from
+        )
         if problem is None:
             remove_stale_temporaries(run.checkpoint_dir)
     problem = broadcast_from_main(problem, dist.world_size)

@@ -1,4 +1,5 @@
-"""A resume from the run's own checkpoints (``resume_run``): what it checks beside the
+"""A resume from the run's own checkpoints (``resume_run``), and any start's check of the run's
+records against the checkpoints it found (``records_ahead``): what a resume checks beside the
 tensors (the run it recorded against this config, ``check_changes``: the model, data order and
 freeze schedule, the optimizer, schedule and numerics), the optimizer's stage under a freeze
 schedule, and what it restores."""
@@ -11,7 +12,7 @@ from collections.abc import Callable, Sequence
 from forge.checkpoint.costs import ResumeCost
 from forge.checkpoint.integrity import IntegrityError, verify_checkpoint
 from forge.checkpoint.paths import CheckpointPath
-from forge.checkpoint.resume import ResumePlan, first_loadable
+from forge.checkpoint.resume import ResumePlan, first_loadable, newest_committed
 from forge.checkpoint.store import (
     TRAIN_STATE,
     CheckpointError,
@@ -40,6 +41,11 @@ from forge.training.run_record import (
     predated_model_defaults,
     recorded_freeze,
     run_identity,
+)
+from forge.training.run_records import (
+    LostCheckpointsError,
+    last_recorded_commit,
+    lost_checkpoints_problem,
 )
 from forge.training.train_state import TrainState, parse_train_state
 
@@ -171,3 +177,24 @@ def resume_run(
         return CheckpointContext(plan=plan, initial_state=state, resume_cost=cost)
     schedule, peak_lr = recorded_schedule(train_state)
     return CheckpointContext(plan, state, schedule, peak_lr, resume_cost=cost)
+
+
+def records_ahead(
+    run: RunContext, dist: DistContext, plan: ResumePlan, say: Callable[[str], None]
+) -> int | None:
+    """The step the run's records say was committed, when the checkpoints found are older
+    and ``checkpoint.allow_rewind`` accepts going back; ``LostCheckpointsError`` on every rank
+    when it does not; None when the records and the checkpoints agree."""
+    problem, recorded = None, None
+    if dist.is_main:
+        recorded = last_recorded_commit(run.run_dir)
+        problem = lost_checkpoints_problem(
+            recorded, newest_committed(plan), run.run_dir, run.checkpoint_dir
+        )
+    problem, recorded = broadcast_from_main((problem, recorded), dist.world_size)  # type: ignore[misc]
+    if problem is None:
+        return None
+    if not run.config.checkpoint.allow_rewind:
+        raise LostCheckpointsError(problem)
+    say(f"warning: going back on purpose (checkpoint.allow_rewind): {problem}")
+    return recorded

@@ -1,5 +1,7 @@
 """What a run directory records beside its checkpoints: the resolved config, with its history,
-and ``metrics.jsonl`` aligned with the resumed step.
+``metrics.jsonl`` aligned with the resumed step (what a resume takes out is kept in
+``metrics.superseded.jsonl``), and ``checkpoints.jsonl``, every committed step, which a start
+checks against the checkpoints it finds (``lost_checkpoints_problem``).
 
 ``config.toml`` is the config the run started with and is never overwritten by a resume. A
 resume whose resolved config differs from the one in force writes ``config.step_N.toml`` (N:
@@ -10,8 +12,11 @@ a full disk or a file-size limit leaves the earlier one as it was.
 
 from __future__ import annotations
 
+import json
+import os
 import pathlib
 import re
+import time
 from collections.abc import Mapping
 
 import attrs
@@ -75,11 +80,16 @@ class RunRecordsError(UserInputError):
 
 
 def write_run_records(
-    run_dir: pathlib.Path, metrics_path: pathlib.Path, step: int, config_text: str
+    run_dir: pathlib.Path,
+    metrics_path: pathlib.Path,
+    step: int,
+    config_text: str,
+    rewound_from: int | None = None,
 ) -> str | None:
-    """Trim ``metrics.jsonl`` to ``step``, then record the config (see ``config_record``);
-    returns the problem, naming the file and the OS error, when one cannot be read or
-    written. Each write is atomic, so a failure leaves that file as it was."""
+    """Trim ``metrics.jsonl`` to ``step``, then record the config (see ``config_record``) and,
+    for a start that went back from step ``rewound_from`` on purpose, that decision; returns
+    the problem, naming the file and the OS error, when one cannot be read or written. Each
+    write is atomic, so a failure leaves that file as it was."""
     configs = recorded_configs(run_dir)
     recorded: dict[int, str] = {}
     for n, path in configs.items():
@@ -101,6 +111,9 @@ def write_run_records(
         for name in record.drop:
             target = run_dir / name
             target.unlink(missing_ok=True)
+        if rewound_from is not None:
+            target = run_dir / COMMITS_FILE
+            record_commit(run_dir, step, rewound_from)
     except OSError as exc:
         return (
             f"run.dir: cannot write {target} ({reason(exc)}); free space on that disk or raise "
@@ -112,3 +125,60 @@ def write_run_records(
 def reason(exc: OSError | UnicodeDecodeError) -> str:
     """The OS's words for ``exc`` (its strerror), else the exception's own."""
     return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+
+
+class LostCheckpointsError(UserInputError):
+    """The run's records go past its newest committed checkpoint (``lost_checkpoints_problem``)."""
+
+
+COMMITS_FILE = "checkpoints.jsonl"  # one line per committed checkpoint, appended by rank 0
+
+
+def record_commit(run_dir: pathlib.Path, step: int, rewound_from: int | None = None) -> None:
+    """Append a committed checkpoint's step (or, with ``rewound_from``, a start that went back
+    to ``step`` on purpose) to the run's record of commits; synced, so that a crash loses at
+    most the line being written."""
+    entry: dict[str, object] = {"step": step, "time": round(time.time(), 3)}
+    if rewound_from is not None:
+        entry["rewound_from"] = rewound_from
+    with (run_dir / COMMITS_FILE).open("a", encoding="utf-8") as f:
+        f.write(json.dumps(entry) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def last_recorded_commit(run_dir: pathlib.Path) -> int | None:
+    """The step of the run's last recorded commit (or accepted rewind); None when it records
+    none. A line torn by a crash, or damaged, is passed over."""
+    try:
+        raw = (run_dir / COMMITS_FILE).read_bytes()
+    except OSError:
+        return None
+    last = None
+    for line in raw.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and type(entry.get("step")) is int:
+            last = entry["step"]
+    return last
+
+
+def lost_checkpoints_problem(
+    recorded: int | None, newest: int | None, run_dir: pathlib.Path, checkpoint_dir: object
+) -> str | None:
+    """Why a start must not go on: the run's records say step ``recorded`` was committed, but
+    the newest committed checkpoint is older (``newest``; None: there is none). Starting from it
+    would train those steps again over records that say they were done."""
+    if recorded is None or (newest is not None and newest >= recorded):
+        return None
+    found = f"the newest committed one is step_{newest}" if newest is not None else "none is left"
+    start = f"step_{newest}" if newest is not None else "step 0"
+    return (
+        f"run.dir: {run_dir} records a committed checkpoint of step {recorded} "
+        f"({COMMITS_FILE}), but in {checkpoint_dir} {found}: checkpoints were deleted or the "
+        "store lost them. Restore them to resume at step "
+        f"{recorded}; to go on from {start} on purpose, pass --checkpoint.allow_rewind=true "
+        "(the records past it are kept in metrics.superseded.jsonl); or choose a new --run.dir"
+    )

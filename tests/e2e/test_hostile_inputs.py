@@ -182,6 +182,7 @@ def another_runs_records(run: Run, trained: Run) -> list[str]:
 def another_model_before_its_first_checkpoint(run: Run, trained: Run) -> list[str]:
     copy_trained(trained, run)
     shutil.rmtree(run.ckpt)  # a run that crashed before its first checkpoint...
+    (run.dir / "checkpoints.jsonl").unlink()  # ...so it recorded no commit...
     return ["--model.dim=64"]  # ...restarted as another model
 
 

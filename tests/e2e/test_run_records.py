@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+
+import pytest
 
 from forge.training.run_dir import load_run_config
 from forge.training.run_records import recorded_configs
@@ -86,3 +89,59 @@ def test_metrics_on_a_full_disk_stop_the_run_with_a_checkpoint_and_it_resumes(sa
     resumed = train_here(sandbox)
     assert resumed.code == 0, resumed.stderr
     assert steps_logged(sandbox) == list(range(stopped + 1, 13))
+
+
+def test_every_commit_is_recorded_in_the_run(trained):
+    lines = (trained.dir / "checkpoints.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [5, 10]
+
+
+# (case, what is removed of the trained run's checkpoints, the newest left, its words)
+LOST = [
+    ("every checkpoint deleted", ["step_5", "step_10", "latest"], None, "none is left"),
+    ("the newest deleted", ["step_10"], 5, "the newest committed one is step_5"),
+]
+
+
+@pytest.mark.parametrize("removed,newest,words", [r[1:] for r in LOST], ids=[r[0] for r in LOST])
+def test_records_past_the_newest_checkpoint_are_refused_and_kept(
+    sandbox, trained, removed, newest, words
+):
+    """The run's records say step 10 was committed, its checkpoints say less: a start would
+    train steps it has records of (and used to cut ``metrics.jsonl`` back to them)."""
+    copy_trained(trained, sandbox)
+    for name in removed:
+        path = sandbox.ckpt / name
+        path.unlink() if path.is_symlink() else shutil.rmtree(path)
+    before = records(sandbox)
+    result = train_here(sandbox, "--train.max_steps=12")
+    assert result.code == 2, result.stderr
+    assert len(result.errors) == 1, result.stderr
+    assert "records a committed checkpoint of step 10 (checkpoints.jsonl)" in result.errors[0]
+    assert words in result.errors[0] and "--checkpoint.allow_rewind=true" in result.errors[0]
+    assert records(sandbox) == before  # nothing written, nothing cut
+    # going back on purpose: the records past the start are kept aside, not lost
+    again = train_here(sandbox, "--train.max_steps=12", "--checkpoint.allow_rewind=true")
+    assert again.code == 0, again.stderr
+    start = newest or 0
+    superseded = (sandbox.dir / "metrics.superseded.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in superseded if "loss" in x] == list(range(start + 1, 11))
+    assert steps_logged(sandbox) == list(range(1, 13))
+    commits = [json.loads(x) for x in (sandbox.dir / "checkpoints.jsonl").read_text().splitlines()]
+    assert commits[2] | {"time": 0} == {"step": start, "rewound_from": 10, "time": 0}
+    # the next start finds records and checkpoints agreeing again
+    assert train_here(sandbox, "--train.max_steps=12").code == 0
+
+
+def test_a_file_at_a_step_path_is_refused_before_training(sandbox):
+    """A file at ``checkpoints/step_12`` (the final save's path) used to read as an incomplete
+    checkpoint: steps 1-12 trained, then the final save failed, at every launch."""
+    sandbox.ckpt.mkdir(parents=True)
+    (sandbox.ckpt / "step_12").write_text("notes\n")
+    result = train_here(sandbox)
+    assert result.code == 2, result.stderr
+    assert len(result.errors) == 1, result.stderr
+    assert (
+        "step_12: not a checkpoint folder, and in the way of this run's save" in (result.errors[0])
+    )
+    assert not (sandbox.dir / "metrics.jsonl").exists()

@@ -352,7 +352,8 @@ def test_a_flipped_bit_in_the_newest_checkpoint_is_named_and_the_run_resumes_bef
     shutil.rmtree(ref_ckpt / "step_12")
     (ref_ckpt / "latest").unlink()
     (ref_ckpt / "latest").symlink_to("step_10")
-    assert TRAIN.main([str(reference), "--train.max_steps=14", *LONGER]) == 0
+    rewind = "--checkpoint.allow_rewind=true"  # step_12 was committed, and deleted on purpose
+    assert TRAIN.main([str(reference), "--train.max_steps=14", *LONGER, rewind]) == 0
     assert TRAIN.main([str(tiny_config)]) == 0
     shard = run_dir(tiny_config) / "checkpoints" / "step_12" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())

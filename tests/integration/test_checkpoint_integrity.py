@@ -216,16 +216,18 @@ def test_a_damaged_newest_checkpoint_gives_way_to_the_older_one(ckpt):
     assert "step_2/__0_0.distcp: checksum mismatch" in said[0]
 
 
-def test_latest_pointing_at_a_damaged_older_checkpoint_gives_way_to_a_newer_one(ckpt):
+def test_a_latest_moved_back_still_resumes_the_newest_and_falls_back_past_its_damage(ckpt):
+    """``latest`` names step_1: step_2, newer and complete, is chosen first; its damage makes
+    it give way to step_1, as any damaged checkpoint does."""
     (ckpt / "latest").unlink()
     (ckpt / "latest").symlink_to("step_1")
-    flip_a_bit(step_dir(ckpt, 1))
+    flip_a_bit(step_dir(ckpt, 2))
     plan = resolve_resume(ckpt, None)
-    assert plan.path == step_dir(ckpt, 1) and plan.fallbacks == (step_dir(ckpt, 2),)
+    assert plan.path == step_dir(ckpt, 2) and plan.fallbacks == (step_dir(ckpt, 1),)
     path, _ = first_loadable(
         (plan.path, *plan.fallbacks), lambda p: check_loadable(p, Transformer(CFG))
     )
-    assert path == step_dir(ckpt, 2)
+    assert path == step_dir(ckpt, 1)
 
 
 def test_a_train_state_of_another_step_than_its_folder_is_refused(ckpt):

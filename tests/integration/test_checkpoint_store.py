@@ -136,7 +136,17 @@ def point_latest(root: pathlib.Path, step: int) -> None:
 # (case, complete steps, incomplete steps, latest, load_path?, source, chosen step, skipped)
 RESOLVE = [
     ("empty dir: fresh", [], [], None, False, ResumeSource.FRESH, None, []),
-    ("latest wins", [2, 4], [], 4, False, ResumeSource.CHECKPOINT_DIR, 4, []),
+    ("latest names the newest", [2, 4], [], 4, False, ResumeSource.CHECKPOINT_DIR, 4, []),
+    (
+        "latest older: the newest complete wins",
+        [2, 4],
+        [],
+        2,
+        False,
+        ResumeSource.CHECKPOINT_DIR,
+        4,
+        [],
+    ),
     ("no latest: newest complete", [2, 4], [], None, False, ResumeSource.CHECKPOINT_DIR, 4, []),
     ("incomplete newest is skipped", [2, 4], [6], 4, False, ResumeSource.CHECKPOINT_DIR, 4, [6]),
     ("latest incomplete: newest complete", [2], [4], 4, False, ResumeSource.CHECKPOINT_DIR, 2, [4]),
@@ -202,12 +212,41 @@ def test_a_latest_that_names_no_checkpoint_of_the_run_is_passed_over_and_said_on
     assert "resuming from step_4, the newest complete checkpoint, instead" in plan.latest_note
 
 
-def test_a_latest_that_names_a_complete_checkpoint_says_nothing(tmp_path):
+def test_a_latest_that_names_the_newest_checkpoint_says_nothing(tmp_path):
+    for step in (2, 4):
+        fake_ckpt(tmp_path, step)
+    point_latest(tmp_path, 4)
+    assert resolve_resume(tmp_path, None).latest_note is None
+    assert resolve_resume(tmp_path / "none", None).latest_note is None
+
+
+def test_a_latest_moved_back_is_named_and_the_newer_checkpoint_kept(tmp_path):
+    """A commit cut between the rename and the pointer, or a pointer moved back by hand: the
+    newer committed step is resumed (never overwritten later), and the start says so."""
     for step in (2, 4):
         fake_ckpt(tmp_path, step)
     point_latest(tmp_path, 2)
-    assert resolve_resume(tmp_path, None).latest_note is None
-    assert resolve_resume(tmp_path / "none", None).latest_note is None
+    plan = resolve_resume(tmp_path, None)
+    assert plan.path == tmp_path / "step_4"
+    assert plan.latest_note is not None
+    assert "names step_2, but step_4 is newer and complete: resuming from step_4" in (
+        plan.latest_note
+    )
+    assert "--checkpoint.allow_rewind=true" in plan.latest_note
+
+
+@pytest.mark.parametrize("kind", ["file", "link to a file"])
+def test_a_step_path_that_is_not_a_folder_is_refused_at_start(tmp_path, kind):
+    """A file at ``step_12`` used to read as an incomplete checkpoint: the run trained to
+    step 12 and failed at its final save, every launch again."""
+    fake_ckpt(tmp_path, 4)
+    if kind == "file":
+        (tmp_path / "step_12").write_text("notes")
+    else:
+        (tmp_path / "notes").write_text("notes")
+        (tmp_path / "step_12").symlink_to("notes")
+    with pytest.raises(CheckpointError, match=r"step_12: not a checkpoint folder, and in the way"):
+        resolve_resume(tmp_path, None)
 
 
 def test_only_incomplete_checkpoints_is_a_clear_error(tmp_path):

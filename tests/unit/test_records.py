@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from forge.metrics.sinks import sink_failure, trim_records_after
+from forge.metrics.sinks import sink_failure, superseded_path, trim_records_after
 from forge.training.outcome import log_failure_line
 from forge.training.run_records import ConfigRecord, config_record, write_run_records
 from forge.types import LoopOutcome
@@ -34,8 +34,25 @@ CASES = [
 def test_a_resume_keeps_the_records_up_to_its_step(tmp_path, lines, dropped, kept):
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
+    before = [x for x in lines if x.strip()]
     assert trim_records_after(path, 2) == dropped
     assert [json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()] == kept
+    # nothing is lost: what was taken out is kept, byte for byte, in the superseded file
+    archive = superseded_path(path)
+    taken = archive.read_bytes().splitlines() if archive.exists() else []
+    assert len(taken) == dropped
+    remaining = [x for x in path.read_bytes().splitlines() if x.strip()]
+    assert sorted(taken + remaining) == sorted(before)
+
+
+def test_records_taken_out_twice_are_both_kept(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(line(1) + b"\n" + line(2) + b"\n" + line(3) + b"\n")
+    trim_records_after(path, 2)
+    path.write_bytes(path.read_bytes() + line(3) + b"\n")
+    trim_records_after(path, 1)
+    steps = [json.loads(x)["step"] for x in superseded_path(path).read_text().splitlines()]
+    assert steps == [3, 2, 3]
 
 
 def test_a_missing_file_is_nothing_to_trim(tmp_path):
