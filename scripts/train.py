@@ -34,6 +34,7 @@ from forge.training.context import (
     RunContext,
 )
 from forge.training.effects import TrainingEffects
+from forge.training.guards import armed_guards
 from forge.training.hooks import HookList, Hooks, configured_hooks
 from forge.training.loaders import train_batches
 from forge.training.loop import conclude, run_training_loop
@@ -77,7 +78,10 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
                 FaultHooks(faults, dist.rank),
             ]
         )
+        guards = armed_guards(run, dist, model, flag)  # refused before anything is written
         prepare_run_dir(run, dist, ckpt)  # last: a set-up that fails writes no records
+        if dist.is_main:
+            print(f"[forge] {guards}", file=sys.stderr)
     except BaseException as exc:
         if lock is not None:
             lock.release(discard=True)  # a run that never started leaves no directory
@@ -140,6 +144,7 @@ def train(
         flag.uninstall()
         teardown(dist)
         return ExitCode.SAVE_FAILED
+    outcome = effects.outcome_after_saves(outcome)  # a peer lost during a save: HEALTH_FAILURE
     effects.end(outcome, state)
     if effects.log_failure is not None:  # an error when it stopped the run, else a warning
         line = log_failure_line(

@@ -42,6 +42,11 @@ class ShutdownFlag:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
+    def reaches(self) -> bool:
+        """Whether every shutdown signal is handled by this flag now (a guard of the start:
+        a launcher or library may have put its own handler in its place)."""
+        return all(signal.getsignal(sig) == self._handle for sig in SHUTDOWN_SIGNALS)
+
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]

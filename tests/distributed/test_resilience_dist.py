@@ -315,3 +315,25 @@ def test_two_ranks_save_to_s3_and_resume_as_the_uninterrupted_local_run(
     losses = [(r["step"], r["loss"]) for r in records(tmp_path / "run")]
     assert losses == [(r["step"], r["loss"]) for r in records(tmp_path / "ref")]
     assert len(losses) == 6
+
+
+def test_replicas_whose_comparison_is_inert_are_refused_at_start(tmp_path, small_corpus):
+    """The guard check reads what the replica comparison would compare: with that mechanism
+    made inert (``tests/distributed/inert_replicas.py``), ``dp_replicate=2`` with replays is
+    refused by name before anything is written; intact, the start says it is armed."""
+    config = write_config(tmp_path, small_corpus)
+    replicas = ["--distributed.dp_replicate=2", "--distributed.dp_shard=1"]
+    argv = [str(REPO / "tests" / "distributed" / "inert_replicas.py"), str(config),
+            f"--run.dir={tmp_path / 'run'}", *COMMON, *replicas]  # fmt: skip
+    out = run_ranks(2, argv, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [x for x in out.stderr.splitlines() if x.startswith("error:")]
+    assert errors and all(
+        "distributed.dp_replicate: the layout has 2 replicas" in e for e in errors
+    )
+    assert not (tmp_path / "run" / "config.toml").exists()
+    intact, _ = two_ranks(
+        config, tmp_path / "intact", *replicas, "--train.max_steps=2", "--scheduler.warmup_steps=1"
+    )
+    assert intact.returncode == 0, intact.stderr[-3000:]
+    assert "replay first step (2 replicas)" in intact.stderr

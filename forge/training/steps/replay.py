@@ -90,14 +90,26 @@ def replica_groups(
         grad = p.grad
         if not isinstance(grad, DTensor):
             continue
-        mesh = grad.device_mesh
-        names = mesh.mesh_dim_names or ()
-        for dim, (name, placement) in enumerate(zip(names, grad.placements, strict=False)):
-            if name in REPLICATED_DIMS and placement.is_replicate() and mesh.size(dim) > 1:
-                group = mesh.get_group(dim)
-                key = (name, tuple(torch_dist.get_process_group_ranks(group)))
-                groups.setdefault(key, (group, []))[1].append(grad)
+        for dim, name in replicated_along(grad):
+            group = grad.device_mesh.get_group(dim)
+            key = (name, tuple(torch_dist.get_process_group_ranks(group)))
+            groups.setdefault(key, (group, []))[1].append(grad)
     return [groups[key] for key in sorted(groups)]
+
+
+def replicated_along(tensor: torch.Tensor) -> list[tuple[int, str]]:
+    """The mesh dims (index, name) along which other ranks hold ``tensor`` bit for bit: a
+    DTensor ``Replicate()``d along an HSDP replica dim or a tensor-parallel dim of size > 1
+    (what the replica comparison compares; a parameter's gradient has its placements)."""
+    if not isinstance(tensor, DTensor):
+        return []
+    mesh = tensor.device_mesh
+    names = mesh.mesh_dim_names or ()
+    return [
+        (dim, name)
+        for dim, (name, placement) in enumerate(zip(names, tensor.placements, strict=False))
+        if name in REPLICATED_DIMS and placement.is_replicate() and mesh.size(dim) > 1
+    ]
 
 
 def diverges_from_replicas(params: Sequence[torch.Tensor]) -> bool:

@@ -1,0 +1,197 @@
+"""Every guard the config turns on, armed or refused: what a start says of its resilience.
+
+A guard configured but unable to act in this run is worse than none: the user counts on it.
+So at start-up, once the layout is built, ``guard_facts`` reads what each guard's mechanism
+can do here off the built objects themselves (the loop's policy, the step's spec, the model's
+parameters, the signal handlers, the checkpoint storage), and ``guard_report`` (pure,
+table-tested) decides: the one line a launch prints (``[forge] guards: ...``), or the
+refusals, one per guard that cannot act, before anything is written.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from forge.config.ranges import Problem
+from forge.config.sections import JobConfig, NonFinitePolicy, ResilienceConfig, SpikePolicy
+from forge.errors import UserInputError
+from forge.resilience.signals import ShutdownFlag
+from forge.training.context import DistContext, ModelContext, RunContext
+from forge.training.plan import LoopPolicy, ReplayRule
+from forge.training.steps.replay import replicated_along
+from forge.training.steps.spec import StepSpec, step_spec
+
+DEFAULTS = ResilienceConfig()
+
+
+class Guard(enum.Enum):
+    """The guards a start reports, in the order of its line."""
+
+    NONFINITE = "nonfinite"
+    SPIKES = "spikes"
+    REPLAY = "replay"
+    REPLICAS = "replicas"
+    STRAGGLERS = "stragglers"
+    HEALTH = "health"
+    HANG_STACKS = "hang stacks"
+    SIGNALS = "signals"
+    CHECKSUMS = "checksums"
+
+
+class GuardRefused(UserInputError):
+    """A guard the config turns on cannot act in this run."""
+
+
+@attrs.frozen
+class GuardFacts:
+    """What each guard's mechanism can do in this run, read off the built run."""
+
+    world_size: int
+    cuda: bool
+    snapshots: bool  # the loop keeps a rollback snapshot (its policy)
+    spike_threshold: float  # the threshold the step measures spikes with (0: none)
+    drops_spikes: bool  # the step drops a spike's update
+    replay: ReplayRule  # the steps the step computes twice
+    replica_layout: int  # dp_replicate × tp: > 1 promises replicas to compare
+    replicated: int  # parameters held bit for bit by other ranks (what replicas compare)
+    signals: bool  # SIGTERM and SIGINT reach forge's shutdown flag
+
+
+def guard_report(config: JobConfig, facts: GuardFacts) -> tuple[str, list[Problem]]:
+    """The words of each armed guard, joined for the start's line, and the refusals of the
+    guards the config turns on that cannot act here."""
+    res = config.resilience
+    armed: list[str] = []
+    refused: list[Problem] = []
+    rollback = res.on_nonfinite is NonFinitePolicy.ROLLBACK or (
+        res.spike_threshold > 0 and res.on_spike is SpikePolicy.ROLLBACK
+    )
+    if rollback and not facts.snapshots:
+        refused.append(
+            ("resilience.on_nonfinite", "rollback is on, but the loop keeps no snapshot")
+        )
+    armed.append(f"{Guard.NONFINITE.value}={res.on_nonfinite.value}")
+    if res.spike_threshold > 0:
+        drops = res.on_spike is not SpikePolicy.WARN
+        if facts.spike_threshold != res.spike_threshold or facts.drops_spikes != drops:
+            refused.append(
+                ("resilience.spike_threshold", "is set, but the step does not measure spikes")
+            )
+        armed.append(f"{Guard.SPIKES.value}={res.on_spike.value}({res.spike_threshold:g}σ)")
+    elif res.on_spike is not SpikePolicy.WARN:
+        refused.append(
+            (
+                "resilience.on_spike",
+                f"{res.on_spike.value!r} has no effect: resilience.spike_threshold = 0 turns "
+                "the spike rule off; set a threshold (e.g. 6) or leave on_spike at 'warn'",
+            )
+        )
+    wanted = ReplayRule(res.replay_interval, res.replay_first_step)
+    if wanted != ReplayRule():
+        if facts.replay != wanted:
+            refused.append(
+                ("resilience.replay_interval", "replays are on, but the step replays nothing")
+            )
+        armed.append(replay_words(wanted, facts))
+        if facts.replica_layout > 1 and facts.replicated == 0:
+            refused.append(
+                (
+                    "distributed.dp_replicate",
+                    f"the layout has {facts.replica_layout} replicas (dp_replicate × tp), but "
+                    "no parameter is replicated across them: the replica comparison of "
+                    "replayed steps would compare nothing",
+                )
+            )
+    if facts.cuda and straggler_keys_set(res):
+        refused.append(
+            (
+                "resilience.straggler_ratio",
+                "is set, but stragglers are read on the CPU only (on CUDA a rank's CPU time "
+                "does not tell waiting from working: docs/resilience.md#stragglers); remove it",
+            )
+        )
+    if facts.world_size > 1:
+        if not facts.cuda:
+            armed.append(f"{Guard.STRAGGLERS.value}({res.straggler_ratio:g}x)")
+        armed.append(f"{Guard.HEALTH.value}({res.health_timeout_s:g} s)")
+        armed.append(f"{Guard.HANG_STACKS.value}({config.distributed.timeout_s:g} s)")
+    if not facts.signals:
+        refused.append(
+            (
+                "resilience.shutdown_timeout_s",
+                "SIGTERM or SIGINT does not reach forge's handler: a preemption would end the "
+                "run without its emergency save",
+            )
+        )
+    checkpointing = config.checkpoint.enabled
+    armed.append(Guard.SIGNALS.value + ("" if checkpointing else "(no checkpoint)"))
+    if checkpointing:  # every commit records them; a resume fails closed without them
+        armed.append(f"{Guard.CHECKSUMS.value}({config.checkpoint.verify.value})")
+    return ", ".join(armed), refused
+
+
+def replay_words(rule: ReplayRule, facts: GuardFacts) -> str:
+    """``replay every 50 + first step (2 replicas)``: which steps, and what else they check."""
+    when = [f"every {rule.interval}"] if rule.interval else []
+    when += ["first step"] if rule.first_step else []
+    replicas = f" ({facts.replica_layout} replicas)" if facts.replicated else ""
+    return f"{Guard.REPLAY.value} {' + '.join(when)}{replicas}"
+
+
+def straggler_keys_set(res: ResilienceConfig) -> bool:
+    """Whether the config changes the straggler reading from its defaults."""
+    return (res.straggler_ratio, res.straggler_logs) != (
+        DEFAULTS.straggler_ratio,
+        DEFAULTS.straggler_logs,
+    )
+
+
+def guard_facts(
+    config: JobConfig,
+    policy: LoopPolicy,
+    spec: StepSpec,
+    params: Sequence[torch.nn.Parameter],
+    world_size: int,
+    signals: bool,
+) -> GuardFacts:
+    """What each guard can do in the run built from ``config``."""
+    dims = config.distributed
+    return GuardFacts(
+        world_size=world_size,
+        cuda=torch.cuda.is_available(),
+        snapshots=policy.snapshots,
+        spike_threshold=spec.spike_threshold,
+        drops_spikes=spec.drops_spike,
+        replay=spec.replay,
+        replica_layout=dims.dp_replicate * dims.tp,
+        replicated=sum(bool(replicated_along(p)) for p in params),
+        signals=signals,
+    )
+
+
+def armed_guards(
+    run: RunContext, dist: DistContext, model: ModelContext, flag: ShutdownFlag
+) -> str:
+    """The start's line of its guards, read off the built run; ``GuardRefused`` naming each
+    guard the config turns on that cannot act here (before anything is written)."""
+    facts = guard_facts(
+        run.config,
+        run.policy,
+        step_spec(run, dist, model),
+        list(model.model.parameters()),
+        dist.world_size,
+        flag.reaches(),
+    )
+    return armed_line(run.config, facts)
+
+
+def armed_line(config: JobConfig, facts: GuardFacts) -> str:
+    """The start's one line of its guards; ``GuardRefused`` naming each one that cannot act."""
+    words, refused = guard_report(config, facts)
+    if refused:
+        raise GuardRefused([f"{key}: {message}" for key, message in refused])
+    return f"guards: {words}"

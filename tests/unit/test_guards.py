@@ -1,0 +1,64 @@
+"""The start's guards: armed (its one line) or refused by name, one row per case (pure)."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from forge.config.loader import structure_config
+from forge.config.sections import JobConfig
+from forge.training.guards import GuardFacts, guard_report
+from forge.training.plan import ReplayRule
+
+FIRST = ReplayRule(0, True)
+ONE = GuardFacts(
+    world_size=1,
+    cuda=False,
+    snapshots=False,
+    spike_threshold=0.0,
+    drops_spikes=False,
+    replay=FIRST,
+    replica_layout=1,
+    replicated=0,
+    signals=True,
+)
+TWO = attrs.evolve(ONE, world_size=2)
+REPLICAS = attrs.evolve(TWO, replica_layout=2, replicated=14)
+
+
+def config(**sections) -> JobConfig:
+    return structure_config(sections)
+
+
+ROLL = {"on_nonfinite": "rollback"}
+SPIKE_SKIP = {"spike_threshold": 6.0, "on_spike": "skip"}
+
+# (case, config sections, facts, the line's words, the keys refused)
+ROWS = [
+    ("defaults, one process", {}, ONE, "nonfinite=skip, replay first step, signals, checksums(full)", []),
+    ("no checkpoint: signals say so", {"checkpoint": {"enabled": False}}, ONE, "nonfinite=skip, replay first step, signals(no checkpoint)", []),
+    ("two ranks on a CPU", {}, TWO, "nonfinite=skip, replay first step, stragglers(1.5x), health(300 s), hang stacks(600 s), signals, checksums(full)", []),
+    ("two ranks on CUDA: no straggler reading", {}, attrs.evolve(TWO, cuda=True), "nonfinite=skip, replay first step, health(300 s), hang stacks(600 s), signals, checksums(full)", []),
+    ("a straggler key on CUDA is refused", {"resilience": {"straggler_ratio": 2.0}}, attrs.evolve(TWO, cuda=True), None, ["resilience.straggler_ratio"]),
+    ("rollback with its snapshot", {"resilience": ROLL}, attrs.evolve(ONE, snapshots=True), "nonfinite=rollback, replay first step, signals, checksums(full)", []),
+    ("rollback without a snapshot", {"resilience": ROLL}, ONE, None, ["resilience.on_nonfinite"]),
+    ("spikes measured by the step", {"resilience": SPIKE_SKIP}, attrs.evolve(ONE, spike_threshold=6.0, drops_spikes=True), "nonfinite=skip, spikes=skip(6σ), replay first step, signals, checksums(full)", []),
+    ("spikes the step does not measure", {"resilience": SPIKE_SKIP}, ONE, None, ["resilience.spike_threshold"]),
+    ("on_spike without a threshold does nothing", {"resilience": {"on_spike": "rollback"}}, ONE, None, ["resilience.on_spike"]),
+    ("replays every 50 with replicas", {"resilience": {"replay_interval": 50}}, attrs.evolve(REPLICAS, replay=ReplayRule(50, True)), "nonfinite=skip, replay every 50 + first step (2 replicas), stragglers(1.5x), health(300 s), hang stacks(600 s), signals, checksums(full)", []),
+    ("replays the step does not make", {"resilience": {"replay_interval": 50}}, ONE, None, ["resilience.replay_interval"]),
+    ("no replay at all: nothing to say of it", {"resilience": {"replay_first_step": False}}, attrs.evolve(ONE, replay=ReplayRule()), "nonfinite=skip, signals, checksums(full)", []),
+    ("replicas promised, none replicated", {"distributed": {"dp_replicate": 2}}, attrs.evolve(REPLICAS, replicated=0), None, ["distributed.dp_replicate"]),
+    ("replicas without a replay: nothing compares them", {"distributed": {"dp_replicate": 2}, "resilience": {"replay_first_step": False}}, attrs.evolve(REPLICAS, replicated=0, replay=ReplayRule()), "nonfinite=skip, stragglers(1.5x), health(300 s), hang stacks(600 s), signals, checksums(full)", []),
+    ("signals taken by another handler", {}, attrs.evolve(ONE, signals=False), None, ["resilience.shutdown_timeout_s"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "sections,facts,line,refused", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS]
+)
+def test_guard_report(sections, facts, line, refused):
+    words, problems = guard_report(config(**sections), facts)
+    assert [key for key, _ in problems] == refused
+    if line is not None:
+        assert words == line
