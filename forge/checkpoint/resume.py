@@ -159,6 +159,11 @@ def resolve_resume(checkpoint_dir: CheckpointPath, load_path: CheckpointPath | N
 T = TypeVar("T")
 
 
+class RemovedWhileReadError(CheckpointError):
+    """Every checkpoint a reader chose was removed while it read them (a training run's
+    retention), none damaged."""
+
+
 def first_loadable(
     paths: Sequence[CheckpointPath],
     load: Callable[[CheckpointPath], T],
@@ -166,21 +171,35 @@ def first_loadable(
 ) -> tuple[CheckpointPath, T]:
     """``load`` the first of ``paths`` (newest first) that loads; a damaged one (truncated
     shards or RNG files, unreadable metadata, a train state of the wrong shape) is reported
-    and skipped. An unsafe file, or one written for another model, is never skipped: an older
-    checkpoint of the same run would not fare better."""
-    errors = []
+    and skipped, and one that is no longer committed (removed by retention while it was
+    read) is said to be so. An unsafe file, or one written for another model, is never
+    skipped: an older checkpoint of the same run would not fare better."""
+    errors, removed = [], []
     for path in paths:
         try:
             return path, load(path)
         except (UnsafeCheckpointError, ShapeMismatchError):
             raise
         except CheckpointError as exc:
+            if not is_complete(path):
+                removed.append(path)
+                report(f"{path} was removed while it was read (retention of a newer one)")
+                continue
             errors.append(str(exc))
             report(f"skipping unloadable checkpoint {path}: {exc}")
+    if removed and not errors:
+        raise RemovedWhileReadError(
+            f"{paths[0].parent}: every checkpoint chosen was removed while it was read "
+            f"({', '.join(p.name for p in removed)}); the run's retention is faster than this "
+            "reader: run it again, or raise checkpoint.keep_last_n"
+        )
     raise CheckpointError(
         f"{paths[0].parent}: no checkpoint there loads ({'; '.join(errors)}); "
         "delete the broken ones or point checkpoint.dir elsewhere"
     )
+
+
+READ_ROUNDS = 3  # a reader racing a run's retention resolves the newest again this many times
 
 
 def load_newest_weights(
@@ -192,15 +211,24 @@ def load_newest_weights(
 ) -> CheckpointPath:
     """Load the weights a run would resume from into ``model`` (and ``optimizer``, whose state
     some optimizers need for their evaluation weights), with the same resolver and the same
-    fallback past damaged checkpoints as training; returns the checkpoint used."""
-    plan = resolve_resume(checkpoint_dir, load_path)
-    if plan.source is ResumeSource.FRESH or plan.path is None:
-        raise CheckpointError(f"{checkpoint_dir}: no checkpoint there; train the run first")
-    if plan.latest_note is not None:
-        report(f"warning: {plan.latest_note}")
+    fallback past damaged checkpoints as training; returns the checkpoint used. A training
+    run's retention may remove the step chosen while it is read (a newer one committed
+    meanwhile): the newest is resolved again, up to ``READ_ROUNDS`` times."""
 
     def load(path: CheckpointPath) -> None:
         load_checkpoint(path, model, optimizer, restore_rng_state=False)
 
-    path, _ = first_loadable((plan.path, *plan.fallbacks), load, report)
-    return path
+    for attempt in range(READ_ROUNDS):
+        plan = resolve_resume(checkpoint_dir, load_path)
+        if plan.source is ResumeSource.FRESH or plan.path is None:
+            raise CheckpointError(f"{checkpoint_dir}: no checkpoint there; train the run first")
+        if plan.latest_note is not None and attempt == 0:
+            report(f"warning: {plan.latest_note}")
+        try:
+            path, _ = first_loadable((plan.path, *plan.fallbacks), load, report)
+        except RemovedWhileReadError:
+            if attempt + 1 == READ_ROUNDS:
+                raise
+            continue  # a newer checkpoint was committed meanwhile: the newest again
+        return path
+    raise AssertionError("unreachable")

@@ -279,3 +279,30 @@ def test_a_checkpoint_from_before_checksums_loads_unverified(ckpt):
     (path / CHECKSUMS).unlink()
     assert verify_checkpoint(path) is False
     check_loadable(path, Transformer(CFG))
+
+
+def test_a_reader_racing_retention_reads_the_newest_again(ckpt, monkeypatch):
+    """A run keeping one checkpoint commits step 2 and removes step 1 while a reader
+    (eval, export) loads step 1: the reader resolves the newest again and loads step 2, and
+    says step 1 was removed, not that anything is broken (it used to say "no checkpoint
+    there loads ... delete the broken ones")."""
+    import forge.checkpoint.resume as resume
+
+    pending = ckpt.parent / "pending_step_2"
+    (ckpt / "step_2").rename(pending)  # not committed yet when the reader resolves
+    real = resume.load_checkpoint
+    raced: list[str] = []
+
+    def racing(path, *args, **kwargs):
+        if path.name == "step_1" and not raced:  # the run commits and retains meanwhile
+            raced.append(path.name)
+            pending.rename(ckpt / "step_2")
+            shutil.rmtree(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(resume, "load_checkpoint", racing)
+    said: list[str] = []
+    model = Transformer(CFG)
+    removed = f"{ckpt / 'step_1'} was removed while it was read (retention of a newer one)"
+    assert resume.load_newest_weights(ckpt, None, model, said.append) == ckpt / "step_2"
+    assert [line for line in said if "latest" not in line] == [removed]
