@@ -178,6 +178,16 @@ def position(**changes):
     return loader.state_dict() | changes
 
 
+def moved(extra: int, swap: bool = False) -> dict:
+    """``position()`` with its rows and first cursor moved on by ``extra`` (or its cursors
+    traded), its digest left as it was: the record adds up, the rows it names were not
+    read."""
+    saved = position()
+    cursors = list(saved["cursors"])
+    cursors = cursors[::-1] if swap else [cursors[0] + extra, *cursors[1:]]
+    return saved | {"cursors": cursors, "rows": saved["rows"] + extra}
+
+
 @pytest.mark.parametrize(
     ("state", "message"),
     [
@@ -190,6 +200,9 @@ def position(**changes):
         (position(digest="0x0000000000001f"), "not one this forge writes"),
         (position(cursors=["a", 2]), "not one this forge writes"),
         (position(step_rows=2), "cannot continue"),
+        (moved(4), "not the position its rows lead to"),
+        (moved(0, swap=True), "not the position its rows lead to"),
+        (position(digest="00000000000000ff"), "not the position its rows lead to"),
     ],
     ids=[
         "foreign keys",
@@ -201,6 +214,9 @@ def position(**changes):
         "a digest with a 0x prefix",
         "a cursor that is no number",
         "a position inside a step that this layout cannot split",
+        "rows and cursors moved on, the digest kept (a hand-edited train state)",
+        "the cursors traded between sources",
+        "another digest",
     ],
 )
 def test_a_foreign_loader_state_is_refused(state, message):
