@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -32,16 +33,62 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
 
 
-class CheckpointSaveError(RuntimeError):
-    """A checkpoint could not be written (full disk, file-size limit, I/O error). The previous
-    checkpoint and ``latest`` are intact and the temporary directory is removed."""
+NO_SPACE = "no space left on the device"
+# the OS errors of a write that found no room: a full file system, a user's quota spent
+SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
-    def __init__(self, root: str, step: int, cause: str) -> None:
+
+def out_of_space(exc: BaseException) -> bool:
+    """Whether ``exc`` is a write that found no space: an ``OSError`` ENOSPC or EDQUOT itself,
+    or one it was raised from or while handling (torch's zip writer reports its stream's
+    failed write as ``unexpected pos``, the ``OSError`` as its context), or DCP's report of
+    one on any rank."""
+    pending, seen = [exc], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in SPACE_ERRNOS:
+            return True
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):  # DCP: each failing rank's exception (and traceback)
+            for failure in failures.values():
+                inner = failure[0] if isinstance(failure, tuple) else failure
+                if isinstance(inner, BaseException):
+                    pending.append(inner)
+        pending += [e for e in (current.__cause__, current.__context__) if e is not None]
+    return False
+
+
+def short_write(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's report of a write that came up short (``[enforce fail at
+    inline_container.cc:...] unexpected pos``): a full disk or a file-size limit. Where torch
+    opened the file itself, or the error crossed a process, no ``OSError`` says which."""
+    return "unexpected pos" in str(exc)
+
+
+def no_space(cause: str) -> str:
+    """``cause``, a save's failure in one line, marked as a lack of space (the mark survives
+    the exchange between ranks, which carries text; ``CheckpointSaveError`` reads it)."""
+    return f"{NO_SPACE}: {cause}"
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (full disk, file-size limit, I/O error). The
+    temporary directory is removed; ``remains`` says what was found of the previous
+    checkpoint and ``latest`` after the failure (intact, or what is gone)."""
+
+    def __init__(self, root: str, step: int, cause: str, remains: str) -> None:
         self.root, self.step, self.cause = root, step, cause
-        super().__init__(
-            f"checkpoint.dir {root}: saving step {step} failed ({cause}); the previous "
-            "checkpoint and 'latest' are intact"
-        )
+        what = f"({cause})"
+        if cause.startswith(NO_SPACE):
+            what = (
+                f"({cause}): free space on the disk that holds {root} (delete what it no "
+                "longer needs, or lower checkpoint.keep_last_n) or point checkpoint.dir at a "
+                "disk with room"
+            )
+        super().__init__(f"checkpoint.dir {root}: saving step {step} failed {what}; {remains}")
 
 
 def print_errors(lines: Sequence[str], stream: TextIO | None = None) -> None:

@@ -1,12 +1,15 @@
 """What the async save modes need around torch's: a staging copy that reuses its buffers, and
 torch's checkpoint process (``async_mode = "async_process"``) started at set-up with its log
-in a file, and stopped explicitly."""
+in a file, in a session of its own, and stopped explicitly."""
 
 from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import sys
+import threading
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +21,11 @@ from torch.distributed.checkpoint import _async_process_executor
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import KeyPath, keystr, tree_map_with_path
+
+# the signals a rank outlives to make its emergency save (forge.resilience.signals'
+# SHUTDOWN_SIGNALS: this floor cannot import it)
+SURVIVED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+PARENT_POLL_S = 0.25  # how soon a checkpoint process notices that its rank died
 
 
 def pinned_staging(source_device: str, cuda_available: bool) -> bool:
@@ -152,7 +160,8 @@ def stderr_to(log: pathlib.Path) -> Iterator[None]:
 
 
 def start_checkpoint_process(group: dist.ProcessGroup | None, log: pathlib.Path) -> None:
-    """Start torch's checkpoint process now, with its output going to ``log``.
+    """Start torch's checkpoint process now, with its output going to ``log``, in a session
+    of its own (``OwnSessionCheckpointProcess``).
 
     torch would start it inside the first ``async_save``, from a background thread, writing
     its log (a full traceback for every failed write) to the trainer's stderr, where forge
@@ -163,5 +172,65 @@ def start_checkpoint_process(group: dist.ProcessGroup | None, log: pathlib.Path)
     if executor._CHECKPOINT_PROCESS is not None:
         return
     init_info = executor._ProcessGroupInitInfo(group)
-    with stderr_to(log):
-        executor._CHECKPOINT_PROCESS = executor._AsyncCheckpointProcess(pg_init_info=init_info)
+    # blocked until the child has left the group: a signal to the group in the seconds its
+    # start takes stays pending here (handled once unblocked) and is dropped there
+    with stderr_to(log), signals_blocked(SURVIVED):
+        executor._CHECKPOINT_PROCESS = OwnSessionCheckpointProcess(pg_init_info=init_info)
+
+
+@contextmanager
+def signals_blocked(signals: tuple[signal.Signals, ...]) -> Iterator[None]:
+    """Block ``signals`` in this thread inside the block; a process started there inherits the
+    mask. One that arrives meanwhile is delivered when the block ends, not lost."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class OwnSessionCheckpointProcess(_async_process_executor._AsyncCheckpointProcess):
+    """torch's checkpoint process, out of its rank's process group.
+
+    A launcher, a scheduler or a terminal signals a job's whole process group (torchrun's
+    shutdown, Ctrl-C): in the group, the checkpoint process died with the signal that asks
+    its rank for an emergency save, and that save, the one in flight and the one awaiting
+    its commit failed. In a session of its own it receives no signal meant for the group;
+    its rank stops it (``stop_checkpoint_process``), and it ends itself within
+    ``PARENT_POLL_S`` of its rank's death (SIGKILL included), so it never outlives the rank
+    for long.
+    """
+
+    @staticmethod
+    def _checkpointing_subprocess(pg_init_info: Any, parent_conn: Any) -> None:
+        leave_the_process_group()
+        _async_process_executor._AsyncCheckpointProcess._checkpointing_subprocess(
+            pg_init_info, parent_conn
+        )
+
+
+def leave_the_process_group() -> None:
+    """In the checkpoint process, before anything else of its own: a session of its own, the
+    signals its rank blocked while starting it dropped (they were meant for the rank) and
+    their usual handling back, and a thread that ends this process once its rank is gone."""
+    os.setsid()
+    for sig in SURVIVED:  # ignoring a blocked signal discards it if pending
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SURVIVED)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    rank = os.getppid()  # spawn starts this process from its rank directly
+    print(f"[forge] checkpoint process {os.getpid()} of rank process {rank}", file=sys.stderr)
+    watch = threading.Thread(target=exit_after, args=(rank,), name="forge-rank-watch")
+    watch.daemon = True
+    watch.start()
+
+
+def exit_after(parent: int) -> None:
+    """End this process once ``parent`` has died (this process is then reparented): a save it
+    is writing can no longer be committed, and its peers' collectives fail instead of
+    waiting out their timeout."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import pathlib
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,7 +40,7 @@ from forge.checkpoint.costs import SaveCost
 from forge.checkpoint.integrity import checksums_of, own_files
 from forge.checkpoint.paths import CheckpointPath, is_remote, save_tensors
 from forge.checkpoint.rng import capture_rng
-from forge.checkpoint.storage import storage_of
+from forge.checkpoint.storage import Storage, storage_of
 from forge.checkpoint.store import (
     STATE_DICT_OPTIONS,
     commit_checkpoint,
@@ -48,8 +49,28 @@ from forge.checkpoint.store import (
     step_dir,
 )
 from forge.config.sections import AsyncMode
-from forge.errors import CheckpointSaveError, one_line
+from forge.errors import (
+    CheckpointSaveError,
+    no_space,
+    one_line,
+    out_of_space,
+    short_write,
+)
 from forge.model.transformer import canonical_name
+
+# below this much free space, a write torch reports as short (no OSError to say why) is
+# taken for a full disk: a write that found no room leaves the disk all but full
+NEARLY_FULL_BYTES = 64 << 20
+
+
+class PeerLostError(RuntimeError):
+    """A collective of a save failed: a peer stalled or died while the ranks were saving.
+    Nothing of the save can be agreed or committed (this rank cannot know what its peers
+    wrote); the run ends HEALTH_FAILURE, not SAVE_FAILED: the storage is not at fault."""
+
+    def __init__(self, step: int, message: str) -> None:
+        self.step, self.message = step, message
+        super().__init__(f"saving step {step}: a collective of the save failed ({message})")
 
 
 @attrs.define
@@ -88,8 +109,11 @@ class Checkpointer:
             assert isinstance(group, dist.ProcessGroup)
             self.group = group
         self.pending: PendingSave | None = None
-        # the newest step committed in root, once known (rank 0 lists it, for ``prepare``)
+        # once known (rank 0 lists root at the first save, then follows its commits): the
+        # newest step in root, complete or not (for ``prepare``), and the newest committed,
+        # the one ``latest`` names (what a failed save checks is still there)
         self._newest: int | None = None
+        self._committed: int | None = None
         self.costs: list[SaveCost] = []  # this rank's, of the committed saves, to be taken
         self._hasher: ThreadPoolExecutor | None = None
         self._pieces: ThreadPoolExecutor | None = None
@@ -103,40 +127,54 @@ class Checkpointer:
         if mode is AsyncMode.ASYNC_PROCESS and daemon_log is not None:
             start_checkpoint_process(self.group, daemon_log)
 
-    def _gather(self, value: Any) -> list[Any]:
-        """Every rank's ``value``, in rank order, on every rank (a barrier too)."""
+    def _gather(self, value: Any, step: int) -> list[Any]:
+        """Every rank's ``value``, in rank order, on every rank (a barrier too), for the save
+        of ``step``; ``PeerLostError`` when the collective itself fails."""
         if self.group is None:
             return [value]
         values: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(values, value, group=self.group)
+        try:
+            dist.all_gather_object(values, value, group=self.group)
+        except RuntimeError as exc:  # gloo's closed connection or timeout (DistError too)
+            raise PeerLostError(step, str(exc)) from None
         return values
 
-    def _agree(self, error: str | None) -> str | None:
+    def _agree(self, error: str | None, step: int) -> str | None:
         """A barrier that also agrees on failure: the first rank's error, on every rank (so
         every rank takes the same branch after a failed write)."""
-        return next((e for e in self._gather(error) if e is not None), None)
+        return next((e for e in self._gather(error, step) if e is not None), None)
 
-    def _merged(self, sums: dict[str, list], error: str | None) -> tuple[dict, str | None]:
+    def _merged(
+        self, sums: dict[str, list], error: str | None, step: int
+    ) -> tuple[dict, str | None]:
         """Every rank's checksums of the files it wrote, merged, or the first rank's error
         (one collective: a barrier too)."""
         merged: dict[str, list] = {}
-        for rank_sums, rank_error in self._gather((sums, error)):
+        for rank_sums, rank_error in self._gather((sums, error), step):
             error = error or rank_error
             merged |= rank_sums
         return merged, error
 
     def _fail(self, step: int, tmp: CheckpointPath, error: str) -> CheckpointSaveError:
-        """Remove the failed save's files (rank 0); the error to raise."""
+        """Remove the failed save's files (rank 0); the error to raise, with what rank 0
+        found of the previous checkpoint and ``latest`` (checked, not assumed: a store can
+        lose data mid-run), the same on every rank. Every rank calls it, after agreeing on
+        ``error``."""
+        remains = None
         if self.rank == 0:
             with contextlib.suppress(OSError):  # unreachable store: the save's error says more
                 self.storage.discard(tmp)
-        return CheckpointSaveError(str(self.root), step, error)
+            remains = what_remains(self.storage, self.root, self._committed)
+        remains = self._gather(remains, step)[0]
+        return CheckpointSaveError(str(self.root), step, error, remains)
 
     def _past_every_commit(self, step: int) -> bool:
-        """Whether ``step`` is newer than every checkpoint committed in ``root`` (listed at
-        the first save, then followed): no earlier save of it can exist."""
+        """Whether ``step`` is newer than every checkpoint in ``root`` (listed at the first
+        save, then followed): no earlier save of it can exist."""
         if self._newest is None:
-            self._newest = max(self.storage.list_steps(self.root), default=-1)
+            steps = self.storage.list_steps(self.root)
+            self._newest = max(steps, default=-1)
+            self._committed = newest_committed(self.storage, self.root, steps)
         return step > self._newest
 
     def save(
@@ -157,14 +195,14 @@ class Checkpointer:
             error = nonfinite_parameter(model)
         except RuntimeError as exc:  # a device error: every rank must still reach the agreement
             error = one_line(exc)
-        if error := self._agree(error):
+        if error := self._agree(error, step):
             raise self._fail(step, tmp, error)
         if self.rank == 0:
             try:
                 self.storage.prepare(self.root, tmp, fresh=self._past_every_commit(step))
             except OSError as exc:
-                error = one_line(exc)
-        if error := self._agree(error):
+                error = failure_cause(exc, tmp)
+        if error := self._agree(error, step):
             raise self._fail(step, tmp, error)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
         state = {"model": model_sd, "optimizer": optim_sd}
@@ -175,13 +213,17 @@ class Checkpointer:
             if not uploads_later:
                 rng.write()
         except (OSError, RuntimeError) as exc:  # torch reports a failed write as RuntimeError
-            error = one_line(exc)
-        if error := self._agree(error):  # before DCP's collectives: no rank enters them alone
+            error = failure_cause(exc, tmp)
+        # agreed before DCP's collectives: no rank enters them alone
+        if error := self._agree(error, step):
             raise self._fail(step, tmp, error)
         try:
             future, shards = self._write(state, tmp)
         except (Exception, CheckpointException) as exc:  # DCP reports all ranks' failures
-            raise self._fail(step, tmp, one_line(exc)) from None
+            error = failure_cause(exc, tmp)
+            # and where its own collectives failed (a peer died), so does this agreement
+            self._agree(error, step)
+            raise self._fail(step, tmp, error) from None
         if future is not None:  # checksum this rank's files in the background, once written
             later = rng if uploads_later else None
             future = self._background().submit(written_checksums, future, tmp, self.rank, later)
@@ -229,9 +271,9 @@ class Checkpointer:
                 rest = [f for f in own_files(pending.tmp, self.rank) if f not in shards]
                 sums = {**shards, **checksums_of(pending.tmp, rest)}
         except (Exception, CheckpointException) as exc:
-            error = one_line(exc)
+            error = failure_cause(exc, pending.tmp)
         # every rank's shards are written and checksummed, or none commits
-        checksums, error = self._merged(sums, error)
+        checksums, error = self._merged(sums, error, pending.step)
         if error:
             raise self._fail(pending.step, pending.tmp, error)
         final = step_dir(self.root, pending.step)
@@ -241,17 +283,18 @@ class Checkpointer:
                     self.root, pending.tmp, pending.step, pending.train_state, checksums
                 )
             except OSError as exc:
-                error = one_line(exc)
-        if error := self._agree(error):
+                error = failure_cause(exc, pending.tmp)
+        if error := self._agree(error, pending.step):
             raise self._fail(pending.step, pending.tmp, error)
         committed = time.perf_counter()
         size = sum(int(entry[0]) for entry in checksums.values())
         held = pending.blocked_s + committed - waited
         self.costs.append(SaveCost(pending.step, held, committed - pending.started, size))
         self._newest = max(self._newest if self._newest is not None else -1, pending.step)
+        self._committed = pending.step  # ``latest`` names it
         if self.rank == 0:
             self.on_commit(pending.step, final)
-        self._agree(None)  # retention and hooks are done before any rank goes on
+        self._agree(None, pending.step)  # retention and hooks are done before any rank goes on
         return final
 
     @property
@@ -294,6 +337,60 @@ class Checkpointer:
     def in_flight(self) -> int | None:
         """The step being written, if any."""
         return self.pending.step if self.pending else None
+
+
+def failure_cause(exc: BaseException, place: CheckpointPath) -> str:
+    """A failed write in one line, named a lack of space where it is one: an ``OSError`` that
+    says so, or torch's short write on a disk left (all but) full at ``place``."""
+    cause = one_line(exc)
+    if out_of_space(exc) or (short_write(exc) and nearly_full(place)):
+        return no_space(cause)
+    return cause
+
+
+def nearly_full(place: CheckpointPath) -> bool:
+    """Whether the local disk that holds ``place`` has less than ``NEARLY_FULL_BYTES`` free
+    (False for an object store, and where the disk cannot be asked)."""
+    if not isinstance(place, pathlib.Path):
+        return False
+    for folder in (place, *place.parents):  # the nearest that exists
+        if folder.exists():
+            try:
+                return shutil.disk_usage(folder).free < NEARLY_FULL_BYTES
+            except OSError:
+                return False
+    return False
+
+
+def newest_committed(storage: Storage, root: CheckpointPath, steps: list[int]) -> int:
+    """The newest of ``steps`` (``root``'s, ascending) that is a complete checkpoint; -1:
+    none is."""
+    return next((s for s in reversed(steps) if storage.is_complete(step_dir(root, s))), -1)
+
+
+def what_remains(storage: Storage, root: CheckpointPath, previous: int | None) -> str:
+    """What a failed save leaves of the run's checkpoints, checked through the storage now:
+    the newest committed step before it (``previous``; -1: none; None: not listed yet, so
+    the newest complete one now) and ``latest``, intact or which of them is gone."""
+    try:
+        if previous is None:
+            previous = newest_committed(storage, root, storage.list_steps(root))
+        if previous < 0:
+            return "no earlier checkpoint of this run was committed"
+        name = f"step_{previous}"
+        there = storage.is_complete(step_dir(root, previous))
+        latest = storage.latest_target(root)
+    except OSError as exc:
+        cause = one_line(exc)
+        return f"whether the previous checkpoint and 'latest' are intact is unknown ({cause})"
+    if there and latest == name:
+        return f"the previous checkpoint ({name}) and 'latest' are intact"
+    lost = [] if there else [f"the previous checkpoint {name} is gone"]
+    if latest is None:
+        lost.append("'latest' is gone")
+    elif latest != name:
+        lost.append(f"'latest' names {latest}, not {name}")
+    return "; ".join(lost) + " (deleted, or lost by the store)"
 
 
 def written_shards(writer: StorageWriter) -> Callable[[], Mapping[str, list]]:

@@ -1,6 +1,7 @@
 """A run's checkpoints as the loop's plans ask: the train state saved beside the tensors, the
 save, its wait and commit (retention, ``on_checkpoint_save``), the final export, a failed
-save's verdict, and the in-memory rollback slot."""
+save's verdict (a peer lost during a save: a health failure), and the in-memory rollback
+slot."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from forge.checkpoint.async_staging import stop_checkpoint_process
-from forge.checkpoint.checkpointer import Checkpointer
+from forge.checkpoint.checkpointer import Checkpointer, PeerLostError
 from forge.checkpoint.costs import SaveCost
 from forge.checkpoint.paths import CheckpointPath
 from forge.checkpoint.slots import Slots
@@ -22,6 +23,7 @@ from forge.config.sections import AsyncMode
 from forge.errors import CheckpointSaveError
 from forge.interop.export import export_model, tokenizer_info
 from forge.optim.optimizers import evaluation_weights
+from forge.resilience.stalls import backend_reason
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
 from forge.training.hooks import HookList
 from forge.training.plan import SaveReason, save_failure_is_fatal
@@ -34,7 +36,7 @@ from forge.training.train_state import (
     TrainState,
     train_state_to_json,
 )
-from forge.types import LoopState
+from forge.types import LoopOutcome, LoopState
 
 ROLLBACK_SLOT = "rollback"
 
@@ -66,6 +68,9 @@ class CheckpointEffects:
             on_commit=self._committed,
             daemon_log=run.run_dir / f"checkpoint_process_rank{dist.rank}.log",
         )
+        # a save found a peer stalled or dead: no later save can complete, and the run ends
+        # HEALTH_FAILURE (``outcome_after_saves``)
+        self.lost_peer: PeerLostError | None = None
 
     def train_state(self, state: LoopState, reason: SaveReason) -> dict[str, Any]:
         """The JSON train state saved beside the tensors."""
@@ -96,6 +101,8 @@ class CheckpointEffects:
         started. A failed save is reported and training goes on, unless
         ``save_failure_is_fatal`` says otherwise: then ``CheckpointSaveError`` ends the run."""
         self.wait()  # an earlier save's failure is handled before this one starts
+        if self.lost_peer is not None:  # its collectives would fail again
+            return False
         saved = attrs.evolve(state, last_saved_step=state.step)
         self._save_reasons[state.step] = reason
         try:
@@ -104,6 +111,9 @@ class CheckpointEffects:
             )
         except CheckpointSaveError as exc:
             self._save_failed(exc)
+            return False
+        except PeerLostError as exc:
+            self.lost_peer = exc
             return False
         if reason is SaveReason.FINAL and self.run.config.checkpoint.export_final:
             self.export()
@@ -146,6 +156,17 @@ class CheckpointEffects:
             self.checkpointer.wait()
         except CheckpointSaveError as exc:
             self._save_failed(exc)
+        except PeerLostError as exc:
+            self.lost_peer = self.lost_peer or exc
+
+    def outcome_after_saves(self, outcome: LoopOutcome) -> LoopOutcome:
+        """How the run ends once its saves are done: ``outcome``, or HEALTH_FAILURE when a
+        save found a peer gone. Its one line is printed here unless the loop had ended
+        HEALTH_FAILURE already (a step's collective failed first and named it)."""
+        if self.lost_peer is None or outcome is LoopOutcome.HEALTH_FAILURE:
+            return outcome
+        print(f"[forge] error: {lost_peer_line(self.dist.rank, self.lost_peer)}", file=sys.stderr)
+        return LoopOutcome.HEALTH_FAILURE
 
     def _save_failed(self, exc: CheckpointSaveError) -> None:
         reason = self._save_reasons.pop(exc.step, SaveReason.SCHEDULED)
@@ -183,3 +204,12 @@ class CheckpointEffects:
         """This rank's costs of the saves committed since the last call."""
         costs, self.checkpointer.costs = self.checkpointer.costs, []
         return costs
+
+
+def lost_peer_line(rank: int, lost: PeerLostError) -> str:
+    """The one line a rank prints when a collective of a save failed (``stall_line``'s kin)."""
+    return (
+        f"rank {rank}: a collective of the save of step {lost.step} failed: a peer is stalled "
+        f"or dead ({backend_reason(lost.message)}); step {lost.step} was not saved; the run "
+        "ends HEALTH_FAILURE: check the other ranks' logs, then resume"
+    )

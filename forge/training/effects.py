@@ -137,6 +137,10 @@ class TrainingEffects:
         self.logger.close()
         self.close_loaders()
 
+    def outcome_after_saves(self, outcome: LoopOutcome) -> LoopOutcome:
+        """``outcome``, or HEALTH_FAILURE when a save found a peer gone (its line printed)."""
+        return self.checkpoints.outcome_after_saves(outcome)
+
     def end(self, outcome: LoopOutcome, state: LoopState) -> None:
         """Call ``on_train_end``, close the checkpointer, the sinks and the loaders' worker
         processes."""
