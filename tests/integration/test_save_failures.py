@@ -15,7 +15,6 @@ from typing import NamedTuple
 import pytest
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-from forge.checkpoint import checkpointer as checkpointer_module
 from forge.checkpoint.checkpointer import Checkpointer
 from forge.checkpoint.paths import CheckpointPath, location
 from forge.checkpoint.storage import LATEST, ObjectStorage, PosixStorage
@@ -98,9 +97,7 @@ def test_a_save_that_found_no_space_is_named_for_it(tmp_path, monkeypatch, shape
     monkeypatch.setattr(
         PosixStorage, "writer", lambda self, staging, pool: FailingWriter(staging, shape.error())
     )
-    monkeypatch.setattr(
-        checkpointer_module.shutil, "disk_usage", lambda path: FreeSpace(GiB, 0, shape.free_bytes)
-    )
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: FreeSpace(GiB, 0, shape.free_bytes))
     root = tmp_path / "checkpoints"
     line = failed_save(root)
     assert line.startswith(f"checkpoint.dir {root}: saving step 2 failed ("), line
