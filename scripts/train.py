@@ -23,7 +23,7 @@ from forge.resilience.faults import (
 )
 from forge.resilience.health import guard_collectives
 from forge.resilience.reports import FaultReport
-from forge.resilience.signals import ShutdownFlag
+from forge.resilience.signals import SetupInterrupted, ShutdownFlag, pause_if_asked
 from forge.resilience.stacks import StackWatch, stack_watch
 from forge.resilience.stragglers import timed
 from forge.training.context import (
@@ -60,14 +60,18 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         print(help_text())
         return ExitCode.OK
     faults = faults_from_env(os.environ)  # test-only fault injection; none in production
-    flag = ShutdownFlag().install()  # before set-up, so an early signal is not lost
+    # a signal during set-up stops it (nothing written, exit 75 or 130); once set-up is done,
+    # it asks the loop for an emergency save
+    flag = ShutdownFlag(setting_up=True)
     lock = None
     try:
+        flag.install()  # before set-up, so an early signal is not lost
         run = load_and_validate_config(args)
         dist = setup_distributed(run)
         model = build_model_and_optim(run, dist)
         data = setup_data(run, dist)
         lock = claim_run_dir(run, dist)
+        pause_if_asked(os.environ, "checkpoint")  # tests only: a signal in a known phase
         ckpt = setup_checkpointing(run, dist, model, data)
         run_hooks = HookList(
             [
@@ -82,10 +86,14 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         prepare_run_dir(run, dist, ckpt)  # last: a set-up that fails writes no records
         if dist.is_main:
             print(f"[forge] {guards}", file=sys.stderr)
+        flag.setup_done()
     except BaseException as exc:
         if lock is not None:
             lock.release(discard=True)  # a run that never started leaves no directory
         flag.uninstall()
+        if isinstance(exc, SetupInterrupted):  # one line, not an error: nothing to save
+            print(f"[forge] {exc}", file=sys.stderr, flush=True)
+            return exc.exit_code
         if not isinstance(exc, UserInputError):
             raise  # a bug: its traceback, with nothing of the set-up left behind
         print_errors(exc.lines)

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -53,6 +54,32 @@ def moto_server(extra_env: dict[str, str] | None = None) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def silent_server() -> Iterator[tuple[str, threading.Event]]:
+    """An endpoint on 127.0.0.1 that accepts connections and never answers (a store that
+    hangs); yields its URL and an event set once it has accepted a connection."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.05)
+    accepted, stop = threading.Event(), threading.Event()
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                held.append(listener.accept()[0])
+                accepted.set()
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", accepted
+    finally:
+        stop.set()
+        server.join()
+        for conn in [*held, listener]:
+            conn.close()
 
 
 def s3(endpoint: str):

@@ -56,12 +56,15 @@ def file_sizes(folder: CheckpointPath) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}
 
 
-def location(text: str, options: Mapping[str, Any] | None = None) -> CheckpointPath:
+def location(
+    text: str, options: Mapping[str, Any] | None = None, timeout_s: float | None = None
+) -> CheckpointPath:
     """The checkpoint location a config value names: a URL (``s3://bucket/prefix``, opened
-    with fsspec's ``options``) or a local path."""
+    with fsspec's ``options``, each call waiting at most ``timeout_s`` for the store) or a
+    local path."""
     scheme = url_scheme(text)
     if scheme in LOCAL_PROTOCOLS:  # a local folder: the disk's rules (rename, symlink)
         return pathlib.Path(text.split("://", 1)[1])
     if scheme is not None:
-        return object_path(text, options)
+        return object_path(text, options, timeout_s)
     return pathlib.Path(text)

@@ -94,6 +94,10 @@ class CheckpointConfig:
     # fsspec's storage options for a ``dir`` or ``load_path`` in an object store (endpoint,
     # credentials, ...); unset: the store's standard environment (AWS_* for S3)
     storage_options: dict[str, Any] = attrs.field(factory=dict)
+    # how long forge waits for the object store to answer one call (a listing, a small
+    # object): a store that accepts connections but never answers is named after this, not
+    # after its client's timeouts times its retries (minutes)
+    storage_timeout_s: float = 30.0
 
     def problems(self) -> list[Problem]:
         p: list[Problem] = []
@@ -114,6 +118,7 @@ class CheckpointConfig:
                 )
             )
         positive(p, "checkpoint.interval", self.interval)
+        positive(p, "checkpoint.storage_timeout_s", self.storage_timeout_s)
         if self.dyn_ckpt_window is not None:
             p += self.dyn_ckpt_window.problems("checkpoint.dyn_ckpt_window")
         unknown = sorted(set(self.exclude_from_loading) - EXCLUDABLE)

@@ -1,4 +1,6 @@
-"""Preemption signals become a flag that the loop polls at step boundaries."""
+"""Preemption signals become a flag that the loop polls at step boundaries; during set-up
+they stop set-up where it is (``SetupInterrupted``): no step ran, so there is nothing to save.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +8,93 @@ import os
 import signal
 import sys
 import threading
+import time
+from collections.abc import Mapping
 from types import FrameType
+from typing import NoReturn
 
 from forge.types import ExitCode
 
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# how long set-up may take to stop after a signal (its clean-up: the run directory's lock
+# released, a claim taken back) before the process ends all the same
+SETUP_GRACE_S = 5.0
+PAUSE_ENV = "FORGE_SETUP_PAUSE"  # test-only: the set-up point where set-up waits
+PAUSE_S = 120.0
+
+
+def setup_exit_code(signum: int) -> ExitCode:
+    """The exit code of a run stopped during set-up: 130 for Ctrl-C (SIGINT: a person
+    stopped it), else 75 (a scheduler's SIGTERM or SIGUSR1: requeue, try again later)."""
+    return ExitCode.INTERRUPTED if signum == signal.SIGINT else ExitCode.SHUTDOWN
+
+
+def setup_stop_line(signum: int) -> str:
+    """The one line of a run stopped during set-up."""
+    name = signal.Signals(signum).name
+    return f"interrupted ({name}) during set-up: stopped before training; nothing was written"
+
+
+class SetupInterrupted(BaseException):
+    """A shutdown signal during set-up, raised on the main thread by the handler: set-up stops
+    where it is and unwinds (the run directory released and discarded). A ``BaseException``,
+    as ``KeyboardInterrupt``: no ``except Exception`` of set-up (a store's probe) takes it
+    for a failure of its own."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(setup_stop_line(signum))
+        self.signum = signum
+        self.exit_code = setup_exit_code(signum)
+
+
+def pause_if_asked(env: Mapping[str, str], point: str) -> None:
+    """Test-only (``FORGE_SETUP_PAUSE=<point>``; never in production): set-up says that it
+    waits at ``point`` and waits there, as a slow phase would, for a test to signal it."""
+    if env.get(PAUSE_ENV) == point:
+        print(f"[forge] test: set-up waits at {point}", file=sys.stderr, flush=True)
+        time.sleep(PAUSE_S)
+
+
+class SetupWatch:
+    """A thread that sees each shutdown signal through ``signal.set_wakeup_fd`` and ends the
+    process ``grace_s`` later unless set-up stopped by then (``stop``). The handler runs on the
+    main thread only once it runs Python again: a call blocked in C that never returns (a
+    rendezvous waiting for a peer that is not coming) would hold the signal hostage. Created
+    and stopped on the main thread."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # set_wakeup_fd's demand: a signal never blocks
+        self._over = threading.Event()
+        self._previous = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._run, name="forge-setup-signals", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        shutdown = {int(s) for s in SHUTDOWN_SIGNALS}
+        try:
+            while not self._over.is_set():
+                seen = [n for n in os.read(self._read, 64) if n in shutdown]
+                if seen and not self._over.wait(self.grace_s):
+                    name = signal.Signals(seen[0]).name
+                    print(
+                        f"[forge] interrupted ({name}) during set-up: a call that does not "
+                        f"return to Python held the signal for {self.grace_s:g} s; exiting",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    os._exit(setup_exit_code(seen[0]))
+        except OSError:  # the pipe closed under it: set-up is over
+            return
+
+    def stop(self) -> None:
+        self._over.set()
+        signal.set_wakeup_fd(self._previous)
+        os.write(self._write, b"\0")  # wakes the thread's read (0 is no signal)
+        self._thread.join(timeout=1.0)
+        os.close(self._read)
+        os.close(self._write)
 
 
 class ShutdownFlag:
@@ -22,6 +106,10 @@ class ShutdownFlag:
     ``timeout_s`` set, the process exits with ``exit_code`` that many seconds after the first
     signal if it is still running (a stuck emergency save must not outlive the scheduler's
     grace period).
+
+    While ``setting_up`` (until ``setup_done``), a signal raises ``SetupInterrupted`` on the
+    main thread instead, and a ``SetupWatch`` ends the process if set-up has not stopped
+    ``SETUP_GRACE_S`` later; a second signal meanwhile ends it at once.
     """
 
     def __init__(
@@ -29,8 +117,11 @@ class ShutdownFlag:
         timeout_s: float | None = None,
         exit_code: int = ExitCode.SHUTDOWN,
         interrupt_exit_code: int = ExitCode.INTERRUPTED,
+        setting_up: bool = False,
     ) -> None:
         self.received: int | None = None
+        self.setting_up = setting_up
+        self._watch: SetupWatch | None = None
         self.timeout_s = timeout_s
         self.exit_code = exit_code
         self.interrupt_exit_code = interrupt_exit_code
@@ -38,6 +129,8 @@ class ShutdownFlag:
         self._previous: dict[int, object] = {}
 
     def install(self) -> ShutdownFlag:
+        if self.setting_up:  # first: from the first handler on, the watch sees each signal
+            self._watch = SetupWatch(SETUP_GRACE_S)
         for sig in SHUTDOWN_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -47,7 +140,18 @@ class ShutdownFlag:
         a launcher or library may have put its own handler in its place)."""
         return all(signal.getsignal(sig) == self._handle for sig in SHUTDOWN_SIGNALS)
 
+    def setup_done(self) -> None:
+        """Set-up is over: a signal now asks for a save at the end of a step."""
+        self.setting_up = False
+        self._stop_watch()
+
+    def _stop_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+
     def uninstall(self) -> None:
+        self._stop_watch()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
         self._previous.clear()
@@ -55,6 +159,8 @@ class ShutdownFlag:
             self._timer.cancel()
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if self.setting_up:
+            self._stop_setup(signum)
         if signum == signal.SIGINT and self.received == signal.SIGINT:
             self._abandon()
         self.received = signum
@@ -69,6 +175,15 @@ class ShutdownFlag:
             self._timer = threading.Timer(self.timeout_s, self._force_exit)
             self._timer.daemon = True
             self._timer.start()
+
+    def _stop_setup(self, signum: int) -> NoReturn:
+        if self.received is not None:  # a second signal while set-up stops: at once
+            name = signal.Signals(signum).name
+            print(f"[forge] second signal ({name}) during set-up: exiting now", file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(setup_exit_code(self.received))
+        self.received = signum
+        raise SetupInterrupted(signum)
 
     def _abandon(self) -> None:
         sys.stdout.flush()

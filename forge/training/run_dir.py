@@ -153,13 +153,17 @@ def checkpoint_dir_of(config: JobConfig, run_dir: pathlib.Path) -> CheckpointPat
     """``checkpoint.dir`` (a local path or an object-store URL), or ``<run.dir>/checkpoints``
     when unset."""
     cfg = config.checkpoint
-    return location(cfg.dir, cfg.storage_options) if cfg.dir else run_dir / "checkpoints"
+    if not cfg.dir:
+        return run_dir / "checkpoints"
+    return location(cfg.dir, cfg.storage_options, cfg.storage_timeout_s)
 
 
 def load_path_of(config: JobConfig) -> CheckpointPath | None:
     """``checkpoint.load_path`` (a local path or an object-store URL), if set."""
     cfg = config.checkpoint
-    return location(cfg.load_path, cfg.storage_options) if cfg.load_path else None
+    if not cfg.load_path:
+        return None
+    return location(cfg.load_path, cfg.storage_options, cfg.storage_timeout_s)
 
 
 def foreign_records_problem(

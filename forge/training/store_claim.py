@@ -2,7 +2,9 @@
 directory. A prefix holds ``owner.json``, naming the run that writes there (a token kept in
 that run's directory, its path and host); another run directory pointed at the prefix is
 refused, naming the owner. The store is also probed before anything is written: the bucket
-exists, the credentials are accepted, the prefix is writable.
+exists, the credentials are accepted, the prefix is writable, and the store answers within
+``checkpoint.storage_timeout_s`` (each call of the probe and the claim waits that long at
+most: ``ObjectPath.answer``).
 
 Stores offer no lock with a lease, so two runs started at the same instant could both claim
 an empty prefix (the window is one round trip); a run restarted, from any host, with its own
@@ -19,7 +21,7 @@ import uuid
 
 import attrs
 
-from forge.checkpoint.object_path import ObjectPath
+from forge.checkpoint.object_path import ObjectPath, StoreTimeoutError
 from forge.errors import UserInputError, one_line
 
 OWNER = "owner.json"  # in the prefix
@@ -37,12 +39,18 @@ def store_problem(key: str, prefix: ObjectPath) -> str | None:
     bucket = prefix.key.split("/", 1)[0]
     if prefix.protocol in BUCKET_PROTOCOLS and not bucket:
         return f"{key}: {prefix}: names no bucket; give {prefix.protocol}://<bucket>/<prefix>"
-    try:
+
+    def reach() -> None:
         try:  # a listing: reaches the store with these credentials
             prefix.fs.ls(prefix.key, detail=False)
         except FileNotFoundError:  # a new prefix, or no bucket: the bucket's root says which
             if prefix.protocol in BUCKET_PROTOCOLS:
                 prefix.fs.ls(bucket, detail=False)
+
+    try:
+        prefix.answer(reach)
+    except StoreTimeoutError as exc:
+        return f"{key}: {exc}"
     except FileNotFoundError:
         return f"{key}: {prefix}: the bucket '{bucket}' does not exist; create it or fix the URL"
     except PermissionError as exc:
@@ -68,10 +76,13 @@ class Claim:
     token_file: pathlib.Path | None = None
 
     def withdraw(self) -> None:
-        with contextlib.suppress(OSError):
-            if self.owner is not None:
+        """Best effort, each part on its own: a store that refuses to delete the owner (a
+        read-only prefix) does not keep the token file, and so the run directory, behind."""
+        if self.owner is not None:
+            with contextlib.suppress(OSError):
                 self.owner.unlink(missing_ok=True)
-            if self.token_file is not None:
+        if self.token_file is not None:
+            with contextlib.suppress(OSError):
                 self.token_file.unlink(missing_ok=True)
 
 
@@ -86,6 +97,8 @@ def claim_prefix(key: str, prefix: ObjectPath, run_dir: pathlib.Path) -> Claim:
         recorded = json.loads(owner.read_text())
     except FileNotFoundError:
         recorded = None
+    except StoreTimeoutError as exc:
+        raise StoreClaimError(f"{key}: {exc}") from None
     except (OSError, ValueError) as exc:
         raise StoreClaimError(f"{key}: {owner}: unreadable ({one_line(exc)})") from None
     if isinstance(recorded, dict) and recorded.get("token") == token:
@@ -98,25 +111,39 @@ def claim_prefix(key: str, prefix: ObjectPath, run_dir: pathlib.Path) -> Claim:
             f"{key}, or delete {owner} if that run is gone for good"
         )
     record = {"token": token, "run_dir": str(run_dir.resolve()), "host": socket.gethostname()}
-    made_token = not token_file.is_file()
+    claim = Claim(owner, None if token_file.is_file() else token_file)
     try:
         token_file.write_text(token + "\n")  # first: no owner object names a lost token
-    except OSError as exc:
-        raise StoreClaimError(f"run.dir: cannot write {token_file} ({one_line(exc)})") from None
+    except BaseException as exc:
+        Claim(token_file=claim.token_file).withdraw()
+        if isinstance(exc, OSError):
+            raise StoreClaimError(f"run.dir: cannot write {token_file} ({one_line(exc)})") from None
+        raise
+    written = False
     try:
         owner.write_text(json.dumps(record, indent=1))
-    except OSError as exc:
-        if made_token:
-            token_file.unlink(missing_ok=True)
-        raise StoreClaimError(
-            f"{key}: cannot write to {prefix} ({one_line(exc)}): a read-only prefix? {CREDENTIALS}"
-        ) from None
-    claim = Claim(owner, token_file if made_token else None)
-    try:  # a prefix this run may write but not read: no resume could read its checkpoints
-        owner.read_text()
-    except OSError as exc:
+        written = True
+        owner.read_text()  # a prefix this run may write but not read: no resume could read it
+    except BaseException as exc:
+        # all of it: an owner whose write failed, timed out or was cut short by a signal
+        # (set-up interrupted) may have been stored all the same
         claim.withdraw()
-        raise StoreClaimError(
-            f"{key}: cannot read back {owner} ({one_line(exc)}): a write-only prefix? {CREDENTIALS}"
-        ) from None
+        if isinstance(exc, OSError):
+            raise claim_refusal(key, prefix, exc, written) from None
+        raise
     return claim
+
+
+def claim_refusal(key: str, prefix: ObjectPath, exc: OSError, written: bool) -> StoreClaimError:
+    """Why a claim failed: the store did not answer, or refused to write the owner, or to
+    read it back once ``written``."""
+    if isinstance(exc, StoreTimeoutError):
+        return StoreClaimError(f"{key}: {exc}")
+    if not written:
+        return StoreClaimError(
+            f"{key}: cannot write to {prefix} ({one_line(exc)}): a read-only prefix? {CREDENTIALS}"
+        )
+    return StoreClaimError(
+        f"{key}: cannot read back {prefix / OWNER} ({one_line(exc)}): a write-only prefix? "
+        f"{CREDENTIALS}"
+    )

@@ -320,6 +320,11 @@ BAD = [
     ),
     ("a zero head_dim", {"model": {"head_dim": 0}}, "model.head_dim: must be > 0, got 0"),
     (
+        "a store timeout of 0",
+        {"checkpoint": {"storage_timeout_s": 0}},
+        "checkpoint.storage_timeout_s: must be > 0, got 0.0",
+    ),
+    (
         "rope scaling of another type",
         {"model": {"rope_scaling": {"type": "yarn"}}},
         "model.rope_scaling.type: expected one of 'llama3', got 'yarn'",

@@ -1,0 +1,101 @@
+"""What stops set-up: a signal (``SetupInterrupted``, its exit code and line) and a store that
+does not answer (a bounded wait, the endpoint it names). The processes are in
+``tests/e2e/test_setup_signals.py``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from forge.checkpoint.object_path import StoreTimeoutError, object_path, store_endpoint
+from forge.errors import UserInputError
+from forge.resilience.signals import (
+    SetupInterrupted,
+    ShutdownFlag,
+    setup_exit_code,
+    setup_stop_line,
+)
+from forge.types import ExitCode
+
+
+@pytest.mark.parametrize(
+    ("sig", "code"),
+    [
+        (signal.SIGTERM, ExitCode.SHUTDOWN),  # a scheduler: requeue
+        (signal.SIGUSR1, ExitCode.SHUTDOWN),  # SLURM's warning before the time limit
+        (signal.SIGINT, ExitCode.INTERRUPTED),  # Ctrl-C: a person stopped it
+    ],
+    ids=lambda v: getattr(v, "name", v),
+)
+def test_a_signal_during_set_up_exits_with_its_code(sig, code):
+    assert setup_exit_code(sig) == code
+    assert setup_stop_line(sig).startswith(f"interrupted ({sig.name}) during set-up: stopped")
+
+
+SET, ONE = {"AWS_ENDPOINT_URL": "http://env:1"}, {"endpoint_url": "http://options:2"}
+
+# (case, protocol, storage options, environment, the endpoint named)
+ENDPOINTS = [
+    ("the storage options'", "s3", ONE, SET, "http://options:2"),
+    ("in client_kwargs", "s3", {"client_kwargs": {"endpoint_url": "http://client:3"}}, SET, "http://client:3"),
+    ("the environment's", "s3", {}, SET, "http://env:1"),
+    ("S3's own variable first", "s3a", {}, {**SET, "AWS_ENDPOINT_URL_S3": "http://s3:4"}, "http://s3:4"),
+    ("AWS's default", "s3", {}, {}, None),
+    ("no AWS variable for GCS", "gs", {}, SET, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("protocol", "options", "env", "endpoint"),
+    [c[1:] for c in ENDPOINTS],
+    ids=[c[0] for c in ENDPOINTS],
+)
+def test_the_endpoint_a_store_that_does_not_answer_is_named_by(protocol, options, env, endpoint):
+    assert store_endpoint(protocol, options, env) == endpoint
+
+
+def test_a_call_the_store_does_not_answer_is_given_up_after_the_timeout(monkeypatch):
+    """The call is given up on, named as an OSError (its callers' handling) and as bad input
+    (a script's one line); a call that answers in time returns, or raises its own error."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    path = object_path("s3://bucket/run", timeout_s=0.2)
+    hung = threading.Event()
+    start = time.monotonic()
+    with pytest.raises(StoreTimeoutError) as info:
+        path.answer(hung.wait)
+    assert 0.2 <= time.monotonic() - start < 1
+    assert isinstance(info.value, OSError) and isinstance(info.value, UserInputError)
+    assert info.value.lines[0].startswith(
+        "s3://bucket/run: the store at http://127.0.0.1:9 did not answer within "
+        "checkpoint.storage_timeout_s=0.2 s; "
+    )
+    hung.set()
+    assert path.answer(lambda: 7) == 7
+    with pytest.raises(TimeoutError) as own:  # the call's own timeout is not the store's
+        path.answer(lambda: (_ for _ in ()).throw(TimeoutError("its own")))
+    assert not isinstance(own.value, StoreTimeoutError)
+
+
+def test_a_signal_stops_set_up_where_it_is_and_asks_for_a_save_once_set_up_is_done():
+    flag = ShutdownFlag(setting_up=True).install()
+    try:
+        with pytest.raises(SetupInterrupted) as info:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(2)  # the handler raises on the main thread, here
+        assert info.value.exit_code == ExitCode.SHUTDOWN
+    finally:
+        flag.uninstall()
+    flag = ShutdownFlag(setting_up=True).install()
+    try:
+        flag.setup_done()
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 2
+        while not flag.requested() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert flag.received == signal.SIGTERM  # the loop's flag: nothing raised
+    finally:
+        flag.uninstall()
