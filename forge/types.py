@@ -42,7 +42,7 @@ class ExitCode(enum.IntEnum):
     SAVE_FAILED = 5  # a final or emergency save (or the last step's) could not be written
     REPLAY_MISMATCH = 6  # a rank computes inconsistently: suspect its hardware
     SHUTDOWN = 75  # EX_TEMPFAIL: preempted, "try again later" (requeue and resume)
-    INTERRUPTED = 130  # a second Ctrl-C: the save in progress was abandoned
+    INTERRUPTED = 130  # a second Ctrl-C: the save in progress was abandoned (one in set-up)
 
 
 @attrs.frozen

@@ -23,7 +23,9 @@ EXIT_MEANINGS = {
         "a rank computes inconsistently (resilience.replay_interval): suspect its hardware"
     ),
     ExitCode.SHUTDOWN: "preempted: resume by running the same command again",
-    ExitCode.INTERRUPTED: "interrupted twice (Ctrl-C): the save in progress was abandoned",
+    ExitCode.INTERRUPTED: (
+        "interrupted twice (Ctrl-C): the save in progress was abandoned; or once during set-up"
+    ),
 }
 
 USAGE = "usage: train.py CONFIG.toml [--section.key=value ...]"
