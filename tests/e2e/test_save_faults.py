@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import signal
@@ -13,7 +12,8 @@ import time
 
 import pytest
 
-from forge.checkpoint.store import load_checkpoint
+from forge.checkpoint.paths import CheckpointPath, location
+from forge.checkpoint.store import latest_step, load_checkpoint, read_train_state, step_dir
 from forge.config import load_config
 from forge.model.transformer import Transformer
 from tests.conftest import REPO
@@ -39,40 +39,56 @@ def wait_for_steps(run_dir: pathlib.Path, steps: int, *procs) -> None:
         time.sleep(0.05)
 
 
-def emergency_step(config: pathlib.Path, ckpt: pathlib.Path, ranks: int) -> int:
+def emergency_step(config: pathlib.Path, ckpt: CheckpointPath, ranks: int) -> int:
     """The step ``latest`` names: an emergency save of every rank, that loads."""
-    latest = ckpt / os.readlink(ckpt / "latest")
-    state = json.loads((latest / "train_state.json").read_text())
+    step = latest_step(ckpt)
+    assert step is not None, f"no latest in {ckpt}"
+    latest = step_dir(ckpt, step)
+    state = read_train_state(latest)
     assert state["reason"] == "emergency", state["reason"]
     assert sorted(p.name for p in latest.glob("rng_rank*.pt")) == [
         f"rng_rank{r}.pt" for r in range(ranks)
     ]
     model = Transformer(load_config([str(config)]).config.model)
     load_checkpoint(latest, model, None)
-    return int(state["step"])
+    return step
+
+
+def checkpoints(
+    request: pytest.FixtureRequest, run: Run, store: str
+) -> tuple[CheckpointPath, list]:
+    """Where the run saves: its own folder, or a new bucket of the tests' S3 endpoint; and the
+    argument that says so."""
+    if store == "disk":
+        return run.ckpt, []
+    url = f"s3://{request.getfixturevalue('s3_bucket')}/run"
+    return location(url), [f"--checkpoint.dir={url}"]
 
 
 # one process: a terminal's Ctrl-C (SIGINT) or a scheduler's SIGTERM to the whole group
 GROUP_SIGNALS = [
-    ("disabled", signal.SIGTERM),
-    ("async", signal.SIGINT),
-    ("async_process", signal.SIGTERM),
-    ("async_process", signal.SIGINT),
+    ("disabled", signal.SIGTERM, "disk"),
+    ("async", signal.SIGINT, "disk"),
+    ("async_process", signal.SIGTERM, "s3"),
+    ("async_process", signal.SIGINT, "disk"),
 ]
 
 
-@pytest.mark.parametrize("mode,sig", GROUP_SIGNALS, ids=lambda v: getattr(v, "name", v))
-def test_a_signal_to_the_process_group_saves_an_emergency_checkpoint(sandbox: Run, mode, sig):
+@pytest.mark.parametrize("mode,sig,store", GROUP_SIGNALS, ids=lambda v: getattr(v, "name", v))
+def test_a_signal_to_the_process_group_saves_an_emergency_checkpoint(
+    request, sandbox: Run, mode, sig, store
+):
     """The signal reaches every process of the run's group (the checkpoint process of
     ``async_process`` is not one of them): exit 75, every save committed, and an emergency
     checkpoint that loads."""
+    ckpt, where = checkpoints(request, sandbox, store)
     out, err = sandbox.root / "stdout", sandbox.root / "stderr"
     out.touch()
     err.touch()
-    argv = [*TRAIN[1:], str(sandbox.config), *SAVES, f"--checkpoint.async_mode={mode}"]
+    argv = [*TRAIN[1:], str(sandbox.config), *SAVES, *where, f"--checkpoint.async_mode={mode}"]
     proc = start_script(argv, str(out), str(err))  # a session of its own, as from a shell
     try:
-        wait_for_steps(sandbox.dir, 3, proc)
+        wait_for_steps(sandbox.dir, 2, proc)
         os.killpg(proc.pid, sig)
         code = proc.wait(120)
     finally:
@@ -80,7 +96,7 @@ def test_a_signal_to_the_process_group_saves_an_emergency_checkpoint(sandbox: Ru
     stderr = read(str(err)).decode()
     assert code == 75, stderr[-3000:]
     assert "Traceback" not in stderr and "failed" not in stderr, stderr[-3000:]
-    emergency_step(sandbox.config, sandbox.ckpt, ranks=1)
+    emergency_step(sandbox.config, ckpt, ranks=1)
 
 
 def torchrun(config: pathlib.Path, run_dir: pathlib.Path, exits: pathlib.Path, *args: str):
@@ -103,7 +119,7 @@ def test_torchrun_shutdown_saves_an_emergency_checkpoint_on_both_ranks(sandbox: 
     exits.mkdir()
     agent = torchrun(sandbox.config, sandbox.dir, exits, *SAVES, f"--checkpoint.async_mode={mode}")
     try:
-        wait_for_steps(sandbox.dir, 3, agent)
+        wait_for_steps(sandbox.dir, 2, agent)
         agent.send_signal(signal.SIGTERM)
         stdout, stderr = agent.communicate(timeout=120)
     finally:
@@ -133,17 +149,20 @@ KILLED_BEFORE_FINAL = ("signal:step=4:rank=1:sig=KILL", "--train.max_steps=4")
 
 
 @pytest.mark.parametrize(
-    "mode,kill",
+    "mode,kill,store",
     [
-        ("disabled", KILLED_BEFORE_FINAL),
-        ("async", KILLED_IN_FLIGHT),
-        ("async_process", KILLED_IN_FLIGHT),
+        ("disabled", KILLED_BEFORE_FINAL, "disk"),
+        ("async", KILLED_IN_FLIGHT, "s3"),
+        ("async_process", KILLED_IN_FLIGHT, "disk"),
     ],
-    ids=["disabled-final-save", "async-in-flight", "async_process-in-flight"],
+    ids=["disabled-final-save", "async-in-flight-s3", "async_process-in-flight"],
 )
-def test_a_peer_killed_during_a_save_ends_health_failure_in_one_line(sandbox: Run, mode, kill):
+def test_a_peer_killed_during_a_save_ends_health_failure_in_one_line(
+    request, sandbox: Run, mode, kill, store
+):
     faults, steps = kill
-    argv = [str(REPO / "scripts" / "train.py"), str(sandbox.config), *TWO_RANKS, steps,
+    _, where = checkpoints(request, sandbox, store)
+    argv = [str(REPO / "scripts" / "train.py"), str(sandbox.config), *TWO_RANKS, steps, *where,
             f"--checkpoint.async_mode={mode}"]  # fmt: skip
     codes, stdout, stderr = ranks_exit_codes(sandbox.root, argv, {"FORGE_FAULTS": faults})
     assert codes == [4, -signal.SIGKILL], stderr[-4000:]  # the survivor: HEALTH_FAILURE
