@@ -4,6 +4,7 @@ in a file, in a session of its own, and stopped explicitly."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pathlib
 import signal
@@ -220,7 +221,10 @@ def leave_the_process_group() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGUSR1, signal.SIG_DFL)
-    rank = os.getppid()  # spawn starts this process from its rank directly
+    # the pid its rank recorded when it started it (spawn starts it from the rank directly;
+    # getppid alone would miss a rank that died during these seconds of start-up)
+    parent = multiprocessing.parent_process()
+    rank = parent.pid if parent is not None and parent.pid is not None else os.getppid()
     print(f"[forge] checkpoint process {os.getpid()} of rank process {rank}", file=sys.stderr)
     watch = threading.Thread(target=exit_after, args=(rank,), name="forge-rank-watch")
     watch.daemon = True
