@@ -385,12 +385,15 @@ def what_remains(storage: Storage, root: CheckpointPath, previous: int | None) -
         return f"whether the previous checkpoint and 'latest' are intact is unknown ({cause})"
     if there and latest == name:
         return f"the previous checkpoint ({name}) and 'latest' are intact"
-    lost = [] if there else [f"the previous checkpoint {name} is gone"]
-    if latest is None:
-        lost.append("'latest' is gone")
-    elif latest != name:
-        lost.append(f"'latest' names {latest}, not {name}")
-    return "; ".join(lost) + " (deleted, or lost by the store)"
+    gone = [f"the previous checkpoint {name}"] if not there else []
+    gone += ["'latest'"] if latest is None else []
+    found = []
+    if gone:
+        are = "are" if len(gone) > 1 else "is"
+        found.append(f"{' and '.join(gone)} {are} gone (deleted, or lost by the store)")
+    if latest is not None and latest != name:
+        found.append(f"'latest' names {latest}, not {name}")
+    return "; ".join(found)
 
 
 def written_shards(writer: StorageWriter) -> Callable[[], Mapping[str, list]]:

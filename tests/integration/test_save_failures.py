@@ -147,9 +147,9 @@ def empty(root: CheckpointPath) -> None:
 LOSSES = [
     Loss("nothing lost", lambda root: None, ("the previous checkpoint (step_1) and 'latest' are intact",)),
     Loss("the previous step deleted", lambda root: remove(root / "step_1"),
-         ("the previous checkpoint step_1 is gone", "(deleted, or lost by the store)")),
+         ("the previous checkpoint step_1 is gone (deleted, or lost by the store)",)),
     Loss("the prefix emptied", empty,
-         ("the previous checkpoint step_1 is gone; 'latest' is gone",)),
+         ("the previous checkpoint step_1 and 'latest' are gone (deleted, or lost by the store)",)),
 ]  # fmt: skip
 
 
