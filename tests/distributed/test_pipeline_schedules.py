@@ -11,6 +11,7 @@ A checkpoint of two stages per rank resumes at one rank.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -68,6 +69,9 @@ def resume_copy(run_dir: pathlib.Path, out: pathlib.Path, step: int) -> pathlib.
             shutil.rmtree(later)
     (checkpoints / "latest").unlink()
     os.symlink(f"step_{step}", checkpoints / "latest")
+    commits = out / "checkpoints.jsonl"  # nor had it recorded the commits after it
+    kept = [x for x in commits.read_text().splitlines() if json.loads(x)["step"] <= step]
+    commits.write_text("".join(x + "\n" for x in kept))
     return out
 
 
