@@ -57,7 +57,9 @@ def run_ranks(
     """``python argv...`` as ``ranks`` ranks; the exit code of the first rank that failed on
     its own (0 when all succeed). A rank that fails ends the others after ``GRACE_S``, as
     the agent would; so does ``timeout`` (``TimeoutExpired``, with the ranks' output)."""
-    base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    # faulthandler on: a rank that dies of a signal (SIGSEGV, SIGABRT) leaves every thread's
+    # Python stack in the stderr a failing test shows
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:

@@ -11,7 +11,8 @@ output). Its exit status is reported back to the test.
 
 A request whose environment changes what an interpreter reads while it starts (``PYTHON*``,
 the OpenMP and allocator variables, torch's logging) is not forked: ``start_script`` starts a
-fresh process for it, as it does when the zygote finds itself unfit to fork (a thread
+fresh process for it (but for ``PYTHONPATH`` and ``PYTHONFAULTHANDLER``, which ``become``
+applies in the child itself), as it does when the zygote finds itself unfit to fork (a thread
 started while importing: forking it would copy a lock some thread holds).
 
 What a fork cannot give a child: its own string-hash seed (``PYTHONHASHSEED``: every child
@@ -27,6 +28,7 @@ stdin, ``{"pid"}`` / ``{"exit", "code"}`` answers on its stdout.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
 import importlib
 import json
@@ -52,6 +54,8 @@ START_UP_PREFIXES = (
     "PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "MALLOC", "TORCH_CPP_", "TORCH_SHOW", "TORCH_LOGS",
     "TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE", "PYTORCH_", "LANG", "LC_", "TZ",
 )  # fmt: skip
+# the start-up variables ``become`` applies in the child, so a request may set them freely
+IN_CHILD = frozenset({"PYTHONPATH", "PYTHONFAULTHANDLER"})
 PROTOCOL_FD = 3  # the zygote's answers (fd 1 becomes its stderr: a stray print cannot garble them)
 
 
@@ -133,6 +137,12 @@ def become(request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    # as ``python -X faulthandler``: a fatal signal (SIGSEGV, SIGABRT) prints every thread's
+    # Python stack to the child's stderr, now fd 2
+    if request["env"].get("PYTHONFAULTHANDLER"):
+        faulthandler.enable(all_threads=True)
+    else:
+        faulthandler.disable()
     tempfile.tempdir = None  # found again from this environment's TMPDIR
     script = os.path.abspath(request["argv"][0])
     extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -185,12 +195,12 @@ class Zygote:
         self.fit = bool(self.answer_to(0)["ready"])
 
     def fits(self, env: Mapping[str, str]) -> bool:
-        """Whether a child with ``env`` starts as a fresh process would (PYTHONPATH is
-        honoured by ``become``, as sys.path)."""
+        """Whether a child with ``env`` starts as a fresh process would (``become`` honours
+        PYTHONPATH, as sys.path, and PYTHONFAULTHANDLER)."""
         if not self.fit or not self.alive or self.proc.poll() is not None:
             return False
         keys = {k for k in set(env) | set(self.env) if k.startswith(START_UP_PREFIXES)}
-        return all(env.get(k) == self.env.get(k) for k in keys - {"PYTHONPATH"})
+        return all(env.get(k) == self.env.get(k) for k in keys - IN_CHILD)
 
     def start(
         self,

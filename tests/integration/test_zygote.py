@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 
 import pytest
 
+from tests.ranks import run_ranks
 from tests.zygote import run_script, zygote
 
 SCRIPT = """
@@ -83,3 +85,25 @@ def test_an_environment_read_at_start_up_gets_a_fresh_process(script):
     out = done.stdout.decode()
     assert done.returncode == 0 and "env None error" in out
     assert "first warnings filter error" in out  # read while it started: a fresh interpreter
+
+
+CRASH = """
+import ctypes, os
+def read_address_zero():
+    ctypes.string_at(0)  # SIGSEGV
+if os.environ["RANK"] == "1":
+    read_address_zero()
+"""
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["forked", "fresh"])
+def test_a_rank_that_dies_of_a_signal_names_its_python_stack(tmp_path, fresh):
+    """faulthandler is on in every rank of ``run_ranks`` (forked or a fresh process): a
+    SIGSEGV leaves the rank's Python stack in the output a failing test shows."""
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH)
+    env = {"PYTHONWARNINGS": "default"} if fresh else None  # read at start-up: a fresh process
+    done = run_ranks(2, [str(script)], env=env)
+    assert done.returncode == -signal.SIGSEGV
+    assert "Fatal Python error: Segmentation fault" in done.stderr
+    assert "in read_address_zero" in done.stderr, done.stderr
