@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from forge.config.help import help_text
 from forge.errors import CheckpointSaveError, UserInputError, print_errors
+from forge.metrics.goodput import Bucket, read_ledger, run_totals, summary_line
 from forge.metrics.profiler import profiler_hooks
 from forge.resilience.control import ControlChannel, StepMonitor
 from forge.resilience.faults import (
@@ -36,6 +38,14 @@ from forge.training.context import (
 from forge.training.effects import TrainingEffects
 from forge.training.guards import armed_guards
 from forge.training.hooks import HookList, Hooks, configured_hooks
+from forge.training.ledger import (
+    LaunchClock,
+    LedgerEffects,
+    process_started,
+    timed_batches,
+    timed_poll,
+    timed_step,
+)
 from forge.training.loaders import train_batches
 from forge.training.loop import conclude, run_training_loop
 from forge.training.outcome import exit_code, log_failure_line, outcome_message
@@ -55,6 +65,9 @@ from forge.types import ExitCode, LoopOutcome
 
 def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
     """Run the phases in order; returns the process exit code of the loop's outcome."""
+    # a launch starts with its process (imports included); a call of main in a running
+    # process (a notebook, a test) starts its launch at the call
+    started = process_started() if argv is None else time.time()
     args = sys.argv[1:] if argv is None else list(argv)
     if {"-h", "--help"} & set(args):
         print(help_text())
@@ -72,7 +85,10 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         data = setup_data(run, dist)
         lock = claim_run_dir(run, dist)
         pause_if_asked(os.environ, "checkpoint")  # tests only: a signal in a known phase
+        load_start = time.time()
         ckpt = setup_checkpointing(run, dist, model, data)
+        clock = LaunchClock(run.run_dir, dist.is_main, started)
+        clock.add(Bucket.LOAD, time.time() - load_start)
         run_hooks = HookList(
             [
                 *hooks,
@@ -101,7 +117,7 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
     try:
         timeout_s = run.config.distributed.timeout_s
         with stack_watch(run.run_dir, dist.rank, dist.world_size, timeout_s) as stacks:
-            return train(run, dist, model, data, ckpt, flag, run_hooks, faults, stacks)
+            return train(run, dist, model, data, ckpt, flag, run_hooks, faults, stacks, clock)
     finally:
         flag.uninstall()  # done already unless the loop raised
         lock.release()
@@ -117,9 +133,13 @@ def train(
     hooks: HookList,
     faults: tuple[Fault, ...],
     stacks: StackWatch | None = None,
+    clock: LaunchClock | None = None,
 ) -> int:
     """The loop and what follows it, once every set-up phase succeeded; ``stacks``: where
-    this rank's stacks go when the run hangs (re-armed before any other hook)."""
+    this rank's stacks go when the run hangs (re-armed before any other hook); ``clock``:
+    this launch's goodput ledger (the set-up's load already in it)."""
+    if clock is None:
+        clock = LaunchClock(run.run_dir, dist.is_main, time.time())
     flag.timeout_s = run.config.resilience.shutdown_timeout_s
     model = ckpt.applied_to(model)  # schedule_from = "checkpoint": the recorded LR schedule
     if dist.is_main:
@@ -136,22 +156,31 @@ def train(
         res.health_check_interval,
     )
     effects.begin(ckpt.initial_state, ckpt.resume_cost)
+    clock.step = ckpt.initial_state.step
+    clock.add(Bucket.STARTUP, time.time() - clock.started - clock.seconds[Bucket.LOAD])
+    timed_effects = LedgerEffects(effects, clock, effects.logger.measured)
     try:
         outcome, state = run_training_loop(
             ckpt.initial_state,
-            train_batches(data, run.config.train.grad_accum_steps),
-            guard_collectives(step, dist.rank, run.config.distributed.timeout_s, stacks),
+            timed_batches(train_batches(data, run.config.train.grad_accum_steps), clock),
+            timed_step(
+                guard_collectives(step, dist.rank, run.config.distributed.timeout_s, stacks),
+                clock,
+            ),
             policy,
-            effects,
-            monitor,
+            timed_effects,
+            timed_poll(monitor, clock),
         )
-        decision, state = conclude(outcome, state, policy, effects)
+        decision, state = conclude(outcome, state, policy, timed_effects)
     except CheckpointSaveError as exc:  # every rank raises it: they agreed on the failure
         effects.abandon()
         print_errors([str(exc), *([effects.log_failure] if effects.log_failure else [])])
         flag.uninstall()
         teardown(dist)
+        clock.write(ended=True)
         return ExitCode.SAVE_FAILED
+    ending = time.time()
+    clock.step = state.step
     outcome = effects.outcome_after_saves(outcome)  # a peer lost during a save: HEALTH_FAILURE
     effects.end(outcome, state)
     if effects.log_failure is not None:  # an error when it stopped the run, else a warning
@@ -169,6 +198,13 @@ def train(
             print(f"[forge] {message}")
     flag.uninstall()
     teardown(dist, healthy=outcome is not LoopOutcome.HEALTH_FAILURE)
+    if outcome is LoopOutcome.ALREADY_COMPLETE:
+        return exit_code(outcome)  # a run already complete changes nothing on disk
+    clock.add(Bucket.SHUTDOWN, time.time() - ending)
+    clock.write(ended=True)
+    if dist.is_main:
+        launches = read_ledger(clock.path)
+        print(f"[forge] {summary_line(run_totals(launches), len(launches))}", file=sys.stderr)
     return exit_code(outcome)
 
 

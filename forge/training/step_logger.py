@@ -99,12 +99,18 @@ class StepLogger:
         self.resilience = run.config.resilience
         self.streak = StragglerStreak()
         self._carried: dict[str, Recorded] = {}  # for the next logged record
+        self._measured: dict[str, Any] = {}  # rank 0's own, for the next logged record
 
     def carry(self, metrics: Sequence[Recorded]) -> None:
         """Metrics (every rank the same, at the same steps) the next logged record reduces
         with its own, in its one collective; a later one of a name replaces one not yet
         logged."""
         self._carried |= {m.name: m for m in metrics}
+
+    def measured(self, values: Mapping[str, Any]) -> None:
+        """Values rank 0 measured alone (the goodput ledger), for the next logged record: no
+        reduction, no collective."""
+        self._measured = dict(values)
 
     def restart_clock(self, state: LoopState) -> None:
         """Time the next steps from now (after a save, an eval or the start)."""
@@ -137,6 +143,8 @@ class StepLogger:
         if self.dist.is_main:  # only rank 0 writes metrics: the others skip the measurement
             record |= self.meter.record(tps)
             record |= memory_record(self.dist.device)
+            record |= self._measured
+        self._measured = {}
         self.emit(record | reduced)
         self.restart_clock(state)
 

@@ -1,0 +1,137 @@
+"""The goodput ledger: where a run's wall time went, across every launch (pure; the clock that
+fills it is ``forge.training.ledger``).
+
+Each launch appends its running totals to ``<run.dir>/goodput.jsonl`` (rank 0, at each logged
+step and at its end), one JSON line each: a SIGKILL loses at most the tail since its last line,
+never an earlier launch. ``run_totals`` reads every launch's last line and adds them up:
+
+- a launch's own buckets, measured where the time is spent (``Bucket``);
+- ``recomputed`` also takes the productive time a launch spent past its last save (killed,
+  its node lost, or ended without a final save): the next launch trains those steps again;
+- ``down``: the time between one launch's last line and the next launch's start (a process
+  killed, the scheduler's relaunch), which no launch could measure.
+
+So the buckets add up to the run's wall time, from its first launch's start to its last
+line, up to what each launch did not time; ``goodput`` = productive / wall.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import pathlib
+from collections.abc import Iterable, Mapping
+
+import attrs
+
+LEDGER_FILE = "goodput.jsonl"
+
+
+class Bucket(enum.Enum):
+    """Where a second of a launch went."""
+
+    STARTUP = "startup"  # process start to the loop: imports, process group, model, data
+    LOAD = "load"  # resolving, verifying and loading the checkpoint resumed from
+    PRODUCTIVE = "productive"  # steps whose update the run keeps
+    DROPPED = "dropped"  # steps whose update was dropped (non-finite, a spike)
+    RECOMPUTED = "recomputed"  # steps trained again: rolled back, or lost past a commit
+    CHECKPOINT = "checkpoint"  # the loop blocked on saves, snapshots and their wait
+    EVALUATION = "evaluation"
+    LOADER = "loader"  # waiting for the next batch
+    HANG = "hang"  # a step that ended in a failed collective: the time to detect it
+    LOGGING = "logging"  # records, the per-step control word, hooks
+    SHUTDOWN = "shutdown"  # after the loop: the final wait, closing, teardown
+    DOWN = "down"  # between launches: no process of the run was timing
+
+
+@attrs.frozen
+class LaunchRecord:
+    """One launch's running totals, as its last line says."""
+
+    launch: str  # its start time and rank 0's pid: unique per launch
+    started: float  # unix time the process started
+    wall: float  # seconds from ``started`` to this line
+    step: int  # the step reached
+    uncommitted: float  # productive seconds since the last save began (lost if it died)
+    ended: bool  # the launch wrote its last line at its end (not killed)
+    seconds: Mapping[str, float]  # by ``Bucket`` value
+
+
+def launch_line(record: LaunchRecord) -> str:
+    """The JSON line ``record`` is appended as."""
+    return json.dumps(attrs.asdict(record)) + "\n"
+
+
+def read_ledger(path: pathlib.Path) -> list[LaunchRecord]:
+    """Every launch's last record, in the order the launches started; a torn or damaged line
+    is passed over (the launch's previous line stands)."""
+    last: dict[str, LaunchRecord] = {}
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return []
+    for line in raw.splitlines():
+        try:
+            entry = json.loads(line)
+            record = LaunchRecord(**entry)
+        except (ValueError, TypeError):
+            continue
+        last[record.launch] = record
+    return sorted(last.values(), key=lambda r: r.started)
+
+
+def run_totals(
+    launches: Iterable[LaunchRecord], running: LaunchRecord | None = None
+) -> dict[Bucket, float]:
+    """The run's seconds by bucket, every launch's added up (see the module docstring);
+    ``running``: the launch still training, whose steps past its last save are not lost
+    yet."""
+    totals = dict.fromkeys(Bucket, 0.0)
+    previous_end: float | None = None
+    for record in [*launches, *([running] if running is not None else [])]:
+        for name, seconds in record.seconds.items():
+            totals[Bucket(name)] += seconds
+        if record is not running:  # its steps past its last save are trained again
+            totals[Bucket.PRODUCTIVE] -= record.uncommitted
+            totals[Bucket.RECOMPUTED] += record.uncommitted
+        if previous_end is not None:
+            totals[Bucket.DOWN] += max(0.0, record.started - previous_end)
+        previous_end = record.started + record.wall
+    return totals
+
+
+def goodput(totals: Mapping[Bucket, float]) -> float:
+    """Productive seconds over all of them (0 for an empty ledger)."""
+    wall = sum(totals.values())
+    return totals[Bucket.PRODUCTIVE] / wall if wall > 0 else 0.0
+
+
+def run_wall(launches: list[LaunchRecord]) -> float:
+    """Seconds from the first launch's start to the last launch's last line."""
+    if not launches:
+        return 0.0
+    return max(r.started + r.wall for r in launches) - launches[0].started
+
+
+def summary_line(totals: Mapping[Bucket, float], launches: int) -> str:
+    """``goodput 0.81 over 3 launches, 42.0 s: productive 34.1 s, startup 4.2 s, ...``: the
+    buckets that hold a tenth of a second or more, largest first."""
+    wall = sum(totals.values())
+    parts = sorted(
+        ((s, b.value) for b, s in totals.items() if s >= 0.05 and b is not Bucket.PRODUCTIVE),
+        reverse=True,
+    )
+    spent = ", ".join(f"{name} {s:.1f} s" for s, name in parts)
+    productive = totals[Bucket.PRODUCTIVE]
+    return (
+        f"goodput {goodput(totals):.2f} over {launches} launch{'es' if launches != 1 else ''}, "
+        f"{wall:.1f} s: productive {productive:.1f} s" + (f", {spent}" if spent else "")
+    )
+
+
+def ledger_metrics(totals: Mapping[Bucket, float]) -> dict[str, float]:
+    """The run's ledger as metrics: ``goodput`` and ``goodput/<bucket>_s``."""
+    return {
+        "goodput": goodput(totals),
+        **{f"goodput/{b.value}_s": round(s, 3) for b, s in totals.items()},
+    }

@@ -1,0 +1,232 @@
+"""The clock of one launch's goodput ledger (``forge.metrics.goodput``): the loop's inputs and
+effects wrapped so that each second lands in the bucket it was spent in, and rank 0's running
+totals appended to ``<run.dir>/goodput.jsonl`` at each logged step and at the end.
+
+The loop itself is not touched: its batches, its step, its poll and its ``Effects`` are
+wrapped (``LedgerEffects`` has the loop's ``Effects`` methods), so the reducer stays pure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from forge.metrics.goodput import (
+    LEDGER_FILE,
+    Bucket,
+    LaunchRecord,
+    launch_line,
+    ledger_metrics,
+    read_ledger,
+    run_totals,
+)
+from forge.training.loop import Effects
+from forge.training.plan import SaveReason
+from forge.types import LoopState, Signals, StepResult
+
+BatchT = TypeVar("BatchT")
+
+
+def process_started() -> float:
+    """When this process started (unix time), its imports included: its age read from
+    ``/proc`` (ticks since boot, against the boot clock, so no rounding of the boot time
+    enters), else now."""
+    try:
+        ticks = int(pathlib.Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.time()
+    return time.time() - max(0.0, age)
+
+
+class LaunchClock:
+    """This launch's seconds by bucket; rank 0 appends them to the run's ledger."""
+
+    def __init__(
+        self,
+        run_dir: pathlib.Path,
+        is_main: bool,
+        started: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.path = run_dir / LEDGER_FILE
+        self.is_main = is_main
+        self.started = started
+        self.clock = clock
+        self.launch = f"{started:.3f}-{os.getpid()}"
+        self.seconds = dict.fromkeys(Bucket, 0.0)
+        self.step = 0
+        self.uncommitted = 0.0  # productive seconds since the last save began
+        self.since_snapshot = 0.0  # productive seconds a rollback would train again
+        self.last_step: tuple[Bucket, float] | None = None
+        self.earlier = read_ledger(self.path) if is_main else []  # the run's other launches
+
+    def add(self, bucket: Bucket, seconds: float) -> None:
+        self.seconds[bucket] += seconds
+
+    @contextlib.contextmanager
+    def timing(self, bucket: Bucket) -> Iterator[None]:
+        start = self.clock()
+        try:
+            yield
+        finally:
+            self.add(bucket, self.clock() - start)
+
+    def step_done(self, result: StepResult, seconds: float) -> None:
+        """A step's seconds: productive, dropped (not applied) or a hang (its collectives
+        failed: the time until that was detected)."""
+        if result.collective_failed:
+            bucket = Bucket.HANG
+        elif not (result.finite and result.applied):
+            bucket = Bucket.DROPPED
+        else:
+            bucket = Bucket.PRODUCTIVE
+            self.uncommitted += seconds
+            self.since_snapshot += seconds
+        self.add(bucket, seconds)
+        self.last_step = (bucket, seconds)
+
+    def dropped_elsewhere(self) -> None:
+        """A peer's step was not finite: this rank's step was dropped too."""
+        if self.last_step is not None and self.last_step[0] is Bucket.PRODUCTIVE:
+            seconds = self.last_step[1]
+            self.move(Bucket.PRODUCTIVE, Bucket.DROPPED, seconds)
+            self.uncommitted -= seconds
+            self.since_snapshot -= seconds
+            self.last_step = (Bucket.DROPPED, seconds)
+
+    def move(self, source: Bucket, target: Bucket, seconds: float) -> None:
+        self.seconds[source] -= seconds
+        self.seconds[target] += seconds
+
+    def record(self, ended: bool) -> LaunchRecord:
+        return LaunchRecord(
+            launch=self.launch,
+            started=self.started,
+            wall=round(self.clock() - self.started, 3),
+            step=self.step,
+            uncommitted=round(self.uncommitted, 3),
+            ended=ended,
+            seconds={b.value: round(s, 3) for b, s in self.seconds.items() if s},
+        )
+
+    def run_metrics(self) -> dict[str, float]:
+        """The run's ledger so far, this launch still running (for its logged records)."""
+        return ledger_metrics(run_totals(self.earlier, self.record(ended=False)))
+
+    def write(self, ended: bool = False) -> None:
+        """Append this launch's totals (rank 0); a disk that cannot take them loses this line
+        only (the ledger is a record, never the reason a run stops)."""
+        if not self.is_main:
+            return
+        try:
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write(launch_line(self.record(ended)))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            print(f"[forge] warning: goodput ledger {self.path}: {exc}", file=sys.stderr)
+
+
+def timed_batches(batches: Iterator[BatchT], clock: LaunchClock) -> Iterator[BatchT]:
+    """``batches``, the wait for each in the loader bucket."""
+    while True:
+        with clock.timing(Bucket.LOADER):
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+        yield batch
+
+
+def timed_step(
+    step: Callable[[BatchT, LoopState], StepResult], clock: LaunchClock
+) -> Callable[[BatchT, LoopState], StepResult]:
+    """``step``, its seconds in the bucket its result says (``LaunchClock.step_done``)."""
+
+    def timed(batch: BatchT, state: LoopState) -> StepResult:
+        start = clock.clock()
+        result = step(batch, state)
+        clock.step_done(result, clock.clock() - start)
+        return result
+
+    return timed
+
+
+def timed_poll(
+    poll: Callable[[StepResult], Signals], clock: LaunchClock
+) -> Callable[[StepResult], Signals]:
+    """``poll`` (the control word), in the logging bucket; a peer's non-finite step makes
+    this rank's step a dropped one."""
+
+    def timed(result: StepResult) -> Signals:
+        with clock.timing(Bucket.LOGGING):
+            signals = poll(result)
+        if signals.nonfinite:
+            clock.dropped_elsewhere()
+        return signals
+
+    return timed
+
+
+class LedgerEffects:
+    """The loop's ``Effects``, each timed into its bucket; the ledger line is written after
+    each logged step."""
+
+    def __init__(
+        self,
+        effects: Effects,
+        clock: LaunchClock,
+        carry: Callable[[dict[str, Any]], None] = lambda record: None,
+    ) -> None:
+        self.effects = effects
+        self.clock = clock
+        self.carry = carry  # values for the next logged record: the run's goodput so far
+
+    def save(self, state: LoopState, reason: SaveReason) -> None:
+        with self.clock.timing(Bucket.CHECKPOINT):
+            self.effects.save(state, reason)
+        self.clock.uncommitted = 0.0
+
+    def wait(self) -> None:
+        with self.clock.timing(Bucket.CHECKPOINT):
+            self.effects.wait()
+
+    def log(self, state: LoopState, result: StepResult) -> None:
+        with self.clock.timing(Bucket.LOGGING):
+            if self.clock.is_main:
+                self.carry(self.clock.run_metrics())
+            self.effects.log(state, result)
+            self.clock.step = state.step
+            self.clock.write()
+
+    def evaluate(self, state: LoopState) -> None:
+        with self.clock.timing(Bucket.EVALUATION):
+            self.effects.evaluate(state)
+
+    def step_end(self, state: LoopState, result: StepResult) -> None:
+        self.clock.step = state.step
+        with self.clock.timing(Bucket.LOGGING):
+            self.effects.step_end(state, result)
+
+    def snapshot(self, state: LoopState) -> None:
+        with self.clock.timing(Bucket.CHECKPOINT):
+            self.effects.snapshot(state)
+        self.clock.since_snapshot = 0.0
+
+    def restore(self, state: LoopState) -> None:
+        """A rollback: the steps since the snapshot are trained again."""
+        redone = self.clock.since_snapshot
+        self.clock.move(Bucket.PRODUCTIVE, Bucket.RECOMPUTED, redone)
+        self.clock.uncommitted = max(0.0, self.clock.uncommitted - redone)
+        self.clock.since_snapshot = 0.0
+        with self.clock.timing(Bucket.RECOMPUTED):
+            self.effects.restore(state)
+
+    def __getattr__(self, name: str) -> Any:  # what the loop does not call passes through
+        return getattr(self.effects, name)

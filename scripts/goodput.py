@@ -1,0 +1,65 @@
+"""Where a run's wall time went: ``python scripts/goodput.py runs/debug``.
+
+Reads the run's goodput ledger (``<run.dir>/goodput.jsonl``, written by every launch) and
+prints one row per launch (when it started, its steps, its wall time and its largest buckets,
+whether it ended or was killed) and the run's totals: each bucket's seconds and share of the
+wall time, and goodput, the productive share (docs/observability.md#the-goodput-ledger).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+from collections.abc import Sequence
+
+from forge.cli import summary
+from forge.errors import print_errors
+from forge.interrupts import exits_on_interrupt
+from forge.metrics.goodput import LEDGER_FILE, Bucket, read_ledger, run_totals, summary_line
+from forge.types import ExitCode
+
+
+def launch_rows(run_dir: pathlib.Path) -> list[str]:
+    """One line per launch, then the run's buckets, then its summary line."""
+    launches = read_ledger(run_dir / LEDGER_FILE)
+    lines = []
+    for i, r in enumerate(launches, 1):
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started))
+        how = "ended" if r.ended else f"killed ({r.uncommitted:.1f} s past its last save lost)"
+        top = sorted(r.seconds.items(), key=lambda kv: -kv[1])[:3]
+        spent = ", ".join(f"{name} {s:.1f} s" for name, s in top)
+        lines.append(f"launch {i}  {when}  to step {r.step:<6} {r.wall:8.1f} s  {how}: {spent}")
+    totals = run_totals(launches)
+    wall = sum(totals.values())
+    lines.append("")
+    for bucket in Bucket:
+        share = totals[bucket] / wall if wall > 0 else 0.0
+        lines.append(f"{bucket.value:<12} {totals[bucket]:10.1f} s  {share:6.1%}")
+    lines.append("")
+    lines.append(summary_line(totals, len(launches)))
+    return lines
+
+
+@exits_on_interrupt
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("run", type=pathlib.Path, help="a run directory")
+    args = parser.parse_args(argv)
+    if not (args.run / LEDGER_FILE).is_file():
+        print_errors(
+            [
+                f"{args.run}: no {LEDGER_FILE} (a run directory trained by this forge keeps "
+                "one); pass the run.dir of a training run"
+            ]
+        )
+        return ExitCode.CONFIG_ERROR
+    print("\n".join(launch_rows(args.run)))
+    return ExitCode.OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The goodput ledger of a real run across launches: a SIGKILL, a SIGTERM, then the end."""
+
+from __future__ import annotations
+
+import json
+
+from forge.metrics.goodput import Bucket, read_ledger, run_totals, run_wall
+from tests.e2e.sandbox import train
+from tests.e2e.test_train_script import load_script
+from tests.in_process import run_main
+
+GOODPUT = load_script("goodput")
+
+
+def test_a_run_with_two_restarts_accounts_for_its_wall_time(sandbox):
+    """Killed at step 7 (checkpoint at 5), stopped by SIGTERM after step 9 (saved at 10),
+    then completed: three launches in the ledger, the killed one's line kept as it last wrote
+    it, the steps it trained past its commit counted as recomputed, and the buckets adding up
+    to the run's wall time within 5%."""
+    killed = train(sandbox, env={"FORGE_FAULTS": "signal:step=7:sig=KILL"})
+    assert killed.code == -9, killed.stderr
+    stopped = train(sandbox, env={"FORGE_FAULTS": "signal:step=9:sig=TERM"})
+    assert stopped.code == 75, stopped.stderr
+    done = train(sandbox)
+    assert done.code == 0, done.stderr
+    launches = read_ledger(sandbox.dir / "goodput.jsonl")
+    assert [(r.step, r.ended) for r in launches] == [(7, False), (10, True), (12, True)]
+    first = launches[0]
+    assert first.uncommitted > 0  # steps 6 and 7, past the checkpoint of step 5
+    assert launches[1].uncommitted == launches[2].uncommitted == 0  # each ended with a save
+    totals = run_totals(launches)
+    assert totals[Bucket.RECOMPUTED] >= first.uncommitted
+    assert totals[Bucket.DOWN] > 0  # between the kill and the next launch
+    wall = run_wall(launches)
+    assert abs(sum(totals.values()) - wall) <= 0.05 * wall, (totals, wall)
+    assert all(totals[b] > 0 for b in (Bucket.STARTUP, Bucket.PRODUCTIVE, Bucket.CHECKPOINT))
+    summary = [x for x in done.stderr.splitlines() if x.startswith("[forge] goodput ")]
+    assert len(summary) == 1 and "over 3 launches" in summary[0], done.stderr
+    records = [json.loads(x) for x in (sandbox.dir / "metrics.jsonl").read_text().splitlines()]
+    ledgers = [r for r in records if "goodput" in r]
+    assert ledgers[-1]["step"] == 12 and 0 < ledgers[-1]["goodput"] < 1
+    # the script that reads a run: a row per launch, the buckets, the summary
+    report = run_main(GOODPUT.main, [str(sandbox.dir)])
+    assert report.returncode == 0
+    rows = report.stdout.splitlines()
+    assert [r.split()[1] for r in rows[:3]] == ["1", "2", "3"] and "killed" in rows[0]
+    assert rows[-1] == summary[0].removeprefix("[forge] ")

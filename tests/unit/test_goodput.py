@@ -1,0 +1,79 @@
+"""The goodput ledger's arithmetic (pure): launches added up, lost work, the gaps between."""
+
+from __future__ import annotations
+
+import pytest
+
+from forge.metrics.goodput import (
+    Bucket,
+    LaunchRecord,
+    goodput,
+    launch_line,
+    read_ledger,
+    run_totals,
+    run_wall,
+    summary_line,
+)
+
+
+def launch(started, wall, seconds, uncommitted=0.0, ended=True, name=None):
+    return LaunchRecord(
+        launch=name or f"{started}", started=started, wall=wall, step=10,
+        uncommitted=uncommitted, ended=ended, seconds=seconds,
+    )  # fmt: skip
+
+
+P, S, C = Bucket.PRODUCTIVE.value, Bucket.STARTUP.value, Bucket.CHECKPOINT.value
+
+# (case, launches, expected totals of the buckets named)
+ROWS = [
+    ("one clean launch", [launch(0, 10, {S: 2, P: 7, C: 1})], {Bucket.PRODUCTIVE: 7, Bucket.DOWN: 0}),
+    (
+        "a killed launch's work past its last commit is recomputed",
+        [launch(0, 10, {S: 2, P: 8}, uncommitted=3, ended=False), launch(12, 10, {S: 2, P: 8})],
+        {Bucket.PRODUCTIVE: 13, Bucket.RECOMPUTED: 3, Bucket.DOWN: 2, Bucket.STARTUP: 4},
+    ),
+    (
+        "a launch stopped with a save lost nothing",
+        [launch(0, 10, {S: 2, P: 8}), launch(10.5, 5, {S: 1, P: 4})],
+        {Bucket.PRODUCTIVE: 12, Bucket.RECOMPUTED: 0, Bucket.DOWN: 0.5},
+    ),
+    (
+        "overlapping launches (a clock step back) add no negative gap",
+        [launch(0, 10, {P: 10}), launch(9, 5, {P: 5})],
+        {Bucket.DOWN: 0},
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("launches,expected", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
+def test_run_totals(launches, expected):
+    totals = run_totals(launches)
+    for bucket, seconds in expected.items():
+        assert totals[bucket] == pytest.approx(seconds), bucket
+
+
+def test_the_buckets_of_fully_timed_launches_add_up_to_the_run_wall():
+    launches = [launch(0, 10, {S: 2, P: 8}, 3, False), launch(12, 10, {S: 2, P: 8})]
+    assert sum(run_totals(launches).values()) == pytest.approx(run_wall(launches)) == 22
+    assert goodput(run_totals(launches)) == pytest.approx(13 / 22)
+
+
+def test_the_ledger_keeps_each_launchs_last_line_and_passes_over_a_torn_one(tmp_path):
+    path = tmp_path / "goodput.jsonl"
+    first = launch(0, 5, {P: 4}, name="a")
+    later = launch(0, 9, {P: 8}, name="a")
+    other = launch(10, 3, {P: 2}, name="b")
+    path.write_text(
+        launch_line(first) + launch_line(later) + launch_line(other) + '{"launch": "b", "wa'
+    )
+    assert read_ledger(path) == [later, other]
+    assert read_ledger(tmp_path / "none.jsonl") == []
+
+
+def test_the_summary_names_goodput_and_the_largest_buckets_first():
+    line = summary_line(run_totals([launch(0, 10, {S: 2, P: 7, C: 1})]), 1)
+    assert (
+        line
+        == "goodput 0.70 over 1 launch, 10.0 s: productive 7.0 s, startup 2.0 s, checkpoint 1.0 s"
+    )
