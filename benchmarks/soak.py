@@ -1,0 +1,373 @@
+"""A fault soak: a real 2-rank torchrun job under faults of mixed kinds, relaunched as a
+scheduler would until it completes, measured against the same job never interrupted.
+
+Faults, drawn from ``--seed`` at random steps:
+
+- process faults, sent by the soak to the running launch when its records reach the step:
+  ``kill_rank`` (SIGKILL one rank), ``term_job`` (SIGTERM the job: torchrun's shutdown),
+  ``stall_rank`` (SIGSTOP one rank until the other has named it, then SIGCONT),
+  ``kill_in_save`` (SIGKILL one rank as a checkpoint step's async save starts);
+- in-job faults, keyed by step in ``FORGE_FAULTS`` (each launch that reaches the step meets
+  them again, and so does the reference run): ``nan`` (skipped by policy), ``spike``
+  (skipped by ``on_spike = "skip"``), ``corrupt`` (a flipped gradient bit on a replayed step,
+  outvoted).
+
+Reported: recovery success (the final checkpoint's every tensor bit-identical to the
+uninterrupted run's, and every step's loss equal), time to recover per process fault (the
+fault to the first step after it, with its parts: down until the next launch started, that
+launch's start-up and load from its goodput ledger, and the steps recomputed), the steps
+recomputed, and the run's goodput::
+
+    python benchmarks/soak.py --faults 8 --seed 0 [--steps 60] [--data data/stdlib]
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+import os
+import pathlib
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import attrs
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a file: forge from this checkout
+
+from forge.cli import summary  # noqa: E402
+from forge.metrics.goodput import goodput, read_ledger, run_totals  # noqa: E402
+
+INTERVAL = 5  # steps between checkpoints
+LAUNCH_LIMIT = 300.0  # seconds a launch may take before the soak gives up on it
+
+
+class Kind(enum.Enum):
+    KILL_RANK = "kill_rank"
+    TERM_JOB = "term_job"
+    STALL_RANK = "stall_rank"
+    KILL_IN_SAVE = "kill_in_save"
+    NAN = "nan"
+    SPIKE = "spike"
+    CORRUPT = "corrupt"
+
+
+PROCESS = (Kind.KILL_RANK, Kind.TERM_JOB, Kind.STALL_RANK, Kind.KILL_IN_SAVE)
+
+
+@attrs.frozen
+class Fault:
+    kind: Kind
+    step: int  # sent once the records reach this step (process), or keyed to it (in-job)
+    rank: int = 1
+
+
+def plan_faults(seed: int, count: int, steps: int, kinds: Sequence[Kind]) -> list[Fault]:
+    """``count`` faults of ``kinds`` in turn (shuffled by ``seed``), at steps drawn from it:
+    in-job ones at distinct steps (a spike after the loss statistics' warm-up, a corruption
+    on a replayed step), process ones anywhere before the last step (one at a save step for
+    ``kill_in_save``), in step order."""
+    rng = random.Random(seed)
+    order = [kinds[i % len(kinds)] for i in range(count)]
+    rng.shuffle(order)
+    taken: set[int] = set()
+    faults = []
+    for kind in order:
+        if kind is Kind.SPIKE:
+            choices = range(12, steps)
+        elif kind is Kind.CORRUPT:
+            choices = range(INTERVAL, steps, INTERVAL)  # replay_interval = INTERVAL
+        elif kind is Kind.KILL_IN_SAVE:
+            choices = range(INTERVAL, steps, INTERVAL)
+        else:
+            choices = range(2, steps)
+        free = [s for s in choices if kind in PROCESS or s not in taken]
+        step = rng.choice(free)
+        if kind not in PROCESS:
+            taken.add(step)
+        faults.append(Fault(kind, step, rank=rng.randrange(2)))
+    return sorted(faults, key=lambda f: (f.step, f.kind.value))
+
+
+def in_job_env(faults: Sequence[Fault]) -> str:
+    """``FORGE_FAULTS`` for the in-job faults (every launch and the reference get it)."""
+    entries = {
+        Kind.NAN: "nan:step={step}",
+        Kind.SPIKE: "spike:step={step}:scale=1000",
+        Kind.CORRUPT: "corrupt:step={step}:rank={rank}",
+    }
+    return ",".join(
+        entries[f.kind].format(step=f.step, rank=f.rank) for f in faults if f.kind in entries
+    )
+
+
+def config_args(data: pathlib.Path, steps: int) -> list[str]:
+    """The soak's job: the debug config at dim 64, 2 layers, 64 tokens per row."""
+    return [
+        str(REPO / "configs" / "train" / "debug.toml"),
+        f"--data.path={data}",
+        "--model.dim=64",
+        "--model.n_layers=2",
+        "--model.max_seq_len=64",
+        "--train.seq_len=64",
+        f"--train.max_steps={steps}",
+        "--scheduler.warmup_steps=2",
+        "--distributed.dp_shard=2",
+        "--distributed.timeout_s=20",
+        "--resilience.health_timeout_s=4",
+        "--resilience.spike_threshold=6",
+        "--resilience.on_spike=skip",
+        f"--resilience.replay_interval={INTERVAL}",
+        f"--checkpoint.interval={INTERVAL}",
+        "--checkpoint.async_mode=async",
+        "--checkpoint.keep_last_n=2",
+        "--metrics.log_interval=1",
+        "--eval.interval=0",
+        "--data.verify_checksum=false",
+    ]
+
+
+def torchrun(run_dir: pathlib.Path, args: Sequence[str], faults: str, log) -> subprocess.Popen:
+    """One launch: torchrun's agent and two workers (no restarts: the soak is the
+    scheduler)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "--max-restarts=0", str(REPO / "scripts" / "train.py"), *args,
+           f"--run.dir={run_dir}"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FORGE_FAULTS": faults}
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def workers(agent: int) -> dict[int, int]:
+    """The agent's workers by rank (read from their environment)."""
+    found = {}
+    for children in pathlib.Path(f"/proc/{agent}/task").glob("*/children"):
+        for pid in map(int, children.read_text().split()):
+            try:
+                environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for entry in environ:
+                if entry.startswith(b"RANK="):
+                    found[int(entry[5:])] = pid
+    return found
+
+
+def steps_logged(run_dir: pathlib.Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in record:
+            steps.append(record["step"])
+    return steps
+
+
+@attrs.frozen
+class Recovery:
+    kind: Kind
+    step: int  # the step the fault came at
+    resumed: int  # the step the next launch resumed from
+    seconds: float  # the fault to the first step after it
+    down: float  # the fault to the next launch's start
+    startup: float  # the next launch's start-up (its ledger)
+    load: float  # its checkpoint load and verification
+
+
+def send(fault: Fault, agent: subprocess.Popen) -> None:
+    """Deliver a process fault to the running launch."""
+    ranks = workers(agent.pid)
+    if fault.kind is Kind.TERM_JOB:
+        agent.send_signal(signal.SIGTERM)
+        return
+    pid = ranks.get(fault.rank)
+    if pid is None:
+        return
+    if fault.kind is Kind.STALL_RANK:
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(8.0)  # past resilience.health_timeout_s: the peer names it and ends
+        os.kill(pid, signal.SIGCONT)
+    else:
+        os.kill(pid, signal.SIGKILL)
+
+
+def soak(
+    work: pathlib.Path, data: pathlib.Path, steps: int, faults: list[Fault]
+) -> dict[str, object]:
+    """Run the job under ``faults`` until it completes, then the reference; the report."""
+    args = config_args(data, steps)
+    env_faults = in_job_env(faults)
+    pending = [f for f in faults if f.kind in PROCESS]
+    run_dir = work / "run"
+    recoveries: list[Recovery] = []
+    sent: list[Fault] = []
+    launches = 0
+    started = time.time()
+    # a fault sent and not yet recovered from: it, when, the step reached, launches so far
+    open_fault: tuple[Fault, float, int, int] | None = None
+    with (work / "soak.log").open("ab") as log:
+        while True:
+            launches += 1
+            if launches > len(faults) + 5:
+                raise RuntimeError(f"no completion after {launches - 1} launches; see {work}")
+            begun = time.time()
+            agent = torchrun(run_dir, args, env_faults, log)
+            before = max(steps_logged(run_dir), default=0)
+            while agent.poll() is None:
+                reached = max(steps_logged(run_dir), default=0)
+                if open_fault is not None:  # recovered once a later launch logs a step
+                    ledger = read_ledger(run_dir / "goodput.jsonl")
+                    if len(ledger) > open_fault[3]:
+                        fault, at, at_step, _ = open_fault
+                        first = ledger[open_fault[3]]
+                        recoveries.append(
+                            Recovery(
+                                fault.kind, at_step, first.step - 1, time.time() - at,
+                                begun - at, first.seconds.get("startup", 0.0),
+                                first.seconds.get("load", 0.0),
+                            )
+                        )  # fmt: skip
+                        open_fault = None
+                due = open_fault is None and pending and reached >= pending[0].step
+                if due and (reached > before or before == 0):  # this launch reached it
+                    fault = pending.pop(0)
+                    send(fault, agent)
+                    sent.append(fault)
+                    launched = len(read_ledger(run_dir / "goodput.jsonl"))
+                    open_fault = (fault, time.time(), reached, launched)
+                if time.time() - begun > LAUNCH_LIMIT:
+                    agent.kill()
+                time.sleep(0.05)
+            if agent.returncode == 0 and max(steps_logged(run_dir), default=0) >= steps:
+                break  # complete; a fault the run outran was never sent
+    wall = time.time() - started
+    reference = work / "reference"
+    with (work / "reference.log").open("ab") as log:
+        if torchrun(reference, args, env_faults, log).wait() != 0:
+            raise RuntimeError(f"the reference run failed; see {work / 'reference.log'}")
+    identical = same_weights(run_dir, reference, steps) and losses(run_dir) == losses(reference)
+    recovered = len(recoveries) == len(sent)
+    totals = run_totals(read_ledger(run_dir / "goodput.jsonl"))
+    return {
+        "faults": len([f for f in faults if f.kind not in PROCESS]) + len(sent),
+        "kinds": {
+            k.value: sum(
+                f.kind is k for f in (*sent, *(f for f in faults if f.kind not in PROCESS))
+            )
+            for k in Kind
+        },
+        "launches": launches,
+        "completed": True,
+        "recovered": f"{len(recoveries)}/{len(sent)}"
+        if recovered
+        else f"{len(recoveries)}/{len(sent)} (a fault's launch died again before logging a step)",
+        "bit_identical": identical,
+        "records_lost": records_lost(run_dir, steps),
+        "recovery": recovery_table(recoveries),
+        "recomputed_steps": sum(max(0, r.step - r.resumed) for r in recoveries),
+        "goodput": round(goodput(totals), 3),
+        "buckets_s": {b.value: round(s, 1) for b, s in totals.items()},
+        "wall_s": round(wall, 1),
+    }
+
+
+def recovery_table(recoveries: Sequence[Recovery]) -> dict[str, dict[str, float]]:
+    """Per kind: the count, the median and max time to recover, and the median parts."""
+    table = {}
+    for kind in PROCESS:
+        mine = [r for r in recoveries if r.kind is kind]
+        if not mine:
+            continue
+        table[kind.value] = {
+            "count": len(mine),
+            "median_s": round(statistics.median(r.seconds for r in mine), 2),
+            "max_s": round(max(r.seconds for r in mine), 2),
+            "down_s": round(statistics.median(r.down for r in mine), 2),
+            "startup_s": round(statistics.median(r.startup for r in mine), 2),
+            "load_s": round(statistics.median(r.load for r in mine), 2),
+            "recomputed_steps": round(statistics.mean(max(0, r.step - r.resumed) for r in mine), 1),
+        }
+    return table
+
+
+def losses(run_dir: pathlib.Path) -> list[tuple[int, str]]:
+    """Each step's loss as its record says it (a NaN included): the final metrics.jsonl."""
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            out.append((record["step"], repr(record["loss"])))
+    return out
+
+
+def records_lost(run_dir: pathlib.Path, steps: int) -> int:
+    """Steps with no record in metrics.jsonl (a resumed run reads as one uninterrupted)."""
+    return len(set(range(1, steps + 1)) - {s for s, _ in losses(run_dir)})
+
+
+def same_weights(run: pathlib.Path, reference: pathlib.Path, steps: int) -> bool:
+    """Whether the two final checkpoints hold the same tensors, bit for bit."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        states = []
+        for i, root in enumerate((run, reference)):
+            out = pathlib.Path(tmp) / f"{i}.pt"
+            dcp_to_torch_save(str(root / "checkpoints" / f"step_{steps}"), str(out))
+            states.append(torch.load(out, weights_only=False))
+    flat = [dict(flatten(s)) for s in states]
+    if flat[0].keys() != flat[1].keys():
+        return False
+    return all(
+        torch.equal(a, flat[1][k]) if isinstance(a, torch.Tensor) else a == flat[1][k]
+        for k, a in flat[0].items()
+    )
+
+
+def flatten(value: object, prefix: str = ""):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from flatten(v, f"{prefix}{k}.")
+    else:
+        yield prefix, value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--faults", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=60, help="the job's train.max_steps")
+    parser.add_argument("--data", type=pathlib.Path, default=REPO / "data" / "stdlib")
+    parser.add_argument("--kinds", default=",".join(k.value for k in Kind))
+    parser.add_argument("--work", type=pathlib.Path, help="keep the runs here (default: temp)")
+    parser.add_argument("--out", type=pathlib.Path, help="also write the report as JSON")
+    args = parser.parse_args(argv)
+    kinds = [Kind(k) for k in args.kinds.split(",")]
+    faults = plan_faults(args.seed, args.faults, args.steps, kinds)
+    print(f"{len(faults)} faults: " + ", ".join(f"{f.kind.value}@{f.step}" for f in faults))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work or pathlib.Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        report = soak(work, args.data, args.steps, faults)
+    print(json.dumps(report, indent=2))
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if report["bit_identical"] and not report["records_lost"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The short fault soak of default CI: a real 2-rank torchrun job killed, stopped, fed a NaN
+and a spike, relaunched until it completes, ends bit-identical to the job never interrupted
+(``benchmarks/soak.py``; its long run's figures are in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from tests.conftest import REPO
+
+spec = importlib.util.spec_from_file_location("soak", REPO / "benchmarks" / "soak.py")
+assert spec and spec.loader
+SOAK = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(SOAK)
+K = SOAK.Kind
+
+
+# (case, kinds, count, steps): what the plan must hold whatever the seed
+PLANS = [
+    ("every kind once", list(K), 7, 40),
+    ("in-job faults only", [K.NAN, K.SPIKE, K.CORRUPT], 9, 40),
+    ("process faults only", list(SOAK.PROCESS), 8, 20),
+]
+
+
+@pytest.mark.parametrize("kinds,count,steps", [p[1:] for p in PLANS], ids=[p[0] for p in PLANS])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_plan_places_each_fault_where_it_can_act(kinds, count, steps, seed):
+    faults = SOAK.plan_faults(seed, count, steps, kinds)
+    assert len(faults) == count and faults == sorted(faults, key=lambda f: (f.step, f.kind.value))
+    assert {f.kind for f in faults} == set(kinds)  # each kind in turn
+    in_job = [f.step for f in faults if f.kind not in SOAK.PROCESS]
+    assert len(in_job) == len(set(in_job))  # one in-job fault a step: each acts alone
+    for f in faults:
+        assert 2 <= f.step < steps and f.rank in (0, 1)
+        if f.kind is K.SPIKE:  # after the loss statistics' warm-up
+            assert f.step >= 12
+        if f.kind in (K.CORRUPT, K.KILL_IN_SAVE):  # a replayed step, a save step
+            assert f.step % SOAK.INTERVAL == 0
+    assert SOAK.plan_faults(seed, count, steps, kinds) == faults  # the seed decides
+
+
+def test_a_short_soak_recovers_every_fault_bit_identically(tmp_path, small_corpus):
+    faults = [
+        SOAK.Fault(K.KILL_RANK, 7, rank=1),
+        SOAK.Fault(K.NAN, 9),
+        SOAK.Fault(K.TERM_JOB, 12),
+        SOAK.Fault(K.SPIKE, 14),
+    ]
+    report = SOAK.soak(tmp_path, small_corpus, 18, faults)
+    print(json.dumps(report, indent=2))
+    assert report["bit_identical"] is True
+    assert report["records_lost"] == 0
+    assert report["recovered"] == "2/2"
+    assert set(report["recovery"]) == {"kill_rank", "term_job"}
+    assert report["recovery"]["kill_rank"]["recomputed_steps"] >= 1  # steps past its save
+    assert 0 < report["goodput"] < 1
