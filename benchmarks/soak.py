@@ -5,7 +5,8 @@ Faults, drawn from ``--seed`` at random steps:
 
 - process faults, sent by the soak to the running launch when its records reach the step:
   ``kill_rank`` (SIGKILL one rank), ``term_job`` (SIGTERM the job: torchrun's shutdown),
-  ``stall_rank`` (SIGSTOP one rank until the other has named it, then SIGCONT),
+  ``stall_rank`` (SIGSTOP one rank past ``distributed.timeout_s``, then SIGCONT: its peer
+  ends HEALTH_FAILURE; a fault a launch outlives counts as recovered in the job),
   ``kill_in_save`` (SIGKILL one rank as a checkpoint step's async save starts);
 - in-job faults, keyed by step in ``FORGE_FAULTS`` (each launch that reaches the step meets
   them again, and so does the reference run): ``nan`` (skipped by policy), ``spike``
@@ -47,6 +48,7 @@ from forge.metrics.goodput import goodput, read_ledger, run_totals  # noqa: E402
 
 INTERVAL = 5  # steps between checkpoints
 LAUNCH_LIMIT = 300.0  # seconds a launch may take before the soak gives up on it
+COLLECTIVE_TIMEOUT_S = 10  # distributed.timeout_s: a stalled rank outlasts it
 
 
 class Kind(enum.Enum):
@@ -120,7 +122,7 @@ def config_args(data: pathlib.Path, steps: int) -> list[str]:
         f"--train.max_steps={steps}",
         "--scheduler.warmup_steps=2",
         "--distributed.dp_shard=2",
-        "--distributed.timeout_s=20",
+        f"--distributed.timeout_s={COLLECTIVE_TIMEOUT_S}",
         "--resilience.health_timeout_s=4",
         "--resilience.spike_threshold=6",
         "--resilience.on_spike=skip",
@@ -196,7 +198,7 @@ def send(fault: Fault, agent: subprocess.Popen) -> None:
         return
     if fault.kind is Kind.STALL_RANK:
         os.kill(pid, signal.SIGSTOP)
-        time.sleep(8.0)  # past resilience.health_timeout_s: the peer names it and ends
+        time.sleep(COLLECTIVE_TIMEOUT_S + 5)  # its peer's collective times out: HEALTH_FAILURE
         os.kill(pid, signal.SIGCONT)
     else:
         os.kill(pid, signal.SIGKILL)
@@ -226,6 +228,11 @@ def soak(
             before = max(steps_logged(run_dir), default=0)
             while agent.poll() is None:
                 reached = max(steps_logged(run_dir), default=0)
+                if open_fault is not None and reached > open_fault[2] + 1:
+                    fault, at, at_step, _ = open_fault  # outlived in the same launch
+                    recoveries.append(Recovery(fault.kind, at_step, at_step, time.time() - at,
+                                               0.0, 0.0, 0.0))  # fmt: skip
+                    open_fault = None
                 if open_fault is not None:  # recovered once a later launch logs a step
                     ledger = read_ledger(run_dir / "goodput.jsonl")
                     if len(ledger) > open_fault[3]:
@@ -241,11 +248,11 @@ def soak(
                         open_fault = None
                 due = open_fault is None and pending and reached >= pending[0].step
                 if due and (reached > before or before == 0):  # this launch reached it
-                    fault = pending.pop(0)
+                    fault, at = pending.pop(0), time.time()
                     send(fault, agent)
                     sent.append(fault)
                     launched = len(read_ledger(run_dir / "goodput.jsonl"))
-                    open_fault = (fault, time.time(), reached, launched)
+                    open_fault = (fault, at, reached, launched)
                 if time.time() - begun > LAUNCH_LIMIT:
                     agent.kill()
                 time.sleep(0.05)
