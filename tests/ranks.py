@@ -58,7 +58,8 @@ def run_ranks(
     its own (0 when all succeed). A rank that fails ends the others after ``GRACE_S``, as
     the agent would; so does ``timeout`` (``TimeoutExpired``, with the ranks' output)."""
     # faulthandler on: a rank that dies of a signal (SIGSEGV, SIGABRT) leaves every thread's
-    # Python stack in the stderr a failing test shows
+    # Python stack in the stderr a failing test shows (#46: the MoE tp=2 case's rare SIGSEGV
+    # left none; docs/distributed.md, Tests)
     base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
