@@ -16,8 +16,8 @@ Faults, drawn from ``--seed`` at random steps:
 Reported: recovery success (the final checkpoint's every tensor bit-identical to the
 uninterrupted run's, and every step's loss equal), time to recover per process fault (the
 fault to the first step after it, with its parts: down until the next launch started, that
-launch's start-up and load from its goodput ledger, and the steps recomputed), the steps
-recomputed, and the run's goodput::
+launch's imports, set-up, load and verification from its goodput ledger, and the steps
+recomputed), the steps recomputed, and the run's goodput::
 
     python benchmarks/soak.py --faults 8 --seed 0 [--steps 60] [--data data/stdlib]
 """
@@ -183,8 +183,10 @@ class Recovery:
     resumed: int  # the step the next launch resumed from
     seconds: float  # the fault to the first step after it
     down: float  # the fault to the next launch's start
-    startup: float  # the next launch's start-up (its ledger)
-    load: float  # its checkpoint load and verification
+    imports: float  # the next launch's interpreter and imports (its ledger)
+    setup: float  # its set-up: config, process group, model, data
+    load: float  # its checkpoint resolved and loaded
+    verify: float  # the checkpoint's bytes checked
 
 
 def send(fault: Fault, agent: subprocess.Popen) -> None:
@@ -228,21 +230,23 @@ def soak(
             before = max(steps_logged(run_dir), default=0)
             while agent.poll() is None:
                 reached = max(steps_logged(run_dir), default=0)
-                if open_fault is not None and reached > open_fault[2] + 1:
-                    fault, at, at_step, _ = open_fault  # outlived in the same launch
+                outlived = open_fault is not None and open_fault[0].kind is Kind.STALL_RANK
+                if outlived and reached > open_fault[2] + 1:
+                    fault, at, at_step, _ = open_fault  # a stall the launch outlived
                     recoveries.append(Recovery(fault.kind, at_step, at_step, time.time() - at,
-                                               0.0, 0.0, 0.0))  # fmt: skip
+                                               0.0, 0.0, 0.0, 0.0, 0.0))  # fmt: skip
                     open_fault = None
                 if open_fault is not None:  # recovered once a later launch logs a step
                     ledger = read_ledger(run_dir / "goodput.jsonl")
                     if len(ledger) > open_fault[3]:
                         fault, at, at_step, _ = open_fault
-                        first = ledger[open_fault[3]]
+                        first = ledger[open_fault[3]].seconds
                         recoveries.append(
                             Recovery(
-                                fault.kind, at_step, first.step - 1, time.time() - at,
-                                begun - at, first.seconds.get("startup", 0.0),
-                                first.seconds.get("load", 0.0),
+                                fault.kind, at_step, ledger[open_fault[3]].step - 1,
+                                time.time() - at, begun - at, first.get("imports", 0.0),
+                                first.get("setup", 0.0), first.get("load", 0.0),
+                                first.get("verify", 0.0),
                             )
                         )  # fmt: skip
                         open_fault = None
@@ -257,6 +261,10 @@ def soak(
                     agent.kill()
                 time.sleep(0.05)
             if agent.returncode == 0 and max(steps_logged(run_dir), default=0) >= steps:
+                if open_fault is not None:  # it came as the run ended: nothing to recover
+                    fault, at, at_step, _ = open_fault
+                    recoveries.append(Recovery(fault.kind, at_step, at_step, 0.0,
+                                               0.0, 0.0, 0.0, 0.0, 0.0))  # fmt: skip
                 break  # complete; a fault the run outran was never sent
     wall = time.time() - started
     reference = work / "reference"
@@ -300,9 +308,10 @@ def recovery_table(recoveries: Sequence[Recovery]) -> dict[str, dict[str, float]
             "count": len(mine),
             "median_s": round(statistics.median(r.seconds for r in mine), 2),
             "max_s": round(max(r.seconds for r in mine), 2),
-            "down_s": round(statistics.median(r.down for r in mine), 2),
-            "startup_s": round(statistics.median(r.startup for r in mine), 2),
-            "load_s": round(statistics.median(r.load for r in mine), 2),
+            **{
+                f"{part}_s": round(statistics.median(getattr(r, part) for r in mine), 2)
+                for part in ("down", "imports", "setup", "load", "verify")
+            },
             "recomputed_steps": round(statistics.mean(max(0, r.step - r.resumed) for r in mine), 1),
         }
     return table

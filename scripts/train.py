@@ -68,6 +68,7 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
     # a launch starts with its process (imports included); a call of main in a running
     # process (a notebook, a test) starts its launch at the call
     started = process_started() if argv is None else time.time()
+    entered = time.time()
     args = sys.argv[1:] if argv is None else list(argv)
     if {"-h", "--help"} & set(args):
         print(help_text())
@@ -88,7 +89,10 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         load_start = time.time()
         ckpt = setup_checkpointing(run, dist, model, data)
         clock = LaunchClock(run.run_dir, dist.is_main, started)
-        clock.add(Bucket.LOAD, time.time() - load_start)
+        clock.add(Bucket.IMPORTS, entered - started)
+        verify_s = ckpt.resume_cost.verify_s if ckpt.resume_cost is not None else 0.0
+        clock.add(Bucket.VERIFY, verify_s)
+        clock.add(Bucket.LOAD, time.time() - load_start - verify_s)
         run_hooks = HookList(
             [
                 *hooks,
@@ -157,7 +161,8 @@ def train(
     )
     effects.begin(ckpt.initial_state, ckpt.resume_cost)
     clock.step = ckpt.initial_state.step
-    clock.add(Bucket.STARTUP, time.time() - clock.started - clock.seconds[Bucket.LOAD])
+    before = sum(clock.seconds[b] for b in (Bucket.IMPORTS, Bucket.LOAD, Bucket.VERIFY))
+    clock.add(Bucket.SETUP, time.time() - clock.started - before)
     timed_effects = LedgerEffects(effects, clock, effects.logger.measured)
     try:
         outcome, state = run_training_loop(

@@ -30,8 +30,10 @@ LEDGER_FILE = "goodput.jsonl"
 class Bucket(enum.Enum):
     """Where a second of a launch went."""
 
-    STARTUP = "startup"  # process start to the loop: imports, process group, model, data
-    LOAD = "load"  # resolving, verifying and loading the checkpoint resumed from
+    IMPORTS = "imports"  # process start to the script's main: the interpreter, its imports
+    SETUP = "setup"  # main to the loop: config, process group, model, data (less the below)
+    LOAD = "load"  # resolving and loading the checkpoint resumed from
+    VERIFY = "verify"  # checking its bytes against their checksums
     PRODUCTIVE = "productive"  # steps whose update the run keeps
     DROPPED = "dropped"  # steps whose update was dropped (non-finite, a spike)
     RECOMPUTED = "recomputed"  # steps trained again: rolled back, or lost past a commit
@@ -114,7 +116,7 @@ def run_wall(launches: list[LaunchRecord]) -> float:
 
 
 def summary_line(totals: Mapping[Bucket, float], launches: int) -> str:
-    """``goodput 0.81 over 3 launches, 42.0 s: productive 34.1 s, startup 4.2 s, ...``: the
+    """``goodput 0.81 over 3 launches, 42.0 s: productive 34.1 s, setup 4.2 s, ...``: the
     buckets that hold a tenth of a second or more, largest first."""
     wall = sum(totals.values())
     parts = sorted(

@@ -23,7 +23,7 @@ def launch(started, wall, seconds, uncommitted=0.0, ended=True, name=None):
     )  # fmt: skip
 
 
-P, S, C = Bucket.PRODUCTIVE.value, Bucket.STARTUP.value, Bucket.CHECKPOINT.value
+P, S, C = Bucket.PRODUCTIVE.value, Bucket.SETUP.value, Bucket.CHECKPOINT.value
 
 # (case, launches, expected totals of the buckets named)
 ROWS = [
@@ -31,7 +31,7 @@ ROWS = [
     (
         "a killed launch's work past its last commit is recomputed",
         [launch(0, 10, {S: 2, P: 8}, uncommitted=3, ended=False), launch(12, 10, {S: 2, P: 8})],
-        {Bucket.PRODUCTIVE: 13, Bucket.RECOMPUTED: 3, Bucket.DOWN: 2, Bucket.STARTUP: 4},
+        {Bucket.PRODUCTIVE: 13, Bucket.RECOMPUTED: 3, Bucket.DOWN: 2, Bucket.SETUP: 4},
     ),
     (
         "a launch stopped with a save lost nothing",
@@ -75,5 +75,5 @@ def test_the_summary_names_goodput_and_the_largest_buckets_first():
     line = summary_line(run_totals([launch(0, 10, {S: 2, P: 7, C: 1})]), 1)
     assert (
         line
-        == "goodput 0.70 over 1 launch, 10.0 s: productive 7.0 s, startup 2.0 s, checkpoint 1.0 s"
+        == "goodput 0.70 over 1 launch, 10.0 s: productive 7.0 s, setup 2.0 s, checkpoint 1.0 s"
     )
