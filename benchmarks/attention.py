@@ -48,8 +48,8 @@ from forge.metrics.memory import peak_rss_bytes, rss_bytes
 from forge.model import transformer
 from forge.model.attention import Backend
 from forge.training.context import DistContext, RunContext
-from forge.training.phases import build_model_and_optim
-from forge.training.problems import cpu_flags
+from forge.training.setup.phases import build_model_and_optim
+from forge.training.setup.problems import cpu_flags
 from forge.training.steps.select import make_step_fn
 from forge.types import LoopState
 

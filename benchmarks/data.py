@@ -48,7 +48,7 @@ from forge.data.sampler import epoch_permutation
 from forge.data.shards import read_manifest
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer, resolve_schedule
-from forge.training.problems import cpu_flags
+from forge.training.setup.problems import cpu_flags
 from forge.training.steps.spec import StepSpec
 from forge.training.steps.text import make_text_step
 from forge.types import LoopState

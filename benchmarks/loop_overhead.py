@@ -29,9 +29,9 @@ from forge.model.chunked_loss import loss_spec_of
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer, lr_at, resolve_schedule
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
-from forge.training.effects import TrainingEffects
-from forge.training.loop import run_training_loop
-from forge.training.plan import loop_policy
+from forge.training.loop.effects import TrainingEffects
+from forge.training.loop.loop import run_training_loop
+from forge.training.loop.plan import loop_policy
 from forge.training.steps.select import make_step_fn
 from forge.types import LoopOutcome, LoopState
 

@@ -30,7 +30,7 @@ from forge.model import moe as moe_module
 from forge.model.expert_groups import ExpertKernel
 from forge.model.feed_forward import FeedForward
 from forge.model.moe import LOADS, MoE
-from forge.training.problems import cpu_flags
+from forge.training.setup.problems import cpu_flags
 
 
 def step_time(run: Callable[[], torch.Tensor], steps: int) -> float:

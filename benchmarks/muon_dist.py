@@ -38,7 +38,7 @@ from forge.config.optim import OptimizerName
 from forge.model.transformer import Transformer
 from forge.optim.optimizers import MuonAdamW
 from forge.optim.param_groups import param_groups
-from forge.training.problems import cpu_flags
+from forge.training.setup.problems import cpu_flags
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MODES = ("gather-everything", "distributed")

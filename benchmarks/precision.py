@@ -57,7 +57,7 @@ from forge.model.transformer import Transformer, num_parameters
 from forge.optim import lr_at, resolve_schedule
 from forge.optim.param_groups import param_groups
 from forge.training.context import DistContext, RunContext
-from forge.training.phases import build_model_and_optim
+from forge.training.setup.phases import build_model_and_optim
 from forge.training.steps.select import make_step_fn
 from forge.types import LoopState
 

@@ -23,7 +23,7 @@ from forge.data.batch import Batch
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer, resolve_schedule
 from forge.resilience.stragglers import timed
-from forge.training.plan import ReplayRule
+from forge.training.loop.plan import ReplayRule
 from forge.training.steps.spec import StepSpec
 from forge.training.steps.text import make_text_step
 from forge.types import LoopState, StepResult

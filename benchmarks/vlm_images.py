@@ -21,16 +21,16 @@ from collections.abc import Iterator, Sequence
 import attrs
 
 from forge.data.batch import Batch
-from forge.training.evaluate import evaluate_loss
-from forge.training.loaders import train_batches
-from forge.training.phases import (
+from forge.training.evaluation.evaluate import evaluate_loss
+from forge.training.setup.loaders import train_batches
+from forge.training.setup.phases import (
     build_model_and_optim,
     load_and_validate_config,
     setup_data,
     setup_distributed,
 )
+from forge.training.setup.vlm import mismatched_images
 from forge.training.steps.select import make_step_fn
-from forge.training.vlm import mismatched_images
 from forge.types import LoopState
 
 DEFAULT_CONFIG = "configs/train/vlm_debug.toml"

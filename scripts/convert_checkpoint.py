@@ -47,8 +47,8 @@ from forge.optim.param_groups import inference_optimizer
 from forge.outputs import OutputKind, output_problem, replace_output, staged_output
 from forge.parallel.devices import DeviceChoice, choose_device, start_script_world, stored_dtype
 from forge.parallel.world import WorldInfo, world_info
-from forge.training.inference import load_run_weights, run_dir_of
-from forge.training.run_dir import load_run_config
+from forge.training.evaluation.inference import load_run_weights, run_dir_of
+from forge.training.records.run_dir import load_run_config
 from forge.types import ExitCode
 
 

@@ -36,10 +36,10 @@ from forge.model.chunked_loss import loss_spec_of
 from forge.optim.optimizers import evaluation_weights
 from forge.parallel.devices import DeviceChoice, run_on_chosen_device, start_script_world
 from forge.parallel.world import WorldInfo
-from forge.training.evaluate import evaluate_totals, totals_over_ranks
-from forge.training.inference import load_for_inference, run_dir_of
-from forge.training.run_dir import load_run_config
-from forge.training.vlm import mismatched_images
+from forge.training.evaluation.evaluate import evaluate_totals, totals_over_ranks
+from forge.training.evaluation.inference import load_for_inference, run_dir_of
+from forge.training.records.run_dir import load_run_config
+from forge.training.setup.vlm import mismatched_images
 from forge.types import ExitCode
 
 

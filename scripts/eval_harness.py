@@ -38,14 +38,14 @@ from forge.optim.optimizers import evaluation_weights
 from forge.outputs import file_output_problem, replace_file
 from forge.parallel.devices import DeviceChoice, run_on_chosen_device, start_script_world
 from forge.parallel.world import WorldInfo
-from forge.training.inference import (
+from forge.training.evaluation.inference import (
     LoadedModel,
     load_for_inference,
     run_dir_of,
     run_tokenizer,
     tokenizer_problem,
 )
-from forge.training.run_dir import load_run_config
+from forge.training.records.run_dir import load_run_config
 from forge.types import ExitCode
 
 

@@ -39,8 +39,8 @@ from forge.model.vlm import VisionLanguageModel
 from forge.optim.optimizers import evaluation_weights
 from forge.parallel.devices import choose_device, end_script_world, start_script_world
 from forge.parallel.world import world_info
-from forge.training.inference import load_for_inference, run_dir_of, run_tokenizer
-from forge.training.run_dir import load_run_config
+from forge.training.evaluation.inference import load_for_inference, run_dir_of, run_tokenizer
+from forge.training.records.run_dir import load_run_config
 from forge.types import ExitCode
 
 

@@ -30,7 +30,7 @@ from forge.parallel.memory_plan import (
 )
 from forge.parallel.stages import SINGLE_STAGE, V_SHAPED, splits_backward
 from forge.parallel.world import parallel_problems, resolve_dims
-from forge.training.vlm import vision_footprint
+from forge.training.setup.vlm import vision_footprint
 from forge.types import ExitCode
 
 MAX_NPROC = 2**31 - 1  # a torch.distributed rank is a 32-bit int

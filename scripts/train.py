@@ -1,7 +1,7 @@
 """Train a model: ``python scripts/train.py CONFIG.toml [--section.key=value ...]``.
 
 The same command line works under ``torchrun``. ``main`` only strings the phases together;
-each phase is a named function in ``forge.training.phases``.
+each phase is a named function in ``forge.training.setup.phases``.
 """
 
 from __future__ import annotations
@@ -35,10 +35,9 @@ from forge.training.context import (
     ModelContext,
     RunContext,
 )
-from forge.training.effects import TrainingEffects
-from forge.training.guards import armed_guards
-from forge.training.hooks import HookList, Hooks, configured_hooks
-from forge.training.ledger import (
+from forge.training.loop.effects import TrainingEffects
+from forge.training.loop.hooks import HookList, Hooks, configured_hooks
+from forge.training.loop.ledger import (
     LaunchClock,
     LedgerEffects,
     process_started,
@@ -46,10 +45,11 @@ from forge.training.ledger import (
     timed_poll,
     timed_step,
 )
-from forge.training.loaders import train_batches
-from forge.training.loop import conclude, run_training_loop
-from forge.training.outcome import exit_code, log_failure_line, outcome_message
-from forge.training.phases import (
+from forge.training.loop.loop import conclude, run_training_loop
+from forge.training.loop.outcome import exit_code, log_failure_line, outcome_message
+from forge.training.setup.guards import armed_guards
+from forge.training.setup.loaders import train_batches
+from forge.training.setup.phases import (
     build_model_and_optim,
     claim_run_dir,
     load_and_validate_config,

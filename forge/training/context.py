@@ -26,8 +26,8 @@ from forge.parallel.mesh import coordinates, data_parallel_mesh
 from forge.parallel.pipeline import TiedWeight
 from forge.parallel.pipeline_loss import StageLoss
 from forge.parallel.world import MeshDims, WorldInfo
-from forge.training.plan import LoopPolicy, loop_policy
-from forge.training.run_dir import checkpoint_dir_of
+from forge.training.loop.plan import LoopPolicy, loop_policy
+from forge.training.records.run_dir import checkpoint_dir_of
 from forge.types import LoopState
 
 if TYPE_CHECKING:  # torch's pipelining imports its compiler: only a pipeline run does

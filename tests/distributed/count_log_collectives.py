@@ -13,7 +13,7 @@ import sys
 
 import torch.distributed as torch_dist
 
-from forge.training.step_logger import StepLogger
+from forge.training.loop.step_logger import StepLogger
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 COLLECTIVES = (

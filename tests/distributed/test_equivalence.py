@@ -21,7 +21,7 @@ from forge.data.loader import TextLoader, single_source
 from forge.data.shards import read_manifest
 from forge.model.transformer import Transformer
 from forge.model.vlm import build_model
-from forge.training.evaluate import evaluate_loss
+from forge.training.evaluation.evaluate import evaluate_loss
 from tests.conftest import REPO, TINY
 from tests.e2e.test_train_script import TRAIN
 from tests.in_process import run_main

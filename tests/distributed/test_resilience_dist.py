@@ -215,7 +215,7 @@ def test_a_slow_rank_is_named_in_every_record_and_in_one_warning(tmp_path, unint
 
 def test_a_held_run_dir_stops_both_ranks_at_start_up(tmp_path, small_corpus):
     """Only rank 0 takes the lock; rank 1 learns of the refusal and never trains alone."""
-    from forge.training.run_dir import lock_directories
+    from forge.training.records.run_dir import lock_directories
 
     config = write_config(tmp_path, small_corpus)
     run_dir = tmp_path / "run"

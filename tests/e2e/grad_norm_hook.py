@@ -8,7 +8,7 @@ import pathlib
 import torch
 
 from forge.model.transformer import canonical_name
-from forge.training.hooks import Hooks
+from forge.training.loop.hooks import Hooks
 
 
 class LayerGradNorms(Hooks):

@@ -58,7 +58,7 @@ BAD_HOOKS = [
     (
         "not a hook",
         'classes = ["tests.e2e.grad_norm_hook:NotAHook"]',
-        "is not a subclass of forge.training.hooks.Hooks",
+        "is not a subclass of forge.training.loop.hooks.Hooks",
     ),
     ("not a path", 'classes = ["grad_norm_hook.LayerGradNorms"]', "hooks.classes[0]: must be"),
     (

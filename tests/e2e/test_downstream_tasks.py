@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from forge.config.loader import ConfigError
-from forge.training.phases import load_and_validate_config
+from forge.training.setup.phases import load_and_validate_config
 from tests.conftest import REPO
 from tests.e2e.sandbox import Run, make_run, train
 from tests.ranks import run_ranks

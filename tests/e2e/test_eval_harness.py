@@ -262,8 +262,8 @@ def test_a_run_whose_tokenizer_is_gone_is_refused(learned, tmp_path, capsys):
 
 def test_the_loaded_model_is_the_checkpoints(learned):
     """The backend scores the weights of step 80, not an initialisation."""
-    from forge.training.inference import load_for_inference
-    from forge.training.run_dir import load_run_config
+    from forge.training.evaluation.inference import load_for_inference
+    from forge.training.records.run_dir import load_run_config
 
     config = load_run_config(learned)
     loaded = load_for_inference(

@@ -14,7 +14,7 @@ from forge.data.batch import Batch
 from forge.data.dataset import open_windows
 from forge.data.shards import read_manifest
 from forge.model.transformer import Transformer
-from forge.training.evaluate import evaluate_loss
+from forge.training.evaluation.evaluate import evaluate_loss
 from tests.conftest import REPO
 from tests.e2e.test_train_script import load_script
 from tests.in_process import run_main

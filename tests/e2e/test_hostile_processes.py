@@ -17,7 +17,7 @@ import torch
 from forge.checkpoint.store import load_checkpoint
 from forge.config import load_config
 from forge.model.transformer import Transformer
-from forge.training.run_dir import lock_directories
+from forge.training.records.run_dir import lock_directories
 from tests.e2e.sandbox import TRAIN, Run, copy_trained, train
 
 STALL = "stall:step=2:seconds=60"  # holds the run (and its lock) after step 2

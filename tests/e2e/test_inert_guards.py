@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from forge.resilience.signals import ShutdownFlag
-from forge.training import plan
+from forge.training.loop import plan
 from forge.training.steps import spec
 from tests.e2e.sandbox import train_here
 

@@ -143,7 +143,7 @@ def test_a_signal_during_start_up_is_not_lost(tiny_config):
     import os
     import signal
 
-    from forge.training.hooks import Hooks
+    from forge.training.loop.hooks import Hooks
 
     class SignalAtStart(Hooks):
         def on_train_begin(self, state):

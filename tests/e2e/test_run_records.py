@@ -11,8 +11,8 @@ import shutil
 
 import pytest
 
-from forge.training.run_dir import load_run_config
-from forge.training.run_records import recorded_configs
+from forge.training.records.run_dir import load_run_config
+from forge.training.records.run_records import recorded_configs
 from tests.e2e.sandbox import Run, copy_trained, train, train_here
 
 

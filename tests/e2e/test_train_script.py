@@ -19,7 +19,7 @@ from forge.checkpoint.store import load_checkpoint
 from forge.config import load_config
 from forge.data.corpus import Document
 from forge.model.transformer import Transformer
-from forge.training.hooks import Hooks
+from forge.training.loop.hooks import Hooks
 from tests.conftest import REPO, make_dataset
 
 
@@ -414,7 +414,7 @@ def test_async_checkpoints_resume_exactly(tiny_config, tmp_path, mode):
 def test_load_path_gives_initial_weights_and_optionally_the_optimizer(
     tiny_config, tmp_path, with_optimizer
 ):
-    from forge.training.phases import (
+    from forge.training.setup.phases import (
         build_model_and_optim,
         load_and_validate_config,
         setup_checkpointing,
@@ -529,7 +529,7 @@ def test_pure_bf16_trains_close_to_fp32(tiny_config, tmp_path):
 
 def test_schedule_free_evaluates_the_averaged_weights(tiny_config, monkeypatch):
     """The eval loss is computed with x (the average) in the parameters, never y."""
-    import forge.training.evaluate as evaluate
+    import forge.training.evaluation.evaluate as evaluate
     from forge.optim.optimizers import ScheduleFreeAdamW
 
     models, seen = built_models(monkeypatch), []

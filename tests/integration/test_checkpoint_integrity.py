@@ -28,7 +28,7 @@ from forge.config.sections import AsyncMode, Verification
 from forge.errors import CheckpointSaveError
 from forge.model.transformer import Transformer
 from forge.optim import build_optimizer
-from forge.training.train_state import parse_train_state
+from forge.training.records.train_state import parse_train_state
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, max_seq_len=16)
 MODES = [AsyncMode.DISABLED, AsyncMode.ASYNC, AsyncMode.ASYNC_PROCESS]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from forge.config.loader import ConfigError
-from forge.training.phases import load_and_validate_config
+from forge.training.setup.phases import load_and_validate_config
 from tests.conftest import TINY
 
 # (case, overrides, TOML added to the config, fragments each expected among the error lines,

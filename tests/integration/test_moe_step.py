@@ -196,7 +196,7 @@ def test_a_step_is_the_same_whichever_expert_kernel_runs(capacity):
 def test_a_replayed_moe_step_moves_the_bias_once_and_equals_one_computed_once():
     """Every step computed twice (``replay_interval = 1``): the aux-loss-free bias moves once
     per step, and loss, statistics, weights and biases equal the unreplayed run's."""
-    from forge.training.plan import ReplayRule
+    from forge.training.loop.plan import ReplayRule
 
     runs = []
     for rule in (ReplayRule(), ReplayRule(interval=1)):

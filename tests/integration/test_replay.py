@@ -16,7 +16,7 @@ from forge.model.transformer import Transformer
 from forge.optim import build_optimizer, resolve_schedule
 from forge.resilience.faults import flip_bit, gradient_faults, parse_faults
 from forge.resilience.reports import FaultReport
-from forge.training.plan import ReplayRule, observed
+from forge.training.loop.plan import ReplayRule, observed
 from forge.training.steps.replay import tensor_digest
 from forge.training.steps.spec import StepSpec
 from forge.training.steps.text import make_text_step

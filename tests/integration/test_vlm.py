@@ -35,10 +35,10 @@ from forge.optim.param_groups import build_optimizer
 from forge.optim.schedules import Schedule, resolve_schedule
 from forge.parallel.memory_plan import TEXT_ONLY, VisionFootprint, memory_plan, stage_parameters
 from forge.parallel.world import MeshDims
+from forge.training.setup.vlm import vision_footprint
 from forge.training.steps.common import micro_batch_loss
 from forge.training.steps.spec import StepSpec
 from forge.training.steps.text import make_vlm_step
-from forge.training.vlm import vision_footprint
 from forge.types import LoopState
 
 VISION = VisionConfig(image_size=16, patch_size=4, dim=16, n_layers=1, n_heads=2)

@@ -384,14 +384,14 @@ EXPORT_FINAL = [
     "raw,line", [e[1:] for e in EXPORT_FINAL], ids=[e[0] for e in EXPORT_FINAL]
 )
 def test_an_export_final_no_family_holds_gives_one_line_naming_the_key(raw, line):
-    from forge.training.problems import export_final_problems
+    from forge.training.setup.problems import export_final_problems
 
     assert export_final_problems(structure_config(raw)) == [line]
 
 
 def test_load_and_validate_config_refuses_an_export_final_no_family_holds(tiny_config):
     """The run's own validation makes the check (``WORLD_CHECKS``), before anything is built."""
-    from forge.training.phases import load_and_validate_config
+    from forge.training.setup.phases import load_and_validate_config
 
     args = [str(tiny_config), "--checkpoint.export_final=true", "--model.sliding_window=8"]
     with pytest.raises(ConfigError) as refused:
@@ -400,7 +400,7 @@ def test_load_and_validate_config_refuses_an_export_final_no_family_holds(tiny_c
 
 
 def test_an_export_final_of_a_qwen3_model_passes_the_run_check():
-    from forge.training.problems import export_final_problems
+    from forge.training.setup.problems import export_final_problems
 
     raw = {"checkpoint": {"export_final": True}, "model": {"qk_norm": True, "head_dim": 128}}
     assert export_final_problems(structure_config(raw)) == []
@@ -599,7 +599,7 @@ PRECISION_WARNINGS = [
 
 @pytest.mark.parametrize("precision,device,flags,warns", PRECISION_WARNINGS)
 def test_bf16_on_a_cpu_without_bf16_support_warns(precision, device, flags, warns):
-    from forge.training.problems import precision_warning
+    from forge.training.setup.problems import precision_warning
 
     assert (precision_warning(precision, device, flags) is not None) is warns
 

@@ -9,7 +9,7 @@ import pytest
 
 from forge.config.help import EXIT_MEANINGS, help_text
 from forge.resilience.signals import ShutdownFlag
-from forge.training.outcome import exit_code
+from forge.training.loop.outcome import exit_code
 from forge.types import ExitCode, LoopOutcome
 from tests.conftest import REPO
 

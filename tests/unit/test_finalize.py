@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from forge.training.finalize import CheckpointView, FinalSaveReason, finalize
+from forge.training.loop.finalize import CheckpointView, FinalSaveReason, finalize
 from forge.types import LoopOutcome
 
 R = FinalSaveReason
@@ -202,9 +202,9 @@ def test_every_outcome_has_a_row():
 def test_finalize_module_imports_with_torch_unimportable():
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "from forge.training.finalize import finalize, CheckpointView\n"
-        "from forge.training.loop import run_training_loop, conclude\n"
-        "from forge.training.plan import plan_step\n"
+        "from forge.training.loop.finalize import finalize, CheckpointView\n"
+        "from forge.training.loop.loop import run_training_loop, conclude\n"
+        "from forge.training.loop.plan import plan_step\n"
         "from forge.types import LoopOutcome\n"
         "print(finalize(LoopOutcome.COMPLETED, CheckpointView(3, 3, None)).save)\n"
         "import importlib.util; assert 'torch' not in [m for m in sys.modules if sys.modules[m]]\n"

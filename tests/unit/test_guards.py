@@ -7,8 +7,8 @@ import pytest
 
 from forge.config.loader import structure_config
 from forge.config.sections import JobConfig
-from forge.training.guards import GuardFacts, guard_report
-from forge.training.plan import ReplayRule
+from forge.training.loop.plan import ReplayRule
+from forge.training.setup.guards import GuardFacts, guard_report
 
 FIRST = ReplayRule(0, True)
 ONE = GuardFacts(

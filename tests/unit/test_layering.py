@@ -81,9 +81,9 @@ def test_every_package_has_a_floor():
 @pytest.mark.parametrize(
     ("package", "source", "upward"),
     [
-        ("optim", "from forge.training.plan import LoopPolicy", True),
-        ("metrics", "import forge.training.hooks", True),
-        ("resilience", "def f():\n    from forge.training import loop\n", True),
+        ("optim", "from forge.training.loop.plan import LoopPolicy", True),
+        ("metrics", "import forge.training.loop.hooks", True),
+        ("resilience", "def f():\n    from forge.training.loop import loop\n", True),
         ("parallel", "from forge.checkpoint.store import save", True),  # same floor, other package
         ("types", "from forge.config import JobConfig", True),
         ("optim", "from forge.types import FreezeTransition", False),

@@ -9,8 +9,8 @@ import pytest
 
 from forge.checkpoint.policy import SaveSchedule
 from forge.config.sections import NonFinitePolicy
-from forge.training.loop import conclude, run_training_loop
-from forge.training.plan import LoopPolicy, SaveReason
+from forge.training.loop.loop import conclude, run_training_loop
+from forge.training.loop.plan import LoopPolicy, SaveReason
 from forge.types import LoopOutcome, LoopState, Signals, StepResult
 
 NAN = math.nan

@@ -11,7 +11,7 @@ import pytest
 from forge.config.ranges import usable_path
 from forge.data.shards import DataError, check_token_ids
 from forge.parallel.memory_plan import GIB, MemoryPlan
-from forge.training.problems import MemoryCapacity, memory_problem, ranks_on_host
+from forge.training.setup.problems import MemoryCapacity, memory_problem, ranks_on_host
 
 # (path, the problem's text, or None when the path is usable)
 PATHS = [

@@ -34,7 +34,7 @@ from forge.model.moe import (
 )
 from forge.model.transformer import Transformer, num_parameters
 from forge.parallel.world import parallel_problems
-from forge.training.expert_balance import bias_update
+from forge.training.loop.expert_balance import bias_update
 from forge.types import MoeStepStats, StepResult
 
 # two tokens, three experts

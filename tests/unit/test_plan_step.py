@@ -5,7 +5,7 @@ import math
 import pytest
 
 from forge.checkpoint.policy import SaveSchedule
-from forge.training.plan import (
+from forge.training.loop.plan import (
     LoopPolicy,
     SaveReason,
     plan_step,

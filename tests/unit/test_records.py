@@ -8,8 +8,8 @@ import json
 import pytest
 
 from forge.metrics.sinks import sink_failure, superseded_path, trim_records_after
-from forge.training.outcome import log_failure_line
-from forge.training.run_records import ConfigRecord, config_record, write_run_records
+from forge.training.loop.outcome import log_failure_line
+from forge.training.records.run_records import ConfigRecord, config_record, write_run_records
 from forge.types import LoopOutcome
 
 

@@ -9,7 +9,7 @@ from forge.checkpoint.policy import SaveSchedule
 from forge.config.sections import NonFinitePolicy
 from forge.resilience.control import ControlChannel, StepMonitor, decode, encode
 from forge.resilience.faults import Fault, FaultKind, NanInjector, parse_faults, with_faults
-from forge.training.plan import (
+from forge.training.loop.plan import (
     LoopPolicy,
     NonFiniteAction,
     nonfinite_action,

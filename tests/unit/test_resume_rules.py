@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from forge.config.sections import JobConfig, ScheduleName, ScheduleSource
-from forge.training.resume_rules import (
+from forge.training.records.resume_rules import (
     DECAY,
     DERIVED,
     GROUPS,
@@ -19,7 +19,7 @@ from forge.training.resume_rules import (
     config_keys,
     group_of,
 )
-from forge.training.run_record import recorded_settings, schedule_shape
+from forge.training.records.run_record import recorded_settings, schedule_shape
 
 G = ChangeGroup
 
@@ -241,7 +241,7 @@ def test_a_resume_that_trains_nothing_ignores_schedule_changes(changes, n_refuse
 
 def test_every_optimizer_says_which_keys_it_ignores():
     from forge.config.sections import OptimizerName
-    from forge.training.run_record import UNUSED_BY
+    from forge.training.records.run_record import UNUSED_BY
 
     assert set(UNUSED_BY) == {name.value for name in OptimizerName}
 

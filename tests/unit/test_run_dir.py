@@ -8,9 +8,9 @@ import pathlib
 import pytest
 
 from forge.config import dumps_toml, structure_config, unstructure_config
-from forge.training.outcome import outcome_message
-from forge.training.plan import LoopPolicy, SaveReason, save_failure_is_fatal
-from forge.training.run_dir import (
+from forge.training.loop.outcome import outcome_message
+from forge.training.loop.plan import LoopPolicy, SaveReason, save_failure_is_fatal
+from forge.training.records.run_dir import (
     LOCK_FILE,
     RunDirBusyError,
     foreign_records_problem,

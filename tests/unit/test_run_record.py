@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from forge.config import structure_config
-from forge.training.resume_rules import (
+from forge.training.records.resume_rules import (
     GLOBAL_BATCH,
     ChangeGroup,
     ChangeOptions,
     change_verdict,
     changes,
 )
-from forge.training.run_record import predated_model_defaults, run_identity
+from forge.training.records.run_record import predated_model_defaults, run_identity
 
 BASE = {"train": {"batch_size": 4, "grad_accum_steps": 2, "max_steps": 500}}
 GLOBAL = GLOBAL_BATCH
@@ -186,7 +186,7 @@ EVERY_IDENTITY_KEY = {
 
 
 def test_every_key_of_an_identity_group_has_a_row():
-    from forge.training.resume_rules import IDENTITY, config_keys, group_of
+    from forge.training.records.resume_rules import IDENTITY, config_keys, group_of
 
     assert set(EVERY_IDENTITY_KEY) == {k for k in config_keys() if group_of(k) in IDENTITY}
 

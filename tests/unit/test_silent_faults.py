@@ -27,7 +27,7 @@ from forge.resilience.stragglers import (
     timed,
     warns,
 )
-from forge.training.plan import (
+from forge.training.loop.plan import (
     SPIKE_WARMUP,
     SPIKE_WINDOW,
     LoopPolicy,
@@ -38,7 +38,7 @@ from forge.training.plan import (
     observed,
     plan_step,
 )
-from forge.training.step_logger import resilience_record
+from forge.training.loop.step_logger import resilience_record
 from forge.types import (
     LoopOutcome,
     LoopState,
@@ -173,7 +173,7 @@ def test_plan_step_handles_a_spike_as_its_policy_says(
 def test_a_spike_dropped_under_abort_on_nan_is_skipped_not_aborted():
     """``on_nonfinite = "abort"`` ends the run at a NaN, not at a spike ``on_spike`` skips."""
     from forge.config.sections import JobConfig, ResilienceConfig
-    from forge.training.plan import loop_policy
+    from forge.training.loop.plan import loop_policy
 
     resilience = ResilienceConfig(
         on_nonfinite=NonFinitePolicy.ABORT, spike_threshold=6.0, on_spike=SKIP

@@ -7,8 +7,8 @@ import pathlib
 import pytest
 
 from forge.checkpoint.store import CheckpointError
-from forge.training.plan import SaveReason
-from forge.training.train_state import (
+from forge.training.loop.plan import SaveReason
+from forge.training.records.train_state import (
     TRAIN_STATE_VERSION,
     LoaderRecord,
     ScheduleRecord,

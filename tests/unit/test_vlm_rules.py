@@ -21,8 +21,8 @@ from forge.model.vlm import (
     prefix_causal_mask,
     vlm_initial_value,
 )
-from forge.training.loaders import caption_cut_warning
-from forge.training.vlm import mismatched_images
+from forge.training.setup.loaders import caption_cut_warning
+from forge.training.setup.vlm import mismatched_images
 
 
 def config_lines(tmp_path, *overrides: str) -> list[str]:

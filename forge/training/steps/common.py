@@ -21,8 +21,8 @@ from forge.model.moe import ASSIGNED, AUX, DROPPED, LOADS, Z, moe_terms
 from forge.model.transformer import is_moe, split_moe_output
 from forge.optim.schedules import lr_at
 from forge.parallel.grad_norm import clip_coefficient, scale_grads_
-from forge.training.expert_balance import balance_experts, global_loads
-from forge.training.plan import is_spike
+from forge.training.loop.expert_balance import balance_experts, global_loads
+from forge.training.loop.plan import is_spike
 from forge.training.steps.spec import StepSpec
 from forge.types import (
     LoopState,

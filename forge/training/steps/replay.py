@@ -21,7 +21,7 @@ import torch
 import torch.distributed as torch_dist
 from torch.distributed.tensor import DTensor
 
-from forge.training.plan import ReplayRule
+from forge.training.loop.plan import ReplayRule
 from forge.training.steps.common import StepTotals
 from forge.types import ReplayVerdict
 

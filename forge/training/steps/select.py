@@ -10,7 +10,7 @@ import attrs
 from forge.data.batch import Batch
 from forge.optim.freezing import Freezer
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
-from forge.training.hooks import Hooks
+from forge.training.loop.hooks import Hooks
 from forge.training.steps.pipeline import make_pipeline_step
 from forge.training.steps.spec import GradientFault, StepFunction, StepSpec, step_spec
 from forge.training.steps.text import make_text_step, make_vlm_step

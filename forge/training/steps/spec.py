@@ -21,8 +21,8 @@ from forge.model.chunked_loss import PLAIN_LOSS, LossSpec
 from forge.model.moe import stats_width
 from forge.optim.schedules import Schedule
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
-from forge.training.hooks import Hooks
-from forge.training.plan import ReplayRule
+from forge.training.loop.hooks import Hooks
+from forge.training.loop.plan import ReplayRule
 from forge.types import LoopState, PendingStep, StepResult
 
 StepFunction = Callable[[tuple[Batch, ...], LoopState], StepResult]  # one optimizer step

@@ -1,5 +1,5 @@
 """What a checkpoint records of the run that wrote it, to compare a resume against
-(``forge.training.resume_rules`` says what a difference means).
+(``forge.training.records.resume_rules`` says what a difference means).
 
 - ``run_identity``: the model it trains and the order it reads its data in — a different one
   would not continue the run, so it is refused unless ``checkpoint.allow_config_change``. A
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from forge.config.sections import FreezeRule, JobConfig, ModelConfig, ScheduleName
-from forge.training.resume_rules import (
+from forge.training.records.resume_rules import (
     DECAY,
     FREEZE_ENTRIES,
     GLOBAL_BATCH,

@@ -35,19 +35,24 @@ from forge.training.context import (
     ModelContext,
     RunContext,
 )
-from forge.training.resume_rules import ChangeOptions, ChangeVerdict, change_verdict, changes
-from forge.training.run_record import (
+from forge.training.records.resume_rules import (
+    ChangeOptions,
+    ChangeVerdict,
+    change_verdict,
+    changes,
+)
+from forge.training.records.run_record import (
     current_settings,
     predated_model_defaults,
     recorded_freeze,
     run_identity,
 )
-from forge.training.run_records import (
+from forge.training.records.run_records import (
     LostCheckpointsError,
     last_recorded_commit,
     lost_checkpoints_problem,
 )
-from forge.training.train_state import TrainState, parse_train_state
+from forge.training.records.train_state import TrainState, parse_train_state
 
 
 class RunMismatchError(ConfigError):
@@ -91,7 +96,8 @@ def check_changes(
 ) -> ChangeVerdict:
     """Refuse (``RunMismatchError``, a line per refused kind) a resume whose recorded run
     (identity and settings) differs from ``current`` in a way ``[checkpoint]`` does not say
-    what to do about (``forge.training.resume_rules``); say what is accepted with a warning."""
+    what to do about (``forge.training.records.resume_rules``); say what is accepted with a
+    warning."""
     recorded = (train_state.identity or {}) | (train_state.settings or {})
     found = changes(recorded, current, predated_model_defaults())
     options = ChangeOptions(

@@ -21,7 +21,7 @@ from forge.config.sections import JobConfig, NonFinitePolicy, ResilienceConfig, 
 from forge.errors import UserInputError
 from forge.resilience.signals import ShutdownFlag
 from forge.training.context import DistContext, ModelContext, RunContext
-from forge.training.plan import LoopPolicy, ReplayRule
+from forge.training.loop.plan import LoopPolicy, ReplayRule
 from forge.training.steps.replay import replicated_along
 from forge.training.steps.spec import StepSpec, step_spec
 

@@ -13,13 +13,13 @@ from collections.abc import Callable, Sequence
 
 from forge.checkpoint.costs import ResumeCost
 from forge.metrics.sinks import JsonlSink, MetricsSink
-from forge.training.checkpoint_effects import CheckpointEffects
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
-from forge.training.downstream import DownstreamTasks
-from forge.training.evaluate import held_out_loss
-from forge.training.hooks import HookList, Hooks
-from forge.training.plan import SaveReason
-from forge.training.step_logger import StepLogger
+from forge.training.evaluation.downstream import DownstreamTasks
+from forge.training.evaluation.evaluate import held_out_loss
+from forge.training.loop.checkpoint_effects import CheckpointEffects
+from forge.training.loop.hooks import HookList, Hooks
+from forge.training.loop.plan import SaveReason
+from forge.training.loop.step_logger import StepLogger
 from forge.types import LoopOutcome, LoopState, StepResult
 
 

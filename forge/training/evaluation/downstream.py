@@ -15,7 +15,7 @@ from forge.model.precision import autocast_for, device_type_of
 from forge.optim.optimizers import evaluation_weights
 from forge.parallel.context_parallel import whole_rows
 from forge.training.context import DistContext, ModelContext, RunContext
-from forge.training.inference import run_tokenizer
+from forge.training.evaluation.inference import run_tokenizer
 
 
 def failure_line(task: EvalTask, step: int, exc: BaseException) -> str:

@@ -25,11 +25,11 @@ from forge.interop.export import export_model, tokenizer_info
 from forge.optim.optimizers import evaluation_weights
 from forge.resilience.stalls import backend_reason
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
-from forge.training.hooks import HookList
-from forge.training.plan import SaveReason, save_failure_is_fatal
-from forge.training.run_record import current_settings, run_identity
-from forge.training.run_records import record_commit
-from forge.training.train_state import (
+from forge.training.loop.hooks import HookList
+from forge.training.loop.plan import SaveReason, save_failure_is_fatal
+from forge.training.records.run_record import current_settings, run_identity
+from forge.training.records.run_records import record_commit
+from forge.training.records.train_state import (
     TRAIN_STATE_VERSION,
     LoaderRecord,
     ScheduleRecord,

@@ -23,10 +23,10 @@ from forge.checkpoint.paths import CheckpointPath, location
 from forge.config.loader import ConfigError, load_config
 from forge.config.sections import JobConfig
 from forge.errors import UserInputError
-from forge.training.resume_rules import changes
-from forge.training.run_record import predated_model_defaults, run_identity
-from forge.training.run_records import config_in_force
-from forge.training.store_claim import Claim, StoreClaimError, claim_prefix, store_problem
+from forge.training.records.resume_rules import changes
+from forge.training.records.run_record import predated_model_defaults, run_identity
+from forge.training.records.run_records import config_in_force
+from forge.training.setup.store_claim import Claim, StoreClaimError, claim_prefix, store_problem
 
 LOCK_FILE = ".forge.lock"
 

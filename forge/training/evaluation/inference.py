@@ -23,7 +23,7 @@ from forge.model.attention import runnable_here
 from forge.model.vlm import empty_model
 from forge.optim.param_groups import inference_optimizer
 from forge.parallel.devices import choose_dtype, stored_dtype
-from forge.training.run_dir import checkpoint_dir_of, load_path_of
+from forge.training.records.run_dir import checkpoint_dir_of, load_path_of
 
 
 @attrs.frozen

@@ -25,8 +25,8 @@ from forge.metrics.goodput import (
     read_ledger,
     run_totals,
 )
-from forge.training.loop import Effects
-from forge.training.plan import SaveReason
+from forge.training.loop.loop import Effects
+from forge.training.loop.plan import SaveReason
 from forge.types import LoopState, Signals, StepResult
 
 BatchT = TypeVar("BatchT")

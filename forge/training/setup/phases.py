@@ -3,7 +3,7 @@ one by one and inspect what each built.
 
 Order: ``load_and_validate_config`` → ``setup_distributed`` → ``build_model_and_optim`` →
 ``setup_data`` → ``claim_run_dir`` → ``setup_checkpointing`` → ``prepare_run_dir``; then the
-step (``forge.training.steps``), the loop and ``conclude`` (``forge.training.loop``) and
+step (``forge.training.steps``), the loop and ``conclude`` (``forge.training.loop.loop``) and
 ``teardown``. Nothing is written to disk before ``claim_run_dir`` (which
 creates and locks the run directory, and removes it again if set-up then fails), so bad
 input of any kind leaves no run directory behind.
@@ -65,11 +65,23 @@ from forge.training.context import (
     ModelContext,
     RunContext,
 )
-from forge.training.hooks import hook_problems
-from forge.training.loaders import image_caption_loaders, text_loaders
-from forge.training.pipeline_setup import pipeline_of, pipeline_parts
-from forge.training.plan import starting_outcome
-from forge.training.problems import (
+from forge.training.loop.hooks import hook_problems
+from forge.training.loop.plan import starting_outcome
+from forge.training.records.resume import RunMismatchError, records_ahead, resume_run
+from forge.training.records.resume_rules import changes
+from forge.training.records.run_dir import (
+    RunDirBusyError,
+    RunDirLock,
+    foreign_records_problem,
+    load_path_of,
+    lock_directories,
+    path_problem,
+)
+from forge.training.records.run_record import predated_model_defaults, run_identity
+from forge.training.records.run_records import RunRecordsError, write_run_records
+from forge.training.setup.loaders import image_caption_loaders, text_loaders
+from forge.training.setup.pipeline_setup import pipeline_of, pipeline_parts
+from forge.training.setup.problems import (
     attention_problems,
     cpu_flags,
     data_problems,
@@ -79,20 +91,8 @@ from forge.training.problems import (
     memory_problem,
     precision_warning,
 )
-from forge.training.resume import RunMismatchError, records_ahead, resume_run
-from forge.training.resume_rules import changes
-from forge.training.run_dir import (
-    RunDirBusyError,
-    RunDirLock,
-    foreign_records_problem,
-    load_path_of,
-    lock_directories,
-    path_problem,
-)
-from forge.training.run_record import predated_model_defaults, run_identity
-from forge.training.run_records import RunRecordsError, write_run_records
+from forge.training.setup.vlm import vision_footprint, vlm_problems
 from forge.training.steps.replay import cuda_determinism_env
-from forge.training.vlm import vision_footprint, vlm_problems
 from forge.types import LoopState
 
 WorldCheck = Callable[[RunContext, WorldInfo], list[str]]
@@ -371,7 +371,7 @@ def report_on_main(dist: DistContext) -> Callable[[str], None]:
 
 def prepare_run_dir(run: RunContext, dist: DistContext, ckpt: CheckpointContext) -> None:
     """Record the resolved config (``config.toml``, or ``config.step_N.toml`` for a resume
-    that changed it: ``forge.training.run_records``) and align ``metrics.jsonl`` with the
+    that changed it: ``forge.training.records.run_records``) and align ``metrics.jsonl`` with the
     resumed step (records past it came from a run that crashed after its checkpoint). A run
     that is already complete changes nothing on disk. Raises ``RunRecordsError`` on every
     rank when rank 0 cannot write them."""

@@ -33,7 +33,7 @@ import attrs
 
 from forge.checkpoint.policy import SaveSchedule
 from forge.config.sections import JobConfig, NonFinitePolicy, SpikePolicy
-from forge.training.finalize import FAILURES
+from forge.training.loop.finalize import FAILURES
 from forge.types import LoopOutcome, LoopState, LossStats, Signals, StepResult
 
 SPIKE_WARMUP = 10  # applied steps in the statistics before a loss can be called a spike

@@ -71,7 +71,7 @@ def hook_class(path: str) -> type:
     if not isinstance(cls, type):
         raise ValueError(f"module {module_name!r} has no class {class_name!r}")
     if not issubclass(cls, Hooks):
-        raise ValueError(f"{path} is not a subclass of forge.training.hooks.Hooks")
+        raise ValueError(f"{path} is not a subclass of forge.training.loop.hooks.Hooks")
     return cls
 
 

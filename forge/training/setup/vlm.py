@@ -1,6 +1,6 @@
 """A vision-language run's set-up checks: what its config cannot do (checked before anything
 is built), its vision footprint; and ``mismatched_images`` for evaluation. Its loaders are
-built in ``forge.training.loaders``."""
+built in ``forge.training.setup.loaders``."""
 
 from __future__ import annotations
 

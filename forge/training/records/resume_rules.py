@@ -1,7 +1,7 @@
 """What a changed config means for a resume: one table (every config key belongs to one
 group), one difference record (``Change``), one verdict (``change_verdict``). No torch here:
 the table and every decision are table-tested. What a checkpoint records to compare against is
-``forge.training.run_record``.
+``forge.training.records.run_record``.
 
 - Run identity — ``MODEL`` (the architecture and its initialisation), ``DATA_ORDER`` (the data,
   its split, order and seeds, sequence length, packing, the global batch) and ``FREEZE`` (the

@@ -12,8 +12,8 @@ from typing import Protocol, TypeVar
 
 import attrs
 
-from forge.training.finalize import CheckpointView, FinalSave, finalize
-from forge.training.plan import (
+from forge.training.loop.finalize import CheckpointView, FinalSave, finalize
+from forge.training.loop.plan import (
     LoopPolicy,
     SaveReason,
     plan_step,

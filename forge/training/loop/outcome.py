@@ -6,7 +6,7 @@ from __future__ import annotations
 import pathlib
 
 from forge.resilience.stacks import every_rank
-from forge.training.plan import LoopPolicy
+from forge.training.loop.plan import LoopPolicy
 from forge.types import ExitCode, LoopOutcome, LoopState
 
 _EXIT_CODES = {

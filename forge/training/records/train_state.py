@@ -13,7 +13,7 @@ from forge.checkpoint.paths import CheckpointPath
 from forge.checkpoint.policy import step_of
 from forge.checkpoint.store import TRAIN_STATE, CheckpointError
 from forge.config.loader import CONVERTER, ConfigError, leaf_errors
-from forge.training.plan import SaveReason
+from forge.training.loop.plan import SaveReason
 from forge.types import LoopState
 
 TRAIN_STATE_VERSION = 2  # 2: the loader's position in global rows, free of the layout
@@ -60,8 +60,8 @@ class TrainState:
     loader: LoaderRecord
     schedule: ScheduleRecord
     world_size: int
-    identity: dict[str, Any] | None = None  # forge.training.run_record.run_identity
-    # forge.training.run_record.recorded_settings: the optimizer, numerics and schedule
+    identity: dict[str, Any] | None = None  # forge.training.records.run_record.run_identity
+    # forge.training.records.run_record.recorded_settings: the optimizer, numerics and schedule
     settings: dict[str, Any] | None = None
 
 
