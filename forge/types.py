@@ -48,7 +48,7 @@ class ExitCode(enum.IntEnum):
 @attrs.frozen
 class LossStats:
     """The running statistics a spike is measured against: the steps taken into them, and
-    the exponentially weighted mean and variance of their loss (``forge.training.plan``)."""
+    the exponentially weighted mean and variance of their loss (``forge.training.loop.plan``)."""
 
     count: int = 0
     mean: float = 0.0
@@ -211,6 +211,10 @@ class Signals:
     health_failed: bool = False
     nonfinite: bool = False  # some rank's loss or grad norm was not finite
     replay_failed: bool = False  # a replayed step found no majority, or replicas diverged
+    save_unwritten: bool = False  # some rank's async save is still being written
+    # a save is in flight and every rank has written it (not exchanged: read off the word
+    # by ``StepMonitor``): commit it now, not at the next save
+    save_written: bool = False
 
 
 class RemoteLocation(Protocol):
@@ -225,7 +229,7 @@ class RemoteLocation(Protocol):
 
 class Hooks:
     """Callbacks at fixed points of a run; a no-op base whose every method is optional.
-    Subclass it (as ``forge.training.hooks.Hooks``) and override what you need."""
+    Subclass it (as ``forge.training.loop.hooks.Hooks``) and override what you need."""
 
     def on_train_begin(self, state: LoopState) -> None:
         """Before the first step (also on resume)."""

@@ -158,6 +158,7 @@ def train(
         ControlChannel(dist.world_size, res.health_timeout_s),
         lambda: flag.requested() or effects.cannot_log(),  # rank 0 alone writes the metrics
         res.health_check_interval,
+        effects.save_status,
     )
     effects.begin(ckpt.initial_state, ckpt.resume_cost)
     clock.step = ckpt.initial_state.step

@@ -333,6 +333,14 @@ class Checkpointer:
             dist.destroy_process_group()
             self._owns_default_group = False
 
+    def status(self) -> tuple[bool, bool]:
+        """Whether a save is in flight, and whether this rank has written it (its commit then
+        needs no wait here)."""
+        pending = self.pending
+        if pending is None:
+            return False, True
+        return True, pending.future is None or pending.future.done()
+
     @property
     def in_flight(self) -> int | None:
         """The step being written, if any."""

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from forge.types import Signals, StepResult
 
-FIELDS = ("nonfinite", "shutdown_requested", "health_failed", "replay_failed")
+FIELDS = ("nonfinite", "shutdown_requested", "health_failed", "replay_failed", "save_unwritten")
 
 
 def encode(local: Signals) -> list[float]:
@@ -72,26 +72,37 @@ class ControlChannel:
 
 class StepMonitor:
     """The loop's ``poll``: this rank's flags for the step just run, reduced over every rank,
-    plus a liveness and agreement check every ``health_check_interval`` steps."""
+    plus a liveness and agreement check every ``health_check_interval`` steps; and whether a
+    save in flight is written on every rank (``Signals.save_written``), so that it commits at
+    the next step instead of at the next save (an async save not committed is lost work)."""
 
     def __init__(
-        self, channel: ControlChannel, shutdown: Callable[[], bool], health_check_interval: int
+        self,
+        channel: ControlChannel,
+        shutdown: Callable[[], bool],
+        health_check_interval: int,
+        save: Callable[[], tuple[bool, bool]] = lambda: (False, True),
     ) -> None:
         self.channel = channel
         self.shutdown = shutdown
         self.interval = health_check_interval
+        self.save = save  # (a save is in flight, this rank has written it)
         self.steps = 0  # steps run by this process; equal on every healthy rank
 
     def __call__(self, result: StepResult) -> Signals:
         self.steps += 1
+        in_flight, written = self.save()
         word = self.channel.exchange(
             Signals(
                 shutdown_requested=self.shutdown(),
                 nonfinite=not result.finite,
                 health_failed=result.collective_failed,
                 replay_failed=result.replay is not None and result.replay.failed,
+                save_unwritten=in_flight and not written,
             )
         )
+        if in_flight and not word.save_unwritten and not word.health_failed:
+            word = attrs.evolve(word, save_written=True)  # every rank's write is done
         due = self.interval > 0 and self.steps % self.interval == 0
         if due and not word.health_failed and not self.channel.steps_agree(self.steps):
             word = attrs.evolve(word, health_failed=True)

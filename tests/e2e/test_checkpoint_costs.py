@@ -28,16 +28,22 @@ def recorded_bytes(config, step):
 
 
 # (async mode, {logged step: the save whose costs it carries}): saves every 5 steps and a
-# final one at 12; a synchronous save commits at once, an async one when the next starts;
-# the final save commits after the last log
-CARRIED = [("disabled", {6: 5, 11: 10}), ("async", {11: 5})]
+# final one at 12; a synchronous save commits at once, an async one once every rank has
+# written it (at a step its write outran, by the save of step 10 at the latest: the step it
+# rides in depends on the machine, its bounds do not); the final save commits after the
+# last log
+CARRIED = [("disabled", {6: 5, 11: 10}), ("async", None)]
 
 
 @pytest.mark.parametrize(("mode", "carried"), CARRIED, ids=[c[0] for c in CARRIED])
 def test_a_committed_save_s_costs_ride_in_the_next_logged_record(tiny_config, mode, carried):
     assert TRAIN.main([str(tiny_config), f"--checkpoint.async_mode={mode}"]) == 0
     saves = records_with(tiny_config, "checkpoint/step")
-    assert {r["step"]: r["checkpoint/step"] for r in saves} == carried
+    if carried is not None:
+        assert {r["step"]: r["checkpoint/step"] for r in saves} == carried
+    else:
+        assert 5 in {r["checkpoint/step"] for r in saves}
+        assert all(r["checkpoint/step"] < r["step"] <= r["checkpoint/step"] + 6 for r in saves)
     for record in saves:
         assert all(math.isfinite(record[k]) and record[k] > 0 for k in SAVE_KEYS)
         assert record["checkpoint/blocked_s"] <= record["checkpoint/commit_s"]

@@ -359,3 +359,20 @@ def test_a_recurring_failure_is_bounded(pol, failures, outcome, steps):
     assert ran == steps
     if outcome is LoopOutcome.NAN_ABORT:  # the step it could not pass, for the message
         assert state.failed_at == max(steps)
+
+
+def test_a_save_written_everywhere_commits_at_the_next_step_not_the_next_save():
+    """An async save of step 4 is written while step 5 runs: the loop commits it after step
+    5 (``effects.wait``), not at the save of step 8; a stop or a save of its own step waits
+    anyway."""
+    spy = Spy()
+    written = {"steps": {5}}
+
+    def poll(result: StepResult) -> Signals:
+        poll.n += 1  # type: ignore[attr-defined]
+        return Signals(save_written=poll.n in written["steps"])  # type: ignore[attr-defined]
+
+    poll.n = 0  # type: ignore[attr-defined]
+    run_training_loop(LoopState(), iter(range(10)), scripted([1.0] * 10), policy(10, 4), spy, poll)
+    effects = [c for c in spy.calls if c[0] in ("save", "wait")]
+    assert effects == [("save", 4, S), ("wait",), ("save", 8, S)]

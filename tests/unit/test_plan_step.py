@@ -73,6 +73,28 @@ ROWS = [
     ("inf grad norm counts", 1, 1, INF_NORM, QUIET, LoopOutcome.NAN_ABORT, None, True, False),
     ("NaN abort beats shutdown", 1, 1, NAN_LOSS, TERM, LoopOutcome.NAN_ABORT, None, True, False),
     (
+        "a save written everywhere commits",
+        1,
+        0,
+        OK,
+        Signals(save_written=True),
+        None,
+        None,
+        False,
+        False,
+    ),
+    (
+        "a save of this step commits the last itself",
+        2,
+        0,
+        OK,
+        Signals(save_written=True),
+        None,
+        SaveReason.SCHEDULED,
+        False,
+        False,
+    ),
+    (
         "NaN under the limit on a save step",
         2,
         0,
@@ -98,6 +120,7 @@ def test_plan_step_table(step, streak, result, signals, stop, save, log, evaluat
     assert plan.log is log
     assert plan.evaluate is evaluate
     assert plan.state.step == step + 1
+    assert plan.commit is (signals.save_written and save is None and stop is None)
     assert plan.state.tokens_seen == 8
     assert plan.state.last_step_finite is result.finite
     assert plan.state.last_saved_step == (step + 1 if save else None)

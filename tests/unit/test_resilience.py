@@ -175,6 +175,26 @@ def test_single_process_monitor_reports_local_flags():
     assert monitor(OK) == Signals(shutdown_requested=True)
 
 
+# (case, this rank's save status (in flight, written), the word of the step)
+SAVES = [
+    ("no save in flight", (False, True), Signals()),
+    ("a save still being written", (True, False), Signals(save_unwritten=True)),
+    ("a save written: commit it", (True, True), Signals(save_written=True)),
+]
+
+
+@pytest.mark.parametrize("status,word", [r[1:] for r in SAVES], ids=[r[0] for r in SAVES])
+def test_the_monitor_says_when_a_save_in_flight_is_written(status, word):
+    monitor = StepMonitor(ControlChannel(1, 5.0), lambda: False, 0, lambda: status)
+    assert monitor(OK) == word
+
+
+def test_an_unwritten_save_on_any_rank_holds_the_commit():
+    """The word is a MAX over ranks: one rank still writing keeps every rank from committing."""
+    mine, peers = encode(Signals()), encode(Signals(save_unwritten=True))
+    assert decode([max(x, y) for x, y in zip(mine, peers, strict=True)]).save_unwritten
+
+
 # (text, faults)
 FAULTS = [
     ("", ()),

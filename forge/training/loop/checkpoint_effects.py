@@ -150,6 +150,10 @@ class CheckpointEffects:
                 tokenizer_info(self.data.manifest.tokenizer),
             )
 
+    def save_status(self) -> tuple[bool, bool]:
+        """Whether a save is in flight, and whether this rank has written it."""
+        return self.checkpointer.status()
+
     def wait(self) -> None:
         """Finish and commit the save in flight, if any."""
         try:

@@ -73,6 +73,11 @@ class TrainingEffects:
         self.checkpoints.wait()
         self.carry_save_costs()
 
+    def save_status(self) -> tuple[bool, bool]:
+        """Whether a save is in flight, and whether this rank has written it (the control
+        word tells the loop when every rank has)."""
+        return self.checkpoints.save_status()
+
     def carry_save_costs(self) -> None:
         """The latest committed save's costs, for the next logged record."""
         for cost in self.checkpoints.take_costs():

@@ -86,6 +86,8 @@ def run_training_loop(
             effects.evaluate(state)
         if plan.save is not None:
             effects.save(state, plan.save)
+        if plan.commit:  # written everywhere: committed now, not at the next save
+            effects.wait()
         effects.step_end(state, result)
         if plan.stop is not None:
             return plan.stop, state

@@ -182,6 +182,7 @@ class StepPlan:
     stop: LoopOutcome | None = None
     rollback: bool = False  # restore the last snapshot (then ``rolled_back`` gives the state)
     snapshot: bool = False  # refresh the rollback snapshot at this state
+    commit: bool = False  # commit the save in flight, written on every rank
 
 
 def advance(state: LoopState, result: StepResult, finite: bool = True) -> LoopState:
@@ -278,6 +279,8 @@ def plan_step(
         and nxt.step % interval == 0
         and nxt.last_step_finite
         and stop is None,
+        # a save of this step waits for it first, and a stop's conclusion does
+        commit=signals.save_written and reason is None and stop is None,
     )
 
 
