@@ -27,7 +27,8 @@ from tests.distributed.test_moe_parallel import ONE_ROW, write_moe_config
 # a one-rank run has no stragglers to name)
 MACHINE = ("step_time", "tokens_per_sec", "tokens_per_sec_per_device", "tflops", "mfu")
 MACHINE += ("straggler/slowest_rank", "straggler/ratio")
-# memory/ and checkpoint/ (a save's times, and its bytes: a layout's own files) are left out too
+# memory/, checkpoint/ (a save's times, and its bytes: a layout's own files) and goodput (the
+# ledger: time) are left out too
 
 MIXTURE = """
 [[data.sources]]
@@ -81,7 +82,7 @@ def training_metrics(run_dir: pathlib.Path) -> dict[int, dict[str, float]]:
         kept = {
             k: v
             for k, v in record.items()
-            if k != "step" and k not in MACHINE and not k.startswith(("memory/", "checkpoint/"))
+            if k != "step" and k not in MACHINE and not k.startswith(("memory/", "checkpoint/", "goodput"))
             and isinstance(v, (int, float))
         }  # fmt: skip
         out.setdefault(record["step"], {}).update(kept)
