@@ -1,5 +1,5 @@
 """The Hugging Face family a forge model exports as (``convert_checkpoint.py export``,
-``checkpoint.export_final``), and why a model has none. Pure: ``forge.training.problems``
+``checkpoint.export_final``), and why a model has none. Pure: ``forge.training.setup.problems``
 refuses an export before a run starts with the export's own check; each family's rule and
 refusals are its spec's (``forge.interop.families``)."""
 

@@ -1,5 +1,5 @@
 """The goodput ledger: where a run's wall time went, across every launch (pure; the clock that
-fills it is ``forge.training.ledger``).
+fills it is ``forge.training.loop.ledger``).
 
 Each launch appends its running totals to ``<run.dir>/goodput.jsonl`` (rank 0, at each logged
 step and at its end), one JSON line each: a SIGKILL loses at most the tail since its last line,

@@ -5,7 +5,7 @@ A layer's auxiliary losses and counts are *returned* with its output, in one row
 model's MoE statistics tensor (``MoeStats`` gives the columns): the step adds the losses to
 its objective and logs the counts. Nothing is stored on the module during ``forward``; the
 only state beside the weights is the sigmoid router's balancing bias, a buffer that
-``forge.training.expert_balance`` updates after the optimizer step.
+``forge.training.loop.expert_balance`` updates after the optimizer step.
 
 Parameter names (checkpoint keys): ``feed_forward.router.gate.weight`` ``(E, dim)``,
 ``feed_forward.router.expert_bias`` ``(E,)``, ``feed_forward.experts.{w1,w3}`` ``(E, dim,
