@@ -15,6 +15,7 @@ from forge.config.help import help_text
 from forge.errors import CheckpointSaveError, UserInputError, print_errors
 from forge.metrics.goodput import Bucket, read_ledger, run_totals, summary_line
 from forge.metrics.profiler import profiler_hooks
+from forge.resilience import stragglers
 from forge.resilience.control import ControlChannel, StepMonitor
 from forge.resilience.faults import (
     Fault,
@@ -27,7 +28,6 @@ from forge.resilience.health import guard_collectives
 from forge.resilience.reports import FaultReport
 from forge.resilience.signals import SetupInterrupted, ShutdownFlag, pause_if_asked
 from forge.resilience.stacks import StackWatch, stack_watch
-from forge.resilience.stragglers import timed
 from forge.training.context import (
     CheckpointContext,
     DataContext,
@@ -102,7 +102,8 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
                 FaultHooks(faults, dist.rank),
             ]
         )
-        guards = armed_guards(run, dist, model, flag)  # refused before anything is written
+        channel = ControlChannel(dist.world_size, run.config.resilience.health_timeout_s)
+        guards = armed_guards(run, dist, model, flag, channel)  # refused before any write
         prepare_run_dir(run, dist, ckpt)  # last: a set-up that fails writes no records
         if dist.is_main:
             print(f"[forge] {guards}", file=sys.stderr)
@@ -121,7 +122,9 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
     try:
         timeout_s = run.config.distributed.timeout_s
         with stack_watch(run.run_dir, dist.rank, dist.world_size, timeout_s) as stacks:
-            return train(run, dist, model, data, ckpt, flag, run_hooks, faults, stacks, clock)
+            return train(
+                run, dist, model, data, ckpt, flag, run_hooks, faults, stacks, clock, channel
+            )
     finally:
         flag.uninstall()  # done already unless the loop raised
         lock.release()
@@ -138,10 +141,12 @@ def train(
     faults: tuple[Fault, ...],
     stacks: StackWatch | None = None,
     clock: LaunchClock | None = None,
+    channel: ControlChannel | None = None,
 ) -> int:
     """The loop and what follows it, once every set-up phase succeeded; ``stacks``: where
     this rank's stacks go when the run hangs (re-armed before any other hook); ``clock``:
-    this launch's goodput ledger (the set-up's load already in it)."""
+    this launch's goodput ledger (the set-up's load already in it); ``channel``: the control
+    word's, made at set-up for the guards to check."""
     if clock is None:
         clock = LaunchClock(run.run_dir, dist.is_main, time.time())
     flag.timeout_s = run.config.resilience.shutdown_timeout_s
@@ -152,10 +157,12 @@ def train(
     hooks = HookList([stacks, hooks]) if stacks is not None else hooks
     effects = TrainingEffects(run, dist, model, data, hooks=hooks)
     step = make_step_fn(run, dist, model, data, hooks, gradient_faults(faults, dist.rank))
-    step = timed(with_faults(step, model.model, faults, dist.rank))
+    step = stragglers.timed(with_faults(step, model.model, faults, dist.rank))
     res = run.config.resilience
+    if channel is None:
+        channel = ControlChannel(dist.world_size, res.health_timeout_s)
     monitor = StepMonitor(
-        ControlChannel(dist.world_size, res.health_timeout_s),
+        channel,
         lambda: flag.requested() or effects.cannot_log(),  # rank 0 alone writes the metrics
         res.health_check_interval,
         effects.save_status,

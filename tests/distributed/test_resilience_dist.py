@@ -317,23 +317,40 @@ def test_two_ranks_save_to_s3_and_resume_as_the_uninterrupted_local_run(
     assert len(losses) == 6
 
 
-def test_replicas_whose_comparison_is_inert_are_refused_at_start(tmp_path, small_corpus):
-    """The guard check reads what the replica comparison would compare: with that mechanism
-    made inert (``tests/distributed/inert_replicas.py``), ``dp_replicate=2`` with replays is
-    refused by name before anything is written; intact, the start says it is armed."""
+# (mutant, the key refused, its words): each guard of a multi-rank run made inert
+INERT = [
+    ("replicas", "distributed.dp_replicate", "the layout has 2 replicas"),
+    ("health", "resilience.health_timeout_s", "the control word has no group of its own"),
+    ("stragglers", "resilience.straggler_ratio", "the step does not report its own time"),
+]
+
+
+@pytest.mark.parametrize("mutant,key,words", INERT, ids=[m[0] for m in INERT])
+def test_a_guard_made_inert_at_two_ranks_is_refused_at_start(
+    tmp_path, small_corpus, mutant, key, words
+):
+    """The guard check reads each mechanism off the built run: made inert
+    (``tests/distributed/inert_guard.py``), the start is refused by name on every rank
+    before anything is written."""
     config = write_config(tmp_path, small_corpus)
     replicas = ["--distributed.dp_replicate=2", "--distributed.dp_shard=1"]
-    argv = [str(REPO / "tests" / "distributed" / "inert_replicas.py"), str(config),
+    argv = [str(REPO / "tests" / "distributed" / "inert_guard.py"), mutant, str(config),
             f"--run.dir={tmp_path / 'run'}", *COMMON, *replicas]  # fmt: skip
     out = run_ranks(2, argv, timeout=120)
     assert out.returncode == 2, out.stderr[-3000:]
     errors = [x for x in out.stderr.splitlines() if x.startswith("error:")]
-    assert errors and all(
-        "distributed.dp_replicate: the layout has 2 replicas" in e for e in errors
-    )
+    assert errors and all(e.startswith(f"error: {key}: {words}") for e in errors), errors
     assert not (tmp_path / "run" / "config.toml").exists()
+
+
+def test_the_guards_of_an_intact_two_rank_run_are_armed(tmp_path, small_corpus):
+    config = write_config(tmp_path, small_corpus)
+    replicas = ["--distributed.dp_replicate=2", "--distributed.dp_shard=1"]
     intact, _ = two_ranks(
-        config, tmp_path / "intact", *replicas, "--train.max_steps=2", "--scheduler.warmup_steps=1"
+        config, tmp_path / "run", *replicas, "--train.max_steps=2", "--scheduler.warmup_steps=1"
     )
     assert intact.returncode == 0, intact.stderr[-3000:]
-    assert "replay first step (2 replicas)" in intact.stderr
+    line = [x for x in intact.stderr.splitlines() if x.startswith("[forge] guards: ")]
+    assert len(line) == 1, intact.stderr[-3000:]
+    for words in ("replay first step (2 replicas)", "stragglers(1.5x)", "health(30 s)"):
+        assert words in line[0], line

@@ -51,6 +51,10 @@ ROWS = [
     ("replicas promised, none replicated", {"distributed": {"dp_replicate": 2}}, attrs.evolve(REPLICAS, replicated=0), None, ["distributed.dp_replicate"]),
     ("replicas without a replay: nothing compares them", {"distributed": {"dp_replicate": 2}, "resilience": {"replay_first_step": False}}, attrs.evolve(REPLICAS, replicated=0, replay=ReplayRule()), "nonfinite=skip, stragglers(1.5x), health(300 s), hang stacks(600 s), signals, checksums(full)", []),
     ("signals taken by another handler", {}, attrs.evolve(ONE, signals=False), None, ["resilience.shutdown_timeout_s"]),
+    ("two ranks whose control word has no group", {}, attrs.evolve(TWO, health=False), None, ["resilience.health_timeout_s"]),
+    ("one process needs no control-word group", {}, attrs.evolve(ONE, health=False), "nonfinite=skip, replay first step, signals, checksums(full)", []),
+    ("two ranks whose step is not timed", {}, attrs.evolve(TWO, straggler_clock=False), None, ["resilience.straggler_ratio"]),
+    ("on CUDA the step's own time is not read", {}, attrs.evolve(TWO, cuda=True, straggler_clock=False), "nonfinite=skip, replay first step, health(300 s), hang stacks(600 s), signals, checksums(full)", []),
 ]  # fmt: skip
 
 

@@ -11,6 +11,7 @@ refusals, one per guard that cannot act, before anything is written.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Sequence
 
 import attrs
@@ -19,11 +20,14 @@ import torch
 from forge.config.ranges import Problem
 from forge.config.sections import JobConfig, NonFinitePolicy, ResilienceConfig, SpikePolicy
 from forge.errors import UserInputError
+from forge.resilience import stragglers
+from forge.resilience.control import ControlChannel
 from forge.resilience.signals import ShutdownFlag
 from forge.training.context import DistContext, ModelContext, RunContext
 from forge.training.loop.plan import LoopPolicy, ReplayRule
 from forge.training.steps.replay import replicated_along
 from forge.training.steps.spec import StepSpec, step_spec
+from forge.types import LoopState, StepResult
 
 DEFAULTS = ResilienceConfig()
 
@@ -59,6 +63,8 @@ class GuardFacts:
     replica_layout: int  # dp_replicate × tp: > 1 promises replicas to compare
     replicated: int  # parameters held bit for bit by other ranks (what replicas compare)
     signals: bool  # SIGTERM and SIGINT reach forge's shutdown flag
+    health: bool = True  # the control word has a group of its own (several ranks)
+    straggler_clock: bool = True  # the step reports its own time
 
 
 def guard_report(config: JobConfig, facts: GuardFacts) -> tuple[str, list[Problem]]:
@@ -114,6 +120,21 @@ def guard_report(config: JobConfig, facts: GuardFacts) -> tuple[str, list[Proble
                 "does not tell waiting from working: docs/resilience.md#stragglers); remove it",
             )
         )
+    if facts.world_size > 1 and not facts.health:
+        refused.append(
+            (
+                "resilience.health_timeout_s",
+                "the control word has no group of its own: a rank that died or stalled would "
+                "go unnoticed until a collective's timeout, and no rank would agree to stop",
+            )
+        )
+    if facts.world_size > 1 and not facts.cuda and not facts.straggler_clock:
+        refused.append(
+            (
+                "resilience.straggler_ratio",
+                "the step does not report its own time: a straggler would never be named",
+            )
+        )
     if facts.world_size > 1:
         if not facts.cuda:
             armed.append(f"{Guard.STRAGGLERS.value}({res.straggler_ratio:g}x)")
@@ -157,6 +178,7 @@ def guard_facts(
     params: Sequence[torch.nn.Parameter],
     world_size: int,
     signals: bool,
+    health: bool = True,
 ) -> GuardFacts:
     """What each guard can do in the run built from ``config``."""
     dims = config.distributed
@@ -170,11 +192,30 @@ def guard_facts(
         replica_layout=dims.dp_replicate * dims.tp,
         replicated=sum(bool(replicated_along(p)) for p in params),
         signals=signals,
+        health=health,
+        straggler_clock=measures_own_time(),
     )
 
 
+def measures_own_time() -> bool:
+    """Whether the straggler clock the loop wraps its step in reports a step's own time: a
+    step that keeps busy for 2 ms of CPU time must report some."""
+
+    def busy(batch: object, state: LoopState) -> StepResult:
+        end = time.process_time() + 0.002
+        while time.process_time() < end:
+            pass
+        return StepResult(loss=0.0, grad_norm=0.0, tokens=0, lr=0.0)
+
+    return stragglers.timed(busy)(None, LoopState()).busy_s > 0
+
+
 def armed_guards(
-    run: RunContext, dist: DistContext, model: ModelContext, flag: ShutdownFlag
+    run: RunContext,
+    dist: DistContext,
+    model: ModelContext,
+    flag: ShutdownFlag,
+    channel: ControlChannel | None = None,
 ) -> str:
     """The start's line of its guards, read off the built run; ``GuardRefused`` naming each
     guard the config turns on that cannot act here (before anything is written)."""
@@ -185,6 +226,7 @@ def armed_guards(
         list(model.model.parameters()),
         dist.world_size,
         flag.reaches(),
+        health=channel is None or dist.world_size == 1 or channel.group is not None,
     )
     return armed_line(run.config, facts)
 
