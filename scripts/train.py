@@ -89,10 +89,8 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         load_start = time.time()
         ckpt = setup_checkpointing(run, dist, model, data)
         clock = LaunchClock(run.run_dir, dist.is_main, started)
-        clock.add(Bucket.IMPORTS, entered - started)
         verify_s = ckpt.resume_cost.verify_s if ckpt.resume_cost is not None else 0.0
-        clock.add(Bucket.VERIFY, verify_s)
-        clock.add(Bucket.LOAD, time.time() - load_start - verify_s)
+        clock.started_up(entered, time.time() - load_start, verify_s)
         run_hooks = HookList(
             [
                 *hooks,
@@ -168,9 +166,7 @@ def train(
         effects.save_status,
     )
     effects.begin(ckpt.initial_state, ckpt.resume_cost)
-    clock.step = ckpt.initial_state.step
-    before = sum(clock.seconds[b] for b in (Bucket.IMPORTS, Bucket.LOAD, Bucket.VERIFY))
-    clock.add(Bucket.SETUP, time.time() - clock.started - before)
+    clock.loop_begins(ckpt.initial_state.step)
     timed_effects = LedgerEffects(effects, clock, effects.logger.measured)
     try:
         outcome, state = run_training_loop(

@@ -32,7 +32,7 @@ from forge.data.mixture import (
 )
 from forge.data.packing import pack
 from forge.data.row_digest import add_rows, digest_hex, parse_digest
-from forge.data.sampler import epoch_permutation
+from forge.data.row_order import rows_before, window_indices
 from forge.data.shards import DataError
 
 
@@ -91,29 +91,6 @@ def single_source(size: int, batch_size: int, seed: int, **kwargs: Any) -> Sampl
     """Sampling of one source of ``size`` windows (no mixture, no phases); ``kwargs`` as
     ``Sampling``'s."""
     return Sampling((size,), (Phase(1, (1.0,), 1.0),), seed, batch_size, **kwargs)
-
-
-def window_indices(
-    seed: int, sizes: Sequence[int], sources: np.ndarray, positions: np.ndarray
-) -> np.ndarray:
-    """The window each row reads: position ``k`` of source ``s`` is
-    ``perm_s(k // n_s)[k % n_s]``."""
-    windows = np.empty(len(sources), dtype=np.int64)
-    for source, n in enumerate(sizes):
-        mine = slice(None) if len(sizes) == 1 else sources == source
-        at = positions[mine]
-        if len(at) == 0:
-            continue
-        first, last = int(at[0]) // n, int(at[-1]) // n  # positions rise: epochs too
-        if first == last:  # the usual case: every row of one epoch
-            windows[mine] = epoch_permutation(seed, first, n, source)[at - first * n]
-            continue
-        epochs, picked = at // n, np.empty(len(at), dtype=np.int64)
-        for epoch in range(first, last + 1):
-            same = epochs == epoch
-            picked[same] = epoch_permutation(seed, epoch, n, source)[at[same] - epoch * n]
-        windows[mine] = picked
-    return windows
 
 
 def plan_at(state: LoaderState, s: Sampling) -> Plan | None:
@@ -318,28 +295,6 @@ class TextLoader:
 
 
 LOADER_KEYS = ("rows", "steps", "step_rows", "cursors", "digest")
-DIGEST_ROWS = 1 << 20  # rows hashed at once when a saved position is checked
-
-
-def rows_before(s: Sampling, rows: int) -> tuple[tuple[int, ...], int] | None:
-    """The cursors and the digest that the first ``rows`` global rows lead to, computed from
-    the sampling alone (about 0.1 s per million rows); None where the rows' sources depend on
-    the steps they fell in (a mixture with several phases: which step a row belonged to
-    depends on the global batch of every launch, which a checkpoint does not keep)."""
-    if len(s.phases) != 1:
-        return None
-    probabilities = s.phases[0].probabilities
-    cursors: tuple[int, ...] = (0,) * len(s.sizes)
-    digest, start = 0, 0
-    while start < rows:
-        count = min(DIGEST_ROWS, rows - start)
-        sources = row_sources(s.seed, start, count, probabilities)
-        positions, cursors = row_cursors(sources, cursors)
-        digest = add_rows(
-            digest, start, sources, window_indices(s.seed, s.sizes, sources, positions)
-        )
-        start += count
-    return cursors, digest
 
 
 def loader_state(saved: dict[str, Any], sampling: Sampling) -> LoaderState:
@@ -372,7 +327,7 @@ def loader_state(saved: dict[str, Any], sampling: Sampling) -> LoaderState:
         )
     if min(state.steps, state.step_rows, *cursors) < 0 or state.rows != rows:
         raise DataError(f"loader state {saved} does not add up (rows ≠ the sum of its cursors)")
-    expected = rows_before(sampling, state.rows)
+    expected = rows_before(sampling.seed, sampling.sizes, sampling.phases, state.rows)
     if expected is not None and expected != (state.cursors, state.digest):
         raise DataError(
             f"loader state {saved} is not the position its rows lead to (digest "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import pathlib
 from collections.abc import Iterable, Mapping
 
@@ -74,12 +75,29 @@ def read_ledger(path: pathlib.Path) -> list[LaunchRecord]:
         return []
     for line in raw.splitlines():
         try:
-            entry = json.loads(line)
-            record = LaunchRecord(**entry)
+            record = LaunchRecord(**json.loads(line))
         except (ValueError, TypeError):
             continue
-        last[record.launch] = record
+        if well_formed(record):
+            last[record.launch] = record
     return sorted(last.values(), key=lambda r: r.started)
+
+
+BUCKETS = frozenset(b.value for b in Bucket)
+
+
+def well_formed(record: LaunchRecord) -> bool:
+    """Whether a parsed line is one a launch writes: finite numbers, known buckets (a damaged
+    or hand-edited line is passed over like a torn one, never added up)."""
+    if not isinstance(record.seconds, dict):
+        return False
+    numbers = [record.started, record.wall, record.uncommitted, *record.seconds.values()]
+    return (
+        isinstance(record.launch, str)
+        and type(record.step) is int
+        and set(record.seconds) <= BUCKETS
+        and all(type(x) in (int, float) and math.isfinite(x) for x in numbers)
+    )
 
 
 def run_totals(

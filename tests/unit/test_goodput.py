@@ -77,3 +77,24 @@ def test_the_summary_names_goodput_and_the_largest_buckets_first():
         line
         == "goodput 0.70 over 1 launch, 10.0 s: productive 7.0 s, setup 2.0 s, checkpoint 1.0 s"
     )
+
+
+# (case, a line as a damaged or hand-edited file may hold it)
+DAMAGED = [
+    ("a bucket no launch writes", '{"launch": "c", "started": 20, "wall": 1, "step": 1, "uncommitted": 0, "ended": true, "seconds": {"startup": 1}}'),
+    ("a NaN", '{"launch": "c", "started": 20, "wall": NaN, "step": 1, "uncommitted": 0, "ended": true, "seconds": {}}'),
+    ("an infinity in a bucket", '{"launch": "c", "started": 20, "wall": 1, "step": 1, "uncommitted": 0, "ended": true, "seconds": {"setup": Infinity}}'),
+    ("a string for a number", '{"launch": "c", "started": "20", "wall": 1, "step": 1, "uncommitted": 0, "ended": true, "seconds": {}}'),
+    ("a missing field", '{"launch": "c", "started": 20, "wall": 1, "step": 1, "ended": true, "seconds": {}}'),
+    ("seconds that are a list", '{"launch": "c", "started": 20, "wall": 1, "step": 1, "uncommitted": 0, "ended": true, "seconds": [1]}'),
+    ("a JSON value that is no object", "[1, 2]"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("line", [d[1] for d in DAMAGED], ids=[d[0] for d in DAMAGED])
+def test_a_damaged_line_is_passed_over_and_the_rest_added_up(tmp_path, line):
+    path = tmp_path / "goodput.jsonl"
+    good = launch(0, 10, {P: 8, S: 2}, name="a")
+    path.write_text(launch_line(good) + line + "\n")
+    assert read_ledger(path) == [good]
+    assert sum(run_totals(read_ledger(path)).values()) == 10

@@ -13,9 +13,10 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from forge.checkpoint.async_staging import stop_checkpoint_process
-from forge.checkpoint.checkpointer import Checkpointer, PeerLostError
+from forge.checkpoint.checkpointer import Checkpointer
 from forge.checkpoint.costs import SaveCost
 from forge.checkpoint.paths import CheckpointPath
+from forge.checkpoint.save_failures import PeerLostError
 from forge.checkpoint.slots import Slots
 from forge.checkpoint.store import apply_retention
 from forge.config.loader import CONVERTER

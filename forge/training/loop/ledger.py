@@ -66,6 +66,20 @@ class LaunchClock:
         self.last_step: tuple[Bucket, float] | None = None
         self.earlier = read_ledger(self.path) if is_main else []  # the run's other launches
 
+    def started_up(self, entered: float, load_s: float, verify_s: float) -> None:
+        """Before the loop: the imports (process start to ``main``, at ``entered``), the
+        checkpoint's load and its verification."""
+        self.add(Bucket.IMPORTS, entered - self.started)
+        self.add(Bucket.LOAD, load_s - verify_s)
+        self.add(Bucket.VERIFY, verify_s)
+
+    def loop_begins(self, step: int) -> None:
+        """Set-up is the rest of the time before the loop (config, process group, model,
+        data, guards)."""
+        self.step = step
+        before = sum(self.seconds[b] for b in (Bucket.IMPORTS, Bucket.LOAD, Bucket.VERIFY))
+        self.add(Bucket.SETUP, self.clock() - self.started - before)
+
     def add(self, bucket: Bucket, seconds: float) -> None:
         self.seconds[bucket] += seconds
 

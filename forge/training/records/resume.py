@@ -144,7 +144,9 @@ def resume_run(
 ) -> CheckpointContext:
     """Restore the newest checkpoint of ``plan`` that loads into the model, optimizer and
     loader. Each is checked whole (bytes, train state, run identity, settings) before any
-    tensor is loaded; a damaged one gives way to the next, a changed config is refused."""
+    tensor is loaded; a damaged one gives way to the next, a changed config is refused; the
+    run's records past its checkpoints are refused first (``records_ahead``)."""
+    rewound_from = records_ahead(run, dist, plan, say)
     cfg = run.config.checkpoint
     current = run_identity(run.config, dist.dp_size, data.fingerprints) | current_settings(
         run.config, model.peak_lr, model.schedule
@@ -180,9 +182,11 @@ def resume_run(
     say(f"resumed from {path} at step {state.step}")
     cost = ResumeCost(spent["load"], spent["verify"])
     if not verdict.keep_schedule:
-        return CheckpointContext(plan=plan, initial_state=state, resume_cost=cost)
+        return CheckpointContext(plan, state, resume_cost=cost, rewound_from=rewound_from)
     schedule, peak_lr = recorded_schedule(train_state)
-    return CheckpointContext(plan, state, schedule, peak_lr, resume_cost=cost)
+    return CheckpointContext(
+        plan, state, schedule, peak_lr, resume_cost=cost, rewound_from=rewound_from
+    )
 
 
 def records_ahead(

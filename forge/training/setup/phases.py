@@ -18,7 +18,6 @@ import shutil
 import sys
 from collections.abc import Callable, Sequence
 
-import attrs
 import numpy as np
 import torch
 
@@ -329,9 +328,7 @@ def setup_checkpointing(
     if plan.latest_note is not None:
         say(f"warning: {plan.latest_note}")
     if plan.source is ResumeSource.CHECKPOINT_DIR and plan.path is not None:
-        rewound_from = records_ahead(run, dist, plan, say)
-        ctx = resume_run(run, dist, model, data, plan, say)
-        return attrs.evolve(ctx, rewound_from=rewound_from)
+        return resume_run(run, dist, model, data, plan, say)
     if plan.source is not ResumeSource.LOAD_PATH or plan.path is None:
         problem = foreign_records_problem(run.run_dir, run.checkpoint_dir, run.config)
         if problem is not None:  # another run's records: the more telling refusal

@@ -1,0 +1,61 @@
+"""The order of a run's rows, from the sampling's seed alone: the window each global row reads
+(``window_indices``), and where the first N rows leave the cursors and the digest
+(``rows_before``: what a saved loader position is checked against)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from forge.data.mixture import Phase, row_cursors, row_sources
+from forge.data.row_digest import add_rows
+from forge.data.sampler import epoch_permutation
+
+
+def window_indices(
+    seed: int, sizes: Sequence[int], sources: np.ndarray, positions: np.ndarray
+) -> np.ndarray:
+    """The window each row reads: position ``k`` of source ``s`` is
+    ``perm_s(k // n_s)[k % n_s]``."""
+    windows = np.empty(len(sources), dtype=np.int64)
+    for source, n in enumerate(sizes):
+        mine = slice(None) if len(sizes) == 1 else sources == source
+        at = positions[mine]
+        if len(at) == 0:
+            continue
+        first, last = int(at[0]) // n, int(at[-1]) // n  # positions rise: epochs too
+        if first == last:  # the usual case: every row of one epoch
+            windows[mine] = epoch_permutation(seed, first, n, source)[at - first * n]
+            continue
+        epochs, picked = at // n, np.empty(len(at), dtype=np.int64)
+        for epoch in range(first, last + 1):
+            same = epochs == epoch
+            picked[same] = epoch_permutation(seed, epoch, n, source)[at[same] - epoch * n]
+        windows[mine] = picked
+    return windows
+
+
+DIGEST_ROWS = 1 << 20  # rows hashed at once when a saved position is checked
+
+
+def rows_before(
+    seed: int, sizes: Sequence[int], phases: Sequence[Phase], rows: int
+) -> tuple[tuple[int, ...], int] | None:
+    """The cursors and the digest that the first ``rows`` global rows lead to, computed from
+    the sampling's seed, sizes and phases alone (about 0.06 s per million rows); None where
+    the rows' sources depend on the steps they fell in (a mixture with several phases: which
+    step a row belonged to depends on the global batch of every launch, which a checkpoint
+    does not keep)."""
+    if len(phases) != 1:
+        return None
+    probabilities = phases[0].probabilities
+    cursors: tuple[int, ...] = (0,) * len(sizes)
+    digest, start = 0, 0
+    while start < rows:
+        count = min(DIGEST_ROWS, rows - start)
+        sources = row_sources(seed, start, count, probabilities)
+        positions, cursors = row_cursors(sources, cursors)
+        digest = add_rows(digest, start, sources, window_indices(seed, sizes, sources, positions))
+        start += count
+    return cursors, digest
