@@ -44,7 +44,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a file: forge from this checkout
 
 from forge.cli import summary  # noqa: E402
+from forge.errors import print_errors  # noqa: E402
 from forge.metrics.goodput import goodput, read_ledger, run_totals  # noqa: E402
+from forge.outputs import file_output_problem, replace_file  # noqa: E402
 
 INTERVAL = 5  # steps between checkpoints
 LAUNCH_LIMIT = 300.0  # seconds a launch may take before the soak gives up on it
@@ -360,6 +362,29 @@ def flatten(value: object, prefix: str = ""):
         yield prefix, value
 
 
+def is_report(path: pathlib.Path) -> bool:
+    """Whether ``path`` holds a report this script wrote (it may be written over)."""
+    try:
+        return "bit_identical" in json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def out_problem(out: pathlib.Path | None) -> str | None:
+    """Why ``--out`` may not be written (forge's rule for a script's one file), or None."""
+    return None if out is None else file_output_problem(out, "--out", "soak", is_report)
+
+
+def work_problem(work: pathlib.Path | None) -> str | None:
+    """The soak trains in ``--work``: a folder of its own, absent or empty (a run already
+    there would be resumed, and the soak's figures with it)."""
+    if work is None or not work.exists():
+        return None
+    if not work.is_dir() or any(work.iterdir()):
+        return f"--work {work}: exists and is not an empty folder; name a new one"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -372,6 +397,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--work", type=pathlib.Path, help="keep the runs here (default: temp)")
     parser.add_argument("--out", type=pathlib.Path, help="also write the report as JSON")
     args = parser.parse_args(argv)
+    problems = [p for p in (out_problem(args.out), work_problem(args.work)) if p]
+    if problems:
+        print_errors(problems)
+        return 2
     kinds = [Kind(k) for k in args.kinds.split(",")]
     faults = plan_faults(args.seed, args.faults, args.steps, kinds)
     print(f"{len(faults)} faults: " + ", ".join(f"{f.kind.value}@{f.step}" for f in faults))
@@ -381,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = soak(work, args.data, args.steps, faults)
     print(json.dumps(report, indent=2))
     if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        replace_file(args.out, json.dumps(report, indent=2) + "\n")
     return 0 if report["bit_identical"] and not report["records_lost"] else 1
 
 

@@ -58,3 +58,20 @@ def test_a_short_soak_recovers_every_fault_bit_identically(tmp_path, small_corpu
     assert set(report["recovery"]) == {"kill_rank", "term_job"}
     assert report["recovery"]["kill_rank"]["recomputed_steps"] >= 1  # steps past its save
     assert 0 < report["goodput"] < 1
+
+
+def test_the_soak_writes_over_no_file_or_folder_it_did_not_make(tmp_path, capsys):
+    (tmp_path / "notes.json").write_text('{"mine": 1}')
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "kept.txt").write_text("mine")
+    argv = ["--out", str(tmp_path / "notes.json"), "--work", str(tmp_path / "work")]
+    assert SOAK.main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"error: --out {tmp_path / 'notes.json'}: holds a file forge did not")
+    assert (
+        err[1]
+        == f"error: --work {tmp_path / 'work'}: exists and is not an empty folder; name a new one"
+    )
+    assert (tmp_path / "notes.json").read_text() == '{"mine": 1}'
+    assert (tmp_path / "work" / "kept.txt").read_text() == "mine"
+    assert SOAK.is_report(tmp_path / "notes.json") is False
