@@ -15,6 +15,7 @@ reads through it.
 from __future__ import annotations
 
 import json
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,6 +38,7 @@ from forge.checkpoint.integrity import (
     verify_checkpoint,
 )
 from forge.checkpoint.paths import CheckpointPath, file_sizes
+from forge.checkpoint.pins import remove_unless_pinned
 from forge.checkpoint.policy import SaveSchedule, retention_plan, step_of
 from forge.checkpoint.rng import restore_rng
 from forge.checkpoint.safety import (
@@ -141,16 +143,19 @@ def remove_stale_temporaries(root: CheckpointPath) -> list[str]:
     return storage_of(root).remove_stale(root)
 
 
-def apply_retention(root: CheckpointPath, keep_last_n: int, schedule: SaveSchedule) -> list[int]:
-    """Delete what ``retention_plan`` names; returns the deleted steps."""
+def apply_retention(
+    root: CheckpointPath,
+    keep_last_n: int,
+    schedule: SaveSchedule,
+    clock: Callable[[], float] = time.time,
+) -> list[int]:
+    """Delete what ``retention_plan`` names, except the steps a reader has pinned (they are
+    deferred: ``forge.checkpoint.pins``); returns the deleted steps."""
     steps = list_steps(root)
     complete = [s for s in steps if is_complete(step_dir(root, s))]
     incomplete = [s for s in steps if s not in complete]
     doomed = retention_plan(complete, keep_last_n, latest_step(root), schedule, None, incomplete)
-    storage = storage_of(root)
-    for step in doomed:
-        storage.remove(step_dir(root, step))
-    return doomed
+    return [step for step in doomed if remove_unless_pinned(root, step, clock())]
 
 
 def read_train_state(path: CheckpointPath) -> dict[str, Any]:

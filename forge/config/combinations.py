@@ -33,4 +33,25 @@ def cross_section_problems(config: JobConfig) -> list[Problem]:
                 f"is past train.max_steps={config.train.max_steps}; no milestone would fire",
             )
         )
+    p += follow_problems(config)
     return p
+
+
+def follow_problems(config: JobConfig) -> list[Problem]:
+    """``eval.follow``: the follower evaluates committed checkpoints, so the steps it is to
+    evaluate must be saved."""
+    ev, ck = config.eval, config.checkpoint
+    if not ev.follow:
+        return []
+    if not ck.enabled:
+        return [("eval.follow", "evaluates committed checkpoints, and checkpoint.enabled is false")]
+    if ev.interval > 0 and ev.interval % ck.interval != 0:
+        return [
+            (
+                "eval.follow",
+                f"evaluates the checkpoints of every eval.interval={ev.interval} steps, but "
+                f"checkpoint.interval={ck.interval} does not save them; make eval.interval a "
+                "multiple of checkpoint.interval",
+            )
+        ]
+    return []

@@ -105,12 +105,20 @@ class EvalTask:
 @attrs.frozen
 class EvalConfig:
     """Held-out loss every ``interval`` steps over ``steps`` batches (interval 0: off), and
-    beside it the downstream ``tasks`` through lm-eval, ``batch_size`` requests a forward."""
+    beside it the downstream ``tasks`` through lm-eval, ``batch_size`` requests a forward.
+    ``follow``: not in the loop but beside it, by ``scripts/eval_follow.py`` on the committed
+    checkpoints of those steps (docs/evaluation.md#beside-training)."""
 
     interval: int = 0
     steps: int = 20
     tasks: tuple[EvalTask, ...] = ()
     batch_size: int = 8
+    follow: bool = False
+
+    @property
+    def in_loop_interval(self) -> int:
+        """How often the loop itself evaluates (0: never; a follower does it instead)."""
+        return 0 if self.follow else self.interval
 
     def problems(self) -> list[Problem]:
         p: list[Problem] = []

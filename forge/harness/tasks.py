@@ -79,9 +79,9 @@ def downstream_problems(config: JobConfig) -> list[str]:
     if not tasks:
         return []
     lines = []
-    if config.eval.interval <= 0:
+    if config.eval.interval <= 0 and not config.eval.follow:  # a follower: every checkpoint
         lines.append("eval.tasks: set, but eval.interval is 0, so they would never run")
-    if config.distributed.pp > 1:
+    if config.distributed.pp > 1 and not config.eval.follow:  # a follower loads whole models
         lines.append(
             "eval.tasks: not supported with distributed.pp > 1 (a pipeline stage has no "
             "logits of its own to score); score the checkpoints with scripts/eval_harness.py"

@@ -62,7 +62,7 @@ def run_dir_of(path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path | None]:
 def load_for_inference(
     config: JobConfig,
     run_dir: pathlib.Path,
-    checkpoint: pathlib.Path | None,
+    checkpoint: CheckpointPath | None,
     device: torch.device,
     dtype_request: DtypeRequest,
     report: Callable[[str], None],
@@ -81,7 +81,7 @@ def load_for_inference(
 def load_run_weights(
     config: JobConfig,
     run_dir: pathlib.Path,
-    checkpoint: pathlib.Path | None,
+    checkpoint: CheckpointPath | None,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     report: Callable[[str], None],

@@ -87,7 +87,7 @@ def loop_policy(config: JobConfig) -> LoopPolicy:
     return LoopPolicy(
         max_steps=config.train.max_steps,
         log_interval=config.metrics.log_interval,
-        eval_interval=config.eval.interval,
+        eval_interval=config.eval.in_loop_interval,
         schedule=schedule,
         nonfinite_limit=config.resilience.max_consecutive_nonfinite,
         nonfinite_policy=config.resilience.on_nonfinite,

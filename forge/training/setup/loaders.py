@@ -93,7 +93,7 @@ def text_loaders(
         device=device,
         context=context,
     )
-    if config.eval.interval <= 0:
+    if config.eval.in_loop_interval <= 0:
         return Loaders(loader, None)
     held_out = open_windows(
         folders[0], manifests[0], data.eval_split, seq_len, data.verify_checksum
@@ -141,7 +141,7 @@ def image_caption_loaders(
     )
     sampling = train_sampling(config, [len(train)], dp_rank, dp_size)
     loader = TextLoader(train, sampling, num_workers=data.num_workers, device=device)
-    if config.eval.interval <= 0:
+    if config.eval.in_loop_interval <= 0:
         return Loaders(loader, None, warning)
     held_out = open_split(data.eval_split)
     require_batch(

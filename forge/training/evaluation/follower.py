@@ -1,0 +1,196 @@
+"""The effects of ``scripts/eval_follow.py``: looking at a run, and evaluating one of its
+checkpoints the way in-loop evaluation does (``follow`` decides which).
+
+The held-out loss is in-loop evaluation's, on the same rows: the trainer's data-parallel ranks
+each evaluate ``eval.steps`` batches of the held-out order of their rank, so the follower takes
+exactly those rows (for the data-parallel size the checkpoint was saved at), shares them out
+over its own ranks and sums, as the trainer's ranks do. Tasks are scored as ``[[eval.tasks]]``
+are in the loop: each loaded afresh, on its ``limit``, with ``eval.batch_size`` requests a
+forward, no standard errors, under the optimizer's evaluation weights and the run's precision.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from collections.abc import Callable
+
+import attrs
+import torch
+
+from forge.checkpoint.paths import CheckpointPath
+from forge.checkpoint.pins import finish_deferred, pinned
+from forge.checkpoint.store import is_complete, list_steps, read_train_state
+from forge.config.data import EvalTask
+from forge.config.sections import JobConfig
+from forge.data.batch import Batch
+from forge.data.dataset import open_windows
+from forge.data.image_text import open_image_captions
+from forge.data.loader import TextLoader
+from forge.data.shards import read_manifest
+from forge.errors import one_line
+from forge.model.chunked_loss import loss_spec_of
+from forge.model.precision import autocast_for, device_type_of
+from forge.optim.optimizers import evaluation_weights
+from forge.parallel.world import resolve_dims
+from forge.training.evaluation.evaluate import evaluate_totals, totals_over_ranks
+from forge.training.evaluation.follow import (
+    LOSS,
+    FollowView,
+    json_lines,
+    loss_record,
+    recorded_steps,
+    task_record,
+)
+from forge.training.evaluation.inference import LoadedModel, run_tokenizer
+from forge.training.records.run_records import COMMITS_FILE
+from forge.training.setup.loaders import held_out_sampling
+
+
+@attrs.frozen
+class FollowOptions:
+    """How the follower runs: which steps (``every``), which tasks, how often it looks
+    (``poll_s``), how long a pin of its lasts unrenewed (``pin_ttl_s``), its pin's name."""
+
+    every: int
+    tasks: tuple[EvalTask, ...]
+    poll_s: float
+    pin_ttl_s: float
+    holder: str
+
+
+def look(run_dir: pathlib.Path, root: CheckpointPath, config: JobConfig, records) -> FollowView:
+    """One look at the run: its complete checkpoints, its record of commits, the follower's
+    records (``records``, already read) and the step it completes at."""
+    from forge.training.evaluation.follow import done_pairs
+
+    steps = list_steps(root)
+    committed = frozenset(s for s in steps if is_complete(root / f"step_{s}"))
+    recorded = recorded_steps(json_lines(run_dir / COMMITS_FILE))
+    return FollowView(committed, recorded, done_pairs(records), config.train.max_steps)
+
+
+def trainer_dp(config: JobConfig, checkpoint: CheckpointPath) -> int:
+    """The data-parallel size the checkpoint was saved at (its train state's world size under
+    the run's layout): the held-out rows in-loop evaluation read at that step depend on it."""
+    world = read_train_state(checkpoint).get("world_size", 1)
+    return resolve_dims(config.distributed, int(world) if isinstance(world, int) else 1).dp
+
+
+def held_out_batches(
+    config: JobConfig, dp: int, rank: int, world: int, device: torch.device
+) -> list[Batch]:
+    """This follower rank's share of the rows in-loop evaluation reads at data-parallel size
+    ``dp``: trainer rank ``r``'s ``eval.steps`` batches for every ``r`` this rank takes
+    (``r % world == rank``). A pipeline evaluates whole groups of ``grad_accum_steps``
+    batches only, so the follower leaves out what it leaves out."""
+    data = config.data
+    folder = pathlib.Path(data.source_list[0].path)
+    manifest = read_manifest(folder)
+    seq_len = config.train.seq_len
+    if config.model.vlm is not None:
+        held = open_image_captions(folder, manifest, data.eval_split, seq_len, True)
+        bos_id = None
+    else:
+        held = open_windows(folder, manifest, data.eval_split, seq_len, True)
+        bos_id = int(manifest.tokenizer["bos_id"]) if data.pack_documents else None
+    steps = config.eval.steps
+    if config.distributed.pp > 1:
+        per = config.train.grad_accum_steps
+        steps = steps // per * per
+    out: list[Batch] = []
+    for r in range(rank, dp, world):
+        sampling = held_out_sampling(config, len(held), r, dp)
+        sources = held if config.model.vlm is not None else [held]
+        loader = TextLoader(sources, sampling, bos_id=bos_id, device=device)  # type: ignore[arg-type]
+        try:
+            out += [b for _, b in zip(range(steps), loader, strict=False)]
+        finally:
+            loader.close()
+    return out
+
+
+def held_out_loss_of(
+    loaded: LoadedModel, config: JobConfig, batches: list[Batch], world: int
+) -> tuple[float, int]:
+    """(mean held-out loss, labels) over every follower rank's ``batches``."""
+    with evaluation_weights(loaded.optimizer):
+        totals = evaluate_totals(
+            loaded.model, batches, config.train.mixed_precision, loss_spec_of(config)
+        )
+    summed = totals_over_ranks(attrs.evolve(totals, moe_loads=None), world, loaded.device)
+    return summed.mean, summed.count
+
+
+def task_scores(
+    loaded: LoadedModel, config: JobConfig, task: EvalTask, rank: int, world: int
+) -> dict[str, float]:
+    """One task's ``eval/<task>/<metric>`` scores, as the loop's ``DownstreamTasks`` takes
+    them."""
+    from forge.harness.backend import ForgeLM, Scoring, local_only, over_ranks
+    from forge.harness.requests import Share, flat_metrics
+    from forge.harness.tasks import include_paths, load_tasks, score_tasks, task_manager
+
+    scoring = Scoring(
+        config.eval.batch_size,
+        Share(rank, world),
+        gather=over_ranks if world > 1 else local_only,
+        max_len=config.train.seq_len,
+    )
+    lm = ForgeLM(loaded.model, run_tokenizer(config), loaded.device, scoring)
+    manager = task_manager(include_paths([task]), [task.name])
+    module = loaded.model
+    autocast = autocast_for(config.train.mixed_precision, device_type_of(module))
+    module.eval()
+    with evaluation_weights(loaded.optimizer), autocast():
+        results = score_tasks(lm, load_tasks(manager, [task.name]), task.limit, 0)
+    return flat_metrics(results.get("results", {}))
+
+
+@attrs.frozen
+class Evaluated:
+    """A step's new records (rank 0's to write) or why it could not be read."""
+
+    records: list[dict]
+    unreadable: str | None = None
+
+
+def evaluate_step(
+    step: int,
+    missing: tuple[str, ...],
+    root: CheckpointPath,
+    options: FollowOptions,
+    load: Callable[[CheckpointPath], LoadedModel],
+    config: JobConfig,
+    rank: int,
+    world: int,
+    sync: Callable[[bool], bool],
+) -> Evaluated | None:
+    """Pin step ``step``, load it (``load``: every rank), unpin, then evaluate what it
+    ``missing``. None when retention was already removing it (every rank agrees through
+    ``sync``, which returns rank 0's flag)."""
+    path = root / f"step_{step}"
+    clock = time.time
+    with pinned(root, step, options.holder, options.pin_ttl_s, clock) as acquired:
+        if not sync(acquired if rank == 0 else False):
+            return None
+        try:
+            loaded, dp, problem = load(path), trainer_dp(config, path), None
+        except Exception as exc:  # a damaged checkpoint: recorded, not the follower's end
+            loaded, dp, problem = None, 1, one_line(exc)
+        sync(True)  # every rank has read it before rank 0 unpins
+    if rank == 0:
+        finish_deferred(root, step, clock())
+    if loaded is None:
+        return Evaluated([], problem)
+    records: list[dict] = []
+    label = str(path)
+    if LOSS in missing:
+        batches = held_out_batches(config, dp, rank, world, loaded.device)
+        loss, count = held_out_loss_of(loaded, config, batches, world)
+        records.append(loss_record(step, loss, count, label))
+    for task in options.tasks:
+        if task.name in missing:
+            scores = task_scores(loaded, config, task, rank, world)
+            records.append(task_record(step, task.name, scores, label))
+    return Evaluated(records)

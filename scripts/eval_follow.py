@@ -1,0 +1,333 @@
+"""Evaluates a run's checkpoints beside its training: ``python scripts/eval_follow.py runs/debug``.
+
+Follows a run directory (its checkpoints local or in an object store) and, for each committed
+checkpoint, computes what in-loop evaluation would at that step (the held-out loss on the same
+rows, and the run's ``[[eval.tasks]]`` or ``--tasks``), then waits for the next. Results go
+to ``<run>/eval_follow.jsonl``, one line per step and task, each recorded exactly once across
+restarts; a step that retention removed before the follower reached it is recorded as
+skipped. While it reads a checkpoint the follower pins it, so the trainer's retention leaves
+it alone. It stops once the run has committed its last step (``train.max_steps``) and every
+step asked for has its record, or at Ctrl-C / SIGTERM (exit 130, nothing half-recorded).
+Under ``torchrun --nproc_per_node=N`` the ranks share the rows and requests, each with the
+whole model. See docs/evaluation.md#beside-training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import os
+import pathlib
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from forge.checkpoint.paths import CheckpointPath
+from forge.checkpoint.pins import pin_path
+from forge.cli import add_device_options, summary
+from forge.config.data import EvalTask
+from forge.errors import UserInputError, print_errors
+from forge.interrupts import exits_on_interrupt
+from forge.parallel.devices import DeviceChoice, run_on_chosen_device, start_script_world
+from forge.parallel.world import WorldInfo
+from forge.training.evaluation.follow import (
+    LOCK_FILE,
+    LOSS,
+    REMOVED,
+    RESULTS_FILE,
+    Decision,
+    FollowAction,
+    append_record,
+    json_lines,
+    next_action,
+    repair_tail,
+    skipped_record,
+)
+from forge.training.evaluation.follower import FollowOptions, evaluate_step, look
+from forge.training.evaluation.inference import LoadedModel, load_for_inference, load_run_weights
+from forge.training.records.run_dir import checkpoint_dir_of, load_run_config
+from forge.types import ExitCode
+
+HOLDER = "eval_follow"  # one follower per run (its lock): a pin by this name is its own
+
+
+def task_names(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def parser_of() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("run", type=pathlib.Path, help="the run directory to follow")
+    parser.add_argument(
+        "--every", type=int, default=None,
+        help="evaluate steps that are multiples of this (and the last); default: the run's "
+        "eval.interval, or every committed step when it is 0",
+    )  # fmt: skip
+    parser.add_argument("--tasks", type=task_names, default=None, help="lm-eval tasks, a,b")
+    parser.add_argument("--include-path", type=pathlib.Path, default=None, help="task YAMLs")
+    parser.add_argument("--limit", type=int, default=None, help="documents per --tasks task")
+    parser.add_argument("--no-loss", action="store_true", help="tasks only, no held-out loss")
+    parser.add_argument("--poll-s", type=float, default=5.0, help="seconds between looks")
+    parser.add_argument(
+        "--pin-ttl-s", type=float, default=300.0,
+        help="a pin this follower leaves (killed) stops counting after this long",
+    )  # fmt: skip
+    parser.add_argument(
+        "--start-timeout-s", type=float, default=600.0,
+        help="how long to wait for the run's config.toml to appear",
+    )  # fmt: skip
+    add_device_options(parser)
+    return parser
+
+
+@exits_on_interrupt
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_on_chosen_device(parser_of().parse_args(argv), follow)
+
+
+def option_problems(args: argparse.Namespace) -> list[str]:
+    lines = []
+    if args.every is not None and args.every < 1:
+        lines.append(f"--every: must be >= 1, got {args.every}")
+    if args.poll_s <= 0 or args.poll_s != args.poll_s:
+        lines.append(f"--poll-s: must be > 0, got {args.poll_s}")
+    if not args.pin_ttl_s >= 1:
+        ttl = args.pin_ttl_s
+        lines.append(f"--pin-ttl-s: must be >= 1 (a pin is renewed every third of it), got {ttl}")
+    if args.limit is not None and args.limit < 1:
+        lines.append(f"--limit: must be >= 1, got {args.limit}")
+    if args.tasks is not None and not args.tasks:
+        lines.append("--tasks: name at least one lm-eval task, e.g. --tasks hellaswag")
+    if args.no_loss and args.tasks == []:
+        lines.append("--no-loss: with no tasks there is nothing to evaluate")
+    return lines
+
+
+def wait_for_run(run: pathlib.Path, timeout_s: float, say: Callable[[str], None]) -> None:
+    """Until ``run/config.toml`` exists (a follower started beside its trainer may be first)."""
+    if (run / "config.toml").is_file():
+        return
+    if run.exists() and not run.is_dir():
+        raise UserInputError([f"{run}: a file, not a run directory"])
+    say(f"waiting for {run}/config.toml (the trainer writes it at its start)")
+    deadline = time.monotonic() + timeout_s
+    while not (run / "config.toml").is_file():
+        if time.monotonic() > deadline:
+            raise UserInputError(
+                [f"{run}: no config.toml after {timeout_s:g} s (--start-timeout-s); start the "
+                 "trainer with this run.dir, or pass the run directory of one"]
+            )  # fmt: skip
+        time.sleep(min(1.0, timeout_s))
+
+
+def hold_lock(run: pathlib.Path) -> Any:
+    """The follower's lock on ``run`` (an open file; the OS lets it go when the process ends),
+    or ``UserInputError`` naming the follower that holds it."""
+    path = run / LOCK_FILE
+    try:
+        f = path.open("a+")
+    except OSError as exc:
+        raise UserInputError([f"{path}: cannot be written ({exc.strerror})"]) from None
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise UserInputError(
+            [f"{run}: already followed by {holder} (eval_follow.py); one follower per run: "
+             "stop that one, or wait for it to end"]
+        ) from None  # fmt: skip
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+    f.flush()
+    return f
+
+
+def tasks_of(args: argparse.Namespace, config_tasks: tuple[EvalTask, ...]) -> tuple[EvalTask, ...]:
+    if args.tasks is None:
+        return config_tasks
+    include = str(args.include_path) if args.include_path else None
+    return tuple(EvalTask(name, include, args.limit) for name in args.tasks)
+
+
+def task_problems(tasks: tuple[EvalTask, ...], where: str) -> list[str]:
+    """The tasks' problems before any model is loaded: the extra, folders, names."""
+    if not tasks:
+        return []
+    from forge.harness.tasks import (
+        include_paths,
+        lm_eval_problem,
+        path_lines,
+        task_manager,
+        unknown_task_lines,
+    )
+
+    missing = lm_eval_problem()
+    if missing is not None:
+        return [missing]
+    lines = path_lines(list(tasks), where)
+    if lines:
+        return lines
+    manager = task_manager(include_paths(list(tasks)), [t.name for t in tasks])
+    return unknown_task_lines(manager, list(tasks), where)
+
+
+def broadcast(value: Any, world: WorldInfo) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    if world.world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def report(line: str) -> None:
+    print(f"[eval_follow] {line}", file=sys.stderr, flush=True)
+
+
+def follow(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice) -> int:
+    """What ``main`` describes, on ``choice``'s device; the exit code."""
+    main_rank = world.rank == 0
+    lock = None
+    try:
+        lines = option_problems(args) + ([choice.problem] if choice.problem else [])
+        if lines:
+            raise UserInputError(lines)
+        run = args.run
+        wait_for_run(run, args.start_timeout_s, report if main_rank else lambda _: None)
+        config = load_run_config(run)
+        tasks = tasks_of(args, config.eval.tasks)
+        where = "--tasks" if args.tasks is not None else "eval.tasks"
+        lines = task_problems(tasks, where)
+        if tasks and config.model.vlm is not None:
+            lines.append(f"{run}: a vision-language run; lm-eval tasks score text")
+        if lines:
+            raise UserInputError(lines)
+        lock = hold_lock(run) if main_rank else None
+        every = args.every or config.eval.interval or 1
+        what = (() if args.no_loss else (LOSS,)) + tuple(t.name for t in tasks)
+        root = checkpoint_dir_of(config, run)
+        device = start_script_world(world, choice, config.distributed.timeout_s)
+    except UserInputError as exc:
+        if main_rank or choice.problem is not None:
+            print_errors(exc.lines)
+        return ExitCode.CONFIG_ERROR
+    options = FollowOptions(every, tasks, args.poll_s, args.pin_ttl_s, HOLDER)
+    try:
+        return follow_run(args, world, options, what, root, device)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def follow_run(args, world: WorldInfo, options: FollowOptions, what, root, device) -> int:
+    """The follower's loop: look, decide (rank 0), act (every rank)."""
+    run: pathlib.Path = args.run
+    main_rank = world.rank == 0
+    results = run / RESULTS_FILE
+    if main_rank:
+        repair_tail(results)
+        with contextlib.suppress(OSError):  # a pin an earlier follower left: reclaimed now
+            for step in _pinned_steps(root):
+                pin_path(root, step, HOLDER).unlink(missing_ok=True)
+        report(
+            f"following {run} (checkpoints in {root}): {', '.join(what)}, every {options.every} "
+            f"step(s); results in {results}"
+        )
+    model: list[LoadedModel] = []
+
+    def load(path: CheckpointPath) -> LoadedModel:
+        config = load_run_config(run)
+        if not model:
+            model.append(load_for_inference(config, run, path, device, args.dtype, lambda _: None))
+        else:
+            held = model[0]
+            load_run_weights(config, run, path, held.model, held.optimizer, lambda _: None)
+        return model[0]
+
+    def sync(flag: bool) -> bool:
+        return bool(broadcast(flag, world))
+
+    counts = {"evaluated": 0, "skipped": 0}
+    while True:
+        decision: Decision | None = None
+        if main_rank:
+            config = load_run_config(run)
+            view = look(run, root, config, json_lines(results))
+            decision = next_action(view, what, options.every)
+        decision = broadcast(decision, world)
+        assert decision is not None
+        if decision.action is FollowAction.STOP:
+            if main_rank:
+                report(
+                    f"done: the run completed; {counts['evaluated']} step(s) evaluated and "
+                    f"{counts['skipped']} skipped by this follower"
+                )
+            return ExitCode.OK
+        if decision.action is FollowAction.WAIT:
+            time.sleep(options.poll_s)
+            continue
+        step = decision.step
+        assert step is not None
+        if decision.action is FollowAction.SKIP:
+            skip(results, step, decision.missing, REMOVED, main_rank, counts)
+            continue
+        config = load_run_config(run)
+        done = evaluate_step(
+            step, decision.missing, root, options, load, config, world.rank, world.world_size, sync
+        )
+        if done is None:
+            skip(results, step, decision.missing, REMOVED, main_rank, counts)
+        elif done.unreadable is not None:
+            reason = f"the checkpoint could not be read: {done.unreadable}"
+            skip(results, step, decision.missing, reason, main_rank, counts)
+        elif main_rank:
+            for record in done.records:
+                append_record(results, record)
+            counts["evaluated"] += 1
+            report(f"step {step}: " + summary_of(done.records))
+
+
+def _pinned_steps(root: CheckpointPath) -> list[int]:
+    from forge.checkpoint.pins import PINS, parse_pin
+
+    folder = root / PINS
+    if not folder.is_dir():
+        return []
+    steps = []
+    for path in folder.iterdir():
+        pin = parse_pin(path.name, '{"expires": 0}')
+        if pin is not None and pin.holder == HOLDER:
+            steps.append(pin.step)
+    return steps
+
+
+def skip(results: pathlib.Path, step: int, missing, reason: str, main_rank: bool, counts) -> None:
+    if not main_rank:
+        return
+    for w in missing:
+        append_record(results, skipped_record(step, w, reason))
+    counts["skipped"] += 1
+    report(f"step {step}: skipped ({reason})")
+
+
+def summary_of(records: list[dict]) -> str:
+    parts = []
+    for r in records:
+        for k, v in r.items():
+            if k.startswith("eval/") and k != "eval/tokens" and isinstance(v, float):
+                parts.append(f"{k} {v:.4f}")
+    return " | ".join(parts) or "no scores"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
