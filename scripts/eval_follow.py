@@ -200,14 +200,15 @@ def follow(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice) -> 
     lock = None
     try:
         lines = option_problems(args) + ([choice.problem] if choice.problem else [])
+        if not lines and args.tasks:  # known before the run is: checked before waiting for it
+            lines = task_problems(tasks_of(args, ()), "--tasks")
         if lines:
             raise UserInputError(lines)
         run = args.run
         wait_for_run(run, args.start_timeout_s, report if main_rank else lambda _: None)
         config = load_run_config(run)
         tasks = tasks_of(args, config.eval.tasks)
-        where = "--tasks" if args.tasks is not None else "eval.tasks"
-        lines = task_problems(tasks, where)
+        lines = [] if args.tasks else task_problems(tasks, "eval.tasks")
         if tasks and config.model.vlm is not None:
             lines.append(f"{run}: a vision-language run; lm-eval tasks score text")
         if lines:

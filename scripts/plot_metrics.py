@@ -5,9 +5,14 @@ step, the train and eval loss, the learning rate, the gradient norm and tokens p
 the downstream scores ``eval/<task>/<metric>`` of ``[[eval.tasks]]`` where a run has them), the
 runs overlaid with a legend. Needs matplotlib: ``pip install 'forge[plot]'``.
 
-A run writes one JSON object per line. A last line without its newline is what a crash
-mid-write leaves: it is skipped. Any other line that is not UTF-8 JSON is damage, not a torn
-write: the script refuses it in one line naming the file and the line number, and plots nothing.
+A run directory's ``eval_follow.jsonl`` (``scripts/eval_follow.py``'s results, when the run was
+evaluated beside its training) is read too and merged by step: its ``eval/...`` scores appear
+in the same panels as in-loop evaluation's; a step the follower skipped adds nothing.
+
+A run (and its follower) writes one JSON object per line. A last line without its newline is
+what a crash mid-write leaves: it is skipped. Any other line that is not UTF-8 JSON is damage,
+not a torn write: the script refuses it in one line naming the file and the line number, and
+plots nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import sys
@@ -34,6 +40,7 @@ PANELS = (  # (title, [(metric key, line style label)], log scale)
     ("gradient norm", [("grad_norm", "")], True),
     ("tokens / s", [("tokens_per_sec", "")], False),
 )
+FOLLOW_FILE = "eval_follow.jsonl"  # scripts/eval_follow.py's results in a run directory
 
 
 def metrics_file(path: pathlib.Path) -> pathlib.Path:
@@ -77,6 +84,31 @@ def parse_line(path: pathlib.Path, number: int, line: bytes, torn: bool) -> Any:
         raise UserInputError(f"{path}:{number}: not a JSON line ({exc.msg}); {fix}") from None
 
 
+def merge_follow(records: Records, follow: Records) -> Records:
+    """``records`` (a run's ``metrics.jsonl``) with the follower's scores merged in by step:
+    one record per step the follower scored, holding its ``eval/...`` values that the run did
+    not log itself at that step (in-loop evaluation's value stands; the follower computes the
+    same), placed by step among the run's records. A skipped step (``skipped``, no scores)
+    and a record without an integer step add nothing."""
+    logged = {(r["step"], k) for r in records if type(r["step"]) is int for k in r}
+    scores: dict[int, dict[str, Any]] = {}
+    for r in follow:
+        step = r["step"]
+        if type(step) is not int or "skipped" in r:
+            continue
+        for key, value in r.items():
+            if key.startswith("eval/") and (step, key) not in logged:
+                scores.setdefault(step, {"step": step})[key] = value
+    if not scores:
+        return records
+
+    def order(r: dict[str, Any]) -> float:  # a step that is no number: last, as before
+        step = r["step"]
+        return step if isinstance(step, int | float) and not isinstance(step, bool) else math.inf
+
+    return sorted(records + list(scores.values()), key=order)  # stable: the run's order kept
+
+
 def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     """The steps and values of ``key`` (records without it are skipped)."""
     pairs = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float)]
@@ -84,16 +116,20 @@ def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[flo
 
 
 def load_runs(runs: Sequence[pathlib.Path]) -> dict[pathlib.Path, Records]:
-    """Each run's records; a ``UserInputError`` with a line for each run whose metrics file
-    is missing, unreadable, damaged or holds no records."""
+    """Each run's records, a run directory's ``eval_follow.jsonl`` merged in; a
+    ``UserInputError`` with a line for each run whose metrics file is missing, unreadable,
+    damaged or holds no records, or whose ``eval_follow.jsonl`` is unreadable or damaged."""
     loaded, problems = {}, []
     for run in runs:
         path = metrics_file(run)
         if not path.is_file():
             problems.append(f"{run}: no metrics.jsonl here; pass a run directory or its file")
             continue
+        follow = run / FOLLOW_FILE
         try:
             loaded[run] = read_records(path)
+            if run.is_dir() and follow.exists():
+                loaded[run] = merge_follow(loaded[run], read_records(follow))
         except UserInputError as exc:
             problems += exc.lines
             continue

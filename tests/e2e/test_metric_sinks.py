@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
-from tests.e2e.test_train_script import TRAIN, nothing_written, run_dir
+from tests.e2e.test_train_script import TRAIN, load_script, nothing_written, run_dir
 
 LONGER = ("--checkpoint.schedule_from=config",)  # a longer cosine decays over more steps
 
@@ -108,6 +108,81 @@ def test_plot_metrics_of_a_missing_run_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "c.png").exists()
 
 
+PLOT_SCRIPT = load_script("plot_metrics")
+
+
+def loss_at(step: int, loss: float) -> dict:
+    """The follower's held-out loss line (scripts/eval_follow.py)."""
+    return {"step": step, "what": "loss", "eval/loss": loss, "eval/perplexity": 2.0 * loss,
+            "eval/tokens": 640, "checkpoint": f"runs/a/checkpoints/step_{step}"}  # fmt: skip
+
+
+def task_at(step: int, acc: float) -> dict:
+    """The follower's line of an lm-eval task's scores."""
+    return {"step": step, "what": "lines", "eval/lines/acc": acc, "eval/lines/acc_norm": acc / 2,
+            "checkpoint": f"runs/a/checkpoints/step_{step}"}  # fmt: skip
+
+
+def skipped_at(step: int, what: str = "loss") -> dict:
+    return {"step": step, "what": what, "skipped": "removed by retention before the follower"}
+
+
+def follower(*records: dict, tail: bytes = b"") -> bytes:
+    return b"".join(json.dumps(r).encode() + b"\n" for r in records) + tail
+
+
+TORN = b'{"step": 15, "what": "loss", "eval/lo'  # a follower killed mid-write
+
+# (case, eval_follow.jsonl (None: none), the eval series expected {key: (steps, values)}, the
+# downstream panel's keys); write_metrics' run logged eval/loss 0.3 at step 20 itself
+FOLLOWED = [
+    ("no follower file", None, {"eval/loss": ([20], [0.3]), "eval/perplexity": ([20], [1.35])}, []),
+    ("an empty follower file", b"", {"eval/loss": ([20], [0.3])}, []),
+    ("losses merged by step", follower(loss_at(5, 1.5), loss_at(10, 0.9)), {"eval/loss": ([5, 10, 20], [1.5, 0.9, 0.3]), "eval/perplexity": ([5, 10, 20], [3.0, 1.8, 1.35])}, []),
+    ("a step both scored: the run's own value, once", follower(loss_at(10, 0.9), loss_at(20, 0.31)), {"eval/loss": ([10, 20], [0.9, 0.3]), "eval/perplexity": ([10, 20], [1.8, 1.35])}, []),
+    ("skipped steps add nothing", follower(loss_at(5, 1.5), skipped_at(10), skipped_at(10, "lines")), {"eval/loss": ([5, 20], [1.5, 0.3])}, []),
+    ("tasks reach the downstream panel", follower(loss_at(10, 0.9), task_at(10, 0.25), task_at(15, 0.5)), {"eval/loss": ([10, 20], [0.9, 0.3]), "eval/lines/acc": ([10, 15], [0.25, 0.5]), "eval/lines/acc_norm": ([10, 15], [0.125, 0.25])}, ["eval/lines/acc", "eval/lines/acc_norm"]),
+    ("a torn last line is passed over", follower(loss_at(5, 1.5), tail=TORN), {"eval/loss": ([5, 20], [1.5, 0.3])}, []),
+    ("only a skipped step, torn after it", follower(skipped_at(5), tail=TORN), {"eval/loss": ([20], [0.3])}, []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "lines,expected,downstream", [c[1:] for c in FOLLOWED], ids=[c[0] for c in FOLLOWED]
+)
+def test_plot_metrics_merges_the_followers_scores_by_step(tmp_path, lines, expected, downstream):
+    write_metrics(tmp_path / "a", 1.0)
+    if lines is not None:
+        (tmp_path / "a" / "eval_follow.jsonl").write_bytes(lines)
+    runs = PLOT_SCRIPT.load_runs([tmp_path / "a"])
+    records = runs[tmp_path / "a"]
+    for key, (steps, values) in expected.items():
+        got = PLOT_SCRIPT.series(records, key)
+        assert got[0] == steps, key
+        assert got[1] == pytest.approx(values), key
+    assert PLOT_SCRIPT.series(records, "loss")[0] == list(range(1, 21))  # the run's own, as is
+    assert [r["step"] for r in records] == sorted(r["step"] for r in records)
+    assert all("skipped" not in r and "what" not in r for r in records)
+    panels = PLOT_SCRIPT.panels_of(runs)
+    assert [k for _, keys, _ in panels[4:] for k, _ in keys] == downstream
+    # the metrics file named itself: the run's records only, no follower read
+    alone = PLOT_SCRIPT.load_runs([tmp_path / "a" / "metrics.jsonl"])
+    assert PLOT_SCRIPT.series(next(iter(alone.values())), "eval/loss")[0] == [20]
+
+
+def test_plot_metrics_draws_a_followed_run(tmp_path):
+    write_metrics(tmp_path / "a", 1.0)
+    (tmp_path / "a" / "eval_follow.jsonl").write_bytes(
+        follower(loss_at(5, 1.5), skipped_at(10), task_at(15, 0.5), tail=TORN)
+    )
+    out = tmp_path / "curves.png"
+    done = subprocess.run(
+        [*PLOT, str(tmp_path / "a"), "--out", str(out)], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def metrics_with(line: int, bad: bytes):
     """A run folder setup: ``write_metrics``'s file with its line ``line`` replaced by ``bad``
     (a line in the middle: the last line stays intact)."""
@@ -133,7 +208,20 @@ def out_at(name: str, make=lambda path: None):
     return setup
 
 
+def follower_with(data: bytes | None):
+    """A run folder setup: a sound run whose ``eval_follow.jsonl`` is ``data`` (None: a folder)."""
+
+    def setup(root):
+        write_metrics(root / "a", 1.0)
+        path = root / "a" / "eval_follow.jsonl"
+        path.mkdir() if data is None else path.write_bytes(data)
+        return []
+
+    return setup
+
+
 FILE = "a/metrics.jsonl"
+FOLLOW = "a/eval_follow.jsonl"
 FIX = "fix or delete that line (a run writes one JSON object per line)"
 FORMATS = ".avif, .eps, .gif, .jpeg, .jpg, .pdf, .pgf, .png, .ps, .raw, .rgba, .svg, .svgz, .tif, .tiff, .webp"
 
@@ -143,6 +231,8 @@ BAD_PLOTS = [
     ("an invalid byte", metrics_with(4, b'{"step": 4, "loss": 1.0\xff}'), f"{{root}}/{FILE}:4: not UTF-8 (byte 23 of the line); {FIX}"),
     ("a malformed line", metrics_with(7, b"garbage"), f"{{root}}/{FILE}:7: not a JSON line (Expecting value); {FIX}"),
     ("a line torn mid-file", metrics_with(2, b'{"step": 2, "lo'), f"{{root}}/{FILE}:2: not a JSON line (Unterminated string starting at); {FIX}"),
+    ("a damaged follower line", follower_with(follower(loss_at(5, 1.5)) + b"garbage\n" + follower(loss_at(10, 0.9))), f"{{root}}/{FOLLOW}:2: not a JSON line (Expecting value); {FIX}"),
+    ("a follower file that is a folder", follower_with(None), f"{{root}}/{FOLLOW}: cannot be read (Is a directory)"),
     ("--out of no image format", out_at("curves.txt"), f"--out {{root}}/curves.txt: name the image format by its suffix, one of {FORMATS}"),
     ("--out without a suffix", out_at("curves"), f"--out {{root}}/curves: name the image format by its suffix, one of {FORMATS}"),
     ("--out a folder", out_at("c.png", lambda p: p.mkdir()), "--out {root}/c.png: is a folder; name the image file to write"),

@@ -1,0 +1,179 @@
+"""The evaluation follower's decisions (``forge.training.evaluation.follow``): which step it
+evaluates, records as skipped, waits for or stops at; its record of commits with rewinds; its
+records written whole; and the config rule of ``[eval] follow``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from forge.config import load_config
+from forge.config.combinations import follow_problems
+from forge.config.loader import ConfigError
+from forge.training.evaluation.follow import (
+    LOSS,
+    REMOVED,
+    Decision,
+    FollowAction,
+    FollowView,
+    append_record,
+    done_pairs,
+    json_lines,
+    loss_record,
+    next_action,
+    recorded_steps,
+    repair_tail,
+    skipped_record,
+    wanted,
+)
+from forge.training.loop.plan import loop_policy
+
+E, S, W, STOP = FollowAction.EVALUATE, FollowAction.SKIP, FollowAction.WAIT, FollowAction.STOP
+BOTH = (LOSS, "task")
+
+
+def view(committed=(), recorded=(), done=(), final=12) -> FollowView:
+    return FollowView(frozenset(committed), frozenset(recorded), frozenset(done), final)
+
+
+@pytest.mark.parametrize(
+    ("case", "seen", "every", "expected"),
+    [
+        ("nothing committed yet", view(), 1, Decision(W)),
+        ("the oldest committed step first", view({4, 2}, {2, 4}), 1, Decision(E, 2, BOTH)),
+        (
+            "only what a step lacks",
+            view({2}, {2}, {(2, LOSS)}),
+            1,
+            Decision(E, 2, ("task",)),
+        ),
+        (
+            "a done step is passed",
+            view({2, 4}, {2, 4}, {(2, LOSS), (2, "task")}),
+            1,
+            Decision(E, 4, BOTH),
+        ),
+        ("recorded but gone: skipped", view({4}, {2, 4}), 1, Decision(S, 2, BOTH)),
+        ("not a multiple of every", view({3, 6}, {3, 6}), 2, Decision(E, 6, BOTH)),
+        ("the last step whatever every is", view({12}, {12}), 5, Decision(E, 12, BOTH)),
+        (
+            "every wanted step done, the last not committed yet",
+            view({4}, {4}, {(4, LOSS), (4, "task")}),
+            4,
+            Decision(W),
+        ),
+        (
+            "the last step done: stop",
+            view({12}, {12}, {(12, LOSS), (12, "task")}),
+            4,
+            Decision(STOP),
+        ),
+        (
+            "the last step skipped (removed) counts as done",
+            view(set(), {12}, {(12, LOSS), (12, "task")}),
+            1,
+            Decision(STOP),
+        ),
+        ("committed but not yet in the record", view({6}, ()), 1, Decision(E, 6, BOTH)),
+        ("step 0 (a model-only start) is not evaluated", view({0}, {0}), 1, Decision(W)),
+    ],
+)
+def test_next_action(case, seen, every, expected):
+    assert next_action(seen, BOTH, every) == expected, case
+
+
+@pytest.mark.parametrize(
+    ("step", "every", "final", "expected"),
+    [(4, 2, 12, True), (5, 2, 12, False), (12, 5, 12, True), (0, 1, 12, False), (7, 1, 12, True)],
+)
+def test_wanted_steps(step, every, final, expected):
+    assert wanted(step, every, final) is expected
+
+
+@pytest.mark.parametrize(
+    ("entries", "expected"),
+    [
+        ([{"step": 2}, {"step": 4}], {2, 4}),
+        ([{"step": 2}, {"step": 4}, {"step": 6}, {"step": 2, "rewound_from": 6}], {2}),
+        ([{"step": 2}, {"step": 4}, {"step": 2, "rewound_from": 4}, {"step": 4}], {2, 4}),
+        ([{"step": "2"}, {"time": 1.0}, {"step": 3}], {3}),
+    ],
+)
+def test_recorded_steps_take_back_what_a_rewind_undid(entries, expected):
+    assert recorded_steps(entries) == frozenset(expected)
+
+
+def test_records_are_whole_lines_and_a_torn_tail_is_cut(tmp_path):
+    path = tmp_path / "eval_follow.jsonl"
+    append_record(path, loss_record(2, 1.5, 64, "ck/step_2"))
+    with path.open("ab") as f:  # a kill in the middle of the next write
+        f.write(b'{"step": 4, "what": "lo')
+    assert done_pairs(json_lines(path)) == {(2, LOSS)}
+    repair_tail(path)
+    append_record(path, skipped_record(4, LOSS, REMOVED))
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [2, 4]
+    assert done_pairs(json_lines(path)) == {(2, LOSS), (4, LOSS)}
+
+
+@pytest.mark.parametrize(
+    ("loss", "expected_loss", "perplexity"),
+    [(1.0, 1.0, pytest.approx(2.718281828)), (float("nan"), None, None), (800.0, 800.0, None)],
+)
+def test_a_non_finite_loss_is_recorded_as_null(tmp_path, loss, expected_loss, perplexity):
+    path = tmp_path / "r.jsonl"
+    append_record(path, loss_record(2, loss, 8, "x"))
+    record = json.loads(path.read_text())
+    assert record["eval/loss"] == expected_loss and record["eval/perplexity"] == perplexity
+
+
+TOML = """
+[model]
+dim = 32
+n_layers = 1
+n_heads = 2
+vocab_size = 259
+max_seq_len = 32
+[train]
+max_steps = 200
+seq_len = 32
+[data]
+path = "data"
+[eval]
+interval = {interval}
+follow = {follow}
+[checkpoint]
+interval = {ck}
+enabled = {enabled}
+"""
+
+
+def config(tmp_path, interval=4, follow="true", ck=2, enabled="true"):
+    path = tmp_path / "c.toml"
+    path.write_text(TOML.format(interval=interval, follow=follow, ck=ck, enabled=enabled))
+    return load_config([str(path)]).config
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "problem"),
+    [
+        ({}, None),
+        ({"follow": "false", "interval": 3}, None),
+        ({"interval": 0}, None),
+        ({"interval": 3}, "checkpoint.interval=2 does not save them"),
+        ({"enabled": "false"}, "checkpoint.enabled is false"),
+    ],
+)
+def test_follow_needs_the_steps_it_evaluates_saved(tmp_path, kwargs, problem):
+    if problem is None:
+        assert follow_problems(config(tmp_path, **kwargs)) == []
+        return
+    with pytest.raises(ConfigError) as err:
+        config(tmp_path, **kwargs)
+    assert "eval.follow" in str(err.value) and problem in str(err.value)
+
+
+def test_a_followed_run_does_not_evaluate_in_the_loop(tmp_path):
+    assert loop_policy(config(tmp_path, follow="true")).eval_interval == 0
+    assert loop_policy(config(tmp_path, follow="false")).eval_interval == 4
