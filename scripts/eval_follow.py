@@ -28,11 +28,13 @@ from typing import Any
 import torch.distributed as dist
 
 from forge.checkpoint.paths import CheckpointPath
-from forge.checkpoint.pins import pin_path
+from forge.checkpoint.pins import reclaim_pins
 from forge.cli import add_device_options, summary
 from forge.config.data import EvalTask
-from forge.errors import UserInputError, print_errors
+from forge.errors import UserInputError, one_line, print_errors
 from forge.interrupts import exits_on_interrupt
+from forge.metrics.backends import TensorBoardSink, WandbSink
+from forge.metrics.sinks import MetricsSink
 from forge.parallel.devices import DeviceChoice, run_on_chosen_device, start_script_world
 from forge.parallel.world import WorldInfo
 from forge.training.evaluation.follow import (
@@ -238,8 +240,7 @@ def follow_run(args, world: WorldInfo, options: FollowOptions, what, root, devic
     if main_rank:
         repair_tail(results)
         with contextlib.suppress(OSError):  # a pin an earlier follower left: reclaimed now
-            for step in _pinned_steps(root):
-                pin_path(root, step, HOLDER).unlink(missing_ok=True)
+            reclaim_pins(root, HOLDER)
         report(
             f"following {run} (checkpoints in {root}): {', '.join(what)}, every {options.every} "
             f"step(s); results in {results}"
@@ -259,6 +260,33 @@ def follow_run(args, world: WorldInfo, options: FollowOptions, what, root, devic
         return bool(broadcast(flag, world))
 
     counts = {"evaluated": 0, "skipped": 0}
+    sinks = follower_sinks(run) if main_rank else []
+    try:
+        return follow_steps(args, world, options, what, root, load, sync, sinks, counts)
+    finally:
+        for sink in sinks:
+            with contextlib.suppress(Exception):
+                sink.close()
+
+
+def follower_sinks(run: pathlib.Path) -> list[MetricsSink]:
+    """TensorBoard (``<run>/tensorboard/eval_follow``: a run beside the trainer's, its steps
+    the same) and W&B (a run of its own in the trainer's project and group), as the run's
+    ``[metrics]`` asks; ``eval_follow.jsonl`` is the record, these are views of it."""
+    metrics = load_run_config(run).metrics
+    sinks: list[MetricsSink] = []
+    if metrics.tensorboard:
+        sinks.append(TensorBoardSink(run / "tensorboard" / HOLDER))
+    if metrics.wandb:
+        sinks.append(WandbSink(load_run_config(run), run, role=HOLDER))
+    return sinks
+
+
+def follow_steps(args, world, options, what, root, load, sync, sinks, counts) -> int:
+    """Look, decide (rank 0), act (every rank), until the decision is to stop."""
+    run: pathlib.Path = args.run
+    main_rank = world.rank == 0
+    results = run / RESULTS_FILE
     while True:
         decision: Decision | None = None
         if main_rank:
@@ -294,22 +322,15 @@ def follow_run(args, world: WorldInfo, options: FollowOptions, what, root, devic
         elif main_rank:
             for record in done.records:
                 append_record(results, record)
+            for sink in list(sinks):
+                try:
+                    for record in done.records:
+                        sink.write({k: v for k, v in record.items() if k != "checkpoint"})
+                except Exception as exc:  # a view lost; the record stands
+                    sinks.remove(sink)
+                    report(f"warning: {type(sink).__name__} dropped: {one_line(exc)}")
             counts["evaluated"] += 1
             report(f"step {step}: " + summary_of(done.records))
-
-
-def _pinned_steps(root: CheckpointPath) -> list[int]:
-    from forge.checkpoint.pins import PINS, parse_pin
-
-    folder = root / PINS
-    if not folder.is_dir():
-        return []
-    steps = []
-    for path in folder.iterdir():
-        pin = parse_pin(path.name, '{"expires": 0}')
-        if pin is not None and pin.holder == HOLDER:
-            steps.append(pin.step)
-    return steps
 
 
 def skip(results: pathlib.Path, step: int, missing, reason: str, main_rank: bool, counts) -> None:

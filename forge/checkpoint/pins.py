@@ -104,6 +104,22 @@ def pins_of(root: CheckpointPath, step: int) -> list[Pin]:
     return out
 
 
+def reclaim_pins(root: CheckpointPath, holder: str) -> list[int]:
+    """Take away every pin of ``holder``'s (live or not): what a killed reader left, removed by
+    the next reader of that name, which alone may hold it (one follower per run); returns
+    their steps."""
+    folder = root / PINS
+    if not folder.is_dir():
+        return []
+    steps = []
+    for path in folder.iterdir():
+        m = _PIN.match(path.name)
+        if m is not None and m.group(2) == holder:
+            path.unlink(missing_ok=True)
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
 def has_marker(root: CheckpointPath, step: int, kind: str) -> bool:
     return marker_path(root, step, kind).is_file()
 

@@ -111,9 +111,10 @@ class TensorBoardSink:
             self.writer.close()
 
 
-def wandb_run_id(run_dir: pathlib.Path, new_id: str) -> str:
-    """The run's W&B id: the stored one, else ``new_id``, stored for the next launch."""
-    path = run_dir / "wandb_run_id"
+def wandb_run_id(run_dir: pathlib.Path, new_id: str, id_file: str = "wandb_run_id") -> str:
+    """The run's W&B id: the stored one (in ``id_file``), else ``new_id``, stored for the next
+    launch."""
+    path = run_dir / id_file
     if path.is_file():
         stored = path.read_text().strip()
         if stored:
@@ -125,21 +126,28 @@ def wandb_run_id(run_dir: pathlib.Path, new_id: str) -> str:
 
 class WandbSink:
     """A W&B run named after the run directory (or ``metrics.wandb_name``), resumed by the id
-    stored in the run directory; ``WANDB_MODE`` (e.g. ``offline``) is honoured by wandb."""
+    stored in the run directory; ``WANDB_MODE`` (e.g. ``offline``) is honoured by wandb.
+    ``role`` names a second writer of the same run's records (the evaluation follower): a W&B
+    run of its own, ``<name>-<role>`` in the trainer's group and project (a W&B run takes one
+    writer), its id stored beside the trainer's."""
 
     config_key = "metrics.wandb"
 
-    def __init__(self, config: JobConfig, run_dir: pathlib.Path) -> None:
+    def __init__(self, config: JobConfig, run_dir: pathlib.Path, role: str | None = None) -> None:
         import wandb
 
         m = config.metrics
         self.wandb = wandb
+        name = m.wandb_name or run_dir.name
         self.run = wandb.init(
             project=m.wandb_project,
-            name=m.wandb_name or run_dir.name,
+            name=f"{name}-{role}" if role else name,
             group=m.wandb_group,
+            job_type=role,
             tags=list(m.wandb_tags),
-            id=wandb_run_id(run_dir, uuid.uuid4().hex[:8]),
+            id=wandb_run_id(
+                run_dir, uuid.uuid4().hex[:8], f"wandb_{role}_run_id" if role else "wandb_run_id"
+            ),
             resume="allow",
             dir=str(run_dir),
             config={"run_dir": str(run_dir)},

@@ -89,10 +89,16 @@ def once_each(records: list[dict], what: str = LOSS) -> dict[int, dict]:
 def test_the_follower_gives_in_loop_evaluation_s_loss_and_scores(tmp_path, small_corpus):
     tasks = f'\n[[eval.tasks]]\nname = "stdlib_line_order"\ninclude_path = "{TASKS}"\nlimit = 8\n'
     run = configured(make_run(tmp_path, small_corpus), ck=3, keep=0, every=3, steps=6, extra=tasks)
-    assert train_here(run).code == 0
+    assert train_here(run, "--metrics.tensorboard=true").code == 0
     done = follow(run)
     assert done.returncode == 0, done.stderr
     assert "done: the run completed; 2 step(s) evaluated" in done.stderr
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run.dir / "tensorboard" / "eval_follow"))  # beside the run's
+    events.Reload()
+    shown = {e.step: e.value for e in events.Scalars("eval/loss")}
+    assert shown == {s: pytest.approx(r["eval/loss"]) for s, r in in_loop(run).items()}
     mine, loop = results(run), in_loop(run)
     assert sorted(once_each(mine)) == [3, 6]
     for r in mine:  # the same floats: the same rows, weights and precision, one rank each
@@ -123,7 +129,7 @@ def test_beside_a_retention_of_one_step_nothing_is_read_while_removed(tmp_path, 
     wait_for(lambda: (run.dir / "config.toml").is_file(), "the trainer's start")
     follower = start([SCRIPT, str(run.dir), "--poll-s", "0.01"])
     assert trainer.wait(timeout=240) == 0, trainer.stderr.read()  # type: ignore[union-attr]
-    out, err = follower.communicate(timeout=240)
+    _, err = follower.communicate(timeout=240)
     assert follower.returncode == 0, err
     mine = once_each(results(run))
     assert sorted(mine) == list(range(1, 41))  # every committed step has its record
@@ -159,7 +165,7 @@ def test_killed_follower_and_trainer_restarted_record_every_step_once(tmp_path, 
     trainer.wait()
     trainer = start(config, env=slow)  # resumes from the newest committed step
     assert trainer.wait(timeout=240) == 0, trainer.stderr.read()  # type: ignore[union-attr]
-    out, err = follower.communicate(timeout=240)
+    _, err = follower.communicate(timeout=240)
     assert follower.returncode == 0, err
     mine = once_each(results(run))
     assert sorted(mine) == list(range(2, 41, 2))
@@ -194,7 +200,7 @@ def test_a_second_follower_is_refused_and_a_signal_ends_the_first(tmp_path, smal
     assert second.stderr.startswith("error:") and "already followed by pid" in second.stderr
     assert len(second.stderr.strip().splitlines()) == 1
     first.send_signal(signal.SIGTERM)
-    out, err = first.communicate(timeout=60)
+    _, err = first.communicate(timeout=60)
     assert first.returncode == 130, err
     assert err.strip().splitlines()[-1].startswith("interrupted (SIGTERM)")
     assert "Traceback" not in err and len(results(run)) == 2
