@@ -24,6 +24,7 @@ from forge.training.evaluation.follow import (
     next_action,
     recorded_steps,
     repair_tail,
+    rewinds_of,
     skipped_record,
     wanted,
 )
@@ -177,3 +178,23 @@ def test_follow_needs_the_steps_it_evaluates_saved(tmp_path, kwargs, problem):
 def test_a_followed_run_does_not_evaluate_in_the_loop(tmp_path):
     assert loop_policy(config(tmp_path, follow="true")).eval_interval == 0
     assert loop_policy(config(tmp_path, follow="false")).eval_interval == 4
+
+
+@pytest.mark.parametrize(
+    ("records", "rewinds", "expected"),
+    [
+        ([{"step": 6, "what": LOSS, "time": 10.0}], [], {(6, LOSS)}),
+        ([{"step": 6, "what": LOSS, "time": 10.0}], [(4, 20.0)], set()),  # rewound past it
+        ([{"step": 6, "what": LOSS, "time": 30.0}], [(4, 20.0)], {(6, LOSS)}),  # its new ckpt
+        ([{"step": 4, "what": LOSS, "time": 10.0}], [(4, 20.0)], {(4, LOSS)}),  # kept step
+        ([{"step": 6, "what": LOSS}], [(4, 20.0)], {(6, LOSS)}),  # no time: cannot tell
+        ([{"step": "6", "what": LOSS}, {"step": 2}], [], set()),  # damaged lines
+    ],
+)
+def test_a_rewind_retires_the_records_of_the_steps_it_undid(records, rewinds, expected):
+    assert done_pairs(records, rewinds) == frozenset(expected)
+
+
+def test_rewinds_come_from_the_record_of_commits():
+    entries = [{"step": 4, "time": 1.0}, {"step": 2, "time": 5.0, "rewound_from": 4}, {"step": 6}]
+    assert rewinds_of(entries) == [(2, 5.0)]

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import pathlib
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -106,12 +107,35 @@ def json_lines(path: pathlib.Path) -> list[dict[str, Any]]:
     return out
 
 
-def done_pairs(records: Iterable[Mapping[str, Any]]) -> frozenset[tuple[int, str]]:
-    """The (step, what) pairs the follower's records hold, evaluated or skipped."""
+def rewinds_of(entries: Iterable[Mapping[str, Any]]) -> list[tuple[int, float]]:
+    """(step gone back to, when) of each rewind a run's record of commits holds."""
+    return [
+        (e["step"], float(e["time"]))
+        for e in entries
+        if "rewound_from" in e and type(e.get("step")) is int and is_number(e.get("time"))
+    ]
+
+
+def is_number(value: Any) -> bool:
+    return type(value) in (int, float)
+
+
+def done_pairs(
+    records: Iterable[Mapping[str, Any]], rewinds: Iterable[tuple[int, float]] = ()
+) -> frozenset[tuple[int, str]]:
+    """The (step, what) pairs the follower's records hold, evaluated or skipped; a record of
+    a step that a later rewind went back before is of a checkpoint that is no more (the step
+    is trained again: its new checkpoint gets a record of its own)."""
+    rewinds = list(rewinds)
+
+    def current(r: Mapping[str, Any]) -> bool:
+        when = r.get("time")
+        return not is_number(when) or all(r["step"] <= s or when >= t for s, t in rewinds)
+
     return frozenset(
         (r["step"], r["what"])
         for r in records
-        if type(r.get("step")) is int and isinstance(r.get("what"), str)
+        if type(r.get("step")) is int and isinstance(r.get("what"), str) and current(r)
     )
 
 
@@ -150,13 +174,20 @@ def loss_record(step: int, loss: float, tokens: int, checkpoint: str) -> dict[st
         "eval/perplexity": math.exp(loss) if finite else None,
         "eval/tokens": tokens,
         "checkpoint": checkpoint,
+        "time": round(time.time(), 3),
     }
 
 
 def task_record(step: int, task: str, scores: Mapping[str, float], checkpoint: str) -> dict:
     """One task's line: its ``eval/<task>/<metric>`` scores, as in-loop evaluation logs them."""
-    return {"step": step, "what": task, **scores, "checkpoint": checkpoint}
+    return {
+        "step": step,
+        "what": task,
+        **scores,
+        "checkpoint": checkpoint,
+        "time": round(time.time(), 3),
+    }
 
 
 def skipped_record(step: int, what: str, reason: str) -> dict[str, Any]:
-    return {"step": step, "what": what, "skipped": reason}
+    return {"step": step, "what": what, "skipped": reason, "time": round(time.time(), 3)}

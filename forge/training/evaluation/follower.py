@@ -37,9 +37,11 @@ from forge.training.evaluation.evaluate import evaluate_totals, totals_over_rank
 from forge.training.evaluation.follow import (
     LOSS,
     FollowView,
+    done_pairs,
     json_lines,
     loss_record,
     recorded_steps,
+    rewinds_of,
     task_record,
 )
 from forge.training.evaluation.inference import LoadedModel, run_tokenizer
@@ -62,12 +64,11 @@ class FollowOptions:
 def look(run_dir: pathlib.Path, root: CheckpointPath, config: JobConfig, records) -> FollowView:
     """One look at the run: its complete checkpoints, its record of commits, the follower's
     records (``records``, already read) and the step it completes at."""
-    from forge.training.evaluation.follow import done_pairs
-
     steps = list_steps(root)
     committed = frozenset(s for s in steps if is_complete(root / f"step_{s}"))
-    recorded = recorded_steps(json_lines(run_dir / COMMITS_FILE))
-    return FollowView(committed, recorded, done_pairs(records), config.train.max_steps)
+    commits = json_lines(run_dir / COMMITS_FILE)
+    done = done_pairs(records, rewinds_of(commits))
+    return FollowView(committed, recorded_steps(commits), done, config.train.max_steps)
 
 
 def trainer_dp(config: JobConfig, checkpoint: CheckpointPath) -> int:
