@@ -50,7 +50,12 @@ from forge.training.evaluation.follow import (
     repair_tail,
     skipped_record,
 )
-from forge.training.evaluation.follower import FollowOptions, evaluate_step, look
+from forge.training.evaluation.follower import (
+    FollowOptions,
+    evaluate_step,
+    held_out_problem,
+    look,
+)
 from forge.training.evaluation.inference import LoadedModel, load_for_inference, load_run_weights
 from forge.training.records.run_dir import checkpoint_dir_of, load_run_config
 from forge.types import ExitCode
@@ -107,8 +112,6 @@ def option_problems(args: argparse.Namespace) -> list[str]:
         lines.append(f"--limit: must be >= 1, got {args.limit}")
     if args.tasks is not None and not args.tasks:
         lines.append("--tasks: name at least one lm-eval task, e.g. --tasks hellaswag")
-    if args.no_loss and args.tasks == []:
-        lines.append("--no-loss: with no tasks there is nothing to evaluate")
     return lines
 
 
@@ -213,11 +216,17 @@ def follow(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice) -> 
         lines = [] if args.tasks else task_problems(tasks, "eval.tasks")
         if tasks and config.model.vlm is not None:
             lines.append(f"{run}: a vision-language run; lm-eval tasks score text")
+        if not args.no_loss and (problem := held_out_problem(config)) is not None:
+            lines.append(problem)
         if lines:
             raise UserInputError(lines)
         lock = hold_lock(run) if main_rank else None
         every = args.every or config.eval.interval or 1
         what = (() if args.no_loss else (LOSS,)) + tuple(t.name for t in tasks)
+        if not what:
+            raise UserInputError(
+                ["--no-loss: and the run has no [[eval.tasks]] (nor --tasks): nothing to evaluate"]
+            )
         root = checkpoint_dir_of(config, run)
         device = start_script_world(world, choice, config.distributed.timeout_s)
     except UserInputError as exc:
@@ -227,6 +236,18 @@ def follow(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice) -> 
     options = FollowOptions(every, tasks, args.poll_s, args.pin_ttl_s, HOLDER)
     try:
         return follow_run(args, world, options, what, root, device)
+    except UserInputError as exc:  # the run's config or its store, gone bad while followed
+        if main_rank:
+            print_errors(exc.lines)
+        return ExitCode.CONFIG_ERROR
+    except OSError as exc:  # its own record cannot be written: what it recorded stands
+        if main_rank:
+            where = exc.filename or args.run / RESULTS_FILE
+            print_errors(
+                [f"{where}: cannot be written ({exc.strerror or exc}); the records so far stand: "
+                 "free space (or fix the permissions) and start the follower again"]
+            )  # fmt: skip
+        return ExitCode.CONFIG_ERROR
     finally:
         if lock is not None:
             lock.close()

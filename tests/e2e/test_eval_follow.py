@@ -11,6 +11,7 @@ import collections
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import pytest
 
 from forge.training.evaluation.follow import LOSS, REMOVED, RESULTS_FILE
 from tests.conftest import REPO
-from tests.e2e.sandbox import Run, make_run, train_here
+from tests.e2e.sandbox import Run, copy_trained, make_run, train_here
 from tests.e2e.test_downstream_tasks import TASKS
 from tests.e2e.test_train_script import load_script
 from tests.in_process import run_main
@@ -227,3 +228,39 @@ def test_a_file_is_not_a_run(tmp_path):
     path.write_text("x")
     done = run_main(FOLLOW.main, [str(path)])
     assert done.returncode == 2 and "a file, not a run directory" in done.stderr
+
+
+def copied(trained: Run, sandbox: Run, **config: str) -> Run:
+    """The trained run copied into the sandbox, its recorded config's keys replaced."""
+    copy_trained(trained, sandbox)
+    path = sandbox.dir / "config.toml"
+    text = path.read_text()
+    for key, value in config.items():
+        text = re.sub(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
+    path.write_text(text)
+    return sandbox
+
+
+@pytest.mark.parametrize(
+    ("change", "args", "message"),
+    [
+        ({"path": '"/nonexistent/data"'}, [], "/nonexistent/data"),
+        ({"eval_split": '"dev"'}, [], "no split 'dev' to evaluate on"),
+        ({}, ["--no-loss"], "nothing to evaluate"),
+    ],
+)
+def test_a_run_the_follower_cannot_evaluate_is_one_line(trained, sandbox, change, args, message):
+    run = copied(trained, sandbox, **change)
+    done = follow(run, *args)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not (run.dir / RESULTS_FILE).exists()
+
+
+def test_a_record_it_cannot_write_is_one_line_and_nothing_else(trained, sandbox):
+    run = copied(trained, sandbox)
+    (run.dir / RESULTS_FILE).mkdir()  # in the way of the follower's record
+    done = follow(run)
+    assert done.returncode == 2, done.stderr
+    assert "eval_follow.jsonl: cannot be written" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -130,7 +130,9 @@ def done_pairs(
 
     def current(r: Mapping[str, Any]) -> bool:
         when = r.get("time")
-        return not is_number(when) or all(r["step"] <= s or when >= t for s, t in rewinds)
+        if not isinstance(when, int | float):  # no time (or a damaged one): cannot tell
+            return True
+        return all(r["step"] <= s or when >= t for s, t in rewinds)
 
     return frozenset(
         (r["step"], r["what"])

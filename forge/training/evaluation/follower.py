@@ -27,7 +27,7 @@ from forge.data.batch import Batch
 from forge.data.dataset import open_windows
 from forge.data.image_text import open_image_captions
 from forge.data.loader import TextLoader
-from forge.data.shards import read_manifest
+from forge.data.shards import DataError, Manifest, read_manifest
 from forge.errors import one_line
 from forge.model.chunked_loss import loss_spec_of
 from forge.model.precision import autocast_for, device_type_of
@@ -78,6 +78,35 @@ def trainer_dp(config: JobConfig, checkpoint: CheckpointPath) -> int:
     return resolve_dims(config.distributed, int(world) if isinstance(world, int) else 1).dp
 
 
+def held_out_problem(config: JobConfig) -> str | None:
+    """Why the follower cannot compute the held-out loss of this run: its data folder or the
+    held-out split is gone, or holds fewer examples than one batch (the check in-loop
+    evaluation makes at start-up)."""
+    folder = pathlib.Path(config.data.source_list[0].path)
+    split = config.data.eval_split
+    try:
+        manifest = read_manifest(folder)
+        if split not in manifest.splits:
+            return f"{folder}: no split {split!r} to evaluate on; pass --no-loss for tasks only"
+        held = open_held_out(config, folder, manifest)
+    except DataError as exc:
+        return f"{exc}; restore the run's data (or pass --no-loss for tasks only)"
+    if len(held) < config.train.batch_size:
+        return (
+            f"{folder}: split {split!r} has {len(held)} examples, fewer than one batch "
+            f"({config.train.batch_size}); pass --no-loss for tasks only"
+        )
+    return None
+
+
+def open_held_out(config: JobConfig, folder: pathlib.Path, manifest: Manifest):
+    """The held-out split's examples: windows of a text run, image–caption pairs of a VLM."""
+    data, seq_len = config.data, config.train.seq_len
+    if config.model.vlm is not None:
+        return open_image_captions(folder, manifest, data.eval_split, seq_len, True)
+    return open_windows(folder, manifest, data.eval_split, seq_len, True)
+
+
 def held_out_batches(
     config: JobConfig, dp: int, rank: int, world: int, device: torch.device
 ) -> list[Batch]:
@@ -88,13 +117,9 @@ def held_out_batches(
     data = config.data
     folder = pathlib.Path(data.source_list[0].path)
     manifest = read_manifest(folder)
-    seq_len = config.train.seq_len
-    if config.model.vlm is not None:
-        held = open_image_captions(folder, manifest, data.eval_split, seq_len, True)
-        bos_id = None
-    else:
-        held = open_windows(folder, manifest, data.eval_split, seq_len, True)
-        bos_id = int(manifest.tokenizer["bos_id"]) if data.pack_documents else None
+    held = open_held_out(config, folder, manifest)
+    text = config.model.vlm is None
+    bos_id = int(manifest.tokenizer["bos_id"]) if text and data.pack_documents else None
     steps = config.eval.steps
     if config.distributed.pp > 1:
         per = config.train.grad_accum_steps
