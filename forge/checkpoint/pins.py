@@ -151,6 +151,9 @@ def finish_deferred(root: CheckpointPath, step: int, now: float) -> bool:
     removed."""
     if not has_marker(root, step, DEFERRED):
         return False
+    if storage_of(root).latest_target(root) == f"step_{step}":  # a rewind made it the newest
+        marker_path(root, step, DEFERRED).unlink(missing_ok=True)
+        return False
     return remove_unless_pinned(root, step, now)
 
 

@@ -49,14 +49,23 @@ def committed(root, *steps: int) -> None:
 
 
 def test_a_live_pin_defers_the_removal_and_the_reader_finishes_it(root):
-    committed(root, 2)
+    committed(root, 2, 4)
     write_pin(root, 2, "reader", NOW + 60)
     assert remove_unless_pinned(root, 2, NOW) is False
     assert is_complete(root / "step_2")
     assert has_marker(root, 2, DEFERRED) and not has_marker(root, 2, RETIRING)
     pin_path(root, 2, "reader").unlink()
     assert finish_deferred(root, 2, NOW) is True
-    assert list_steps(root) == [] and not has_marker(root, 2, DEFERRED)
+    assert list_steps(root) == [4] and not has_marker(root, 2, DEFERRED)
+
+
+def test_the_reader_never_removes_the_step_latest_names(root):
+    committed(root, 2)  # e.g. a rewind made the deferred step the newest again
+    write_pin(root, 2, "reader", NOW + 60)
+    assert remove_unless_pinned(root, 2, NOW) is False
+    pin_path(root, 2, "reader").unlink()
+    assert finish_deferred(root, 2, NOW) is False
+    assert list_steps(root) == [2] and not has_marker(root, 2, DEFERRED)
 
 
 def test_no_deferred_removal_no_removal_by_the_reader(root):

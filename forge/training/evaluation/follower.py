@@ -198,7 +198,9 @@ def evaluate_step(
     path = root / f"step_{step}"
     clock = time.time
     with pinned(root, step, options.holder, options.pin_ttl_s, clock) as acquired:
-        if not sync(acquired if rank == 0 else False):
+        # the pin is written first: a step still complete now stays so until it is released
+        readable = acquired and is_complete(path) if rank == 0 else False
+        if not sync(readable):
             return None
         try:
             loaded, dp, problem = load(path), trainer_dp(config, path), None
