@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pathlib
 import re
 import socket
 import threading
@@ -76,10 +77,31 @@ def parse_pin(name: str, text: str) -> Pin | None:
 def write_pin(root: CheckpointPath, step: int, holder: str, expires: float) -> CheckpointPath:
     """Pin ``step`` for ``holder`` until ``expires`` (written whole: a renewal replaces it)."""
     path = pin_path(root, step, holder)
-    path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps({"step": step, "holder": holder, "expires": expires, "host": HOST})
-    write_atomically(path, text.encode())
+    write_mark(path, text.encode())
     return path
+
+
+def write_mark(path: CheckpointPath, data: bytes) -> None:
+    """A pin or marker written whole, its folder made first (retention removes the folder
+    when it is left empty: made again if that happened in between)."""
+    for attempt in range(3):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            write_atomically(path, data)
+            return
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+
+
+def tidy(root: CheckpointPath) -> None:
+    """Remove the pins folder of a disk when nothing is in it (a checkpoint directory that
+    no reader pins looks as it always did); in use, it stays."""
+    folder = root / PINS
+    if isinstance(folder, pathlib.Path):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 HOST = socket.gethostname()
@@ -128,20 +150,20 @@ def remove_unless_pinned(root: CheckpointPath, step: int, now: float) -> bool:
     """Retention's removal of ``step``: marked as retiring, then removed unless a live pin
     holds it (then marked deferred and kept). Expired pins are taken away. Whether removed."""
     retiring = marker_path(root, step, RETIRING)
-    retiring.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(retiring, b"")
+    write_mark(retiring, b"")
     pins = pins_of(root, step)
     for pin in pins:
         if not pin.live(now):
             with contextlib.suppress(OSError):
                 pin.path.unlink(missing_ok=True)
     if any(pin.live(now) for pin in pins):
-        write_atomically(marker_path(root, step, DEFERRED), b"")
+        write_mark(marker_path(root, step, DEFERRED), b"")
         retiring.unlink(missing_ok=True)
         return False
     storage_of(root).remove(step_dir(root, step))
     marker_path(root, step, DEFERRED).unlink(missing_ok=True)
     retiring.unlink(missing_ok=True)
+    tidy(root)
     return True
 
 
@@ -191,6 +213,7 @@ class StepPin:
             self._renewer.join()
         with contextlib.suppress(OSError):
             self.path.unlink(missing_ok=True)
+        tidy(self.root)
 
 
 @contextlib.contextmanager
