@@ -35,6 +35,7 @@ from forge.training.context import (
     ModelContext,
     RunContext,
 )
+from forge.training.evaluation.follow import follow_line
 from forge.training.loop.effects import TrainingEffects
 from forge.training.loop.hooks import HookList, Hooks, configured_hooks
 from forge.training.loop.ledger import (
@@ -105,6 +106,9 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         prepare_run_dir(run, dist, ckpt)  # last: a set-up that fails writes no records
         if dist.is_main:
             print(f"[forge] {guards}", file=sys.stderr)
+            ev = run.config.eval
+            if (follow := follow_line(ev.follow, ev.interval, run.run_dir)) is not None:
+                print(f"[forge] {follow}", file=sys.stderr)
         flag.setup_done()
     except BaseException as exc:
         if lock is not None:

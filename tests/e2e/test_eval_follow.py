@@ -264,3 +264,20 @@ def test_a_record_it_cannot_write_is_one_line_and_nothing_else(trained, sandbox)
     assert done.returncode == 2, done.stderr
     assert "eval_follow.jsonl: cannot be written" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_followed_run_trains_alike_without_evaluating_and_says_so(tmp_path, small_corpus):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    looped = configured(make_run(tmp_path / "a", small_corpus), ck=3, keep=0, every=3, steps=6)
+    followed = configured(make_run(tmp_path / "b", small_corpus), ck=3, keep=0, every=3, steps=6)
+    assert train_here(looped).code == 0
+    done = train_here(followed, "--eval.follow=true")
+    assert done.code == 0, done.stderr
+    assert f"eval_follow.py {followed.dir}" in done.stderr
+    assert in_loop(followed) == {}  # nothing evaluated in the loop
+    assert follow(followed).returncode == 0
+    mine = once_each(results(followed))
+    assert {s: r["eval/loss"] for s, r in mine.items()} == {
+        s: r["eval/loss"] for s, r in in_loop(looped).items()
+    }

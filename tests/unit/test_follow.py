@@ -5,6 +5,7 @@ records written whole; and the config rule of ``[eval] follow``."""
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 
@@ -19,6 +20,7 @@ from forge.training.evaluation.follow import (
     FollowView,
     append_record,
     done_pairs,
+    follow_line,
     json_lines,
     loss_record,
     next_action,
@@ -198,3 +200,18 @@ def test_a_rewind_retires_the_records_of_the_steps_it_undid(records, rewinds, ex
 def test_rewinds_come_from_the_record_of_commits():
     entries = [{"step": 4, "time": 1.0}, {"step": 2, "time": 5.0, "rewound_from": 4}, {"step": 6}]
     assert rewinds_of(entries) == [(2, 5.0)]
+
+
+@pytest.mark.parametrize(
+    ("follow", "interval", "expected"),
+    [
+        (False, 4, None),
+        (True, 4, "checkpoints of every 4 steps: python scripts/eval_follow.py runs/x"),
+        (True, 0, "checkpoints of every committed step: python scripts/eval_follow.py runs/x"),
+    ],
+)
+def test_a_followed_run_says_where_its_evaluation_happens(follow, interval, expected):
+    line = follow_line(follow, interval, pathlib.Path("runs/x"))
+    assert line == expected or (
+        expected is not None and line is not None and line.endswith(expected)
+    )

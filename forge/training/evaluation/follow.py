@@ -193,3 +193,15 @@ def task_record(step: int, task: str, scores: Mapping[str, float], checkpoint: s
 
 def skipped_record(step: int, what: str, reason: str) -> dict[str, Any]:
     return {"step": step, "what": what, "skipped": reason, "time": round(time.time(), 3)}
+
+
+def follow_line(follow: bool, interval: int, run_dir: pathlib.Path) -> str | None:
+    """The start-up line of a run that evaluates beside the loop (``eval.follow``): where its
+    evaluation happens, and the command that does it."""
+    if not follow:
+        return None
+    steps = f"every {interval} steps" if interval > 0 else "every committed step"
+    return (
+        f"eval.follow: no evaluation in the loop; the follower evaluates the checkpoints of "
+        f"{steps}: python scripts/eval_follow.py {run_dir}"
+    )
