@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from forge.checkpoint.paths import CheckpointPath
@@ -253,7 +254,14 @@ def follow(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice) -> 
             lock.close()
 
 
-def follow_run(args, world: WorldInfo, options: FollowOptions, what, root, device) -> int:
+def follow_run(
+    args: argparse.Namespace,
+    world: WorldInfo,
+    options: FollowOptions,
+    what: tuple[str, ...],
+    root: CheckpointPath,
+    device: torch.device,
+) -> int:
     """The follower's loop: look, decide (rank 0), act (every rank)."""
     run: pathlib.Path = args.run
     main_rank = world.rank == 0
@@ -303,7 +311,17 @@ def follower_sinks(run: pathlib.Path) -> list[MetricsSink]:
     return sinks
 
 
-def follow_steps(args, world, options, what, root, load, sync, sinks, counts) -> int:
+def follow_steps(
+    args: argparse.Namespace,
+    world: WorldInfo,
+    options: FollowOptions,
+    what: tuple[str, ...],
+    root: CheckpointPath,
+    load: Callable[[CheckpointPath], LoadedModel],
+    sync: Callable[[bool], bool],
+    sinks: list[MetricsSink],
+    counts: dict[str, int],
+) -> int:
     """Look, decide (rank 0), act (every rank), until the decision is to stop."""
     run: pathlib.Path = args.run
     main_rank = world.rank == 0
@@ -346,7 +364,7 @@ def follow_steps(args, world, options, what, root, load, sync, sinks, counts) ->
             for sink in list(sinks):
                 try:
                     for record in done.records:
-                        sink.write({k: v for k, v in record.items() if k != "checkpoint"})
+                        sink.write({k: v for k, v in record.items() if is_metric(k)})
                 except Exception as exc:  # a view lost; the record stands
                     sinks.remove(sink)
                     report(f"warning: {type(sink).__name__} dropped: {one_line(exc)}")
@@ -354,7 +372,20 @@ def follow_steps(args, world, options, what, root, load, sync, sinks, counts) ->
             report(f"step {step}: " + summary_of(done.records))
 
 
-def skip(results: pathlib.Path, step: int, missing, reason: str, main_rank: bool, counts) -> None:
+def is_metric(key: str) -> bool:
+    """The keys a view (TensorBoard, W&B) shows: the step and its ``eval/`` scores."""
+    return key == "step" or key.startswith("eval/")
+
+
+def skip(
+    results: pathlib.Path,
+    step: int,
+    missing: tuple[str, ...],
+    reason: str,
+    main_rank: bool,
+    counts: dict[str, int],
+) -> None:
+    """Record ``step``'s ``missing`` results as skipped for ``reason`` (rank 0)."""
     if not main_rank:
         return
     for w in missing:
@@ -364,6 +395,7 @@ def skip(results: pathlib.Path, step: int, missing, reason: str, main_rank: bool
 
 
 def summary_of(records: list[dict]) -> str:
+    """The scores of a step's new records, for its one line."""
     parts = []
     for r in records:
         for k, v in r.items():

@@ -98,6 +98,7 @@ def test_the_follower_gives_in_loop_evaluation_s_loss_and_scores(tmp_path, small
 
     events = EventAccumulator(str(run.dir / "tensorboard" / "eval_follow"))  # beside the run's
     events.Reload()
+    assert all(tag.startswith("eval/") for tag in events.Tags()["scalars"])  # no time, no what
     shown = {e.step: e.value for e in events.Scalars("eval/loss")}
     assert shown == {s: pytest.approx(r["eval/loss"]) for s, r in in_loop(run).items()}
     mine, loop = results(run), in_loop(run)
