@@ -65,6 +65,11 @@ class ModelConfig:
     moe_aux_loss_weight: float = 0.01  # load-balancing loss (Switch form), summed over layers
     moe_z_loss_weight: float = 0.0  # router z-loss, summed over layers
     moe_bias_update_rate: float = 0.0  # sigmoid router: aux-loss-free balancing (DeepSeek-V3)
+    # sigmoid router, group-limited (DeepSeek-V3's n_group / topk_group): the experts split
+    # into this many groups, each token chooses within its ``moe_top_groups`` best groups
+    moe_num_groups: int = 1
+    moe_top_groups: int = 1
+    moe_routed_scale: float = 1.0  # the chosen experts' weights × this (routed_scaling_factor)
     # Vision-language (docs/vlm.md): None = a text-only decoder
     vlm: VlmArch | None = None
     vision: VisionConfig | None = None  # [model.vision]; None: its defaults when vlm is set
@@ -198,6 +203,39 @@ class ModelConfig:
             )
         return p
 
+    def group_problems(self) -> list[Problem]:
+        """Group-limited routing's keys: whole groups of at least two experts (a group is
+        scored by its best two), enough experts in the chosen groups, a sigmoid router."""
+        p: list[Problem] = []
+        groups, top, experts = self.moe_num_groups, self.moe_top_groups, self.moe_num_experts
+        positive(p, "model.moe_num_groups", groups)
+        positive(p, "model.moe_top_groups", top)
+        scale = self.moe_routed_scale
+        if not math.isfinite(scale) or scale <= 0:
+            p.append(("model.moe_routed_scale", f"must be a finite number > 0, got {scale}"))
+        if p or (groups == 1 and top == 1):
+            return p
+        if self.moe_router is not MoeRouter.SIGMOID:
+            p.append(("model.moe_num_groups", "group-limited routing needs moe_router='sigmoid'"))
+        if experts % groups or experts // groups < 2:
+            p.append(
+                (
+                    "model.moe_num_groups",
+                    f"must split model.moe_num_experts={experts} into groups of 2 or more "
+                    "experts (a group is scored by its best two)",
+                )
+            )
+        elif top > groups:
+            p.append(("model.moe_top_groups", f"must be <= model.moe_num_groups={groups}"))
+        elif self.moe_top_k > top * (experts // groups):
+            p.append(
+                (
+                    "model.moe_top_k",
+                    f"must be <= the experts of the chosen groups ({top} × {experts // groups})",
+                )
+            )
+        return p
+
     def moe_problems(self) -> list[Problem]:
         """The mixture-of-experts keys' ranges (none apply when ``moe_num_experts`` is 0)."""
         p: list[Problem] = []
@@ -231,6 +269,7 @@ class ModelConfig:
                     "which experts are chosen, not their softmax weights); set it to 0",
                 )
             )
+        p += self.group_problems()
         if self.moe_every >= 1 and self.moe_first_dense >= 0 and not self.moe_layers:
             p.append(
                 (

@@ -51,6 +51,11 @@ def export_problem(cfg: ModelConfig, families: Sequence[FamilySpec] = FAMILIES) 
             f"model.moe_router={cfg.moe_router.value!r}: {arch} routes by a softmax over "
             f"experts, so this model has no {label} export"
         )
+    if chosen.moe and cfg.moe_routed_scale != 1.0:
+        return (
+            f"model.moe_routed_scale={cfg.moe_routed_scale}: {arch} weighs the chosen experts "
+            f"by their normalised scores alone, so this model has no {label} export"
+        )
     if chosen.moe and cfg.moe_shared_experts:
         return (
             f"model.moe_shared_experts: {arch} has no shared experts, so this model has no "

@@ -56,13 +56,21 @@ class Routing(NamedTuple):
 
 
 def route(
-    logits: torch.Tensor, top_k: int, router: MoeRouter, bias: torch.Tensor | None = None
+    logits: torch.Tensor,
+    top_k: int,
+    router: MoeRouter,
+    bias: torch.Tensor | None = None,
+    groups: tuple[int, int] = (1, 1),
+    scale: float = 1.0,
 ) -> Routing:
     """Choose ``top_k`` experts per token from fp32 router ``logits`` ``(N, E)``.
 
     softmax: the top-k probabilities, renormalised to sum to 1 (Mixtral). sigmoid: each
     expert scored independently; ``bias`` (aux-loss-free balancing) shifts which experts are
     chosen but not their weights, the chosen scores normalised to sum to 1 (DeepSeek-V3).
+    ``groups`` ``(n, top)``: the experts split into ``n`` groups, each scored by its best two
+    choice scores, and a token chooses among its ``top`` best groups' experts only
+    (``limit_to_groups``). The weights are then multiplied by ``scale``.
     """
     if router is MoeRouter.SOFTMAX:
         probs = logits.softmax(-1)
@@ -70,10 +78,26 @@ def route(
     else:
         scores = logits.sigmoid()
         choice = scores if bias is None else scores + bias
+        if groups != (1, 1):
+            choice = limit_to_groups(choice, *groups)
         experts = choice.topk(top_k, dim=-1).indices
         top = scores.gather(-1, experts)
         probs = scores / scores.sum(-1, keepdim=True)
-    return Routing(experts, top / top.sum(-1, keepdim=True), probs)
+    weights = top / top.sum(-1, keepdim=True)
+    return Routing(experts, weights * scale if scale != 1.0 else weights, probs)
+
+
+def limit_to_groups(choice: torch.Tensor, n_groups: int, top_groups: int) -> torch.Tensor:
+    """``choice`` ``(N, E)`` with every expert outside each token's ``top_groups`` best groups
+    set to 0, a group's score being the sum of its two best: DeepSeek-V3's rule, as its
+    reference and transformers' ``DeepseekV3TopkRouter`` apply it (0, not -inf, so that the
+    bias can make a chosen group's expert lose to an excluded one, as there)."""
+    n, e = choice.shape
+    grouped = choice.view(n, n_groups, e // n_groups)
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+    best = group_scores.topk(top_groups, dim=-1, sorted=False).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep[:, :, None], 0.0).view(n, e)
 
 
 def expert_capacity(n_tokens: int, top_k: int, n_experts: int, factor: float) -> int | None:
@@ -270,6 +294,8 @@ class MoE(nn.Module):
         self.n_experts = cfg.moe_num_experts
         self.top_k = cfg.moe_top_k
         self.router_kind = cfg.moe_router
+        self.groups = (cfg.moe_num_groups, cfg.moe_top_groups)
+        self.scale = cfg.moe_routed_scale
         self.capacity_factor = cfg.moe_capacity_factor
         self.router = Router(cfg.dim, cfg.moe_num_experts)
         self.experts = GroupedExperts(cfg.moe_num_experts, cfg.dim, cfg.expert_hidden_dim)
@@ -284,7 +310,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         logits = self.router(flat)
         bias = self.router.expert_bias if self.router_kind is MoeRouter.SIGMOID else None
-        routing = route(logits, self.top_k, self.router_kind, bias)
+        routing = route(logits, self.top_k, self.router_kind, bias, self.groups, self.scale)
         capacity = expert_capacity(flat.shape[0], self.top_k, self.n_experts, self.capacity_factor)
         chosen = sort_by_expert(routing, self.n_experts, capacity)
         rows = flat.index_select(0, chosen.tokens)  # (its backward is an index_add)

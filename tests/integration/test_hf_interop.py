@@ -160,6 +160,7 @@ def test_a_softmax_mixture_of_experts_exports_to_mixtral_with_the_same_logits(tm
     [
         ({"moe_router": MoeRouter.SIGMOID}, "model.moe_router='sigmoid': MixtralForCausalLM"),
         ({"moe_shared_experts": 1}, "model.moe_shared_experts: MixtralForCausalLM has no shared"),
+        ({"moe_routed_scale": 2.5}, "model.moe_routed_scale=2.5: MixtralForCausalLM weighs"),
         ({"moe_first_dense": 1}, "model.moe_first_dense / model.moe_every: MixtralForCausalLM"),
         ({"moe_every": 2}, "model.moe_first_dense / model.moe_every: MixtralForCausalLM"),
     ],

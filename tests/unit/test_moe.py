@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 import torch
 
@@ -69,6 +70,57 @@ def test_the_balancing_bias_changes_the_choice_but_not_the_weights():
     s = LOGITS.sigmoid()
     assert two.experts[0].tolist() == [2, 0]
     torch.testing.assert_close(two.weights[0], s[0, [2, 0]] / s[0, [2, 0]].sum())
+
+
+def reference_group_routing(scores, bias, n_groups, top_groups, top_k, scale):
+    """DeepSeek-V3's group-limited choice written out token by token (its reference
+    inference code's rule): groups scored by their two best biased scores, the best
+    ``top_groups`` kept, the rest's experts at 0, the top-k of what is left; the weights
+    are the unbiased scores of the chosen, normalised, times ``scale``."""
+    experts, weights = [], []
+    size = scores.shape[1] // n_groups
+    for s in scores:
+        choice = [float(v) for v in s + bias]
+        ranked_groups = sorted(
+            range(n_groups),
+            key=lambda g: -sum(sorted(choice[g * size : (g + 1) * size], reverse=True)[:2]),
+        )
+        kept = set(ranked_groups[:top_groups])
+        masked = [v if i // size in kept else 0.0 for i, v in enumerate(choice)]
+        chosen = sorted(range(len(masked)), key=lambda i: -masked[i])[:top_k]
+        total = sum(float(s[i]) for i in chosen)
+        experts.append(sorted(chosen))
+        weights.append({i: float(s[i]) / total * scale for i in chosen})
+    return experts, weights
+
+
+@pytest.mark.parametrize(
+    ("n_groups", "top_groups", "top_k", "scale", "bias_scale"),
+    [(4, 2, 3, 2.5, 0.0), (4, 1, 2, 1.0, 0.3), (2, 1, 4, 1.0, 0.0), (8, 3, 6, 0.5, 0.1)],
+)
+def test_group_limited_routing_chooses_within_the_best_groups(
+    n_groups, top_groups, top_k, scale, bias_scale
+):
+    gen = torch.Generator().manual_seed(n_groups * 10 + top_k)
+    logits = torch.randn(64, 16, generator=gen)
+    bias = torch.randn(16, generator=gen) * bias_scale
+    routing = route(logits, top_k, MoeRouter.SIGMOID, bias, (n_groups, top_groups), scale)
+    experts, weights = reference_group_routing(
+        logits.sigmoid(), bias, n_groups, top_groups, top_k, scale
+    )
+    assert sorted(map(sorted, routing.experts.tolist())) == sorted(experts)
+    for row, chosen, expected in zip(routing.experts, routing.weights, weights, strict=True):
+        for e, w in zip(row.tolist(), chosen.tolist(), strict=True):
+            assert w == pytest.approx(expected[e], rel=1e-6)
+
+
+def test_one_group_is_plain_sigmoid_routing_bit_for_bit():
+    gen = torch.Generator().manual_seed(0)
+    logits, bias = torch.randn(32, 8, generator=gen), torch.randn(8, generator=gen) * 0.1
+    plain = route(logits, 2, MoeRouter.SIGMOID, bias)
+    grouped = route(logits, 2, MoeRouter.SIGMOID, bias, (1, 1), 1.0)
+    assert torch.equal(plain.experts, grouped.experts)
+    assert torch.equal(plain.weights, grouped.weights)
 
 
 @pytest.mark.parametrize(
@@ -189,6 +241,30 @@ def test_the_model_returns_its_statistics_and_the_losses_reach_the_router():
     assert gate.grad is not None and gate.grad.abs().sum() > 0
 
 
+def test_a_group_limited_layer_routes_within_its_groups_and_scales_its_output():
+    base = ModelConfig(
+        dim=16, n_layers=1, n_heads=2, moe_num_experts=8, moe_router=MoeRouter.SIGMOID
+    )
+    grouped = attrs.evolve(base, moe_num_groups=4, moe_top_groups=1, moe_routed_scale=2.0)
+    torch.manual_seed(0)
+    plain = MoE(base, 0)
+    for param in plain.parameters():
+        torch.nn.init.normal_(param, std=0.1)
+    limited = MoE(grouped, 0)
+    limited.load_state_dict(plain.state_dict())
+    x = torch.randn(64, 16)
+    stats = torch.zeros(1, LOADS + 8)
+    _, row = limited(x, stats)
+    logits = limited.router(x)
+    chosen = route(logits, 2, MoeRouter.SIGMOID, None, (4, 1)).experts
+    assert (chosen // 2)[:, 0].eq((chosen // 2)[:, 1]).all()  # both picks in one group of two
+    assert row[0, LOADS:].tolist() == torch.bincount(chosen.flatten(), minlength=8).tolist()
+    halved = attrs.evolve(grouped, moe_routed_scale=1.0)
+    unscaled = MoE(halved, 0)
+    unscaled.load_state_dict(plain.state_dict())
+    torch.testing.assert_close(limited(x, stats)[0], 2 * unscaled(x, stats)[0])
+
+
 @pytest.mark.parametrize(
     ("layers", "first_dense", "every", "expected"),
     [
@@ -275,6 +351,19 @@ def problems_of(tmp_path, *args: str, world: int = 1) -> list[str]:
     return [f"{k}: {m}" for k, m in parallel_problems(config, world)]
 
 
+def _groups(
+    experts: int, groups: int, top: int, router: str = "sigmoid", top_k: int = 2, scale="2.5"
+) -> list[str]:
+    return [
+        f"--model.moe_num_experts={experts}",
+        f"--model.moe_num_groups={groups}",
+        f"--model.moe_top_groups={top}",
+        f"--model.moe_router={router}",
+        f"--model.moe_top_k={top_k}",
+        f"--model.moe_routed_scale={scale}",
+    ]
+
+
 @pytest.mark.parametrize(
     ("args", "world", "fragment"),
     [
@@ -285,6 +374,14 @@ def problems_of(tmp_path, *args: str, world: int = 1) -> list[str]:
         (["--model.moe_num_experts=4", "--model.moe_bias_update_rate=0.01"], 1, "'sigmoid'"),
         (["--model.moe_num_experts=4", "--model.moe_first_dense=4"], 1, "no mixture-of-experts"),
         (["--model.moe_num_experts=4", "--model.moe_every=0"], 1, "model.moe_every: must be > 0"),
+        (_groups(8, 4, 2, router="softmax"), 1, "group-limited routing needs moe_router="),
+        (_groups(8, 3, 1), 1, "model.moe_num_groups: must split model.moe_num_experts=8"),
+        (_groups(8, 8, 1), 1, "groups of 2 or more"),
+        (_groups(8, 2, 3), 1, "model.moe_top_groups: must be <= model.moe_num_groups=2"),
+        (_groups(8, 4, 1, top_k=3), 1, "model.moe_top_k: must be <= the experts of the chosen"),
+        (_groups(8, 0, 1), 1, "model.moe_num_groups: must be > 0"),
+        (_groups(8, 1, 1, scale="0"), 1, "model.moe_routed_scale: must be a finite number > 0"),
+        (_groups(8, 1, 1, scale="inf"), 1, "model.moe_routed_scale: expected a finite number"),
         (["--distributed.ep=2"], 2, "distributed.ep: needs mixture-of-experts"),
         (["--model.moe_num_experts=3", "--distributed.ep=2"], 2, "must divide model.moe_num"),
         (["--model.moe_num_experts=6", "--distributed.ep=3"], 4, "must divide distributed.dp_sh"),
