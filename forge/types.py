@@ -182,14 +182,20 @@ class StepResult:
     replay: ReplayVerdict | None = None  # the step was replayed, and how it came out
     busy_s: float = 0.0  # this rank's own time in the step, its waits for peers left out
     applied: bool = True  # the step applied its update (false: non-finite, dropped, failed)
+    mtp: tuple[float, ...] | None = None  # each multi-token depth's mean loss (not in ``loss``)
 
     @property
     def finite(self) -> bool:
         """Loss, grad norm and every auxiliary loss finite: the update may be applied."""
         z_finite = self.z_loss is None or math.isfinite(self.z_loss)
         moe_finite = self.moe is None or self.moe.finite
+        mtp_finite = self.mtp is None or all(math.isfinite(v) for v in self.mtp)
         return (
-            math.isfinite(self.loss) and math.isfinite(self.grad_norm) and z_finite and moe_finite
+            math.isfinite(self.loss)
+            and math.isfinite(self.grad_norm)
+            and z_finite
+            and moe_finite
+            and mtp_finite
         )
 
 

@@ -34,6 +34,9 @@ def cross_section_problems(config: JobConfig) -> list[Problem]:
             )
         )
     p += follow_problems(config)
+    depth, seq = config.model.mtp_depth, config.train.seq_len
+    if depth >= seq > 0:
+        p.append(("model.mtp_depth", f"must be < train.seq_len={seq} (no target would be left)"))
     return p
 
 

@@ -70,6 +70,9 @@ class ModelConfig:
     moe_num_groups: int = 1
     moe_top_groups: int = 1
     moe_routed_scale: float = 1.0  # the chosen experts' weights × this (routed_scaling_factor)
+    # multi-token prediction (docs/training-loop.md#multi-token-prediction): depths after the
+    # main model, depth k predicting the token k + 1 places ahead (DeepSeek-V3); 0: off
+    mtp_depth: int = 0
     # Vision-language (docs/vlm.md): None = a text-only decoder
     vlm: VlmArch | None = None
     vision: VisionConfig | None = None  # [model.vision]; None: its defaults when vlm is set
@@ -126,6 +129,7 @@ class ModelConfig:
         p += self.vlm_problems()
         p += self.attention_problems()
         p += self.head_problems()
+        p += self.mtp_problems()
         if self.rope_scaling is not None:
             p += self.rope_scaling.problems()
         for key in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
@@ -153,6 +157,15 @@ class ModelConfig:
             p.append(("model.dim", f"must be divisible by model.n_heads={self.n_heads}"))
         elif self.n_heads > 0 and (self.dim // self.n_heads) % 2:
             p.append(("model.dim", "dim / n_heads (the head size) must be even for RoPE"))
+        return p
+
+    def mtp_problems(self) -> list[Problem]:
+        """Multi-token prediction: a depth count >= 0, on a text model (not yet a
+        vision-language decoder)."""
+        p: list[Problem] = []
+        non_negative(p, "model.mtp_depth", self.mtp_depth)
+        if self.mtp_depth > 0 and self.vlm is not None:
+            p.append(("model.mtp_depth", "is not supported with model.vlm yet; set it to 0"))
         return p
 
     def vlm_problems(self) -> list[Problem]:

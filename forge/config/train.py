@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 
 import attrs
 
@@ -49,6 +50,9 @@ class TrainConfig:
     # tokens per chunk of the output projection + cross-entropy: the fp32 logits of one chunk
     # exist at a time, never those of the whole micro-batch (0: the plain, unchunked loss)
     loss_chunk_size: int = 256
+    # multi-token prediction (model.mtp_depth > 0): the depths' mean loss × this joins the
+    # objective (DeepSeek-V3: 0.3, then 0.1); the logged ``loss`` stays the main model's
+    mtp_loss_weight: float = 0.3
 
     def compile_enabled(self, device_type: str, compiler_found: bool) -> bool:
         """Whether blocks and loss chunks are compiled: ``compile`` when set; by default only
@@ -75,6 +79,13 @@ class TrainConfig:
         non_negative(p, "train.num_threads", self.num_threads)
         non_negative(p, "train.z_loss_weight", self.z_loss_weight)
         non_negative(p, "train.loss_chunk_size", self.loss_chunk_size)
+        if not math.isfinite(self.mtp_loss_weight) or self.mtp_loss_weight < 0:
+            p.append(
+                (
+                    "train.mtp_loss_weight",
+                    f"must be a finite number >= 0, got {self.mtp_loss_weight}",
+                )
+            )
         if self.param_dtype is Precision.BF16 and self.mixed_precision is not Precision.BF16:
             p.append(
                 (

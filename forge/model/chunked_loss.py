@@ -49,13 +49,15 @@ class LossSpec:
     """How the language-model loss is computed: ``chunk_size`` tokens at a time (0: the plain
     loss on the full fp32 logits), with ``z_weight`` × mean logsumexp² in the objective, and
     each chunk through ``torch.compile`` when ``compiled``. A mixture-of-experts model adds
-    ``moe_aux_weight`` × its balancing losses and ``moe_z_weight`` × its router z-losses."""
+    ``moe_aux_weight`` × its balancing losses and ``moe_z_weight`` × its router z-losses, a
+    model with multi-token depths ``mtp_weight`` × their mean loss."""
 
     chunk_size: int = 0
     z_weight: float = 0.0
     compiled: bool = False
     moe_aux_weight: float = 0.0
     moe_z_weight: float = 0.0
+    mtp_weight: float = 0.0  # the multi-token depths' mean loss × this joins the objective
 
     @property
     def chunked(self) -> bool:
@@ -71,7 +73,8 @@ def loss_spec_of(config: JobConfig, compiled: bool = False) -> LossSpec:
     auxiliary-loss weights."""
     train, model = config.train, config.model
     aux, z = (model.moe_aux_loss_weight, model.moe_z_loss_weight) if model.moe else (0.0, 0.0)
-    return LossSpec(train.loss_chunk_size, train.z_loss_weight, compiled, aux, z)
+    mtp = train.mtp_loss_weight if model.mtp_depth > 0 else 0.0
+    return LossSpec(train.loss_chunk_size, train.z_loss_weight, compiled, aux, z, mtp)
 
 
 def compute_dtype(device_type: str, dtype: torch.dtype) -> torch.dtype:

@@ -23,6 +23,7 @@ from forge.model.context_attention import context_mask
 from forge.model.feed_forward import FeedForward
 from forge.model.init import fill_, initial_value
 from forge.model.moe import MoE, Router, empty_stats
+from forge.model.mtp import MTPModule, depth_losses
 
 
 def llama3_frequencies(freqs: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
@@ -225,6 +226,7 @@ class Transformer(nn.Module):
     tok_embeddings: nn.Embedding | None
     norm: RMSNorm | None
     output: nn.Linear | None
+    mtp: nn.ModuleDict | None
     # distributed.cp: the context-parallel group (``forge.parallel.context_parallel``); the
     # forward then takes this rank's head–tail part of every row
     context_group: ProcessGroup | None = None
@@ -236,6 +238,10 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.mtp = None  # model.mtp_depth: the multi-token prediction depths (forge.model.mtp)
+        if cfg.mtp_depth > 0:
+            depths = range(1, cfg.mtp_depth + 1)
+            self.mtp = nn.ModuleDict({str(k): MTPModule(cfg) for k in depths})
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         cos, sin = model_rope_tables(cfg)
@@ -302,7 +308,9 @@ class Transformer(nn.Module):
         chunked ``loss``, returns ``chunked_lm_loss``'s objective, per-token cross-entropy
         and z term instead, never materialising the logits; the loss is computed
         here, in forward, so FSDP2's and the pipeline's hooks see the output weight used as
-        usual. With a ``cache`` (generation), ``tokens`` continue the cached positions.
+        usual. With a ``cache`` (generation), ``tokens`` continue the cached positions. A model
+        with multi-token depths (``model.mtp_depth``) given ``labels`` appends each depth's
+        summed cross-entropy ``(mtp_depth,)`` to what it returns (before the MoE statistics).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = self.rope_cos, self.rope_sin
@@ -330,7 +338,12 @@ class Transformer(nn.Module):
                 h = layer(h, cos, sin, mask, layer_cache)
         if cache is not None:
             cache.length += tokens.shape[1]
+        depths = None
+        if self.mtp is not None and labels is not None and cache is None:
+            depths = depth_losses(self, h, tokens, labels, (cos, sin), mask, loss)
         out = self.head(h, labels, loss)
+        if depths is not None:
+            out = (*(out if isinstance(out, tuple) else (out,)), depths)
         return out if moe_stats is None else with_moe_stats(out, moe_stats)
 
     def attention_mask(

@@ -230,6 +230,20 @@ def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
                         "use distributed.dp_shard / dp_replicate (FSDP2, HSDP)",
                     )
                 )
+    if m.mtp_depth > 0:
+        for key, size in (
+            ("distributed.tp", dims.tp),
+            ("distributed.pp", dims.pp),
+            ("distributed.cp", dims.cp),
+        ):
+            if size > 1:
+                p.append(
+                    (
+                        key,
+                        "is not supported with multi-token prediction (model.mtp_depth) yet; "
+                        "use distributed.dp_shard / dp_replicate / ep (FSDP2, HSDP, experts)",
+                    )
+                )
     p += pipeline_problems(config, dims)
     p += context_parallel_problems(config, dims)
     return p

@@ -44,6 +44,8 @@ def step_metrics(
     metrics = [recorded_value("loss", result.loss, Reduction.MEAN)]
     if result.z_loss is not None:
         metrics.append(recorded_value("z_loss", result.z_loss, Reduction.MEAN))
+    for k, value in enumerate(result.mtp or (), start=1):  # each depth's, beside the main loss
+        metrics.append(recorded_value(f"mtp/loss_{k}", value, Reduction.MEAN))
     if result.moe is not None:
         metrics += moe_metrics(result.moe)
     if sources is not None:

@@ -89,6 +89,7 @@ GROUPS: dict[str, ChangeGroup] = {
     "train.activation_checkpointing": G.FREE,
     "train.compile": G.FREE,
     "train.z_loss_weight": G.NUMERICS,
+    "train.mtp_loss_weight": G.NUMERICS,
     "train.loss_chunk_size": G.FREE,
     "optimizer.name": G.OPTIMIZER_STATE,
     "optimizer.lr": G.SCHEDULE,

@@ -18,6 +18,7 @@ from forge.data.packing import IGNORE_INDEX
 from forge.metrics.sources import SourceStats
 from forge.model.chunked_loss import PLAIN_LOSS, LossSpec
 from forge.model.moe import ASSIGNED, AUX, DROPPED, LOADS, Z, moe_terms
+from forge.model.mtp import depth_counts, has_mtp, split_mtp_output
 from forge.model.transformer import is_moe, split_moe_output
 from forge.optim.schedules import lr_at
 from forge.parallel.grad_norm import clip_coefficient, scale_grads_
@@ -64,12 +65,15 @@ def input_kwargs(batch: Batch) -> dict[str, torch.Tensor | None]:
 class MicroBatchLoss:
     """One micro-batch's loss: ``objective`` to differentiate, ``loss`` (the mean
     cross-entropy) and ``z`` (the mean squared logsumexp, None when the z-loss is off) to log,
-    and a mixture-of-experts model's statistics (``forge.model.moe``; None when dense)."""
+    a mixture-of-experts model's statistics (``forge.model.moe``; None when dense), and a
+    model with multi-token depths their summed cross-entropies ``(mtp_depth,)``, still to be
+    weighed into the objective by the step (``forge.model.mtp``; None without)."""
 
     objective: torch.Tensor
     loss: torch.Tensor
     z: torch.Tensor | None
     moe: torch.Tensor | None = None
+    depths: torch.Tensor | None = None
 
 
 def micro_batch_loss(
@@ -90,12 +94,24 @@ def micro_batch_loss(
     counted = batch.labels != IGNORE_INDEX
     n = counted.sum().clamp(min=1)  # a fully masked micro-batch adds nothing (its share is 0)
     z_weight = loss_spec.z_weight
+    mtp = has_mtp(model)
+    depths = None
     if loss_spec.chunked:
         with autocast():
             output = model(batch.inputs, labels=batch.labels, loss=loss_spec, **input_kwargs(batch))
-        (objective, per_token, z), moe = split_moe_output(output, is_moe(model))
+        output, moe = split_moe_output(output, is_moe(model))
+        (objective, per_token, z), depths = split_mtp_output(output, mtp)
     else:
-        logits, moe = logits_and_stats(model, batch, autocast)
+        if mtp:  # the depths need the labels; the main head still returns the logits
+            with autocast():
+                output = model(
+                    batch.inputs, labels=batch.labels, loss=loss_spec, **input_kwargs(batch)
+                )
+            output, moe = split_moe_output(output, is_moe(model))
+            main, depths = split_mtp_output(output, mtp)
+            logits = main.float()
+        else:
+            logits, moe = logits_and_stats(model, batch, autocast)
         per_token = F.cross_entropy(logits.transpose(1, 2), batch.labels, reduction="none")
         objective = per_token.sum() / n
         z = None
@@ -109,7 +125,7 @@ def micro_batch_loss(
         moe = moe.detach()
     loss = per_token.detach().sum() / n
     z_logged = z.detach() if z is not None and z_weight > 0 else None
-    return MicroBatchLoss(objective, loss, z_logged, moe)
+    return MicroBatchLoss(objective, loss, z_logged, moe, depths)
 
 
 def moe_summary(stats: torch.Tensor, n_micro: int) -> torch.Tensor:
@@ -143,13 +159,23 @@ def label_counts(batches: Sequence[Batch]) -> torch.Tensor:
     return torch.stack([(b.labels != IGNORE_INDEX).sum() for b in batches]).float()
 
 
+def depth_count_rows(batches: Sequence[Batch], depth: int) -> torch.Tensor:
+    """Each micro-batch's targets of every multi-token depth ``(micro-batches, depth)``."""
+    return torch.stack([depth_counts(b.labels, depth) for b in batches])
+
+
+def mtp_depth_of(model: nn.Module) -> int:
+    """The multi-token depths of ``model`` (0: none)."""
+    return model.cfg.mtp_depth if has_mtp(model) else 0  # type: ignore[union-attr]
+
+
 def step_labels(counts: torch.Tensor, token_slices: int, world_size: int) -> torch.Tensor:
     """The step's labelled tokens on every rank holding distinct tokens (``token_slices``:
     data-parallel × context-parallel): one all-reduce of one number over the default group
     when there are several, which counts each slice once per rank that holds it
     (``world_size / token_slices``: tensor-parallel and pipeline peers). It stays on the
     device (no host sync)."""
-    total = counts.sum()
+    total = counts.sum(0)  # per column: the main labels, and each multi-token depth's
     if token_slices > 1:
         torch_dist.all_reduce(total)
         total = total / (world_size // token_slices)
@@ -205,6 +231,7 @@ class StepTotals:
     z_loss: torch.Tensor | None = None
     moe: torch.Tensor | None = None
     sources: torch.Tensor | None = None
+    mtp: torch.Tensor | None = None  # each multi-token depth's mean loss (None without)
 
 
 def finish_step(
@@ -275,7 +302,13 @@ def read_result(
         torch.stack([t.float() for t in scalars]),
         *(t for t in (moe, sources) if t is not None),
     ]
+    if totals.mtp is not None:  # last: the others are read by position from the front
+        parts.append(totals.mtp.float())
     values = torch.cat([t.double() for t in parts]).tolist()  # fp32 -> fp64: exact
+    mtp = None
+    if totals.mtp is not None:
+        depth = totals.mtp.numel()
+        values, mtp = values[:-depth], tuple(values[-depth:])
     head, n_moe = len(scalars), moe.numel() if moe is not None else 0
     return StepResult(
         loss=values[0],
@@ -288,4 +321,5 @@ def read_result(
         if totals.moe is not None
         else None,
         sources=SourceTotals.from_flat(values[head + n_moe :]) if sources is not None else None,
+        mtp=mtp,
     )

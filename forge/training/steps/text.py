@@ -14,10 +14,12 @@ from forge.model.precision import autocast_for, device_type_of
 from forge.parallel.grad_norm import global_grad_norm
 from forge.training.steps.common import (
     StepTotals,
+    depth_count_rows,
     finish_step,
     label_counts,
     label_weight,
     micro_batch_loss,
+    mtp_depth_of,
     set_gradient_sync,
     set_lr,
     step_labels,
@@ -45,6 +47,7 @@ def make_text_step(spec: StepSpec) -> StepFunction:
     do not depend on how the batch is split into micro-batches and data-parallel ranks.
     """
     model, optimizer, loss_spec = spec.model, spec.optimizer, spec.loss
+    depth = mtp_depth_of(model)
     autocast = (
         contextlib.nullcontext
         if spec.fsdp_mixed_precision
@@ -68,14 +71,24 @@ def make_text_step(spec: StepSpec) -> StepFunction:
         moe: torch.Tensor | None = None
         n = len(batches)
         counts = label_counts(batches)
+        if depth:  # each depth's targets beside the main labels: one all-reduce for all
+            counts = torch.cat([counts[:, None], depth_count_rows(batches, depth)], dim=1)
         weight = label_weight(
             step_labels(counts, spec.token_slices, spec.world_size), spec.token_slices
         )
-        shares = (counts * weight).unbind()
+        main_counts, main_weight = (counts[:, 0], weight[0]) if depth else (counts, weight)
+        shares = (main_counts * main_weight).unbind()
+        depth_weight = weight[1:] if depth else None  # one target of depth k, at any split
+        mtp = torch.zeros(depth, device=device) if depth else None
         for i, batch in enumerate(batches):
             set_gradient_sync(model, i == n - 1)
             terms = micro_batch_loss(model, batch, autocast, stats, loss_spec)
-            (terms.objective * shares[i]).backward()
+            objective = terms.objective * shares[i]
+            if terms.depths is not None and depth_weight is not None and mtp is not None:
+                weighed = terms.depths * depth_weight
+                objective = objective + loss_spec.mtp_weight / depth * weighed.sum()
+                mtp += weighed.detach()
+            objective.backward()
             total += terms.loss.float() * shares[i]
             if total_z is not None and terms.z is not None:
                 total_z += terms.z * shares[i]
@@ -92,6 +105,7 @@ def make_text_step(spec: StepSpec) -> StepFunction:
             z_loss=total_z,
             moe=moe,
             sources=stats.drain() if stats is not None else None,
+            mtp=mtp,
         )
 
     def text_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
