@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import math
 import os
 import pathlib
 import socket
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from forge.checkpoint.paths import CheckpointPath
-from forge.checkpoint.pins import reclaim_pins
+from forge.checkpoint.pins import finish_all_deferred, reclaim_pins
 from forge.cli import add_device_options, summary
 from forge.config.data import EvalTask
 from forge.errors import UserInputError, one_line, print_errors
@@ -46,6 +47,7 @@ from forge.training.evaluation.follow import (
     Decision,
     FollowAction,
     append_record,
+    damaged_lines,
     json_lines,
     next_action,
     repair_tail,
@@ -104,11 +106,16 @@ def option_problems(args: argparse.Namespace) -> list[str]:
     lines = []
     if args.every is not None and args.every < 1:
         lines.append(f"--every: must be >= 1, got {args.every}")
-    if args.poll_s <= 0 or args.poll_s != args.poll_s:
-        lines.append(f"--poll-s: must be > 0, got {args.poll_s}")
-    if not args.pin_ttl_s >= 1:
+    if not 0 < args.poll_s <= 3600:
+        lines.append(f"--poll-s: must be > 0 and <= 3600, got {args.poll_s}")
+    if not 1 <= args.pin_ttl_s <= 86400:
         ttl = args.pin_ttl_s
-        lines.append(f"--pin-ttl-s: must be >= 1 (a pin is renewed every third of it), got {ttl}")
+        lines.append(
+            f"--pin-ttl-s: must be >= 1 (a pin is renewed every third of it) and <= 86400 (a "
+            f"killed follower's pin keeps retention off that long), got {ttl}"
+        )
+    if not 0 <= args.start_timeout_s < math.inf:
+        lines.append(f"--start-timeout-s: must be a finite number >= 0, got {args.start_timeout_s}")
     if args.limit is not None and args.limit < 1:
         lines.append(f"--limit: must be >= 1, got {args.limit}")
     if args.tasks is not None and not args.tasks:
@@ -151,10 +158,13 @@ def hold_lock(run: pathlib.Path) -> Any:
             [f"{run}: already followed by {holder} (eval_follow.py); one follower per run: "
              "stop that one, or wait for it to end"]
         ) from None  # fmt: skip
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
-    f.flush()
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+        f.flush()
+    except OSError as exc:  # the holder's name only serves messages: the lock is held
+        print(f"[eval_follow] warning: {path}: {exc.strerror}", file=sys.stderr)
     return f
 
 
@@ -224,6 +234,12 @@ def follow(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice) -> 
         lock = hold_lock(run) if main_rank else None
         every = args.every or config.eval.interval or 1
         what = (() if args.no_loss else (LOSS,)) + tuple(t.name for t in tasks)
+        saved = config.checkpoint.interval
+        if main_rank and config.checkpoint.enabled and every % saved and saved % every:
+            report(
+                f"warning: --every {every}: the run saves every {saved} steps, so only the "
+                "steps that are multiples of both (and its last) have a checkpoint to evaluate"
+            )
         if not what:
             raise UserInputError(
                 ["--no-loss: and the run has no [[eval.tasks]] (nor --tasks): nothing to evaluate"]
@@ -237,17 +253,9 @@ def follow(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice) -> 
     options = FollowOptions(every, tasks, args.poll_s, args.pin_ttl_s, HOLDER)
     try:
         return follow_run(args, world, options, what, root, device)
-    except UserInputError as exc:  # the run's config or its store, gone bad while followed
+    except (UserInputError, OSError) as exc:  # before the loop (its start, its sinks)
         if main_rank:
-            print_errors(exc.lines)
-        return ExitCode.CONFIG_ERROR
-    except OSError as exc:  # its own record cannot be written: what it recorded stands
-        if main_rank:
-            where = exc.filename or args.run / RESULTS_FILE
-            print_errors(
-                [f"{where}: cannot be written ({exc.strerror or exc}); the records so far stand: "
-                 "free space (or fix the permissions) and start the follower again"]
-            )  # fmt: skip
+            print_errors(problem_lines(exc, args.run / RESULTS_FILE))
         return ExitCode.CONFIG_ERROR
     finally:
         if lock is not None:
@@ -268,8 +276,12 @@ def follow_run(
     results = run / RESULTS_FILE
     if main_rank:
         repair_tail(results)
-        with contextlib.suppress(OSError):  # a pin an earlier follower left: reclaimed now
+        with contextlib.suppress(OSError):  # what an earlier follower left: taken up now
             reclaim_pins(root, HOLDER)
+            finish_all_deferred(root, time.time())
+        damaged = damaged_lines(results)
+        if damaged:
+            report(f"warning: {results}: {damaged} damaged line(s) passed over (not results)")
         report(
             f"following {run} (checkpoints in {root}): {', '.join(what)}, every {options.every} "
             f"step(s); results in {results}"
@@ -285,8 +297,8 @@ def follow_run(
             load_run_weights(config, run, path, held.model, held.optimizer, lambda _: None)
         return model[0]
 
-    def sync(flag: bool) -> bool:
-        return bool(broadcast(flag, world))
+    def sync(value: Any) -> Any:
+        return broadcast(value, world)
 
     counts = {"evaluated": 0, "skipped": 0}
     sinks = follower_sinks(run) if main_rank else []
@@ -318,21 +330,32 @@ def follow_steps(
     what: tuple[str, ...],
     root: CheckpointPath,
     load: Callable[[CheckpointPath], LoadedModel],
-    sync: Callable[[bool], bool],
+    sync: Callable[[Any], Any],
     sinks: list[MetricsSink],
     counts: dict[str, int],
 ) -> int:
-    """Look, decide (rank 0), act (every rank), until the decision is to stop."""
+    """Look, decide (rank 0), act (every rank), until the decision is to stop. What rank 0
+    alone does (looking, recording) may fail: its lines go to every rank with the next
+    decision, so that all of them end together (exit 2), none waiting in a collective."""
     run: pathlib.Path = args.run
     main_rank = world.rank == 0
     results = run / RESULTS_FILE
+    problem: list[str] | None = None
     while True:
         decision: Decision | None = None
-        if main_rank:
-            config = load_run_config(run)
-            view = look(run, root, config, json_lines(results))
-            decision = next_action(view, what, options.every)
-        decision = broadcast(decision, world)
+        if main_rank and problem is None:
+            try:
+                view = look(run, root, load_run_config(run), json_lines(results))
+                decision = next_action(view, what, options.every)
+                if decision.action is FollowAction.STOP:
+                    finish_all_deferred(root, time.time())
+            except (UserInputError, OSError) as exc:
+                problem = problem_lines(exc, results)
+        decision, problem = broadcast((decision, problem), world)
+        if problem is not None:
+            if main_rank:
+                print_errors(problem)
+            return ExitCode.CONFIG_ERROR
         assert decision is not None
         if decision.action is FollowAction.STOP:
             if main_rank:
@@ -346,30 +369,54 @@ def follow_steps(
             continue
         step = decision.step
         assert step is not None
-        if decision.action is FollowAction.SKIP:
-            skip(results, step, decision.missing, REMOVED, main_rank, counts)
+        records: list[dict] = []
+        reason = decision.reason or REMOVED
+        if decision.action is FollowAction.EVALUATE:
+            config = load_run_config(run)
+            done = evaluate_step(
+                step, decision.missing, root, options, load, config, world.rank,
+                world.world_size, sync,
+            )  # fmt: skip
+            if done is not None and done.unreadable is None:
+                records = done.records
+            elif done is not None:
+                reason = f"the checkpoint could not be read: {done.unreadable}"
+        if not main_rank:
             continue
-        config = load_run_config(run)
-        done = evaluate_step(
-            step, decision.missing, root, options, load, config, world.rank, world.world_size, sync
-        )
-        if done is None:
-            skip(results, step, decision.missing, REMOVED, main_rank, counts)
-        elif done.unreadable is not None:
-            reason = f"the checkpoint could not be read: {done.unreadable}"
-            skip(results, step, decision.missing, reason, main_rank, counts)
-        elif main_rank:
-            for record in done.records:
-                append_record(results, record)
-            for sink in list(sinks):
-                try:
-                    for record in done.records:
-                        sink.write({k: v for k, v in record.items() if is_metric(k)})
-                except Exception as exc:  # a view lost; the record stands
-                    sinks.remove(sink)
-                    report(f"warning: {type(sink).__name__} dropped: {one_line(exc)}")
-            counts["evaluated"] += 1
-            report(f"step {step}: " + summary_of(done.records))
+        try:
+            if records:
+                record_results(results, records, sinks)
+                counts["evaluated"] += 1
+                report(f"step {step}: " + summary_of(records))
+            else:
+                skip(results, step, decision.missing, reason, counts)
+        except OSError as exc:
+            problem = problem_lines(exc, results)
+
+
+def problem_lines(exc: UserInputError | OSError, results: pathlib.Path) -> list[str]:
+    """The lines a failure of rank 0's own work ends the follower with."""
+    if isinstance(exc, UserInputError):
+        return list(exc.lines)
+    where = exc.filename or results
+    return [
+        f"{where}: cannot be written ({exc.strerror or exc}); the records so far stand: free "
+        "space (or fix the permissions) and start the follower again"
+    ]
+
+
+def record_results(results: pathlib.Path, records: list[dict], sinks: list[MetricsSink]) -> None:
+    """A step's results: each a line of the record, then shown by each view (a view that
+    fails is dropped with a warning; the record stands)."""
+    for record in records:
+        append_record(results, record)
+    for sink in list(sinks):
+        try:
+            for record in records:
+                sink.write({k: v for k, v in record.items() if is_metric(k)})
+        except Exception as exc:
+            sinks.remove(sink)
+            report(f"warning: {type(sink).__name__} dropped: {one_line(exc)}")
 
 
 def is_metric(key: str) -> bool:
@@ -382,12 +429,9 @@ def skip(
     step: int,
     missing: tuple[str, ...],
     reason: str,
-    main_rank: bool,
     counts: dict[str, int],
 ) -> None:
     """Record ``step``'s ``missing`` results as skipped for ``reason`` (rank 0)."""
-    if not main_rank:
-        return
     for w in missing:
         append_record(results, skipped_record(step, w, reason))
     counts["skipped"] += 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import pathlib
 import re
 import socket
@@ -69,8 +70,8 @@ def parse_pin(name: str, text: str) -> Pin | None:
         expires = json.loads(text)["expires"]
     except (ValueError, KeyError, TypeError):
         return None
-    if type(expires) not in (int, float):
-        return None
+    if type(expires) not in (int, float) or not math.isfinite(expires):
+        return None  # an endless pin would block retention: it does not count
     return Pin(int(m.group(1)), m.group(2), float(expires))
 
 
@@ -93,6 +94,10 @@ def write_mark(path: CheckpointPath, data: bytes) -> None:
         except FileNotFoundError:
             if attempt == 2:
                 raise
+        except OSError as exc:  # a full disk: nothing half-written left, the file named
+            if isinstance(path, pathlib.Path):
+                path.with_name(path.name + ".tmp").unlink(missing_ok=True)
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
 def tidy(root: CheckpointPath) -> None:
@@ -165,6 +170,21 @@ def remove_unless_pinned(root: CheckpointPath, step: int, now: float) -> bool:
     retiring.unlink(missing_ok=True)
     tidy(root)
     return True
+
+
+def finish_all_deferred(root: CheckpointPath, now: float) -> list[int]:
+    """``finish_deferred`` for every step retention deferred (what a follower killed while it
+    held a pin left, taken up by the next at its start and end); returns the removed steps."""
+    folder = root / PINS
+    if not folder.is_dir():
+        return []
+    suffix = f".{DEFERRED}"
+    steps = sorted(
+        int(name[5 : -len(suffix)])
+        for name in (p.name for p in folder.iterdir())
+        if name.startswith("step_") and name.endswith(suffix) and name[5 : -len(suffix)].isdigit()
+    )
+    return [step for step in steps if finish_deferred(root, step, now)]
 
 
 def finish_deferred(root: CheckpointPath, step: int, now: float) -> bool:

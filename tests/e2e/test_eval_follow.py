@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from forge.training.evaluation.follow import LOSS, REMOVED, RESULTS_FILE
+from forge.training.evaluation.follow import INCOMPLETE, LOSS, REMOVED, RESULTS_FILE
 from tests.conftest import REPO
 from tests.e2e.sandbox import Run, copy_trained, make_run, train_here
 from tests.e2e.test_downstream_tasks import TASKS
@@ -282,3 +282,47 @@ def test_a_followed_run_trains_alike_without_evaluating_and_says_so(tmp_path, sm
     assert {s: r["eval/loss"] for s, r in mine.items()} == {
         s: r["eval/loss"] for s, r in in_loop(looped).items()
     }
+
+
+def test_an_incomplete_checkpoint_is_recorded_as_unreadable_not_removed(trained, sandbox):
+    run = copied(trained, sandbox)
+    (run.ckpt / "step_5" / ".metadata").unlink()  # damaged in place: still there
+    done = follow(run, "--every", "5")
+    assert done.returncode == 0, done.stderr
+    mine = once_each(results(run))
+    assert mine[5]["skipped"] == INCOMPLETE and "eval/loss" in mine[10]
+
+
+def test_a_run_a_trainer_holds_is_not_done_until_it_lets_go(trained, sandbox):
+    import fcntl
+
+    run = copied(trained, sandbox)
+    lock = (run.dir / ".forge.lock").open("a+")
+    fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # a trainer resuming the run, maybe further
+    follower = start([SCRIPT, str(run.dir), "--poll-s", "0.05"])
+    try:
+        wait_for(lambda: len(results(run)) == 2 if (run.dir / RESULTS_FILE).exists() else False,
+                 "both steps")  # fmt: skip
+        time.sleep(0.5)
+        assert follower.poll() is None  # every step done, but the trainer may go on
+    finally:
+        lock.close()
+    _, err = follower.communicate(timeout=60)
+    assert follower.returncode == 0 and "done: the run completed" in err
+
+
+def test_a_failure_of_rank_0_ends_every_follower_rank_in_one_line(trained, sandbox):
+    run = copied(trained, sandbox)
+    config = run.dir / "config.toml"
+    config.write_text(config.read_text().replace("max_steps = 10", "max_steps = 20"))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from tests.ranks import run_ranks; "
+         f"r = run_ranks(2, [{SCRIPT!r}, {str(run.dir)!r}, '--poll-s', '0.05']); "
+         "print(r.returncode); sys.stderr.write(r.stderr)"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_for(lambda: (run.dir / RESULTS_FILE).exists() and len(results(run)) == 2, "2 steps")
+    config.write_text("[model\n")  # the run's config, damaged while it is followed
+    out, err = proc.communicate(timeout=120)
+    assert out.strip() == "2", err
+    assert "error:" in err and "Traceback" not in err

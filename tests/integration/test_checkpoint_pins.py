@@ -14,11 +14,13 @@ from forge.checkpoint.pins import (
     DEFERRED,
     RETIRING,
     StepPin,
+    finish_all_deferred,
     finish_deferred,
     has_marker,
     marker_path,
     pin_path,
     pins_of,
+    reclaim_pins,
     remove_unless_pinned,
     write_pin,
 )
@@ -73,7 +75,7 @@ def test_no_deferred_removal_no_removal_by_the_reader(root):
     assert finish_deferred(root, 2, NOW) is False and is_complete(root / "step_2")
 
 
-@pytest.mark.parametrize("text", ["", "{", '{"expires": "soon"}', "[]"])
+@pytest.mark.parametrize("text", ["", "{", '{"expires": "soon"}', "[]", '{"expires": Infinity}'])
 def test_an_expired_or_damaged_pin_does_not_count_and_an_expired_one_is_taken(root, text):
     committed(root, 2, 4)
     write_pin(root, 2, "dead", NOW - 1)
@@ -117,3 +119,28 @@ def test_a_pin_is_renewed_while_held(root):
     finally:
         pin.release()
     assert pins_of(root, 2) == []
+
+
+def test_what_a_killed_reader_left_deferred_is_taken_up_by_the_next(root):
+    committed(root, 2, 4, 6)
+    write_pin(root, 2, "reader", NOW + 60)
+    write_pin(root, 4, "reader", NOW + 60)
+    assert remove_unless_pinned(root, 2, NOW) is False
+    assert remove_unless_pinned(root, 4, NOW) is False
+    assert reclaim_pins(root, "reader") == [2, 4]  # the next reader of that name, at its start
+    assert finish_all_deferred(root, NOW) == [2, 4]
+    assert list_steps(root) == [6]
+
+
+def test_a_full_disk_leaves_no_half_written_pin(tmp_path, monkeypatch):
+    root = tmp_path / "checkpoints"
+
+    def full(path, data):
+        path.with_name(path.name + ".tmp").write_bytes(data[:1])  # what a write got out
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("forge.checkpoint.pins.write_atomically", full)
+    with pytest.raises(OSError) as err:
+        write_pin(root, 2, "reader", NOW)
+    assert err.value.filename == str(pin_path(root, 2, "reader"))
+    assert list((root / "pins").iterdir()) == []

@@ -7,18 +7,21 @@ from __future__ import annotations
 import json
 import pathlib
 
+import attrs
 import pytest
 
 from forge.config import load_config
 from forge.config.combinations import follow_problems
 from forge.config.loader import ConfigError
 from forge.training.evaluation.follow import (
+    INCOMPLETE,
     LOSS,
     REMOVED,
     Decision,
     FollowAction,
     FollowView,
     append_record,
+    damaged_lines,
     done_pairs,
     follow_line,
     json_lines,
@@ -57,7 +60,13 @@ def view(committed=(), recorded=(), done=(), final=12) -> FollowView:
             1,
             Decision(E, 4, BOTH),
         ),
-        ("recorded but gone: skipped", view({4}, {2, 4}), 1, Decision(S, 2, BOTH)),
+        ("recorded but gone: skipped", view({4}, {2, 4}), 1, Decision(S, 2, BOTH, REMOVED)),
+        (
+            "recorded, there but damaged: skipped as such",
+            attrs.evolve(view({4}, {2, 4}), incomplete=frozenset({2})),
+            1,
+            Decision(S, 2, BOTH, INCOMPLETE),
+        ),
         ("not a multiple of every", view({3, 6}, {3, 6}), 2, Decision(E, 6, BOTH)),
         ("the last step whatever every is", view({12}, {12}), 5, Decision(E, 12, BOTH)),
         (
@@ -80,6 +89,12 @@ def view(committed=(), recorded=(), done=(), final=12) -> FollowView:
         ),
         ("committed but not yet in the record", view({6}, ()), 1, Decision(E, 6, BOTH)),
         ("step 0 (a model-only start) is not evaluated", view({0}, {0}), 1, Decision(W)),
+        (
+            "the last step done but a trainer runs (a resume may go further): wait",
+            attrs.evolve(view({12}, {12}, {(12, LOSS), (12, "task")}), trainer_running=True),
+            4,
+            Decision(W),
+        ),
     ],
 )
 def test_next_action(case, seen, every, expected):
@@ -105,6 +120,14 @@ def test_wanted_steps(step, every, final, expected):
 )
 def test_recorded_steps_take_back_what_a_rewind_undid(entries, expected):
     assert recorded_steps(entries) == frozenset(expected)
+
+
+def test_damaged_lines_are_counted_and_passed_over(tmp_path):
+    path = tmp_path / "eval_follow.jsonl"
+    path.write_bytes(b'{"step": 2, "what": "loss"}\n\xff\xfe\n[1]\n\n{"step": 4, "what": "loss"}\n')
+    assert damaged_lines(path) == 2
+    assert done_pairs(json_lines(path)) == {(2, LOSS), (4, LOSS)}
+    assert damaged_lines(tmp_path / "absent") == 0
 
 
 def test_records_are_whole_lines_and_a_torn_tail_is_cut(tmp_path):

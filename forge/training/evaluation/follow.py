@@ -24,6 +24,7 @@ RESULTS_FILE = "eval_follow.jsonl"
 LOCK_FILE = ".forge.eval_follow.lock"
 LOSS = "loss"  # the held-out loss's name among what is evaluated
 REMOVED = "removed by retention before the follower reached it"
+INCOMPLETE = "its checkpoint is there but incomplete (damaged: no commit marker)"
 
 
 class FollowAction(enum.Enum):
@@ -38,6 +39,7 @@ class Decision:
     action: FollowAction
     step: int | None = None
     missing: tuple[str, ...] = ()  # what the step still lacks (EVALUATE, SKIP)
+    reason: str | None = None  # why a step is skipped (SKIP)
 
 
 @attrs.frozen
@@ -50,6 +52,8 @@ class FollowView:
     recorded: frozenset[int]
     done: frozenset[tuple[int, str]]
     final_step: int
+    trainer_running: bool = False  # a trainer holds the run: it may go on past final_step
+    incomplete: frozenset[int] = frozenset()  # committed, still there, damaged
 
 
 def wanted(step: int, every: int, final_step: int) -> bool:
@@ -61,7 +65,7 @@ def wanted(step: int, every: int, final_step: int) -> bool:
 def next_action(view: FollowView, what: tuple[str, ...], every: int) -> Decision:
     """The oldest wanted step with a result missing: evaluated if its checkpoint is there,
     recorded as skipped if it was committed and is gone; else stop once the final step has
-    every result, else wait."""
+    every result and no trainer runs (a resume may be taking the run further), else wait."""
     for step in sorted(view.committed | view.recorded):
         if not wanted(step, every, view.final_step):
             continue
@@ -70,8 +74,9 @@ def next_action(view: FollowView, what: tuple[str, ...], every: int) -> Decision
             continue
         if step in view.committed:
             return Decision(FollowAction.EVALUATE, step, missing)
-        return Decision(FollowAction.SKIP, step, missing)
-    if all((view.final_step, w) in view.done for w in what):
+        reason = INCOMPLETE if step in view.incomplete else REMOVED
+        return Decision(FollowAction.SKIP, step, missing, reason)
+    if not view.trainer_running and all((view.final_step, w) in view.done for w in what):
         return Decision(FollowAction.STOP)
     return Decision(FollowAction.WAIT)
 
@@ -118,6 +123,22 @@ def rewinds_of(entries: Iterable[Mapping[str, Any]]) -> list[tuple[int, float]]:
 
 def is_number(value: Any) -> bool:
     return type(value) in (int, float)
+
+
+def damaged_lines(path: pathlib.Path) -> int:
+    """How many lines of a JSONL file are not JSON objects (a torn last line is cut first)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return 0
+    count = 0
+    for line in raw.splitlines():
+        try:
+            ok = isinstance(json.loads(line), dict)
+        except ValueError:
+            ok = False
+        count += not ok and bool(line.strip())
+    return count
 
 
 def done_pairs(

@@ -11,9 +11,11 @@ forward, no standard errors, under the optimizer's evaluation weights and the ru
 
 from __future__ import annotations
 
+import fcntl
 import pathlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch
@@ -45,6 +47,7 @@ from forge.training.evaluation.follow import (
     task_record,
 )
 from forge.training.evaluation.inference import LoadedModel, run_tokenizer
+from forge.training.records.run_dir import LOCK_FILE as RUN_LOCK
 from forge.training.records.run_records import COMMITS_FILE
 from forge.training.setup.loaders import held_out_sampling
 
@@ -68,7 +71,32 @@ def look(run_dir: pathlib.Path, root: CheckpointPath, config: JobConfig, records
     committed = frozenset(s for s in steps if is_complete(root / f"step_{s}"))
     commits = json_lines(run_dir / COMMITS_FILE)
     done = done_pairs(records, rewinds_of(commits))
-    return FollowView(committed, recorded_steps(commits), done, config.train.max_steps)
+    recorded, final = recorded_steps(commits), config.train.max_steps
+    # committed once and not complete now: gone, or there and damaged (looked at only for
+    # the steps without a record yet: a long run's removed steps cost no call each time)
+    recorded_steps_done = {s for s, _ in done}
+    unsure = recorded - committed - recorded_steps_done
+    incomplete = frozenset(s for s in unsure if (root / f"step_{s}").is_dir())
+    running = trainer_running(run_dir)
+    return FollowView(committed, recorded, done, final, running, incomplete)
+
+
+def trainer_running(run_dir: pathlib.Path) -> bool:
+    """Whether a trainer holds ``run_dir`` (its lock, ``forge.training.records.run_dir``): a
+    shared lock tried and given back at once. A trainer starting in that instant waits for it
+    (the run lock is retried for a moment) rather than being refused."""
+    path = run_dir / RUN_LOCK
+    try:
+        f = path.open("rb")
+    except OSError:
+        return False
+    with f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    return False
 
 
 def trainer_dp(config: JobConfig, checkpoint: CheckpointPath) -> int:
@@ -173,6 +201,21 @@ def task_scores(
     return flat_metrics(results.get("results", {}))
 
 
+READABLE, GONE = "readable", "gone"
+
+
+def pinned_state(acquired: bool, path: CheckpointPath) -> str:
+    """What a pinned step is: readable, gone (retention was removing it, or it is not there),
+    or why it cannot be read (there, but not complete)."""
+    if not acquired:
+        return GONE
+    if is_complete(path):
+        return READABLE
+    if path.is_dir():
+        return f"{path} is incomplete (no commit marker: .metadata or train_state.json missing)"
+    return GONE
+
+
 @attrs.frozen
 class Evaluated:
     """A step's new records (rank 0's to write) or why it could not be read."""
@@ -190,18 +233,23 @@ def evaluate_step(
     config: JobConfig,
     rank: int,
     world: int,
-    sync: Callable[[bool], bool],
+    sync: Callable[[Any], Any],
 ) -> Evaluated | None:
     """Pin step ``step``, load it (``load``: every rank), unpin, then evaluate what it
-    ``missing``. None when retention was already removing it (every rank agrees through
-    ``sync``, which returns rank 0's flag)."""
+    ``missing``. None when retention was already removing it or it is gone; unreadable when
+    it is there but incomplete (every rank agrees through ``sync``, which returns rank 0's
+    value)."""
+    broadcast_state = sync
     path = root / f"step_{step}"
     clock = time.time
     with pinned(root, step, options.holder, options.pin_ttl_s, clock) as acquired:
         # the pin is written first: a step still complete now stays so until it is released
-        readable = acquired and is_complete(path) if rank == 0 else False
-        if not sync(readable):
+        state = pinned_state(acquired, path) if rank == 0 else ""
+        state = broadcast_state(state)
+        if state == GONE:
             return None
+        if state != READABLE:
+            return Evaluated([], state)
         try:
             loaded, dp, problem = load(path), trainer_dp(config, path), None
         except Exception as exc:  # a damaged checkpoint: recorded, not the follower's end

@@ -14,7 +14,9 @@ import fcntl
 import os
 import pathlib
 import socket
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
@@ -101,6 +103,21 @@ def _make_dirs(key: str, folder: pathlib.Path, lock: RunDirLock) -> None:
     lock.created += reversed(missing)
 
 
+def take_lock(f: Any, patience_s: float = 1.0) -> bool:
+    """Whether ``f``'s exclusive lock is taken: tried for ``patience_s``, so that a reader
+    checking whether a trainer runs (the evaluation follower's shared lock, given back at
+    once) never turns a trainer away."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+
+
 def lock_directories(dirs: Sequence[tuple[str, CheckpointPath]]) -> RunDirLock:
     """Create and lock each ``(config key, directory)``; raise ``RunDirBusyError`` naming the
     directory and the holder if another process holds one (then nothing stays locked). A
@@ -127,9 +144,7 @@ def lock_directories(dirs: Sequence[tuple[str, CheckpointPath]]) -> RunDirLock:
                 raise RunDirBusyError(
                     f"{key}: cannot write {lock_file} ({exc.strerror}); choose another {key}"
                 ) from None
-            try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not take_lock(f):
                 f.close()
                 raise RunDirBusyError(
                     f"{key}: {folder} is in use by {_holder(lock_file)}; wait for that run to "
