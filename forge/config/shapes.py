@@ -4,6 +4,8 @@ files against and the FLOP and memory formulas count. Pure (no torch)."""
 
 from __future__ import annotations
 
+import attrs
+
 from forge.config.model import ModelConfig
 
 ROUTER_GATE = "feed_forward.router.gate.weight"
@@ -67,3 +69,19 @@ def forge_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.n_layers):
         shapes |= {f"layers.{i}.{name}": shape for name, shape in block_shapes(cfg, i).items()}
     return shapes | {"norm.weight": (dim,), "output.weight": (cfg.vocab_size, dim)}
+
+
+def mtp_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The multi-token depths' tensors (``model.mtp_depth``; ``forge.model.mtp``): per depth
+    two norms, the projection of the joined states, a dense block and the final norm."""
+    dim, dense = cfg.dim, attrs.evolve(cfg, moe_num_experts=0)  # forge.model.mtp.dense_config
+    shapes: dict[str, tuple[int, ...]] = {}
+    for k in range(1, cfg.mtp_depth + 1):
+        shapes |= {
+            f"mtp.{k}.hidden_norm.weight": (dim,),
+            f"mtp.{k}.embed_norm.weight": (dim,),
+            f"mtp.{k}.proj.weight": (dim, 2 * dim),
+        }
+        shapes |= {f"mtp.{k}.block.{n}": shape for n, shape in block_shapes(dense, 0).items()}
+        shapes[f"mtp.{k}.norm.weight"] = (dim,)
+    return shapes

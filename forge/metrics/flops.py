@@ -23,7 +23,13 @@ import attrs
 import torch
 
 from forge.config.sections import ModelConfig, Precision
-from forge.config.shapes import ROUTED_EXPERTS, ROUTER_BIAS, block_shapes, feed_forward_shapes
+from forge.config.shapes import (
+    ROUTED_EXPERTS,
+    ROUTER_BIAS,
+    block_shapes,
+    feed_forward_shapes,
+    mtp_shapes,
+)
 from forge.metrics.cpu_peak import MEASURE_SIZES, cpu_peak, raise_cached_peak
 
 
@@ -67,10 +73,15 @@ def non_embedding_parameters(cfg: ModelConfig, active: bool = False) -> int:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs (forward + backward) per token at ``seq_len``, counting the active
-    parameters of a mixture of experts (the ``top_k`` routed experts a token goes through)."""
-    matmuls = 6.0 * non_embedding_parameters(cfg, active=True)
+    parameters of a mixture of experts (the ``top_k`` routed experts a token goes through)
+    and every multi-token depth (its block, projection and a pass through the head)."""
+    # a multi-token depth: its own tensors and, again, the output head
+    depths = sum(math.prod(s) for s in mtp_shapes(cfg).values())
+    depths += cfg.mtp_depth * cfg.vocab_size * cfg.dim
+    matmuls = 6.0 * (non_embedding_parameters(cfg, active=True) + depths)
     # scores and their weighted sum: 2 × (q·k + p·v) per head channel, × 3 with backward
-    return matmuls + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_size * seq_len
+    blocks = cfg.n_layers + cfg.mtp_depth
+    return matmuls + 12.0 * blocks * cfg.n_heads * cfg.head_size * seq_len
 
 
 @attrs.frozen

@@ -17,6 +17,7 @@ it weighs the main loss's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -28,6 +29,11 @@ from forge.config.model import ModelConfig
 from forge.data.packing import IGNORE_INDEX
 from forge.model.attention import AttentionMask
 from forge.model.chunked_loss import LossSpec, chunked_lm_loss
+
+
+def dense_config(cfg: ModelConfig) -> ModelConfig:
+    """The configuration of a depth's block: the model's, with a dense SwiGLU."""
+    return attrs.evolve(cfg, moe_num_experts=0)
 
 
 def depth_targets(
@@ -59,17 +65,16 @@ def depth_counts(labels: torch.Tensor, depth: int) -> torch.Tensor:
 
 class MTPModule(nn.Module):
     """One depth: the two norms, the projection, a transformer block (dense: its MLP is the
-    model's dense SwiGLU) and the final norm before the shared head."""
+    model's dense SwiGLU; ``dense_config``) and the final norm before the shared head. The
+    decoder builds it with its own norm and block classes (``norm``, ``block``)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, norm: Callable[[], nn.Module], block: nn.Module) -> None:
         super().__init__()
-        from forge.model.transformer import RMSNorm, TransformerBlock  # it builds the depths
-
-        self.hidden_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.embed_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hidden_norm = norm()
+        self.embed_norm = norm()
         self.proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
-        self.block = TransformerBlock(attrs.evolve(cfg, moe_num_experts=0))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.block = block
+        self.norm = norm()
 
     def forward(
         self,

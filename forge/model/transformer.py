@@ -23,7 +23,7 @@ from forge.model.context_attention import context_mask
 from forge.model.feed_forward import FeedForward
 from forge.model.init import fill_, initial_value
 from forge.model.moe import MoE, Router, empty_stats
-from forge.model.mtp import MTPModule, depth_losses
+from forge.model.mtp import MTPModule, dense_config, depth_losses
 
 
 def llama3_frequencies(freqs: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
@@ -240,8 +240,13 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.mtp = None  # model.mtp_depth: the multi-token prediction depths (forge.model.mtp)
         if cfg.mtp_depth > 0:
-            depths = range(1, cfg.mtp_depth + 1)
-            self.mtp = nn.ModuleDict({str(k): MTPModule(cfg) for k in depths})
+            norm, dense = functools.partial(RMSNorm, cfg.dim, cfg.norm_eps), dense_config(cfg)
+            self.mtp = nn.ModuleDict(
+                {
+                    str(k): MTPModule(cfg, norm, TransformerBlock(dense))
+                    for k in range(1, cfg.mtp_depth + 1)
+                }
+            )
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         cos, sin = model_rope_tables(cfg)

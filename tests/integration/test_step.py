@@ -3,6 +3,7 @@
 import contextlib
 import copy
 
+import attrs
 import pytest
 import torch
 
@@ -20,15 +21,18 @@ from forge.types import LoopState
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, max_seq_len=16)
 
 
-def setup(clip=None, sgd=False):
+def setup(clip=None, sgd=False, cfg=CFG, loss=None):
     torch.manual_seed(0)
-    model = Transformer(CFG)
+    model = Transformer(cfg)
     if sgd:  # the update is the gradient itself: compares gradients, not Adam's normalised steps
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     else:
         opt = build_optimizer(model, OptimizerConfig(lr=1e-2))
     sched = resolve_schedule(SchedulerConfig(warmup_steps=0), 100)
-    return model, opt, make_text_step(StepSpec(model, opt, sched, 1e-2, Precision.FP32, clip))
+    spec = StepSpec(model, opt, sched, 1e-2, Precision.FP32, clip)
+    if loss is not None:
+        spec = attrs.evolve(spec, loss=loss)
+    return model, opt, make_text_step(spec)
 
 
 def batch(seed, rows=4):
@@ -250,3 +254,36 @@ def test_the_step_loss_is_the_mean_over_every_label_of_the_step():
     expected = (per_token.sum() / (labels != IGNORE_INDEX).sum()).item()
     result = step(split_rows(rows, 1, packed=False), LoopState())
     assert result.loss == pytest.approx(expected, rel=1e-6)
+
+
+MTP = attrs.evolve(CFG, mtp_depth=2)
+
+
+@pytest.mark.parametrize("chunk", [0, 5], ids=["plain", "chunked"])
+@pytest.mark.parametrize("micro", [8, 2, 1])
+def test_every_depths_target_weighs_alike_however_the_batch_is_split(chunk, micro):
+    """With two multi-token depths, packed rows of unequal label counts: the step's loss, its
+    depths' losses and its update do not depend on the split (4x2 the baseline), and each
+    depth's logged loss is the mean over every one of its targets."""
+    from forge.model.mtp import depth_targets
+
+    rows = packed_rows()
+    loss = LossSpec(chunk_size=chunk, mtp_weight=0.3)
+    m_ref, _, step_ref = setup(sgd=True, cfg=MTP, loss=loss)
+    m, _, step = setup(sgd=True, cfg=MTP, loss=loss)
+    probe = copy.deepcopy(m)
+    before = [p.detach().clone() for p in m.parameters()]
+    ref = step_ref(split_rows(rows, 4, True), LoopState())
+    got = step(split_rows(rows, micro, True), LoopState())
+    assert got.mtp is not None and ref.mtp is not None and len(got.mtp) == 2
+    assert got.loss == pytest.approx(ref.loss, rel=1e-6)
+    assert list(got.mtp) == pytest.approx(list(ref.mtp), rel=1e-6)
+    for p0, p_ref, p in zip(before, m_ref.parameters(), m.parameters(), strict=True):
+        torch.testing.assert_close(p - p0, p_ref - p0, rtol=1e-5, atol=1e-7)
+    inputs, labels, positions, documents = rows
+    whole = Batch(inputs, labels, positions, documents)
+    terms = micro_batch_loss(probe, whole, contextlib.nullcontext, None, loss)
+    assert terms.depths is not None
+    for k in (1, 2):
+        targets = (depth_targets(inputs, labels, k)[1] != IGNORE_INDEX).sum().item()
+        assert got.mtp[k - 1] == pytest.approx(terms.depths[k - 1].item() / targets, rel=1e-5)

@@ -1,0 +1,54 @@
+"""Multi-token prediction (``model.mtp_depth = 2``, packed documents, the chunked loss) at
+real ranks (torchrun, gloo, CPU, fp32) against one rank: HSDP at 4 ranks, and a mixture of
+experts under FSDP2 × expert parallelism at 2 — every logged metric (the depths' losses among
+them) and every weight within 1e-5, a resume at the same layout bit for bit, a reshard to one
+rank (``tests/distributed/test_compositions.py``'s ``assert_composition``)."""
+
+from __future__ import annotations
+
+import pathlib
+
+from tests.distributed.test_compositions import (
+    ONE_RANK,
+    THREE_STEPS,
+    assert_same_metrics,
+    assert_same_weights,
+    training_metrics,
+)
+from tests.distributed.test_compositions import assert_composition as assert_at_four
+from tests.distributed.test_equivalence import train, write_config
+from tests.distributed.test_moe_parallel import EP
+from tests.distributed.test_moe_parallel import ONE_RANK as MOE_ONE_RANK
+from tests.distributed.test_moe_parallel import write_moe_config
+
+MTP = "mtp_depth = 2\n"
+PACKED = "[data]\npack_documents = true\n"
+
+
+def with_mtp(path: pathlib.Path) -> pathlib.Path:
+    text = path.read_text().replace("[model]\n", "[model]\n" + MTP, 1)
+    path.write_text(text.replace("[data]\n", PACKED, 1))
+    return path
+
+
+HSDP = ["--distributed.dp_replicate=2", "--distributed.dp_shard=2", "--train.batch_size=1",
+        "--train.grad_accum_steps=2", "--eval.steps=4"]  # fmt: skip
+
+
+def test_mtp_under_hsdp_at_four_ranks_trains_resumes_and_reshards_as_one_rank(
+    tmp_path, small_corpus
+):
+    config = with_mtp(write_config(tmp_path, small_corpus))
+    train(config, tmp_path / "one", *THREE_STEPS, *ONE_RANK)
+    assert {"mtp/loss_1", "mtp/loss_2"} <= training_metrics(tmp_path / "one")[3].keys()
+    assert_at_four(config, tmp_path / "one", tmp_path, HSDP, ONE_RANK)
+
+
+def test_mtp_on_experts_under_fsdp_x_ep_at_two_ranks_equals_one_rank(tmp_path, small_corpus):
+    config = with_mtp(write_moe_config(tmp_path, small_corpus, "moe_first_dense = 1\n"))
+    train(config, tmp_path / "one", *THREE_STEPS, *MOE_ONE_RANK)
+    train(config, tmp_path / "two", *THREE_STEPS, *EP, ranks=2)
+    ref, got = training_metrics(tmp_path / "one"), training_metrics(tmp_path / "two")
+    assert "mtp/loss_2" in ref[3] and "moe/load_cv" in ref[3]
+    assert_same_metrics(got, ref, steps=(1, 2, 3))
+    assert_same_weights(config, tmp_path / "one", tmp_path / "two", step=3)

@@ -1,0 +1,114 @@
+"""Multi-token prediction (``forge.model.mtp``): which targets each depth has (the row's end,
+packed documents), a depth's loss computed independently of the model's code, chunked equal
+to plain, every depth's target weighing the same at any split of a step, the step's logged
+depth losses, and the refusals."""
+
+from __future__ import annotations
+
+import contextlib
+
+import attrs
+import pytest
+import torch
+import torch.nn.functional as F
+
+from forge.config.model import ModelConfig
+from forge.data.batch import Batch
+from forge.data.packing import IGNORE_INDEX
+from forge.metrics.flops import flops_per_token
+from forge.model.chunked_loss import PLAIN_LOSS, LossSpec
+from forge.model.mtp import depth_counts, depth_targets
+from forge.model.transformer import Transformer, num_parameters
+from forge.training.steps.common import micro_batch_loss
+
+X = IGNORE_INDEX
+
+
+@pytest.mark.parametrize(
+    ("labels", "depth", "tokens", "targets"),
+    [
+        # inputs 10..15, labels 11..16: depth 1 embeds token i+1 and predicts i+2
+        ([[11, 12, 13, 14, 15, 16]], 1, [[11, 12, 13, 14, 15, 0]], [[12, 13, 14, 15, 16, X]]),
+        ([[11, 12, 13, 14, 15, 16]], 2, [[12, 13, 14, 15, 0, 0]], [[13, 14, 15, 16, X, X]]),
+        # a packed boundary after position 2 (its label masked): no depth predicts across it
+        ([[11, 12, X, 14, 15, 16]], 1, [[11, 12, 13, 14, 15, 0]], [[12, X, X, 15, 16, X]]),
+        ([[11, 12, X, 14, 15, 16]], 2, [[12, 13, 14, 15, 0, 0]], [[X, X, X, 16, X, X]]),
+        # the depth as long as the row: nothing left
+        ([[11, 12]], 2, [[0, 0]], [[X, X]]),
+    ],
+)
+def test_each_depth_predicts_within_the_row_and_the_document(labels, depth, tokens, targets):
+    t = len(labels[0])
+    inputs = torch.arange(10, 10 + t)[None]
+    got_tokens, got_targets = depth_targets(inputs, torch.tensor(labels), depth)
+    assert got_targets.tolist() == targets
+    valid = got_targets != X
+    assert got_tokens[valid].tolist() == torch.tensor(tokens)[valid].tolist()
+    counts = depth_counts(torch.tensor(labels), depth)
+    assert counts[-1].item() == valid.sum().item()
+
+
+CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=16, mtp_depth=2)
+
+
+def model(cfg: ModelConfig = CFG, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(cfg)
+
+
+def reference_depth_sums(m: Transformer, inputs: torch.Tensor, labels: torch.Tensor) -> list:
+    """Each depth's summed cross-entropy written out from DeepSeek-V3's description, by
+    truncating the sequence (as its reference code does) instead of masking it."""
+    t = inputs.shape[1]
+    h = m.tok_embeddings(inputs)  # type: ignore[misc]
+    for layer in m.layers.values():
+        h = layer(h, m.rope_cos, m.rope_sin)
+    full = torch.cat([inputs, labels[:, -1:]], dim=1)  # tokens 0 … t
+    sums = []
+    for k, module in m.mtp.items():  # type: ignore[union-attr]
+        k = int(k)
+        emb = m.tok_embeddings(F.pad(full, (0, k))[:, k : t + k])  # type: ignore[misc]
+        h = module(h, emb, m.rope_cos, m.rope_sin, None)
+        logits = F.linear(module.norm(h), m.output.weight)[:, : t - k]  # type: ignore[union-attr]
+        sums.append(F.cross_entropy(logits.transpose(1, 2), full[:, k + 1 :], reduction="sum"))
+    return [s.item() for s in sums]
+
+
+def test_a_depths_loss_is_deepseeks_and_chunked_equals_plain():
+    m = model()
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    batch = Batch(x[:, :-1], x[:, 1:])
+    plain = micro_batch_loss(m, batch, contextlib.nullcontext, None, PLAIN_LOSS)
+    chunked = micro_batch_loss(m, batch, contextlib.nullcontext, None, LossSpec(chunk_size=5))
+    assert plain.depths is not None and chunked.depths is not None
+    expected = reference_depth_sums(m, batch.inputs, batch.labels)
+    assert plain.depths.tolist() == pytest.approx(expected, rel=1e-5)
+    assert chunked.depths.tolist() == pytest.approx(expected, rel=1e-5)
+    assert chunked.loss.item() == pytest.approx(plain.loss.item(), rel=1e-6)  # main unchanged
+    chunked.depths.sum().backward()  # the depths train their own weights and the shared head
+    assert m.mtp["1"].proj.weight.grad is not None  # type: ignore[index,union-attr]
+    assert m.output.weight.grad is not None and m.output.weight.grad.abs().sum() > 0
+
+
+def test_the_main_model_is_unchanged_by_its_depths():
+    """A model with depths computes the same main logits as the same weights without them."""
+    with_depths, without = model(CFG), model(attrs.evolve(CFG, mtp_depth=0))
+    missing = without.load_state_dict(with_depths.state_dict(), strict=False)
+    assert all(k.startswith("mtp.") for k in missing.unexpected_keys) and not missing.missing_keys
+    x = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(with_depths(x), without(x), rtol=0, atol=0)
+
+
+def test_parameter_count_and_flops_count_the_depths():
+    from forge.config.shapes import forge_shapes, mtp_shapes
+
+    m = model()
+    counted = sum(p.numel() for n, p in m.named_parameters() if n.startswith("mtp."))
+    assert counted == sum(torch.Size(s).numel() for s in mtp_shapes(CFG).values())
+    assert num_parameters(m) == counted + sum(
+        torch.Size(s).numel() for s in forge_shapes(CFG).values()
+    )
+    plain = attrs.evolve(CFG, mtp_depth=0)
+    extra = flops_per_token(CFG, 16) - flops_per_token(plain, 16)
+    per_depth = 6 * (counted / 2 + CFG.vocab_size * CFG.dim) + 12 * 4 * 8 * 16
+    assert extra == pytest.approx(2 * per_depth)
