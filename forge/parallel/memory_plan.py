@@ -27,6 +27,8 @@ check keeps ``HEADROOM`` of the device free for them.
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from forge.config.sections import (
@@ -36,6 +38,7 @@ from forge.config.sections import (
     PipelineSchedule,
     Precision,
 )
+from forge.config.shapes import mtp_shapes
 from forge.metrics.flops import largest_block_parameters
 from forge.parallel.stages import V_SHAPED
 from forge.parallel.world import MeshDims
@@ -106,7 +109,10 @@ def stage_parameters(
     norms = 2 * m.dim + (2 * m.head_size if m.qk_norm else 0)
     block = largest_block_parameters(m)  # an upper bound where blocks differ (MoE)
     extra = vision.parameters  # a vision-language model is one stage
-    return layers * block + ends + extra, layers * (block - norms) + extra
+    # multi-token depths (one stage: pipelines refuse them); their matrices: projection, block
+    depths = sum(math.prod(shape) for shape in mtp_shapes(m).values())
+    depth_matrices = sum(math.prod(s) for s in mtp_shapes(m).values() if len(s) == 2)
+    return layers * block + ends + extra + depths, layers * (block - norms) + extra + depth_matrices
 
 
 def optimizer_tensors(name: OptimizerName, total: int, hidden_matrices: int) -> float:

@@ -112,3 +112,18 @@ def test_parameter_count_and_flops_count_the_depths():
     extra = flops_per_token(CFG, 16) - flops_per_token(plain, 16)
     per_depth = 6 * (counted / 2 + CFG.vocab_size * CFG.dim) + 12 * 4 * 8 * 16
     assert extra == pytest.approx(2 * per_depth)
+
+
+def test_the_memory_plan_counts_the_depths_parameters(tmp_path):
+    from forge.config import load_config
+    from forge.parallel.memory_plan import stage_parameters
+
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\ndim = 32\nn_layers = 2\nn_heads = 4\nvocab_size = 64\n'
+                    'max_seq_len = 16\n[train]\nseq_len = 16\n[data]\npath = "x"\n')  # fmt: skip
+    plain = load_config([str(path)]).config
+    deep = load_config([str(path), "--model.mtp_depth=2"]).config
+    (total0, matrices0), (total2, matrices2) = stage_parameters(plain, 1), stage_parameters(deep, 1)
+    depths = sum(p.numel() for n, p in model().named_parameters() if n.startswith("mtp."))
+    assert total2 - total0 == depths
+    assert 0 < matrices2 - matrices0 < depths  # the norms are no matrices
