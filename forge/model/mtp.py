@@ -83,10 +83,12 @@ class MTPModule(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: AttentionMask,
+        cache: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
-        """This depth's hidden state (before its final norm)."""
+        """This depth's hidden state (before its final norm); with ``cache`` (its block's
+        keys and values and how many positions they hold: generation), the new positions'."""
         joined = torch.cat([self.hidden_norm(hidden), self.embed_norm(embedded)], dim=-1)
-        out = self.block(self.proj(joined), cos, sin, mask)
+        out = self.block(self.proj(joined), cos, sin, mask, cache)
         assert isinstance(out, torch.Tensor)
         return out
 

@@ -302,6 +302,7 @@ class Transformer(nn.Module):
         labels: torch.Tensor | None = None,
         loss: LossSpec | None = None,
         cache: KVCache | None = None,
+        hidden: bool = False,
     ) -> Any:
         """Token ids ``(B, T)`` (or hidden states on a later pipeline stage) to logits.
 
@@ -316,6 +317,7 @@ class Transformer(nn.Module):
         usual. With a ``cache`` (generation), ``tokens`` continue the cached positions. A model
         with multi-token depths (``model.mtp_depth``) given ``labels`` appends each depth's
         summed cross-entropy ``(mtp_depth,)`` to what it returns (before the MoE statistics).
+        With ``hidden``, the last block's output (before the final norm) instead of logits.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = self.rope_cos, self.rope_sin
@@ -346,7 +348,7 @@ class Transformer(nn.Module):
         depths = None
         if self.mtp is not None and labels is not None and cache is None:
             depths = depth_losses(self, h, tokens, labels, (cos, sin), mask, loss)
-        out = self.head(h, labels, loss)
+        out = h if hidden else self.head(h, labels, loss)  # hidden: before the final norm
         if depths is not None:
             out = (*(out if isinstance(out, tuple) else (out,)), depths)
         return out if moe_stats is None else with_moe_stats(out, moe_stats)
