@@ -134,3 +134,25 @@ def test_a_hugging_face_tokenizer_refuses_bytes_that_are_not_utf8(hf_tokenizer):
         f"--prompt: byte 0xe9 at character 3 is not UTF-8 text, and the run's tokenizer "
         f"({hf_tokenizer.path}) encodes text only; pass the prompt as UTF-8"
     ]
+
+
+def test_speculative_generation_without_depths_is_one_line(trained):
+    done = generate(trained, "--speculative", "--max-new-tokens", "4")
+    assert done.returncode == 2
+    assert done.stderr.decode().strip() == (
+        "error: --speculative: the model has no multi-token depths (model.mtp_depth = 0); "
+        "train with model.mtp_depth > 0, or drop --speculative"
+    )
+
+
+def test_speculative_generation_prints_the_same_text_and_its_acceptance(tmp_path, small_corpus):
+    from tests.e2e.sandbox import make_run, train_here
+
+    run = make_run(tmp_path, small_corpus)
+    assert train_here(run, "--model.mtp_depth=2", "--train.max_steps=5").code == 0
+    plain = generate(run, "--max-new-tokens", "20")
+    fast = generate(run, "--max-new-tokens", "20", "--speculative")
+    assert plain.returncode == fast.returncode == 0, fast.stderr
+    assert fast.stdout == plain.stdout  # greedy: the same text
+    line = [x for x in fast.stderr.decode().splitlines() if x.startswith("# speculative:")]
+    assert len(line) == 1 and "drafts kept" in line[0] and "x plain generation" in line[0]
