@@ -7,6 +7,7 @@ import math
 
 import attrs
 
+from forge.config.latent import LatentConfig
 from forge.config.ranges import Problem, non_negative, positive
 from forge.config.rope import RopeScaling
 from forge.config.vision import VisionConfig, VlmArch
@@ -76,6 +77,8 @@ class ModelConfig:
     # Vision-language (docs/vlm.md): None = a text-only decoder
     vlm: VlmArch | None = None
     vision: VisionConfig | None = None  # [model.vision]; None: its defaults when vlm is set
+    # [model.mla]: multi-head latent attention (DeepSeek-V2/V3) instead of grouped-query
+    mla: LatentConfig | None = None
 
     @property
     def vision_config(self) -> VisionConfig:
@@ -130,6 +133,17 @@ class ModelConfig:
         p += self.attention_problems()
         p += self.head_problems()
         p += self.mtp_problems()
+        if self.mla is not None:
+            p += self.mla.problems()
+            if self.vlm is not None:
+                p.append(("model.mla", "is not supported with model.vlm yet; drop [model.mla]"))
+            if self.qk_norm:
+                p.append(
+                    (
+                        "model.qk_norm",
+                        "latent attention normalises its latents itself; set it false",
+                    )
+                )
         if self.rope_scaling is not None:
             p += self.rope_scaling.problems()
         for key in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):

@@ -28,10 +28,32 @@ def block_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
         "attention.wv.weight": (kv, dim),
         "attention.wo.weight": (dim, q),
     }
+    if cfg.mla is not None:
+        block = {"attention_norm.weight": (dim,), **latent_attention_shapes(cfg)}
     if cfg.qk_norm:
         block |= {"attention.q_norm.weight": (head,), "attention.k_norm.weight": (head,)}
     block["ffn_norm.weight"] = (dim,)
     return block | feed_forward_shapes(cfg, layer)
+
+
+def latent_attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Latent attention's tensors (``forge.model.latent_attention``)."""
+    m, dim, heads = cfg.mla, cfg.dim, cfg.n_heads
+    assert m is not None
+    if m.q_rank > 0:
+        shapes = {
+            "attention.wq_a.weight": (m.q_rank, dim),
+            "attention.q_a_norm.weight": (m.q_rank,),
+            "attention.wq_b.weight": (heads * m.qk_dim, m.q_rank),
+        }
+    else:
+        shapes = {"attention.wq.weight": (heads * m.qk_dim, dim)}
+    return shapes | {
+        "attention.wkv_a.weight": (m.kv_rank + m.rope_dim, dim),
+        "attention.kv_norm.weight": (m.kv_rank,),
+        "attention.wkv_b.weight": (heads * (m.nope_dim + m.v_dim), m.kv_rank),
+        "attention.wo.weight": (dim, heads * m.v_dim),
+    }
 
 
 def feed_forward_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:

@@ -36,6 +36,11 @@ def export_family(cfg: ModelConfig, families: Sequence[FamilySpec] = FAMILIES) -
 def export_problem(cfg: ModelConfig, families: Sequence[FamilySpec] = FAMILIES) -> str | None:
     """Why ``cfg`` has no export (``export_family``'s), if it has none: one line naming the
     key."""
+    if cfg.mla is not None:
+        return (
+            "model.mla: the Llama, Mixtral and Qwen3 layouts have no latent attention, so this "
+            "model has no export yet"
+        )
     if cfg.mtp_depth:
         return (
             f"model.mtp_depth={cfg.mtp_depth}: the Llama, Mixtral and Qwen3 layouts have no "

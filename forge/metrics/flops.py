@@ -81,7 +81,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     matmuls = 6.0 * (non_embedding_parameters(cfg, active=True) + depths)
     # scores and their weighted sum: 2 × (q·k + p·v) per head channel, × 3 with backward
     blocks = cfg.n_layers + cfg.mtp_depth
-    return matmuls + 12.0 * blocks * cfg.n_heads * cfg.head_size * seq_len
+    qk, v = (cfg.mla.qk_dim, cfg.mla.v_dim) if cfg.mla is not None else (cfg.head_size,) * 2
+    return matmuls + 6.0 * blocks * cfg.n_heads * (qk + v) * seq_len
 
 
 @attrs.frozen

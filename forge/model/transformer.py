@@ -22,6 +22,8 @@ from forge.model.chunked_loss import LossSpec, chunked_lm_loss
 from forge.model.context_attention import context_mask
 from forge.model.feed_forward import FeedForward
 from forge.model.init import fill_, initial_value
+from forge.model.latent_attention import LatentAttention
+from forge.model.layers import RMSNorm, apply_rope
 from forge.model.moe import MoE, Router, empty_stats
 from forge.model.mtp import MTPModule, dense_config, depth_losses
 
@@ -54,16 +56,10 @@ def rope_tables(
 
 
 def model_rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The RoPE tables of ``cfg``: its head size, context, base and scaling."""
-    return rope_tables(cfg.head_size, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape ``(B, H, T, D)`` by position, half-split layout (as HF Llama)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-    return out.type_as(x)
+    """The RoPE tables of ``cfg``: its head size (latent attention: its rotated channels),
+    context, base and scaling."""
+    rotated = cfg.mla.rope_dim if cfg.mla is not None else cfg.head_size
+    return rope_tables(rotated, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
 
 
 class KVCache:
@@ -79,22 +75,14 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (cfg.n_layers, batch, cfg.kv_heads, cfg.max_seq_len, cfg.head_size)
+        values = shape
+        if cfg.mla is not None:  # latent attention keeps one latent and rotated key a token
+            shape = (cfg.n_layers, batch, 1, cfg.max_seq_len, cfg.mla.cached_dim)
+            values = (cfg.n_layers, batch, 1, cfg.max_seq_len, 0)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(values, dtype=dtype, device=device)
         self.max_len = cfg.max_seq_len
         self.length = 0
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight).type_as(x)
 
 
 class Attention(nn.Module):
@@ -160,11 +148,12 @@ class TransformerBlock(nn.Module):
     returns the MoE statistics (see ``forge.model.moe``)."""
 
     feed_forward: FeedForward | MoE
+    attention: Attention | LatentAttention
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = LatentAttention(cfg) if cfg.mla is not None else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if cfg.is_moe_layer(layer):
             self.feed_forward = MoE(cfg, cfg.moe_layers.index(layer))
