@@ -178,11 +178,13 @@ def segment_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: DocumentSegments, gqa: bool
 ) -> torch.Tensor:
     """SDPA ``is_causal`` per document segment of ``q`` ``(B, H, T, D)`` and ``k``, ``v``
-    ``(B, H_kv, T, D)``, all heads at once; returns ``(B, H, T, D)``."""
-    b, h, t, d = q.shape
+    ``(B, H_kv, T, D)`` (the values may be narrower: latent attention's), all heads at once;
+    returns ``(B, H, T, D_v)``."""
+    b, h, t, _ = q.shape
+    d = v.shape[-1]
 
     def flat(x: torch.Tensor) -> torch.Tensor:  # (B*T, heads, D): one row per token
-        return x.transpose(1, 2).reshape(b * t, x.shape[1], d)
+        return x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[-1])
 
     qf, kf, vf = flat(q), flat(k), flat(v)
     outs = []
@@ -193,7 +195,7 @@ def segment_attention(
         def gather(
             x: torch.Tensor, n: int = n, p: int = p, idx: torch.Tensor = idx
         ) -> torch.Tensor:
-            return x.index_select(0, idx).view(n, p, x.shape[1], d).transpose(1, 2)
+            return x.index_select(0, idx).view(n, p, x.shape[1], x.shape[-1]).transpose(1, 2)
 
         o = F.scaled_dot_product_attention(
             gather(qf), gather(kf), gather(vf), is_causal=True, enable_gqa=gqa

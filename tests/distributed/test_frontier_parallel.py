@@ -1,8 +1,9 @@
-"""Multi-token prediction (``model.mtp_depth = 2``, packed documents, the chunked loss) at
-real ranks (torchrun, gloo, CPU, fp32) against one rank: HSDP at 4 ranks, and a mixture of
-experts under FSDP2 × expert parallelism at 2 — every logged metric (the depths' losses among
-them) and every weight within 1e-5, a resume at the same layout bit for bit, a reshard to one
-rank (``tests/distributed/test_compositions.py``'s ``assert_composition``)."""
+"""The frontier recipes at real ranks (torchrun, gloo, CPU, fp32) against one rank:
+multi-token prediction (``model.mtp_depth = 2``, packed documents, the chunked loss) and
+latent attention (``[model.mla]``), each under HSDP at 4 ranks (every logged metric and
+weight within 1e-5, a resume at the same layout bit for bit, a reshard to one rank:
+``tests/distributed/test_compositions.py``'s ``assert_composition``) and on a mixture of
+experts under FSDP2 × expert parallelism at 2."""
 
 from __future__ import annotations
 
@@ -17,9 +18,8 @@ from tests.distributed.test_compositions import (
 )
 from tests.distributed.test_compositions import assert_composition as assert_at_four
 from tests.distributed.test_equivalence import train, write_config
-from tests.distributed.test_moe_parallel import EP
+from tests.distributed.test_moe_parallel import EP, write_moe_config
 from tests.distributed.test_moe_parallel import ONE_RANK as MOE_ONE_RANK
-from tests.distributed.test_moe_parallel import write_moe_config
 
 MTP = "mtp_depth = 2\n"
 PACKED = "[data]\npack_documents = true\n"
@@ -46,6 +46,36 @@ def test_mtp_under_hsdp_at_four_ranks_trains_resumes_and_reshards_as_one_rank(
 
 def test_mtp_on_experts_under_fsdp_x_ep_at_two_ranks_equals_one_rank(tmp_path, small_corpus):
     config = with_mtp(write_moe_config(tmp_path, small_corpus, "moe_first_dense = 1\n"))
+    train(config, tmp_path / "one", *THREE_STEPS, *MOE_ONE_RANK)
+    train(config, tmp_path / "two", *THREE_STEPS, *EP, ranks=2)
+    ref, got = training_metrics(tmp_path / "one"), training_metrics(tmp_path / "two")
+    assert "mtp/loss_2" in ref[3] and "moe/load_cv" in ref[3]
+    assert_same_metrics(got, ref, steps=(1, 2, 3))
+    assert_same_weights(config, tmp_path / "one", tmp_path / "two", step=3)
+
+
+LATENT = "\n[model.mla]\nkv_rank = 16\nq_rank = 8\nnope_dim = 8\nrope_dim = 4\nv_dim = 8\n"
+
+
+def with_latent(path: pathlib.Path) -> pathlib.Path:
+    path.write_text(path.read_text() + LATENT)
+    return path
+
+
+def test_latent_attention_under_hsdp_at_four_ranks_trains_resumes_and_reshards_as_one_rank(
+    tmp_path, small_corpus
+):
+    config = with_latent(write_config(tmp_path, small_corpus))
+    train(config, tmp_path / "one", *THREE_STEPS, *ONE_RANK)
+    assert_at_four(config, tmp_path / "one", tmp_path, HSDP, ONE_RANK)
+
+
+def test_latent_attention_with_depths_on_experts_under_fsdp_x_ep_equals_one_rank(
+    tmp_path, small_corpus
+):
+    config = with_latent(
+        with_mtp(write_moe_config(tmp_path, small_corpus, "moe_first_dense = 1\n"))
+    )
     train(config, tmp_path / "one", *THREE_STEPS, *MOE_ONE_RANK)
     train(config, tmp_path / "two", *THREE_STEPS, *EP, ranks=2)
     ref, got = training_metrics(tmp_path / "one"), training_metrics(tmp_path / "two")
