@@ -3,9 +3,9 @@ multi-token depths (``model.mtp_depth > 0``).
 
 Greedy decoding of ``--prompts`` prompts (the starts of lines of the standard library's
 top-level modules, 8 to 16 characters), each ``--new-tokens`` long, plainly and with the
-depths drafting (``forge.model.speculative``), alternating which goes first; checks that every output is the
-same, and prints the drafts kept, the main model's forwards per token and the tokens/s of both
-with their ratio::
+depths drafting (``forge.model.speculative``), alternating which goes first; checks that
+every output is the same, and prints the drafts kept, the main model's forwards per token
+and the tokens/s of both with their ratio::
 
     python benchmarks/speculative.py runs/mtp [--prompts 50] [--new-tokens 100]
 """
