@@ -326,3 +326,18 @@ def test_a_failure_of_rank_0_ends_every_follower_rank_in_one_line(trained, sandb
     out, err = proc.communicate(timeout=120)
     assert out.strip() == "2", err
     assert "error:" in err and "Traceback" not in err
+
+
+def test_the_follower_s_wandb_run_is_its_own_beside_the_trainer_s(
+    tmp_path, small_corpus, monkeypatch
+):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = configured(make_run(tmp_path, small_corpus), ck=3, keep=0, every=3, steps=6)
+    assert train_here(run, "--metrics.wandb=true").code == 0
+    assert follow(run).returncode == 0
+    trainer = (run.dir / "wandb_run_id").read_text().strip()
+    mine = (run.dir / "wandb_eval_follow_run_id").read_text().strip()
+    assert mine and mine != trainer  # a W&B run takes one writer: the follower has its own
+    folders = {f.name.rsplit("-", 1)[-1] for f in (run.dir / "wandb").glob("offline-run-*")}
+    assert {trainer, mine} <= folders
