@@ -363,3 +363,12 @@ def attend(
     out = flex(q, k, v, block_mask=mask, enable_gqa=gqa)
     assert isinstance(out, torch.Tensor)
     return out
+
+
+def decoding_mask(start: int, t: int, window: int, device: torch.device) -> torch.Tensor:
+    """The mask of ``t`` new queries at positions ``start …`` over every cached key before
+    them and themselves (a KV cache's forward past its first): causal, within ``window``."""
+    visible = torch.arange(start + t, device=device)[None, :]
+    query = (start + torch.arange(t, device=device))[:, None]
+    mask = visible <= query
+    return mask & (query - visible < window) if window else mask

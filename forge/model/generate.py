@@ -42,6 +42,18 @@ def next_token(
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def check_room(prompt: list[int], max_new_tokens: int, limit: int) -> None:
+    """``ValueError`` unless ``prompt`` has a token and it and ``max_new_tokens`` more fit
+    ``model.max_seq_len=limit`` (the model has no RoPE positions past it)."""
+    if not prompt:
+        raise ValueError("the prompt is empty: generation needs at least one token")
+    if len(prompt) + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt ({len(prompt)} tokens) + {max_new_tokens} new tokens exceed "
+            f"model.max_seq_len={limit}; ask for at most {max(0, limit - len(prompt))} new tokens"
+        )
+
+
 @torch.no_grad()
 def sample(
     model: Transformer,
@@ -62,14 +74,7 @@ def sample(
     tests compare against). Positions past ``model.max_seq_len`` are refused (``ValueError``):
     the model has no RoPE positions there, and sliding the window would change the text.
     """
-    if not prompt:
-        raise ValueError("the prompt is empty: generation needs at least one token")
-    if len(prompt) + max_new_tokens > model.cfg.max_seq_len:
-        raise ValueError(
-            f"prompt ({len(prompt)} tokens) + {max_new_tokens} new tokens exceed "
-            f"model.max_seq_len={model.cfg.max_seq_len}; ask for at most "
-            f"{max(0, model.cfg.max_seq_len - len(prompt))} new tokens"
-        )
+    check_room(prompt, max_new_tokens, model.cfg.max_seq_len)
     model.eval()
     device = next(model.parameters()).device
     ids = list(prompt)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from forge.config.model import ModelConfig
-from forge.model.attention import AttentionMask, attend
+from forge.model.attention import AttentionMask, attend, decoding_mask
 from forge.model.layers import RMSNorm, apply_rope
 
 
@@ -84,11 +84,7 @@ class LatentAttention(nn.Module):
             latent, rot = keys[:, 0, : start + t].split([m.kv_rank, m.rope_dim], dim=-1)
             k_rot = rot[:, None]
             if start > 0:  # query i sits at position start + i: it sees keys up to there
-                visible = torch.arange(start + t, device=x.device)[None, :]
-                query = (start + torch.arange(t, device=x.device))[:, None]
-                mask = visible <= query
-                if self.sliding_window:
-                    mask = mask & (query - visible < self.sliding_window)
+                mask = decoding_mask(start, t, self.sliding_window, x.device)
         s = latent.shape[1]
         kv = self.wkv_b(latent).view(b, s, -1, m.nope_dim + m.v_dim).transpose(1, 2)
         k_nope, v = kv.split([m.nope_dim, m.v_dim], dim=-1)

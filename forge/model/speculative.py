@@ -22,7 +22,7 @@ import attrs
 import torch
 from torch import nn
 
-from forge.model.generate import filter_logits
+from forge.model.generate import check_room, filter_logits
 from forge.model.mtp import MTPModule
 from forge.model.transformer import KVCache, Transformer, split_moe_output
 
@@ -134,10 +134,7 @@ def speculative_sample(
     if problem is not None:
         raise ValueError(problem)
     limit = model.cfg.max_seq_len
-    if not prompt:
-        raise ValueError("the prompt is empty: generation needs at least one token")
-    if len(prompt) + max_new_tokens > limit:
-        raise ValueError(f"prompt + new tokens exceed model.max_seq_len={limit}")
+    check_room(prompt, max_new_tokens, limit)
     model.eval()
     param = next(model.parameters())
     cache = KVCache(model.cfg, dtype=param.dtype, device=param.device)

@@ -16,7 +16,14 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from forge.config.sections import ModelConfig, RopeScaling, RopeScalingType
-from forge.model.attention import AttentionMask, Backend, attend, attention_mask, choose_backend
+from forge.model.attention import (
+    AttentionMask,
+    Backend,
+    attend,
+    attention_mask,
+    choose_backend,
+    decoding_mask,
+)
 from forge.model.attention import document_attention_mask as document_attention_mask
 from forge.model.chunked_loss import LossSpec, chunked_lm_loss
 from forge.model.context_attention import context_mask
@@ -133,11 +140,7 @@ class Attention(nn.Module):
             values[:, :, start : start + t] = v
             k, v = keys[:, :, : start + t], values[:, :, : start + t]
             if start > 0:  # query i sits at position start + i: it sees keys up to there
-                visible = torch.arange(start + t, device=x.device)[None, :]
-                query = (start + torch.arange(t, device=x.device))[:, None]
-                mask = visible <= query
-                if self.sliding_window:
-                    mask = mask & (query - visible < self.sliding_window)
+                mask = decoding_mask(start, t, self.sliding_window, x.device)
         out = attend(q, k, v, mask, gqa)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 

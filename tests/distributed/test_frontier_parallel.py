@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
+
 from tests.distributed.test_compositions import (
     ONE_RANK,
     THREE_STEPS,
@@ -44,16 +46,6 @@ def test_mtp_under_hsdp_at_four_ranks_trains_resumes_and_reshards_as_one_rank(
     assert_at_four(config, tmp_path / "one", tmp_path, HSDP, ONE_RANK)
 
 
-def test_mtp_on_experts_under_fsdp_x_ep_at_two_ranks_equals_one_rank(tmp_path, small_corpus):
-    config = with_mtp(write_moe_config(tmp_path, small_corpus, "moe_first_dense = 1\n"))
-    train(config, tmp_path / "one", *THREE_STEPS, *MOE_ONE_RANK)
-    train(config, tmp_path / "two", *THREE_STEPS, *EP, ranks=2)
-    ref, got = training_metrics(tmp_path / "one"), training_metrics(tmp_path / "two")
-    assert "mtp/loss_2" in ref[3] and "moe/load_cv" in ref[3]
-    assert_same_metrics(got, ref, steps=(1, 2, 3))
-    assert_same_weights(config, tmp_path / "one", tmp_path / "two", step=3)
-
-
 LATENT = "\n[model.mla]\nkv_rank = 16\nq_rank = 8\nnope_dim = 8\nrope_dim = 4\nv_dim = 8\n"
 
 
@@ -70,12 +62,13 @@ def test_latent_attention_under_hsdp_at_four_ranks_trains_resumes_and_reshards_a
     assert_at_four(config, tmp_path / "one", tmp_path, HSDP, ONE_RANK)
 
 
-def test_latent_attention_with_depths_on_experts_under_fsdp_x_ep_equals_one_rank(
-    tmp_path, small_corpus
+@pytest.mark.parametrize("latent", [False, True], ids=["mtp", "mtp and latent attention"])
+def test_experts_with_depths_under_fsdp_x_ep_at_two_ranks_equal_one_rank(
+    tmp_path, small_corpus, latent
 ):
-    config = with_latent(
-        with_mtp(write_moe_config(tmp_path, small_corpus, "moe_first_dense = 1\n"))
-    )
+    config = with_mtp(write_moe_config(tmp_path, small_corpus, "moe_first_dense = 1\n"))
+    if latent:
+        config = with_latent(config)
     train(config, tmp_path / "one", *THREE_STEPS, *MOE_ONE_RANK)
     train(config, tmp_path / "two", *THREE_STEPS, *EP, ranks=2)
     ref, got = training_metrics(tmp_path / "one"), training_metrics(tmp_path / "two")
