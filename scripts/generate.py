@@ -256,7 +256,7 @@ def generate(args: argparse.Namespace) -> int:
             ids = caption(model, image, prompt, new_tokens, **sampling)
             note = f"# captioned {args.image} with {path}"
         elif args.speculative and isinstance(model, Transformer):
-            ids, note = speculative_run(model, prompt, new_tokens, sampling, args.seed)
+            ids, note = speculative_run(model, prompt, new_tokens, sampling, args.seed + world.rank)
             note += f"\n# sampled from {path}"
         else:
             ids = sample(model, prompt, new_tokens, **sampling)  # type: ignore[arg-type]

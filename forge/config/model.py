@@ -144,6 +144,8 @@ class ModelConfig:
                         "latent attention normalises its latents itself; set it false",
                     )
                 )
+            if self.attention is AttentionBackend.VARLEN:  # its values are narrower than q, k
+                p.append(("model.attention", "'varlen' is not supported with [model.mla]"))
         if self.rope_scaling is not None:
             p += self.rope_scaling.problems()
         for key in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):

@@ -89,15 +89,15 @@ def route(
 
 def limit_to_groups(choice: torch.Tensor, n_groups: int, top_groups: int) -> torch.Tensor:
     """``choice`` ``(N, E)`` with every expert outside each token's ``top_groups`` best groups
-    set to 0, a group's score being the sum of its two best: DeepSeek-V3's rule, as its
-    reference and transformers' ``DeepseekV3TopkRouter`` apply it (0, not -inf, so that the
-    bias can make a chosen group's expert lose to an excluded one, as there)."""
+    set to -inf (never chosen, whatever the balancing bias), a group's score being the sum of
+    its two best: DeepSeek-V3's rule, as its reference and transformers'
+    ``DeepseekV3TopkRouter`` apply it."""
     n, e = choice.shape
     grouped = choice.view(n, n_groups, e // n_groups)
     group_scores = grouped.topk(2, dim=-1).values.sum(-1)
     best = group_scores.topk(top_groups, dim=-1, sorted=False).indices
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-    return grouped.masked_fill(~keep[:, :, None], 0.0).view(n, e)
+    return grouped.masked_fill(~keep[:, :, None], float("-inf")).view(n, e)
 
 
 def expert_capacity(n_tokens: int, top_k: int, n_experts: int, factor: float) -> int | None:

@@ -84,13 +84,15 @@ class MTPModule(nn.Module):
         sin: torch.Tensor,
         mask: AttentionMask,
         cache: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-    ) -> torch.Tensor:
-        """This depth's hidden state (before its final norm); with ``cache`` (its block's
-        keys and values and how many positions they hold: generation), the new positions'."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This depth's hidden state (the next depth's input) and its final norm of it (the
+        head's input), in one forward (so that FSDP2 gathers the depth's weights once); with
+        ``cache`` (its block's keys and values and how many positions they hold:
+        generation), the new positions'."""
         joined = torch.cat([self.hidden_norm(hidden), self.embed_norm(embedded)], dim=-1)
         out = self.block(self.proj(joined), cos, sin, mask, cache)
         assert isinstance(out, torch.Tensor)
-        return out
+        return out, self.norm(out)
 
 
 def depth_loss_sum(
@@ -122,10 +124,10 @@ def depth_losses(
     for name, module in model.mtp.items():  # type: ignore[union-attr]
         assert isinstance(module, MTPModule)
         embedded_tokens, targets = depth_targets(tokens, labels, int(name))
-        h = module(h, model.tok_embeddings(embedded_tokens), *rope, mask)  # type: ignore[operator]
+        h, normed = module(h, model.tok_embeddings(embedded_tokens), *rope, mask)  # type: ignore[operator]
         weight = model.output.weight  # type: ignore[union-attr]
         assert isinstance(weight, torch.Tensor)
-        sums.append(depth_loss_sum(module.norm(h), weight, targets, loss))
+        sums.append(depth_loss_sum(normed, weight, targets, loss))
     return torch.stack(sums)
 
 

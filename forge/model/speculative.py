@@ -50,6 +50,11 @@ def speculation_problem(model: nn.Module) -> str | None:
         )
     if model.cfg.sliding_window:
         return "--speculative: not supported with model.sliding_window yet; drop --speculative"
+    if model.cfg.moe and model.cfg.moe_capacity_factor > 0:  # capacity depends on the tokens
+        return (
+            "--speculative: not supported with model.moe_capacity_factor > 0 (a forward of "
+            "several tokens may drop what one token at a time never does); drop --speculative"
+        )
     return None
 
 
@@ -94,19 +99,21 @@ class Drafter:
         decided = n  # positions of the previous depth whose inputs are all decided
         embed, head = self.model.tok_embeddings, self.model.output
         assert embed is not None and head is not None
+        known = list(ids)  # the decided tokens, then each draft as it is made
         for k in range(1, count + 1):
             module, cache = self.depths[k - 1], self.caches[k - 1]
             assert isinstance(module, MTPModule)
             start = cache.length
-            tokens = [(ids + drafts)[i + k] for i in range(start, n)]
+            tokens = known[start + k : n + k]
             x = self.hidden[k - 1][start:n][None]
             emb = embed(torch.tensor([tokens], device=x.device))
             cos = self.model.rope_cos[start:n]
             sin = self.model.rope_sin[start:n]
-            out = module(x, emb, cos, sin, None, (cache.keys[0], cache.values[0], start))[0]
-            self.hidden[k][start:n] = out
-            token, dist = choose(head(module.norm(out[-1])))
+            out, normed = module(x, emb, cos, sin, None, (cache.keys[0], cache.values[0], start))
+            self.hidden[k][start:n] = out[0]
+            token, dist = choose(head(normed[0, -1]))
             drafts.append(token)
+            known.append(token)
             dists.append(dist)
             # decided: the previous depth's decided positions whose token i + k is in ids
             decided = max(0, min(decided, n - k + 1))

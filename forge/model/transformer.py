@@ -308,7 +308,8 @@ class Transformer(nn.Module):
         here, in forward, so FSDP2's and the pipeline's hooks see the output weight used as
         usual. With a ``cache`` (generation), ``tokens`` continue the cached positions. A model
         with multi-token depths (``model.mtp_depth``) given ``labels`` appends each depth's
-        summed cross-entropy ``(mtp_depth,)`` to what it returns (before the MoE statistics).
+        summed cross-entropy ``(mtp_depth,)`` to what it returns (before the MoE statistics),
+        in training mode.
         With ``hidden``, the last block's output (before the final norm) instead of logits.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -338,7 +339,7 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.length += tokens.shape[1]
         depths = None
-        if self.mtp is not None and labels is not None and cache is None:
+        if self.mtp is not None and labels is not None and cache is None and self.training:
             depths = depth_losses(self, h, tokens, labels, (cos, sin), mask, loss)
         out = h if hidden else self.head(h, labels, loss)  # hidden: before the final norm
         if depths is not None:

@@ -21,9 +21,9 @@ def decays(name: str, param: torch.Tensor, decay_embeddings: bool) -> bool:
 
 
 def uses_muon(name: str, param: torch.Tensor) -> bool:
-    """Muon takes the hidden matrices: 2-D weights inside the blocks (not the embedding or the
-    output head, whose rows are tokens)."""
-    return param.ndim == 2 and name.startswith("layers.")
+    """Muon takes the hidden matrices: 2-D weights inside the blocks and the multi-token
+    depths (not the embedding or the output head, whose rows are tokens)."""
+    return param.ndim == 2 and name.startswith(("layers.", "mtp."))
 
 
 def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict[str, Any]]:

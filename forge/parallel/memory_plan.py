@@ -192,12 +192,18 @@ def memory_plan(
         ) * per_layer
     else:
         kept = without_ac
+    # each multi-token depth: one more block (checkpointed with the others) and one more head
+    kept += m.mtp_depth * (
+        tokens * m.dim * compute_bytes if ac is not ActivationCheckpointing.NONE else per_layer
+    )
+    without_ac += m.mtp_depth * per_layer
     vocab_rows = m.vocab_size // dims.tp
     labelled = t.batch_size * t.seq_len // dims.cp  # image tokens have no logits
-    if t.loss_chunk_size > 0:
+    if t.loss_chunk_size > 0:  # a depth's chunked loss also keeps the head's gradient
         loss = 3 * min(t.loss_chunk_size, labelled) * vocab_rows * 4
-    else:
-        loss = 3 * labelled * vocab_rows * 4
+        loss += m.mtp_depth * vocab_rows * m.dim * 4
+    else:  # every depth keeps its own fp32 logits for backward
+        loss = 3 * labelled * vocab_rows * 4 + m.mtp_depth * labelled * vocab_rows * 4
     return MemoryPlan(
         parameters=round(owned * param_bytes),
         gradients=round(owned * param_bytes),

@@ -46,7 +46,10 @@ def sharding_units(model: nn.Module) -> list[nn.Module]:
     """The modules FSDP2 shards one by one before the root: the decoder's blocks and, in a
     vision-language model, each cross-attention layer and the encoder's blocks (a Hugging
     Face tower as one unit)."""
-    units: list[nn.Module] = list(decoder_of(model).layers.values())
+    decoder = decoder_of(model)
+    units: list[nn.Module] = list(decoder.layers.values())
+    if decoder.mtp is not None:  # each multi-token depth resharded after its forward too
+        units += list(decoder.mtp.values())
     if isinstance(model, VisionLanguageModel):
         if model.cross_attention is not None:
             units += list(model.cross_attention.values())
@@ -125,13 +128,17 @@ def moe_plan() -> dict[str, ParallelStyle]:
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: ActivationCheckpointing) -> None:
-    """Wrap the decoder's blocks so that their activations are recomputed in backward."""
+    """Wrap the decoder's blocks (and each multi-token depth's) so that their activations are
+    recomputed in backward."""
     if mode is ActivationCheckpointing.NONE:
         return
     model = decoder_of(model)
     for i, (name, block) in enumerate(list(model.layers.items())):
         if mode is ActivationCheckpointing.FULL or i % 2 == 0:
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+    for depth in model.mtp.values() if model.mtp is not None else ():  # a block each
+        assert isinstance(depth.block, nn.Module)
+        depth.block = checkpoint_wrapper(depth.block, preserve_rng_state=False)
 
 
 def fsdp_policy(precision: Precision, param_dtype: Precision) -> MixedPrecisionPolicy:
@@ -176,9 +183,14 @@ def expert_module(block: nn.Module) -> nn.Module | None:
 
 
 def apply_compile(model: nn.Module) -> None:
-    """Compile each decoder block (one graph reused by every block of the same shape)."""
-    for block in decoder_of(model).layers.values():
+    """Compile each decoder block and depth block (one graph reused by every block of the
+    same shape)."""
+    decoder = decoder_of(model)
+    for block in decoder.layers.values():
         block.compile()
+    for depth in decoder.mtp.values() if decoder.mtp is not None else ():
+        assert isinstance(depth.block, nn.Module)
+        depth.block.compile()
 
 
 def parallelize(

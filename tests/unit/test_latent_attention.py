@@ -140,6 +140,7 @@ def test_counts_follow_the_layer():
         (["--model.mla.rope_dim=3"], "model.mla.rope_dim: must be even"),
         (["--model.mla.kv_rank=0"], "model.mla.kv_rank: must be > 0"),
         (["--model.qk_norm=true"], "model.qk_norm: latent attention"),
+        (["--model.attention=varlen"], "model.attention: 'varlen' is not supported with"),
     ],
 )
 def test_bad_latent_keys_are_refused_by_name(tmp_path, args, fragment):

@@ -75,7 +75,7 @@ def test_the_balancing_bias_changes_the_choice_but_not_the_weights():
 def reference_group_routing(scores, bias, n_groups, top_groups, top_k, scale):
     """DeepSeek-V3's group-limited choice written out token by token (its reference
     inference code's rule): groups scored by their two best biased scores, the best
-    ``top_groups`` kept, the rest's experts at 0, the top-k of what is left; the weights
+    ``top_groups`` kept, the rest's experts out, the top-k of what is left; the weights
     are the unbiased scores of the chosen, normalised, times ``scale``."""
     experts, weights = [], []
     size = scores.shape[1] // n_groups
@@ -86,7 +86,7 @@ def reference_group_routing(scores, bias, n_groups, top_groups, top_k, scale):
             key=lambda g: -sum(sorted(choice[g * size : (g + 1) * size], reverse=True)[:2]),
         )
         kept = set(ranked_groups[:top_groups])
-        masked = [v if i // size in kept else 0.0 for i, v in enumerate(choice)]
+        masked = [v if i // size in kept else -math.inf for i, v in enumerate(choice)]
         chosen = sorted(range(len(masked)), key=lambda i: -masked[i])[:top_k]
         total = sum(float(s[i]) for i in chosen)
         experts.append(sorted(chosen))
@@ -112,6 +112,17 @@ def test_group_limited_routing_chooses_within_the_best_groups(
     for row, chosen, expected in zip(routing.experts, routing.weights, weights, strict=True):
         for e, w in zip(row.tolist(), chosen.tolist(), strict=True):
             assert w == pytest.approx(expected[e], rel=1e-6)
+
+
+def test_a_negative_bias_never_routes_outside_the_chosen_groups():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 8, generator=gen)
+    bias = torch.full((8,), -0.9)  # every choice score below 0
+    routing = route(logits, 2, MoeRouter.SIGMOID, bias, (4, 1))
+    groups = (logits.sigmoid() + bias).view(64, 4, 2).topk(2, dim=-1).values.sum(-1).argmax(-1)
+    assert torch.equal(routing.experts // 2, groups[:, None].expand(-1, 2))
+    plain = route(logits, 2, MoeRouter.SIGMOID, None, (4, 1))
+    assert torch.equal(routing.experts.sort().values, plain.experts.sort().values)  # shift-free
 
 
 def test_one_group_is_plain_sigmoid_routing_bit_for_bit():

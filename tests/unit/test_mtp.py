@@ -68,8 +68,8 @@ def reference_depth_sums(m: Transformer, inputs: torch.Tensor, labels: torch.Ten
     for k, module in m.mtp.items():  # type: ignore[union-attr]
         k = int(k)
         emb = m.tok_embeddings(F.pad(full, (0, k))[:, k : t + k])  # type: ignore[misc]
-        h = module(h, emb, m.rope_cos, m.rope_sin, None)
-        logits = F.linear(module.norm(h), m.output.weight)[:, : t - k]  # type: ignore[union-attr]
+        h, normed = module(h, emb, m.rope_cos, m.rope_sin, None)
+        logits = F.linear(normed, m.output.weight)[:, : t - k]  # type: ignore[union-attr]
         sums.append(F.cross_entropy(logits.transpose(1, 2), full[:, k + 1 :], reduction="sum"))
     return [s.item() for s in sums]
 
@@ -127,3 +127,36 @@ def test_the_memory_plan_counts_the_depths_parameters(tmp_path):
     depths = sum(p.numel() for n, p in model().named_parameters() if n.startswith("mtp."))
     assert total2 - total0 == depths
     assert 0 < matrices2 - matrices0 < depths  # the norms are no matrices
+
+
+def test_evaluation_reads_the_main_loss_only():
+    m = model()
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(2))
+    batch = Batch(x[:, :-1], x[:, 1:])
+    trained = micro_batch_loss(m, batch, contextlib.nullcontext, None, PLAIN_LOSS)
+    m.eval()
+    evaluated = micro_batch_loss(m, batch, contextlib.nullcontext, None, PLAIN_LOSS)
+    assert trained.depths is not None and evaluated.depths is None  # no depth computed
+    assert evaluated.loss.item() == pytest.approx(trained.loss.item(), rel=1e-6)
+
+
+def test_activation_checkpointing_and_muon_reach_the_depths():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from forge.config.sections import ActivationCheckpointing
+    from forge.optim.param_groups import uses_muon
+    from forge.parallel.parallelize import apply_activation_checkpointing, sharding_units
+
+    m = model()
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(3))
+    batch = Batch(x[:, :-1], x[:, 1:])
+    before = micro_batch_loss(m, batch, contextlib.nullcontext, None, PLAIN_LOSS).depths
+    apply_activation_checkpointing(m, ActivationCheckpointing.FULL)
+    assert all(isinstance(d.block, CheckpointWrapper) for d in m.mtp.values())  # type: ignore[union-attr]
+    after = micro_batch_loss(m, batch, contextlib.nullcontext, None, PLAIN_LOSS).depths
+    assert before is not None and after is not None and torch.equal(before, after)
+    assert set(m.mtp.values()) <= set(sharding_units(m))  # type: ignore[union-attr]
+    depth_matrices = [n for n, p in m.named_parameters() if n.startswith("mtp.") and p.ndim == 2]
+    assert depth_matrices and all(
+        uses_muon(n, p) for n, p in m.named_parameters() if n in depth_matrices
+    )

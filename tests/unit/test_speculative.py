@@ -140,6 +140,7 @@ def test_sampled_speculative_output_has_the_plain_samplers_distribution(monkeypa
     [
         (attrs.evolve(CFG, mtp_depth=0), "no multi-token depths"),
         (attrs.evolve(CFG, sliding_window=8), "model.sliding_window"),
+        (attrs.evolve(CFG, moe_num_experts=4, moe_capacity_factor=1.0), "moe_capacity_factor"),
     ],
 )
 def test_a_model_that_cannot_draft_is_refused_by_name(cfg, fragment):

@@ -94,7 +94,7 @@ def micro_batch_loss(
     counted = batch.labels != IGNORE_INDEX
     n = counted.sum().clamp(min=1)  # a fully masked micro-batch adds nothing (its share is 0)
     z_weight = loss_spec.z_weight
-    mtp = has_mtp(model)
+    mtp = has_mtp(model) and model.training  # evaluation reads the main loss only
     depths = None
     if loss_spec.chunked:
         with autocast():
