@@ -103,8 +103,13 @@ def assert_matches(reference, config, run_dir, steps=range(1, 6)):
     assert got_eval[0]["eval/loss"] == pytest.approx(ref_eval[0]["eval/loss"], rel=1e-5)
     last = max(steps)
     ref_w, got_w = weights(ref_config, ref_dir, last), weights(config, run_dir, last)
+    # weights after five Adam steps: Adam divides a gradient by its running RMS, so for an
+    # element whose gradient is near 0 a rounding difference of another summation order
+    # becomes a visible part of a step (measured on an AVX-512 BF16 / AMX CPU: one element of
+    # 3072 off by 1.28e-5 under context parallelism, at the commit before this one too); the
+    # losses, grad norms and eval loss above hold the 1e-5 line
     for name, tensor in ref_w.items():
-        torch.testing.assert_close(got_w[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(got_w[name], tensor, rtol=1e-5, atol=3e-5, msg=name)
 
 
 # (case, args): each is 2 ranks with a global batch of 8 per step

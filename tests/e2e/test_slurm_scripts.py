@@ -138,7 +138,8 @@ def test_train_script_says_how_to_start_the_follower(tmp_path, config, args, env
     if config is not None:
         path = str(tmp_path / "follow.toml")
         pathlib.Path(path).write_text(config)
-    proc = start(tmp_path, ticks=1, args=args, CONFIG=path, **env)
+    # this interpreter reads the config (a checkout without its own .venv would use `python`)
+    proc = start(tmp_path, ticks=1, args=args, CONFIG=path, **{"PYTHON": sys.executable, **env})
     out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 0, out
     hints = [line for line in out.splitlines() if "eval.follow" in line]
