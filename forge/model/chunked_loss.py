@@ -227,7 +227,9 @@ class ChunkedLMLoss(torch.autograd.Function):
         n, v_local = hidden.shape[0], weight.shape[0]
         device = hidden.device
         valid = labels != IGNORE_INDEX
-        count = valid.sum().float()
+        # no label at all (a fully masked micro-batch, a depth with no target): the sums are
+        # 0 and stay 0, as the plain loss's, instead of 0 / 0
+        count = valid.sum().float().clamp(min=1)
         local = labels - vocab_start
         owned = (local >= 0) & (local < v_local)  # ignored labels are owned by no rank
         index = torch.where(owned, local, 0)

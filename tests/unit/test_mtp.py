@@ -160,3 +160,22 @@ def test_activation_checkpointing_and_muon_reach_the_depths():
     assert depth_matrices and all(
         uses_muon(n, p) for n, p in m.named_parameters() if n in depth_matrices
     )
+
+
+@pytest.mark.parametrize("chunk", [0, 4], ids=["plain", "chunked"])
+def test_a_micro_batch_without_a_depths_target_adds_nothing_and_stays_finite(chunk):
+    """Labels whose runs are all shorter than the depth (every other one masked): depth 1 has
+    no target there; its sum is 0, finite, and so is the gradient (the chunked loss once
+    divided 0 by 0)."""
+    m = model(attrs.evolve(CFG, mtp_depth=1))
+    x = torch.randint(0, 64, (1, 17), generator=torch.Generator().manual_seed(4))
+    labels = x[:, 1:].clone()
+    labels[:, ::2] = IGNORE_INDEX
+    terms = micro_batch_loss(m, Batch(x[:, :-1], labels), contextlib.nullcontext, None,
+                             LossSpec(chunk_size=chunk))  # fmt: skip
+    assert terms.depths is not None and terms.depths.tolist() == [0.0]
+    (terms.objective + terms.depths.sum()).backward()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+    masked = micro_batch_loss(m, Batch(x[:, :-1], torch.full_like(labels, IGNORE_INDEX)),
+                              contextlib.nullcontext, None, LossSpec(chunk_size=chunk))  # fmt: skip
+    assert torch.isfinite(masked.objective) and masked.objective.item() == 0.0
