@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import attrs
 
 from forge.config.sections import DistributedConfig, JobConfig, Problem
+from forge.parallel.feature_layouts import sharded_only_problems
 from forge.parallel.stages import (
     SPLIT_BACKWARD,
     boundary_problems,
@@ -233,31 +234,6 @@ def parallel_problems(config: JobConfig, world_size: int) -> list[Problem]:
     p += sharded_only_problems(config, dims)
     p += pipeline_problems(config, dims)
     p += context_parallel_problems(config, dims)
-    return p
-
-
-# model features whose layers have no tensor, pipeline or context-parallel plan yet
-SHARDED_ONLY = (
-    ("latent attention ([model.mla])", lambda m: m.mla is not None),
-    ("multi-token prediction (model.mtp_depth)", lambda m: m.mtp_depth > 0),
-)
-
-
-def sharded_only_problems(config: JobConfig, dims: MeshDims) -> list[Problem]:
-    """The layouts a ``SHARDED_ONLY`` feature cannot run in, one line each."""
-    p: list[Problem] = []
-    for what, used in SHARDED_ONLY:
-        if not used(config.model):
-            continue
-        for dim in ("tp", "pp", "cp"):
-            if getattr(dims, dim) > 1:
-                p.append(
-                    (
-                        f"distributed.{dim}",
-                        f"is not supported with {what} yet; use distributed.dp_shard / "
-                        "dp_replicate / ep (FSDP2, HSDP, experts)",
-                    )
-                )
     return p
 
 
