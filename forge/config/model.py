@@ -74,6 +74,9 @@ class ModelConfig:
     # multi-token prediction (docs/training-loop.md#multi-token-prediction): depths after the
     # main model, depth k predicting the token k + 1 places ahead (DeepSeek-V3); 0: off
     mtp_depth: int = 0
+    # each depth's block a mixture of experts like the model's (DeepSeek-V3's form; block index
+    # n_layers + k - 1 among the MoE layers); false: a dense SwiGLU
+    mtp_moe: bool = False
     # Vision-language (docs/vlm.md): None = a text-only decoder
     vlm: VlmArch | None = None
     vision: VisionConfig | None = None  # [model.vision]; None: its defaults when vlm is set
@@ -116,15 +119,22 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block ``layer`` is a mixture of experts: after ``moe_first_dense`` dense
-        blocks, every ``moe_every``-th block (the last of each group of ``moe_every``)."""
-        if self.moe_num_experts <= 0 or layer < self.moe_first_dense or self.moe_every < 1:
+        blocks, every ``moe_every``-th block (the last of each group of ``moe_every``). Block
+        ``n_layers + k - 1`` is multi-token depth k's: one where ``mtp_moe``."""
+        if self.moe_num_experts <= 0:
+            return False
+        if layer >= self.n_layers:
+            return self.mtp_moe and layer < self.n_layers + self.mtp_depth
+        if layer < self.moe_first_dense or self.moe_every < 1:
             return False
         return (layer - self.moe_first_dense + 1) % self.moe_every == 0
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
-        """The indices of the mixture-of-experts blocks, in order."""
-        return tuple(i for i in range(self.n_layers) if self.is_moe_layer(i))
+        """The indices of the mixture-of-experts blocks, in order: the model's, then the
+        multi-token depths' (``mtp_moe``)."""
+        blocks = self.n_layers + self.mtp_depth
+        return tuple(i for i in range(blocks) if self.is_moe_layer(i))
 
     def problems(self) -> list[Problem]:
         p: list[Problem] = []
@@ -182,6 +192,14 @@ class ModelConfig:
         non_negative(p, "model.mtp_depth", self.mtp_depth)
         if self.mtp_depth > 0 and self.vlm is not None:
             p.append(("model.mtp_depth", "is not supported with model.vlm yet; set it to 0"))
+        if self.mtp_moe and (self.mtp_depth <= 0 or self.moe_num_experts <= 0):
+            p.append(
+                (
+                    "model.mtp_moe",
+                    "makes the multi-token depths' blocks mixtures of experts: it needs "
+                    "model.mtp_depth > 0 and model.moe_num_experts > 0; set it to false",
+                )
+            )
         return p
 
     def vlm_problems(self) -> list[Problem]:
@@ -299,7 +317,8 @@ class ModelConfig:
                 )
             )
         p += self.group_problems()
-        if self.moe_every >= 1 and self.moe_first_dense >= 0 and not self.moe_layers:
+        main = [i for i in self.moe_layers if i < self.n_layers]
+        if self.moe_every >= 1 and self.moe_first_dense >= 0 and not main:
             p.append(
                 (
                     "model.moe_first_dense",

@@ -4,8 +4,6 @@ files against and the FLOP and memory formulas count. Pure (no torch)."""
 
 from __future__ import annotations
 
-import attrs
-
 from forge.config.model import ModelConfig
 
 ROUTER_GATE = "feed_forward.router.gate.weight"
@@ -95,8 +93,9 @@ def forge_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def mtp_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The multi-token depths' tensors (``model.mtp_depth``; ``forge.model.mtp``): per depth
-    two norms, the projection of the joined states, a dense block and the final norm."""
-    dim, dense = cfg.dim, attrs.evolve(cfg, moe_num_experts=0)  # forge.model.mtp.dense_config
+    two norms, the projection of the joined states, a block (block ``n_layers + k - 1``: dense,
+    or a mixture of experts with ``model.mtp_moe``) and the final norm."""
+    dim = cfg.dim
     shapes: dict[str, tuple[int, ...]] = {}
     for k in range(1, cfg.mtp_depth + 1):
         shapes |= {
@@ -104,6 +103,7 @@ def mtp_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             f"mtp.{k}.embed_norm.weight": (dim,),
             f"mtp.{k}.proj.weight": (dim, 2 * dim),
         }
-        shapes |= {f"mtp.{k}.block.{n}": shape for n, shape in block_shapes(dense, 0).items()}
+        block = block_shapes(cfg, cfg.n_layers + k - 1)
+        shapes |= {f"mtp.{k}.block.{n}": shape for n, shape in block.items()}
         shapes[f"mtp.{k}.norm.weight"] = (dim,)
     return shapes

@@ -28,7 +28,6 @@ from forge.config.shapes import (
     ROUTER_BIAS,
     block_shapes,
     feed_forward_shapes,
-    mtp_shapes,
 )
 from forge.metrics.cpu_peak import MEASURE_SIZES, cpu_peak, raise_cached_peak
 
@@ -75,9 +74,12 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs (forward + backward) per token at ``seq_len``, counting the active
     parameters of a mixture of experts (the ``top_k`` routed experts a token goes through)
     and every multi-token depth (its block, projection and a pass through the head)."""
-    # a multi-token depth: its own tensors and, again, the output head
-    depths = sum(math.prod(s) for s in mtp_shapes(cfg).values())
-    depths += cfg.mtp_depth * cfg.vocab_size * cfg.dim
+    # a multi-token depth: its own tensors (active experts only) and, again, the output head
+    depths = sum(
+        parameters(cfg, block_shapes(cfg, cfg.n_layers + k - 1), active=True)
+        for k in range(1, cfg.mtp_depth + 1)
+    )
+    depths += cfg.mtp_depth * (3 * cfg.dim + 2 * cfg.dim * cfg.dim + cfg.vocab_size * cfg.dim)
     matmuls = 6.0 * (non_embedding_parameters(cfg, active=True) + depths)
     # scores and their weighted sum: 2 × (q·k + p·v) per head channel, × 3 with backward
     blocks = cfg.n_layers + cfg.mtp_depth

@@ -3,9 +3,11 @@ model, module k predicting the token k + 1 places past each position.
 
 Module k takes the previous depth's hidden state at position i (the main model's final hidden
 state for k = 1) and the embedding of token i + k, normalises each (RMSNorm), projects their
-concatenation back to the model width, runs one transformer block over it and, through its
-own final norm, the main model's output head (shared, as the embedding is) predicts token
-i + k + 1. Parameter names: ``mtp.<k>.{hidden_norm, embed_norm, proj, block, norm}``.
+concatenation back to the model width, runs one transformer block over it (block
+``n_layers + k - 1``: a dense SwiGLU, or with ``model.mtp_moe`` a mixture of experts like the
+model's, its statistics beside the main blocks') and, through its own final norm, the main
+model's output head (shared, as the embedding is) predicts token i + k + 1.
+Parameter names: ``mtp.<k>.{hidden_norm, embed_norm, proj, block, norm}``.
 
 Every depth keeps the main sequence length: position i of depth k is a target only when the
 tokens i + 1 … i + k + 1 are all labels of the row (``depth_targets``), so no depth predicts
@@ -29,11 +31,6 @@ from forge.config.model import ModelConfig
 from forge.data.packing import IGNORE_INDEX
 from forge.model.attention import AttentionMask
 from forge.model.chunked_loss import LossSpec, chunked_lm_loss
-
-
-def dense_config(cfg: ModelConfig) -> ModelConfig:
-    """The configuration of a depth's block: the model's, with a dense SwiGLU."""
-    return attrs.evolve(cfg, moe_num_experts=0)
 
 
 def depth_targets(
@@ -64,9 +61,9 @@ def depth_counts(labels: torch.Tensor, depth: int) -> torch.Tensor:
 
 
 class MTPModule(nn.Module):
-    """One depth: the two norms, the projection, a transformer block (dense: its MLP is the
-    model's dense SwiGLU; ``dense_config``) and the final norm before the shared head. The
-    decoder builds it with its own norm and block classes (``norm``, ``block``)."""
+    """One depth: the two norms, the projection, a transformer block and the final norm before
+    the shared head. The decoder builds it with its own norm and block classes (``norm``,
+    ``block``)."""
 
     def __init__(self, cfg: ModelConfig, norm: Callable[[], nn.Module], block: nn.Module) -> None:
         super().__init__()
@@ -84,15 +81,18 @@ class MTPModule(nn.Module):
         sin: torch.Tensor,
         mask: AttentionMask,
         cache: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This depth's hidden state (the next depth's input) and its final norm of it (the
-        head's input), in one forward (so that FSDP2 gathers the depth's weights once); with
-        ``cache`` (its block's keys and values and how many positions they hold:
+        moe_stats: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This depth's hidden state (the next depth's input), its final norm of it (the
+        head's input) and the MoE statistics (``moe_stats`` with this block's, when it is a
+        mixture of experts), in one forward (so that FSDP2 gathers the depth's weights once);
+        with ``cache`` (its block's keys and values and how many positions they hold:
         generation), the new positions'."""
         joined = torch.cat([self.hidden_norm(hidden), self.embed_norm(embedded)], dim=-1)
-        out = self.block(self.proj(joined), cos, sin, mask, cache)
-        assert isinstance(out, torch.Tensor)
-        return out, self.norm(out)
+        out = self.block(self.proj(joined), cos, sin, mask, cache, moe_stats)
+        if isinstance(out, tuple):
+            out, moe_stats = out
+        return out, self.norm(out), moe_stats
 
 
 def depth_loss_sum(
@@ -117,18 +117,20 @@ def depth_losses(
     rope: tuple[torch.Tensor, torch.Tensor],
     mask: AttentionMask,
     loss: LossSpec | None,
-) -> torch.Tensor:
+    moe_stats: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each depth's summed cross-entropy ``(mtp_depth,)`` from the main model's last hidden
-    state ``h``, through ``model``'s depths, embedding and output head."""
+    state ``h``, through ``model``'s depths, embedding and output head, and ``moe_stats`` with
+    the depths' mixture-of-experts blocks' (``model.mtp_moe``)."""
     sums = []
     for name, module in model.mtp.items():  # type: ignore[union-attr]
-        assert isinstance(module, MTPModule)
         embedded_tokens, targets = depth_targets(tokens, labels, int(name))
-        h, normed = module(h, model.tok_embeddings(embedded_tokens), *rope, mask)  # type: ignore[operator]
+        embedded = model.tok_embeddings(embedded_tokens)  # type: ignore[operator]
+        h, normed, moe_stats = module(h, embedded, *rope, mask, None, moe_stats)
         weight = model.output.weight  # type: ignore[union-attr]
         assert isinstance(weight, torch.Tensor)
         sums.append(depth_loss_sum(normed, weight, targets, loss))
-    return torch.stack(sums)
+    return torch.stack(sums), moe_stats
 
 
 def split_mtp_output(output: Any, mtp: bool) -> tuple[Any, torch.Tensor | None]:

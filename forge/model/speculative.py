@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from forge.model.generate import check_room, filter_logits
+from forge.model.moe import empty_stats
 from forge.model.mtp import MTPModule
 from forge.model.transformer import KVCache, Transformer, split_moe_output
 
@@ -109,7 +110,8 @@ class Drafter:
             emb = embed(torch.tensor([tokens], device=x.device))
             cos = self.model.rope_cos[start:n]
             sin = self.model.rope_sin[start:n]
-            out, normed = module(x, emb, cos, sin, None, (cache.keys[0], cache.values[0], start))
+            layer_cache = (cache.keys[0], cache.values[0], start)
+            out, normed, _ = module(x, emb, cos, sin, None, layer_cache, self.stats(x.device))
             self.hidden[k][start:n] = out[0]
             token, dist = choose(head(normed[0, -1]))
             drafts.append(token)
@@ -121,6 +123,11 @@ class Drafter:
         for k in range(count + 1, len(self.depths) + 1):  # depths not run: nothing new
             self.caches[k - 1].length = max(0, min(self.caches[k - 1].length, n - k + 1))
         return drafts, dists
+
+    def stats(self, device: torch.device) -> torch.Tensor | None:
+        """The MoE statistics a depth's mixture-of-experts block takes (``model.mtp_moe``;
+        discarded: generation keeps none), or None for dense depth blocks."""
+        return empty_stats(self.model.cfg, device) if self.model.cfg.mtp_moe else None
 
 
 @torch.no_grad()

@@ -32,7 +32,7 @@ from forge.model.init import fill_, initial_value
 from forge.model.latent_attention import LatentAttention
 from forge.model.layers import RMSNorm, apply_rope
 from forge.model.moe import MoE, Router, empty_stats
-from forge.model.mtp import MTPModule, dense_config, depth_losses
+from forge.model.mtp import MTPModule, depth_losses
 
 
 def llama3_frequencies(freqs: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
@@ -232,10 +232,10 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.mtp = None  # model.mtp_depth: the multi-token prediction depths (forge.model.mtp)
         if cfg.mtp_depth > 0:
-            norm, dense = functools.partial(RMSNorm, cfg.dim, cfg.norm_eps), dense_config(cfg)
+            norm = functools.partial(RMSNorm, cfg.dim, cfg.norm_eps)
             self.mtp = nn.ModuleDict(
                 {
-                    str(k): MTPModule(cfg, norm, TransformerBlock(dense))
+                    str(k): MTPModule(cfg, norm, TransformerBlock(cfg, cfg.n_layers + k - 1))
                     for k in range(1, cfg.mtp_depth + 1)
                 }
             )
@@ -340,7 +340,9 @@ class Transformer(nn.Module):
             cache.length += tokens.shape[1]
         depths = None
         if self.mtp is not None and labels is not None and cache is None and self.training:
-            depths = depth_losses(self, h, tokens, labels, (cos, sin), mask, loss)
+            depths, moe_stats = depth_losses(
+                self, h, tokens, labels, (cos, sin), mask, loss, moe_stats
+            )
         out = h if hidden else self.head(h, labels, loss)  # hidden: before the final norm
         if depths is not None:
             out = (*(out if isinstance(out, tuple) else (out,)), depths)

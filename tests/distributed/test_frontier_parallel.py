@@ -3,7 +3,8 @@ multi-token prediction (``model.mtp_depth = 2``, packed documents, the chunked l
 latent attention (``[model.mla]``), each under HSDP at 4 ranks (every logged metric and
 weight within 1e-5, a resume at the same layout bit for bit, a reshard to one rank:
 ``tests/distributed/test_compositions.py``'s ``assert_composition``) and on a mixture of
-experts under FSDP2 × expert parallelism at 2."""
+experts under FSDP2 × expert parallelism at 2 (with dense depth blocks, and with the depths'
+blocks mixtures of experts: ``model.mtp_moe``)."""
 
 from __future__ import annotations
 
@@ -62,11 +63,16 @@ def test_latent_attention_under_hsdp_at_four_ranks_trains_resumes_and_reshards_a
     assert_at_four(config, tmp_path / "one", tmp_path, HSDP, ONE_RANK)
 
 
-@pytest.mark.parametrize("latent", [False, True], ids=["mtp", "mtp and latent attention"])
+@pytest.mark.parametrize(
+    ("model_keys", "latent"),
+    [("", False), ("", True), ("mtp_moe = true\n", False)],
+    ids=["mtp", "mtp and latent attention", "mtp with expert depth blocks"],
+)
 def test_experts_with_depths_under_fsdp_x_ep_at_two_ranks_equal_one_rank(
-    tmp_path, small_corpus, latent
+    tmp_path, small_corpus, model_keys, latent
 ):
-    config = with_mtp(write_moe_config(tmp_path, small_corpus, "moe_first_dense = 1\n"))
+    keys = "moe_first_dense = 1\n" + model_keys
+    config = with_mtp(write_moe_config(tmp_path, small_corpus, keys))
     if latent:
         config = with_latent(config)
     train(config, tmp_path / "one", *THREE_STEPS, *MOE_ONE_RANK)

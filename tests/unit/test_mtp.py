@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from forge.config.model import ModelConfig
+from forge.config.model import ModelConfig, MoeRouter
 from forge.data.batch import Batch
 from forge.data.packing import IGNORE_INDEX
 from forge.metrics.flops import flops_per_token
@@ -68,7 +68,7 @@ def reference_depth_sums(m: Transformer, inputs: torch.Tensor, labels: torch.Ten
     for k, module in m.mtp.items():  # type: ignore[union-attr]
         k = int(k)
         emb = m.tok_embeddings(F.pad(full, (0, k))[:, k : t + k])  # type: ignore[misc]
-        h, normed = module(h, emb, m.rope_cos, m.rope_sin, None)
+        h, normed, _ = module(h, emb, m.rope_cos, m.rope_sin, None)
         logits = F.linear(normed, m.output.weight)[:, : t - k]  # type: ignore[union-attr]
         sums.append(F.cross_entropy(logits.transpose(1, 2), full[:, k + 1 :], reduction="sum"))
     return [s.item() for s in sums]
@@ -179,3 +179,56 @@ def test_a_micro_batch_without_a_depths_target_adds_nothing_and_stays_finite(chu
     masked = micro_batch_loss(m, Batch(x[:, :-1], torch.full_like(labels, IGNORE_INDEX)),
                               contextlib.nullcontext, None, LossSpec(chunk_size=chunk))  # fmt: skip
     assert torch.isfinite(masked.objective) and masked.objective.item() == 0.0
+
+
+MOE_DEPTHS = attrs.evolve(
+    CFG, moe_num_experts=4, moe_top_k=2, moe_first_dense=1, moe_router=MoeRouter.SIGMOID,
+    mtp_moe=True,
+)  # fmt: skip
+
+
+def test_with_mtp_moe_each_depths_block_is_a_mixture_of_experts_counted_as_one():
+    """DeepSeek-V3's form: depth k's block is MoE block ``n_layers + k - 1``, its parameters
+    named as a main MoE block's, its active experts only in the FLOPs, its statistics in the
+    rows after the main blocks' (filled in training, empty in evaluation)."""
+    from forge.config.shapes import block_shapes, mtp_shapes
+    from forge.model.moe import ASSIGNED, MoE
+
+    m = model(MOE_DEPTHS)
+    assert MOE_DEPTHS.moe_layers == (1, 2, 3)  # main block 1, then depths 1 and 2
+    assert all(isinstance(d.block.feed_forward, MoE) for d in m.mtp.values())  # type: ignore[union-attr]
+    named = {n: tuple(p.shape) for n, p in m.named_parameters() if n.startswith("mtp.")}
+    named |= {n: tuple(b.shape) for n, b in m.named_buffers() if n.startswith("mtp.")}
+    assert named == mtp_shapes(MOE_DEPTHS)
+    assert {n.removeprefix("mtp.1.block.") for n in named if n.startswith("mtp.1.block.")} == set(
+        block_shapes(MOE_DEPTHS, 1)
+    )  # a main MoE block's names
+    dense_depths = attrs.evolve(MOE_DEPTHS, mtp_moe=False)
+    extra = flops_per_token(MOE_DEPTHS, 16) - flops_per_token(dense_depths, 16)
+    routed = 3 * 32 * MOE_DEPTHS.expert_hidden_dim  # one expert's w1, w2, w3
+    dense_ffn = 3 * 32 * MOE_DEPTHS.hidden_dim
+    assert extra == pytest.approx(2 * 6 * (4 * 32 + 2 * routed - dense_ffn))  # gate + top-2
+
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(5))
+    batch = Batch(x[:, :-1], x[:, 1:])
+    trained = micro_batch_loss(m, batch, contextlib.nullcontext, None, PLAIN_LOSS)
+    assert trained.moe is not None and trained.moe.shape[0] == 3
+    assert trained.moe[:, ASSIGNED].tolist() == [2 * 16 * 2] * 3  # tokens × top-k, each block
+    m.eval()
+    evaluated = micro_batch_loss(m, batch, contextlib.nullcontext, None, PLAIN_LOSS)
+    assert evaluated.moe is not None and evaluated.moe[1:, ASSIGNED].tolist() == [0, 0]
+    assert evaluated.loss.item() == pytest.approx(trained.loss.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"mtp_moe": True}, "model.mtp_moe"),  # a dense model: nothing to make MoE
+        ({"mtp_moe": True, "moe_num_experts": 4, "mtp_depth": 0}, "model.mtp_moe"),  # no depth
+        ({"mtp_moe": True, "moe_num_experts": 4}, None),
+        ({"mtp_moe": False, "moe_num_experts": 4}, None),
+    ],
+)
+def test_mtp_moe_is_refused_where_it_would_change_nothing(changes, named):
+    problems = attrs.evolve(CFG, **changes).problems()
+    assert [key for key, _ in problems if key == "model.mtp_moe"] == ([named] if named else [])

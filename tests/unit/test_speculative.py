@@ -27,8 +27,13 @@ def model(cfg: ModelConfig = CFG, seed: int = 0) -> Transformer:
 
 @pytest.mark.parametrize(
     "cfg",
-    [CFG, attrs.evolve(CFG, mtp_depth=3), attrs.evolve(CFG, moe_num_experts=4, mtp_depth=1)],
-    ids=["depth 2", "depth 3", "moe depth 1"],
+    [
+        CFG,
+        attrs.evolve(CFG, mtp_depth=3),
+        attrs.evolve(CFG, moe_num_experts=4, mtp_depth=1),
+        attrs.evolve(CFG, moe_num_experts=4, mtp_moe=True),
+    ],
+    ids=["depth 2", "depth 3", "moe depth 1", "moe depths' blocks"],
 )
 def test_greedy_speculative_output_is_plain_greedy_output(cfg):
     m = model(cfg)  # untrained depths draft poorly: their drafts are rejected, output kept
