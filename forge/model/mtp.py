@@ -24,10 +24,13 @@ from typing import Any
 
 import attrs
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from forge.config.model import ModelConfig
+from forge.data.context_split import head_tail_indices
 from forge.data.packing import IGNORE_INDEX
 from forge.model.attention import AttentionMask
 from forge.model.chunked_loss import LossSpec, chunked_lm_loss
@@ -52,12 +55,44 @@ def depth_targets(
     return tokens, targets.masked_fill(~chain, IGNORE_INDEX)
 
 
-def depth_counts(labels: torch.Tensor, depth: int) -> torch.Tensor:
-    """The targets of each depth 1 … ``depth`` in ``labels``, as floats ``(depth,)``."""
-    dummy = torch.zeros_like(labels)
-    return torch.stack(
-        [(depth_targets(dummy, labels, k)[1] != IGNORE_INDEX).sum() for k in range(1, depth + 1)]
-    ).float()
+def whole_rows(part: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The whole rows ``(B, T)`` of which this context-parallel rank of ``group`` holds its
+    head–tail part ``part`` (``forge.data.context_split``): one all-gather of token ids."""
+    cp = dist.get_world_size(group)
+    parts = [torch.empty_like(part) for _ in range(cp)]
+    dist.all_gather(parts, part.contiguous(), group=group)
+    t = part.shape[1] * cp
+    rows = part.new_empty(part.shape[0], t)
+    for rank, piece in enumerate(parts):
+        rows[:, head_tail_indices(t, cp, rank).to(part.device)] = piece
+    return rows
+
+
+def depth_inputs(
+    inputs: torch.Tensor, labels: torch.Tensor, depth: int, group: ProcessGroup | None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``depth_targets`` of each depth 1 … ``depth`` at this rank's positions. Under context
+    parallelism (``group``) a rank holds parts of each row, and a depth's token and target at
+    its last positions lie in a peer's part: they are taken from the whole rows and cut back
+    to this rank's positions."""
+    if group is None:
+        return [depth_targets(inputs, labels, k) for k in range(1, depth + 1)]
+    rows, row_labels = whole_rows(inputs, group), whole_rows(labels, group)
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine = head_tail_indices(rows.shape[1], cp, rank).to(rows.device)
+    cut = [depth_targets(rows, row_labels, k) for k in range(1, depth + 1)]
+    return [
+        (tokens.index_select(1, mine), targets.index_select(1, mine)) for tokens, targets in cut
+    ]
+
+
+def depth_counts(
+    labels: torch.Tensor, depth: int, group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """The targets of each depth 1 … ``depth`` at this rank's positions of ``labels``, as
+    floats ``(depth,)`` (``group``: the context-parallel group, ``depth_inputs``)."""
+    cut = depth_inputs(torch.zeros_like(labels), labels, depth, group)
+    return torch.stack([(targets != IGNORE_INDEX).sum() for _, targets in cut]).float()
 
 
 class MTPModule(nn.Module):
@@ -96,16 +131,19 @@ class MTPModule(nn.Module):
 
 
 def depth_loss_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, loss: LossSpec | None
+    hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, loss: LossSpec | None
 ) -> torch.Tensor:
-    """The summed cross-entropy of the logits ``hidden @ weight.T`` over ``targets``: through
-    the chunked loss when ``loss`` is chunked (no full logits, no z term), else the plain one
-    on fp32 logits."""
+    """The summed cross-entropy of the logits ``head(hidden)`` over ``targets``: through the
+    chunked loss when ``loss`` is chunked (no full logits, no z term), else the plain one on
+    fp32 logits (through the head module, so that a tensor-parallel plan's hooks gather
+    them)."""
     if loss is not None and loss.chunked:
         spec = attrs.evolve(loss, z_weight=0.0)
+        weight = head.weight
+        assert isinstance(weight, torch.Tensor)
         objective, _, _ = chunked_lm_loss(hidden, weight, targets, spec)
         return objective * (targets != IGNORE_INDEX).sum().clamp(min=1)
-    logits = F.linear(hidden, weight).float()
+    logits = head(hidden).float()
     return F.cross_entropy(logits.transpose(1, 2), targets, reduction="sum")
 
 
@@ -122,14 +160,14 @@ def depth_losses(
     """Each depth's summed cross-entropy ``(mtp_depth,)`` from the main model's last hidden
     state ``h``, through ``model``'s depths, embedding and output head, and ``moe_stats`` with
     the depths' mixture-of-experts blocks' (``model.mtp_moe``)."""
+    depths, embedding, head = model.mtp, model.tok_embeddings, model.output
+    assert isinstance(depths, nn.ModuleDict)
+    assert isinstance(embedding, nn.Module) and isinstance(head, nn.Module)
+    cut = depth_inputs(tokens, labels, len(depths), getattr(model, "context_group", None))
     sums = []
-    for name, module in model.mtp.items():  # type: ignore[union-attr]
-        embedded_tokens, targets = depth_targets(tokens, labels, int(name))
-        embedded = model.tok_embeddings(embedded_tokens)  # type: ignore[operator]
-        h, normed, moe_stats = module(h, embedded, *rope, mask, None, moe_stats)
-        weight = model.output.weight  # type: ignore[union-attr]
-        assert isinstance(weight, torch.Tensor)
-        sums.append(depth_loss_sum(normed, weight, targets, loss))
+    for (embedded_tokens, targets), module in zip(cut, depths.values(), strict=True):
+        h, normed, moe_stats = module(h, embedding(embedded_tokens), *rope, mask, None, moe_stats)
+        sums.append(depth_loss_sum(normed, head, targets, loss))
     return torch.stack(sums), moe_stats
 
 

@@ -63,7 +63,8 @@ def sharding_units(model: nn.Module) -> list[nn.Module]:
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
     """Megatron-style TP with sequence parallelism: attention heads and FFN columns are split;
     norms and the residual stream are sharded along the sequence; a mixture-of-experts
-    block's experts stay whole (``moe_plan``)."""
+    block's experts stay whole (``moe_plan``); a multi-token depth's block is planned as the
+    model's, the rest of it on the sequence shards (``depth_plan``)."""
     top: dict[str, object] = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
@@ -74,27 +75,45 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
     if top:
         parallelize_module(model, tp_mesh, top)  # type: ignore[arg-type]
     for block in model.layers.values():
-        assert isinstance(block, TransformerBlock)
-        qk_norms: dict[str, ParallelStyle] = {}
-        if block.attention.q_norm is not None:
-            # q and k hold this rank's heads (dim 2): the norm's weight is replicated and each
-            # rank normalises its own heads, returning plain local tensors to attention
-            heads = SequenceParallel(sequence_dim=2, use_local_output=True)
-            qk_norms = {"attention.q_norm": heads, "attention.k_norm": heads}
-        plan: dict[str, ParallelStyle] = {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(  # (x, cos, sin, mask): only x is sharded
-                input_layouts=(Shard(1), None, None, None),
-                desired_input_layouts=(Replicate(), None, None, None),
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-        }
-        ffn = moe_plan() if isinstance(block.feed_forward, MoE) else dense_ffn_plan()
-        parallelize_module(block, tp_mesh, qk_norms | plan | ffn)
+        parallelize_module(block, tp_mesh, block_plan(block))
+    for depth in model.mtp.values() if model.mtp is not None else ():
+        parallelize_module(depth, tp_mesh, depth_plan())
+        parallelize_module(depth.block, tp_mesh, block_plan(depth.block))
+
+
+def block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
+    """A transformer block's plan: heads split over the attention projections, the norms on
+    sequence shards, the feed-forward's (``dense_ffn_plan``, ``moe_plan``)."""
+    assert isinstance(block, TransformerBlock)
+    qk_norms: dict[str, ParallelStyle] = {}
+    if block.attention.q_norm is not None:
+        # q and k hold this rank's heads (dim 2): the norm's weight is replicated and each
+        # rank normalises its own heads, returning plain local tensors to attention
+        heads = SequenceParallel(sequence_dim=2, use_local_output=True)
+        qk_norms = {"attention.q_norm": heads, "attention.k_norm": heads}
+    plan: dict[str, ParallelStyle] = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(  # (x, cos, sin, mask): only x is sharded
+            input_layouts=(Shard(1), None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None),
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+    }
+    ffn = moe_plan() if isinstance(block.feed_forward, MoE) else dense_ffn_plan()
+    return qk_norms | plan | ffn
+
+
+def depth_plan() -> dict[str, ParallelStyle]:
+    """A multi-token depth around its block: its two norms and the projection of the joined
+    states work token by token on the sequence shards (weights replicated, their gradients
+    summed over the group), returning plain shards as the blocks do; its final norm hands the
+    head a sequence-sharded DTensor, as the model's final norm does."""
+    local = SequenceParallel(use_local_output=True)
+    return {"hidden_norm": local, "embed_norm": local, "proj": local, "norm": SequenceParallel()}
 
 
 def dense_ffn_plan() -> dict[str, ParallelStyle]:

@@ -81,3 +81,31 @@ def test_experts_with_depths_under_fsdp_x_ep_at_two_ranks_equal_one_rank(
     assert "mtp/loss_2" in ref[3] and "moe/load_cv" in ref[3]
     assert_same_metrics(got, ref, steps=(1, 2, 3))
     assert_same_weights(config, tmp_path / "one", tmp_path / "two", step=3)
+
+
+AT_TWO = ["--distributed.dp_shard=1", "--train.batch_size=4", "--train.grad_accum_steps=2",
+          "--eval.steps=4"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("layout", "chunk"),
+    [
+        ("--distributed.tp=2", "--train.loss_chunk_size=0"),
+        ("--distributed.tp=2", "--train.loss_chunk_size=16"),
+        ("--distributed.cp=2", "--train.loss_chunk_size=0"),
+        ("--distributed.cp=2", "--train.loss_chunk_size=16"),
+    ],
+    ids=["tp, plain loss", "tp, chunked loss", "cp, plain loss", "cp, chunked loss"],
+)
+def test_mtp_under_tensor_or_context_parallelism_at_two_ranks_equals_one_rank(
+    tmp_path, small_corpus, layout, chunk
+):
+    """Packed documents: under context parallelism a depth's last tokens and targets at the
+    end of a rank's chunk lie in its peer's chunk."""
+    config = with_mtp(write_config(tmp_path, small_corpus))
+    train(config, tmp_path / "one", *THREE_STEPS, *ONE_RANK, chunk)
+    train(config, tmp_path / "two", *THREE_STEPS, layout, *AT_TWO, chunk, ranks=2)
+    ref, got = training_metrics(tmp_path / "one"), training_metrics(tmp_path / "two")
+    assert "mtp/loss_2" in ref[3]
+    assert_same_metrics(got, ref, steps=(1, 2, 3))
+    assert_same_weights(config, tmp_path / "one", tmp_path / "two", step=3)

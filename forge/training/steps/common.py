@@ -159,9 +159,12 @@ def label_counts(batches: Sequence[Batch]) -> torch.Tensor:
     return torch.stack([(b.labels != IGNORE_INDEX).sum() for b in batches]).float()
 
 
-def depth_count_rows(batches: Sequence[Batch], depth: int) -> torch.Tensor:
-    """Each micro-batch's targets of every multi-token depth ``(micro-batches, depth)``."""
-    return torch.stack([depth_counts(b.labels, depth) for b in batches])
+def depth_count_rows(batches: Sequence[Batch], model: nn.Module) -> torch.Tensor:
+    """Each micro-batch's targets of every multi-token depth of ``model`` ``(micro-batches,
+    depth)`` at this rank's positions (under context parallelism, counted on whole rows:
+    ``forge.model.mtp.depth_inputs``)."""
+    depth, group = mtp_depth_of(model), getattr(model, "context_group", None)
+    return torch.stack([depth_counts(b.labels, depth, group) for b in batches])
 
 
 def mtp_depth_of(model: nn.Module) -> int:

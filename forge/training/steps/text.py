@@ -72,7 +72,7 @@ def make_text_step(spec: StepSpec) -> StepFunction:
         n = len(batches)
         counts = label_counts(batches)
         if depth:  # each depth's targets beside the main labels: one all-reduce for all
-            counts = torch.cat([counts[:, None], depth_count_rows(batches, depth)], dim=1)
+            counts = torch.cat([counts[:, None], depth_count_rows(batches, model)], dim=1)
         weight = label_weight(
             step_labels(counts, spec.token_slices, spec.world_size), spec.token_slices
         )
