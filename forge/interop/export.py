@@ -5,9 +5,10 @@ The export is a rename and a dtype cast into the family ``export_rules.export_fa
 dense model, ``Qwen3ForCausalLM`` for one with ``model.qk_norm``, and for a mixture of experts
 with softmax top-k routing (renormalised, no shared experts) ``MixtralForCausalLM`` (experts
 in every block) or ``Qwen3MoeForCausalLM`` (with ``model.qk_norm``; dense blocks where forge
-has them), one tensor per expert (the layout transformers v4 reads and v5 converts). Every
-family loads back into forge (``hf_import``). Needs the optional ``safetensors`` package
-(``pip install 'forge[safetensors]'``).
+has them), one tensor per expert (the layout transformers v4 reads and v5 converts); with
+latent attention, ``DeepseekV3ForCausalLM`` (sigmoid routing, shared experts, the multi-token
+depths in DeepSeek's naming). Every family loads back into forge (``hf_import``). Needs the
+optional ``safetensors`` package (``pip install 'forge[safetensors]'``).
 """
 
 from __future__ import annotations
@@ -88,11 +89,20 @@ def hf_tensors(
     name: str, tensor: torch.Tensor, cfg: ModelConfig, families: Sequence[FamilySpec] = FAMILIES
 ) -> dict[str, torch.Tensor]:
     """forge tensor → its HF tensors in ``cfg``'s export family (``hf_names``): the stacked
-    experts' ``(E, in, out)`` weight as one ``(out, in)`` Linear weight per expert."""
-    names = hf_names(name, export_family(cfg, families), cfg.moe_num_experts)
+    experts' ``(E, in, out)`` weight as one ``(out, in)`` Linear weight per expert, channels in
+    the family's order (its ``reorder``, inverted), a copy a depth's layer holds as a tensor
+    of its own (safetensors writes no two names over one memory)."""
+    family = export_family(cfg, families)
+    names = hf_names(name, family, cfg)
     if is_expert_weight(name):
         return {hf: w.t() for hf, w in zip(names, tensor, strict=True)}
-    return {hf: tensor for hf in names}
+    order = family.reorder(name, cfg, family.export_keys(cfg))
+    if order is not None:
+        axis, index = order
+        inverse = torch.empty(len(index), dtype=torch.long)
+        inverse[torch.tensor(index)] = torch.arange(len(index))
+        tensor = tensor.index_select(axis, inverse.to(tensor.device))
+    return {hf: tensor if i == 0 else tensor.clone() for i, hf in enumerate(names)}
 
 
 def rope_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -194,6 +204,8 @@ def export_model(
             continue  # tied: the embedding is the head
         for hf_key, value in hf_tensors(name, tensor.detach(), cfg, families).items():
             tensors[hf_key] = value.to(DTYPES[dtype]).contiguous().cpu()
+    for hf_key, shape in export_family(cfg, families).placeholders(cfg).items():
+        tensors[hf_key] = torch.zeros(shape, dtype=DTYPES[dtype])  # what its class holds
     with staged_output(out) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config = json.dumps(hf_config(cfg, dtype, tokens, families), indent=2) + "\n"

@@ -24,8 +24,9 @@ def no_family_line(families: Sequence[FamilySpec]) -> str:
 
 
 def export_family(cfg: ModelConfig, families: Sequence[FamilySpec] = FAMILIES) -> FamilySpec:
-    """The family ``cfg`` exports as: with the registry's families, Qwen3 with query/key
-    norms, else Llama; their mixture of experts (Qwen3-MoE, Mixtral) when any block is one.
+    """The family ``cfg`` exports as: with the registry's families, DeepSeek-V3 with latent
+    attention, Qwen3 with query/key norms, else Llama; their mixture of experts (Qwen3-MoE,
+    Mixtral) when any block is one.
     ``ExportError`` when no family's rule picks it."""
     chosen = holder(cfg, families)
     if chosen is None:
@@ -33,19 +34,16 @@ def export_family(cfg: ModelConfig, families: Sequence[FamilySpec] = FAMILIES) -
     return chosen
 
 
+ROUTING = {
+    MoeRouter.SOFTMAX: "a softmax over experts",
+    MoeRouter.SIGMOID: "a sigmoid of each expert's score",
+}
+
+
 def export_problem(cfg: ModelConfig, families: Sequence[FamilySpec] = FAMILIES) -> str | None:
     """Why ``cfg`` has no export (``export_family``'s), if it has none: one line naming the
-    key."""
-    if cfg.mla is not None:
-        return (
-            "model.mla: the Llama, Mixtral and Qwen3 layouts have no latent attention, so this "
-            "model has no export yet"
-        )
-    if cfg.mtp_depth:
-        return (
-            f"model.mtp_depth={cfg.mtp_depth}: the Llama, Mixtral and Qwen3 layouts have no "
-            "multi-token prediction layers, so this model has no export yet"
-        )
+    key. What the family holds is its spec's: latent attention, multi-token depths, its
+    router, shared experts, a routed scale; then what it refuses besides."""
     if cfg.sliding_window:
         return (
             f"model.sliding_window={cfg.sliding_window}: the Llama, Mixtral and Qwen3 exports "
@@ -56,17 +54,24 @@ def export_problem(cfg: ModelConfig, families: Sequence[FamilySpec] = FAMILIES) 
     if chosen is None:
         return no_family_line(families)
     arch, label = chosen.architecture, chosen.label
-    if chosen.moe and cfg.moe_router is not MoeRouter.SOFTMAX:
+    if cfg.mla is not None and not chosen.mla:
+        return f"model.mla: {arch} has no latent attention, so this model has no {label} export"
+    if cfg.mtp_depth and not chosen.mtp_names:
         return (
-            f"model.moe_router={cfg.moe_router.value!r}: {arch} routes by a softmax over "
-            f"experts, so this model has no {label} export"
+            f"model.mtp_depth={cfg.mtp_depth}: {arch} has no multi-token prediction layers, so "
+            f"this model has no {label} export"
         )
-    if chosen.moe and cfg.moe_routed_scale != 1.0:
+    if chosen.moe and cfg.moe_router is not chosen.router:
+        return (
+            f"model.moe_router={cfg.moe_router.value!r}: {arch} routes by "
+            f"{ROUTING[chosen.router]}, so this model has no {label} export"
+        )
+    if chosen.moe and not chosen.routed_scale and cfg.moe_routed_scale != 1.0:
         return (
             f"model.moe_routed_scale={cfg.moe_routed_scale}: {arch} weighs the chosen experts "
             f"by their normalised scores alone, so this model has no {label} export"
         )
-    if chosen.moe and cfg.moe_shared_experts:
+    if chosen.moe and not chosen.shared_experts and cfg.moe_shared_experts:
         return (
             f"model.moe_shared_experts: {arch} has no shared experts, so this model has no "
             f"{label} export"

@@ -12,11 +12,15 @@ from typing import Any
 
 import attrs
 
-from forge.config.model import ModelConfig
+from forge.config.model import ModelConfig, MoeRouter
 
 HfConfig = Mapping[str, Any]  # a parsed config.json whose keys have passed their type checks
 ImportRefusal = Callable[[HfConfig], str | None]
 ExportRefusal = Callable[[ModelConfig], str | None]
+# (axis, order): forge's tensor ``name`` is the HF tensor's rows (axis 0) or columns (axis 1)
+# taken in this order, in a folder of this config.json; an export takes the inverse order
+Reorder = Callable[[str, ModelConfig, HfConfig], tuple[int, tuple[int, ...]] | None]
+Placeholders = Callable[[ModelConfig], dict[str, tuple[int, ...]]]
 
 
 def no_import_refusal(config: HfConfig) -> str | None:
@@ -36,6 +40,16 @@ def no_import_keys(config: HfConfig) -> dict[str, Any]:
 
 def no_export_keys(cfg: ModelConfig) -> dict[str, Any]:
     """A family whose config.json is Llama's, keys and all."""
+    return {}
+
+
+def no_reorder(name: str, cfg: ModelConfig, config: HfConfig) -> tuple[int, tuple[int, ...]] | None:
+    """A family whose tensors hold forge's channels in forge's order."""
+    return None
+
+
+def no_placeholders(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A family whose class holds no empty tensor where forge has none."""
     return {}
 
 
@@ -74,6 +88,32 @@ class FamilySpec:
     window_refusal: ImportRefusal = no_import_refusal
     import_refusal: ImportRefusal = no_import_refusal  # routing, layout: after the window
     export_refusal: ExportRefusal = no_export_refusal  # after every MoE family's refusals
+    # config.json keys of its own that are integers >= 0 (0: none of the thing), and numbers
+    counts: tuple[str, ...] = ()
+    numbers: tuple[str, ...] = ()
+    # what of forge's mixture of experts it holds: the router's scoring, shared experts, a
+    # routed scale other than 1, and the name of the router's balancing bias under its
+    # ``moe_block`` ("": none, the bias stays 0 as softmax routing has it)
+    router: MoeRouter = MoeRouter.SOFTMAX
+    shared_experts: bool = False
+    routed_scale: bool = False
+    router_bias: str = ""
+    mla: bool = False  # latent attention ([model.mla]) in place of grouped-query attention
+    # a block's tensors of its own beside the ones every family names alike: forge's name in
+    # the block -> the family's (latent attention, shared experts)
+    layer_names: Mapping[str, str] = attrs.field(default={}, converter=read_only)
+    # multi-token depths, as layers after the model's (DeepSeek-V3's form): the config.json
+    # key counting them, each depth's own tensors (forge's name in ``mtp.<k>.`` -> the layer's)
+    # and the copies each depth's layer holds of the model's tensors (forge's top-level name ->
+    # the layer's); no ``mtp_names``: the family has no depths
+    mtp_count_key: str = ""
+    mtp_names: Mapping[str, str] = attrs.field(default={}, converter=read_only)
+    mtp_copies: Mapping[str, str] = attrs.field(default={}, converter=read_only)
+    # channels the family orders otherwise (interleaved RoPE pairs), by forge's tensor name
+    reorder: Reorder = no_reorder
+    # empty tensors its class holds where forge has nothing (zero shared experts): written by
+    # an export, taken or not by an import
+    placeholders: Placeholders = no_placeholders
 
 
 def router_keys(cfg: ModelConfig) -> dict[str, Any]:

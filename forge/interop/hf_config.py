@@ -16,6 +16,7 @@ from forge.interop.family import FamilySpec, families_line, family_named
 from forge.interop.hf_json import (
     INT_LIMIT,
     bool_problem,
+    count_problem,
     given,
     int_problem,
     json_kind,
@@ -79,7 +80,8 @@ def key_problems(config: Mapping[str, Any], family: FamilySpec) -> list[str]:
     ]
     ints = (*_REQUIRED_INTS, *_OPTIONAL_INTS, *family.ints)
     checks = [(k, int_problem) for k in ints]
-    checks += [(k, number_problem) for k in _OPTIONAL_NUMBERS]
+    checks += [(k, count_problem) for k in family.counts]
+    checks += [(k, number_problem) for k in (*_OPTIONAL_NUMBERS, *family.numbers)]
     checks += [(k, bool_problem) for k in (*_OPTIONAL_BOOLS, *family.bools)]
     for key, check in checks:
         if key in config and (config[key] is not None or key in _REQUIRED_INTS):
@@ -273,23 +275,26 @@ def model_config_from_hf(
     head = head_size(config, family)
     assert head is not None, "shape_problems refused a head size that is not whole"
     theta, scaling = rope_of(config, family)
-    cfg = ModelConfig(
-        dim=dim,
-        n_layers=config["num_hidden_layers"],
-        n_heads=heads,
-        n_kv_heads=given(config, "num_key_value_heads"),
-        head_dim=None if head * heads == dim else head,  # None: dim / n_heads, as forge's own
-        vocab_size=config["vocab_size"],
-        ffn_hidden_dim=config["intermediate_size"],
-        norm_eps=float(given(config, "rms_norm_eps", defaults["rms_norm_eps"])),
-        rope_theta=float(theta),  # JSON's 1000000 is forge's 1000000.0
-        rope_scaling=scaling,
-        max_seq_len=given(config, "max_position_embeddings", defaults["max_position_embeddings"]),
-        tie_embeddings=given(config, "tie_word_embeddings", False),
-        init_std=float(given(config, "initializer_range", 0.02)),
-        qk_norm=family.qk_norm,
-        **family.import_keys(config),
-    )
+    keys = {
+        "dim": dim,
+        "n_layers": config["num_hidden_layers"],
+        "n_heads": heads,
+        "n_kv_heads": given(config, "num_key_value_heads"),
+        "head_dim": None if head * heads == dim else head,  # None: dim / n_heads, as forge's own
+        "vocab_size": config["vocab_size"],
+        "ffn_hidden_dim": config["intermediate_size"],
+        "norm_eps": float(given(config, "rms_norm_eps", defaults["rms_norm_eps"])),
+        "rope_theta": float(theta),  # JSON's 1000000 is forge's 1000000.0
+        "rope_scaling": scaling,
+        "max_seq_len": given(
+            config, "max_position_embeddings", defaults["max_position_embeddings"]
+        ),
+        "tie_embeddings": given(config, "tie_word_embeddings", False),
+        "init_std": float(given(config, "initializer_range", 0.02)),
+        "qk_norm": family.qk_norm,
+    }
+    # the family's keys over these (latent attention has no key/value heads of its own)
+    cfg = ModelConfig(**(keys | family.import_keys(config)))
     leftover = [f"{where}: gives {key} {message}" for key, message in cfg.problems()]
     if leftover:  # a check forge's config makes that hf_config_problems lacks
         raise ExportError(leftover)

@@ -1,5 +1,5 @@
 """``convert_checkpoint.py import``: a Hugging Face folder of a family forge imports
-(``forge.interop.families``: Llama, Mixtral, Qwen3, Qwen3-MoE; ``config.json`` and
+(``forge.interop.families``: Llama, Mixtral, Qwen3, Qwen3-MoE, DeepSeek-V3; ``config.json`` and
 ``model.safetensors``, or a sharded index) read into forge's names, every file, key and tensor
 checked first (``hf_config`` for the config, ``hf_files`` for the files): a malformed folder
 is one line naming the file and the key or tensor, never a traceback, and nothing is built or
@@ -11,10 +11,10 @@ import pathlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
+import attrs
 import torch
 
 from forge.config.sections import ModelConfig
-from forge.config.shapes import ROUTER_BIAS, forge_shapes
 from forge.interop.export import require_safetensors
 from forge.interop.families import FAMILIES, LLAMA
 from forge.interop.family import FamilySpec
@@ -31,10 +31,11 @@ from forge.interop.hf_files import (
     read_json,
     read_tensors,
 )
-from forge.interop.hf_json import counted, listed
+from forge.interop.hf_json import counted, given, listed
 from forge.interop.tensor_names import (
     TOP_TENSORS,
     ExportError,
+    all_shapes,
     hf_names,
     hf_shapes,
     is_expert_weight,
@@ -60,22 +61,49 @@ def quantized_problems(dtypes: Mapping[str, str], config: Mapping[str, object]) 
     ]
 
 
-def layer_problem(n_layers: int, names: Iterable[str], weights: str) -> str | None:
-    """Why the layers the tensor ``names`` hold are not ``0 .. n_layers - 1``, if they are
-    not (checked before anything is listed per layer: ``n_layers`` comes from the user)."""
+def layer_problem(n_layers: int, names: Iterable[str], weights: str, depths: int = 0) -> str | None:
+    """Why the layers the tensor ``names`` hold are not ``0 .. n_layers + depths - 1`` (the
+    model's, then its multi-token depths'), if they are not (checked before anything is
+    listed per layer: ``n_layers`` comes from the user)."""
     held = sorted({int(m.group(1)) for n in names if (m := LAYER_INDEX.match(n))})
     whole = bool(held) and len(held) == held[-1] - held[0] + 1  # no gap (never a range built)
-    if whole and held[0] == 0 and len(held) == n_layers:
+    if whole and held[0] == 0 and len(held) == n_layers + depths:
         return None
+    after = f" and {counted(depths, 'multi-token layer')} after them" if depths else ""
     which = ""
     if whole:
         which = f" ({held[0]}-{held[-1]})"
     elif held:
         which = f" ({listed([str(i) for i in held], 5)})"
     return (
-        f"num_hidden_layers is {n_layers} but {weights} holds "
+        f"num_hidden_layers is {n_layers}{after} but {weights} holds "
         f"{counted(len(held), 'layer')}{which}; the weights and config.json are not of one model"
     )
+
+
+def with_depths(
+    cfg: ModelConfig, family: FamilySpec, config: Mapping[str, object], names: Iterable[str]
+) -> tuple[ModelConfig, str | None]:
+    """``cfg`` with the multi-token depths the weights hold, as layers after the model's
+    (DeepSeek-V3's form; a family without depths has none): their count, and whether their
+    blocks are mixtures of experts (``model.mtp_moe``). A folder without them (transformers'
+    own save drops them) imports without depths; a count other than ``config.json``'s is
+    refused: one line."""
+    if not family.mtp_names:
+        return cfg, None
+    n = cfg.n_layers
+    held = {int(m.group(1)) for name in names if (m := LAYER_INDEX.match(name))}
+    depth = len([i for i in held if i >= n])
+    key = family.mtp_count_key
+    declared = given(config, key, family.defaults.get(key, 0))
+    if depth not in (0, declared):
+        return cfg, (
+            f"{key} is {declared} but the weights hold {counted(depth, 'layer')} after the "
+            f"model's {n}; the weights and config.json are not of one model"
+        )
+    experts = f"model.layers.{n}.{family.moe_block}.experts."
+    moe = depth > 0 and cfg.moe_num_experts > 0 and any(s.startswith(experts) for s in names)
+    return attrs.evolve(cfg, mtp_depth=depth, mtp_moe=moe), None
 
 
 EXPERT_INDEX = re.compile(r"\.experts\.(\d{1,9})\.")
@@ -164,21 +192,55 @@ def checked(problems: Sequence[str], where: pathlib.Path | str) -> None:
         raise ExportError([f"{where}: {p}" for p in problems])
 
 
-def forge_state(
+def copy_problems(
     tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, family: FamilySpec
+) -> list[str]:
+    """The copies of the embedding and the head a depth's layer holds that differ from the
+    model's: forge's depths share them, so a depth with its own has no forge model."""
+    differ = []
+    for name in TOP_TENSORS:
+        if cfg.tie_embeddings and name == "output.weight":
+            continue  # the head's copies are the embedding's
+        first, *rest = hf_names(name, family, cfg)
+        differ += [
+            f"{n} differs from {first}" for n in rest if not torch.equal(tensors[n], tensors[first])
+        ]
+    if not differ:
+        return []
+    return [
+        f"{listed(differ, 2)}; forge's multi-token depths share the model's embedding and "
+        "output head, so a depth with its own cannot be imported"
+    ]
+
+
+def reordered(tensor: torch.Tensor, order: tuple[int, tuple[int, ...]] | None) -> torch.Tensor:
+    """``tensor``'s rows or columns in the order a family's ``reorder`` gives (forge's from
+    the family's), or ``tensor`` itself."""
+    if order is None:
+        return tensor
+    axis, index = order
+    return tensor.index_select(axis, torch.tensor(index))
+
+
+def forge_state(
+    tensors: Mapping[str, torch.Tensor],
+    cfg: ModelConfig,
+    family: FamilySpec,
+    config: Mapping[str, object] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """forge's state dict from a checked folder's fp32 ``tensors``: each renamed, each
-    block's experts stacked into forge's ``(E, in, out)`` weights, the routers' balancing
-    bias 0 (softmax routing has none), the head the embedding when tied."""
+    """forge's state dict from a checked folder's fp32 ``tensors`` (of ``config.json``
+    ``config``): each renamed and its channels put in forge's order, each block's experts
+    stacked into forge's ``(E, in, out)`` weights, a balancing bias the family lacks 0
+    (softmax routing has none), the head the embedding when tied."""
     state = {}
-    for name in forge_shapes(cfg):
-        names = hf_names(name, family, cfg.moe_num_experts)
+    for name in all_shapes(cfg):
+        names = hf_names(name, family, cfg)
         if is_expert_weight(name):
             state[name] = torch.stack([tensors[n].t() for n in names])
-        elif name.endswith(ROUTER_BIAS):
+        elif not names:  # the balancing bias of a family without one
             state[name] = torch.zeros(cfg.moe_num_experts)
         elif not (cfg.tie_embeddings and name == "output.weight"):
-            state[name] = tensors[names[0]]
+            state[name] = reordered(tensors[names[0]], family.reorder(name, cfg, config or {}))
     if cfg.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
     return state
@@ -208,14 +270,18 @@ def import_model(
     checked(quantized_problems(dtypes, plain_config), weights.label)
     cfg, family = model_config_from_hf(raw_config, str(config_path), families)
     shapes = {n: shape for n, (shape, _) in headers.items()}
-    count = (layer_problem(cfg.n_layers, shapes, weights.label.name),)
+    cfg, depths = with_depths(cfg, family, plain_config, shapes)
+    count = (depths or layer_problem(cfg.n_layers, shapes, weights.label.name, cfg.mtp_depth),)
     if family.moe:
         count += (expert_problem(cfg.moe_num_experts, shapes, weights.label.name),)
     checked([p for p in count if p is not None], config_path)
     expected = hf_shapes(cfg, family)
-    checked(tensor_problems(expected, shapes, cfg.tie_embeddings, family), weights.label)
+    empty = family.placeholders(cfg)  # taken or not: they hold nothing
+    found = {n: shape for n, shape in shapes.items() if empty.get(n) != shape}
+    checked(tensor_problems(expected, found, cfg.tie_embeddings, family), weights.label)
     tensors = read_tensors(weights)
     checked(dtype_problems(tensors), weights.label)
     floats = {k: v.float() for k, v in tensors.items()}
     checked(finite_problems(floats), weights.label)
-    return cfg, forge_state(floats, cfg, family)
+    checked(copy_problems(floats, cfg, family), weights.label)
+    return cfg, forge_state(floats, cfg, family, plain_config)

@@ -69,6 +69,14 @@ def int_problem(key: str, value: object) -> str | None:
     return None
 
 
+def count_problem(key: str, value: object) -> str | None:
+    """Why ``value`` is not an integer >= 0 that fits in 64 bits (a count that may be none),
+    if it is not."""
+    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        return f"{key}: must be >= 0, got {value}"
+    return None if value == 0 and not isinstance(value, bool) else int_problem(key, value)
+
+
 def number_problem(key: str, value: object) -> str | None:
     """Why ``value`` is not a finite number > 0 (within 64 bits), if it is not."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

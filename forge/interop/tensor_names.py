@@ -4,7 +4,9 @@ one mapping for every family, the spec naming a mixture of experts' block and ex
 
 forge's decoder is each family with some keys set: a Llama (RoPE in the half-split layout of
 HF's ``rotate_half``, GQA, SwiGLU, RMSNorm), with query/key norms where the family has them
-(Qwen3), with a mixture of experts in the blocks its layout says (Mixtral, Qwen3-MoE).
+(Qwen3), with a mixture of experts in the blocks its layout says (Mixtral, Qwen3-MoE); with
+latent attention, shared experts and multi-token depths as layers after the model's, named by
+the spec (DeepSeek-V3).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import re
 
 from forge.config.model import ModelConfig
-from forge.config.shapes import ROUTER_BIAS, ROUTER_GATE, forge_shapes
+from forge.config.shapes import ROUTER_BIAS, ROUTER_GATE, forge_shapes, mtp_shapes
 from forge.errors import UserInputError
 from forge.interop.family import FamilySpec
 
@@ -69,43 +71,104 @@ def forge_name(name: str) -> str:
     raise ExportError(f"tensor '{name}' is not part of a Llama model forge can read")
 
 
-def hf_names(name: str, family: FamilySpec, n_experts: int) -> tuple[str, ...]:
-    """The HF tensors forge's tensor ``name`` is in ``family``: one for most, one per expert
-    for the experts' stacked weights (``n_experts`` of them), none for the router's balancing
-    bias (always 0 under softmax routing, the only routing exported)."""
-    m = LAYER_KEY.match(name)
-    if m is None:
-        if name in TOP_TENSORS:
-            return (TOP_TENSORS[name],)
-        raise ExportError(f"parameter '{name}' has no {family.label} equivalent")
-    layer, rest = m.groups()
+MTP_KEY = re.compile(r"^mtp\.(\d+)\.(.+)$")
+_BLOCK = "block."
+
+
+def block_names(
+    layer: str, rest: str, family: FamilySpec, cfg: ModelConfig
+) -> tuple[str, ...] | None:
+    """The HF tensors of the block tensor ``rest`` (forge's name inside a block) in the
+    family's layer ``layer`` (``model.layers.<i>``), or None when the family has no place for
+    it: one for most, one per expert for the experts' stacked weights, none for a router's
+    balancing bias the family lacks (always 0 under softmax routing)."""
     if rest in _LAYER and (family.qk_norm or rest not in _QK_NORMS):
-        return (f"model.layers.{layer}.{_LAYER[rest]}",)
+        return (f"{layer}.{_LAYER[rest]}",)
+    if rest in family.layer_names:
+        return (f"{layer}.{family.layer_names[rest]}",)
     if family.moe:
-        block = f"model.layers.{layer}.{family.moe_block}"
+        block = f"{layer}.{family.moe_block}"
         expert = EXPERT_WEIGHT.match(rest)
         if expert:
             kind = family.expert_names[expert.group(1)]
-            return tuple(f"{block}.experts.{j}.{kind}.weight" for j in range(n_experts))
+            return tuple(f"{block}.experts.{j}.{kind}.weight" for j in range(cfg.moe_num_experts))
         if rest == ROUTER_GATE:
             return (f"{block}.gate.weight",)
         if rest == ROUTER_BIAS:
-            return ()
-    raise ExportError(f"parameter '{name}' has no {family.label} equivalent")
+            return (f"{block}.{family.router_bias}",) if family.router_bias else ()
+    return None
+
+
+def depth_layer(depth: int, cfg: ModelConfig) -> str:
+    """The HF layer of multi-token depth ``depth``: the one after the model's layers and the
+    depths before it (DeepSeek-V3's numbering)."""
+    return f"model.layers.{cfg.n_layers + depth - 1}"
+
+
+def copies(name: str, family: FamilySpec, cfg: ModelConfig) -> tuple[str, ...]:
+    """The copies of forge's top-level tensor ``name`` that each depth's layer holds (the
+    embedding and the head, which forge's depths share with the model); the head's come with
+    the embedding when the two are tied."""
+    shared = (
+        [name, "output.weight"]
+        if cfg.tie_embeddings and name == "tok_embeddings.weight"
+        else [name]
+    )
+    return tuple(
+        f"{depth_layer(k, cfg)}.{family.mtp_copies[n]}"
+        for k in range(1, cfg.mtp_depth + 1)
+        for n in shared
+        if n in family.mtp_copies
+    )
+
+
+def hf_names(name: str, family: FamilySpec, cfg: ModelConfig) -> tuple[str, ...]:
+    """The HF tensors forge's tensor ``name`` is in ``family``: the model's first, then any
+    copies of it a depth's layer holds (``copies``); one per expert for the experts' stacked
+    weights; none for a router's balancing bias the family lacks."""
+    names = None
+    if name in TOP_TENSORS:
+        names = (TOP_TENSORS[name], *copies(name, family, cfg))
+    elif m := LAYER_KEY.match(name):
+        names = block_names(f"model.layers.{m.group(1)}", m.group(2), family, cfg)
+    elif (m := MTP_KEY.match(name)) and family.mtp_names:
+        layer, rest = depth_layer(int(m.group(1)), cfg), m.group(2)
+        if rest.startswith(_BLOCK):
+            names = block_names(layer, rest.removeprefix(_BLOCK), family, cfg)
+        elif rest in family.mtp_names:
+            names = (f"{layer}.{family.mtp_names[rest]}",)
+    if names is None:
+        raise ExportError(f"parameter '{name}' has no {family.label} equivalent")
+    return names
+
+
+def block_tensor(name: str) -> str | None:
+    """forge's name inside a block for a tensor of a block (the model's or a depth's)."""
+    if m := LAYER_KEY.match(name):
+        return m.group(2)
+    m = MTP_KEY.match(name)
+    if m and m.group(2).startswith(_BLOCK):
+        return m.group(2).removeprefix(_BLOCK)
+    return None
 
 
 def is_expert_weight(name: str) -> bool:
     """Whether forge's tensor ``name`` stacks every expert's weight ``(E, in, out)``."""
-    m = LAYER_KEY.match(name)
-    return m is not None and EXPERT_WEIGHT.match(m.group(2)) is not None
+    rest = block_tensor(name)
+    return rest is not None and EXPERT_WEIGHT.match(rest) is not None
+
+
+def all_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of ``cfg``'s state dict with its shape: the model's, then its depths'."""
+    return forge_shapes(cfg) | mtp_shapes(cfg)
 
 
 def hf_shapes(cfg: ModelConfig, family: FamilySpec) -> dict[str, tuple[int, ...]]:
     """Every tensor of ``cfg``'s checkpoint in ``family`` with its shape (``lm_head.weight``
     too, which a checkpoint with tied embeddings may leave out)."""
     shapes: dict[str, tuple[int, ...]] = {}
-    for name, shape in forge_shapes(cfg).items():
-        names = hf_names(name, family, cfg.moe_num_experts)
+    for name, shape in all_shapes(cfg).items():
+        names = hf_names(name, family, cfg)
         one = (shape[2], shape[1]) if is_expert_weight(name) else shape  # an expert's (out, in)
         shapes |= dict.fromkeys(names, one)
     return shapes

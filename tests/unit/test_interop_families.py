@@ -118,9 +118,9 @@ def test_the_registry_decides_what_a_folder_may_be(tmp_path):
     with pytest.raises(ExportError) as info:
         import_model(folder)  # forge's own registry lacks the family
     assert info.value.lines == [
-        f"{folder / 'config.json'}: model_type 'llama_like': forge imports Llama, Mixtral, "
-        "Qwen3 and Qwen3-MoE models (model_type 'llama', 'mixtral', 'qwen3', 'qwen3_moe') only; "
-        "another model's weights do not fit forge's decoder"
+        f"{folder / 'config.json'}: model_type 'llama_like': forge imports DeepSeek-V3, Llama, "
+        "Mixtral, Qwen3 and Qwen3-MoE models (model_type 'deepseek_v3', 'llama', 'mixtral', "
+        "'qwen3', 'qwen3_moe') only; another model's weights do not fit forge's decoder"
     ]
     assert export_family(DENSE) is LLAMA  # and its own export is Llama's
 
