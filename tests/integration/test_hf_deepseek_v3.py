@@ -319,6 +319,47 @@ def test_the_model_section_the_import_prints_loads_back(tmp_path):
     assert CONVERTER.structure(section, ModelConfig) == import_model(tmp_path / "hf")[0]
 
 
+def test_continued_pre_training_carries_the_correction_bias_and_the_depth(tiny_config, tmp_path):
+    """docs/interop.md's workflow on a DeepSeek-V3 folder with a depth (a forge export stands
+    in for the release: transformers' own save has no depths): import, train three steps from
+    it with the printed [model] section and the balancing bias moving, export. The export holds
+    the trained correction biases (forge's expert_bias buffers, saved in its checkpoints) and
+    depth, and transformers loads it with the trained model's logits."""
+    from tests.e2e.test_train_script import TRAIN, run_dir
+
+    cfg = attrs.evolve(
+        BASE, vocab_size=259, max_seq_len=32, moe_first_dense=1, mtp_depth=1, mtp_moe=True
+    )
+    torch.manual_seed(0)
+    released = Transformer(cfg)
+    export_model(released.state_dict(), cfg, tmp_path / "released", "float32")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        argv = ["import", str(tmp_path / "released"), "--out", str(tmp_path / "imported")]
+        assert CONVERT.main(argv) == 0
+    model_section = out.getvalue()[out.getvalue().index("\n[model]") :]
+    text = tiny_config.read_text()
+    tiny_config.write_text(model_section + "\n" + text[text.index("[train]") :])
+    load = f"--checkpoint.load_path={tmp_path / 'imported' / 'step_0'}"
+    steps = ["--train.max_steps=3", "--model.moe_bias_update_rate=0.01"]
+    assert TRAIN.main([str(tiny_config), load, *steps]) == 0
+    export = ["export", str(run_dir(tiny_config)), "--out", str(tmp_path / "exp")]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert CONVERT.main([*export, "--dtype", "float32"]) == 0
+    trained = forge_model(tmp_path / "exp")
+    assert trained.cfg == cfg  # the rate is training's, not the model's: not exported
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exp").eval()
+    x = TOKENS[:, :32] % 259
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, logits(trained, x), atol=1e-4, rtol=1e-4)
+    before, after = safetensors_of(tmp_path / "released"), safetensors_of(tmp_path / "exp")
+    for layer in (1, 2, 3):  # the model's mixtures of experts, then the depth's
+        bias = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+        assert not torch.equal(after[bias], before[bias]), bias
+    depth = "model.layers.3.eh_proj.weight"
+    assert not torch.equal(after[depth], before[depth])
+
+
 # --- refusals: convert_checkpoint.py import on a copy of a valid folder with one thing
 # changed: exit 2, one ``error:`` line naming the key, nothing written
 

@@ -6,28 +6,41 @@ presets, plain RoPE unchanged.
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import pytest
 import torch
 
 from forge.config import ModelConfig, load_config
+from forge.config.latent import LatentConfig
+from forge.config.model import MoeRouter
 from forge.config.shapes import forge_shapes
 from forge.interop.families.qwen3_moe import forge_layout, sparse_layout
-from forge.interop.hf_config import model_config_from_hf
-from forge.model.transformer import Transformer, rope_tables
+from forge.interop.hf_config import hf_config_problems, model_config_from_hf
+from forge.interop.tensor_names import all_shapes
+from forge.metrics.flops import non_embedding_parameters
+from forge.model.transformer import Transformer, num_parameters, rope_tables
 from tests.conftest import REPO
 
 
 def test_forge_shapes_are_the_built_models_state_dict():
-    moe = {"moe_num_experts": 3, "moe_top_k": 2, "moe_hidden_dim": 24, "moe_shared_experts": 1}
+    moe = ModelConfig(
+        dim=32, n_layers=3, n_heads=4, moe_num_experts=4, moe_top_k=2, moe_hidden_dim=24,
+        moe_shared_experts=1, moe_first_dense=1,
+    )  # fmt: skip
+    latent = LatentConfig(kv_rank=8, q_rank=12, nope_dim=4, rope_dim=4, v_dim=6)
     for cfg in (
         ModelConfig(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=12, qk_norm=True),
-        ModelConfig(dim=32, n_layers=3, n_heads=4, moe_first_dense=1, **moe),
+        moe,
         ModelConfig(dim=32, n_layers=2, n_heads=2, tie_embeddings=True),
+        attrs.evolve(moe, mla=latent, moe_router=MoeRouter.SIGMOID, mtp_depth=2, mtp_moe=True),
+        attrs.evolve(moe, mla=attrs.evolve(latent, q_rank=0), mtp_depth=1),
     ):
         with torch.device("meta"):
             state = Transformer(cfg).state_dict()
-        assert forge_shapes(cfg) == {k: tuple(v.shape) for k, v in state.items()}
+        assert all_shapes(cfg) == {k: tuple(v.shape) for k, v in state.items()}
+        assert all_shapes(cfg) == forge_shapes(cfg) or cfg.mtp_depth
 
 
 def hf_sparse_blocks(n_layers: int, step: int, dense: list[int]) -> list[int]:
@@ -101,14 +114,94 @@ RELEASED = {
 }  # fmt: skip
 
 
+def preset(name: str) -> ModelConfig:
+    return load_config([str(REPO / "configs" / "train" / f"{name}.toml")]).config.model
+
+
 @pytest.mark.parametrize("name", list(RELEASED))
 def test_a_released_config_json_imports_as_its_preset(name):
     cfg, _ = model_config_from_hf(RELEASED[name])
-    ours = load_config([str(REPO / "configs" / "train" / f"{name}.toml")]).config.model
-    assert cfg == attrs.evolve(ours, max_seq_len=cfg.max_seq_len)
+    assert cfg == attrs.evolve(preset(name), max_seq_len=cfg.max_seq_len)
+
+
+# deepseek-ai/DeepSeek-V3's config.json (the keys forge reads and DeepSeek's own; its
+# auto_map left out), as released: FP8 weights, YaRN to a 163840-token context
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1,
+    "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+    "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+    "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+    "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}  # fmt: skip
+
+
+def test_deepseek_v3s_config_json_is_refused_for_its_yarn_and_without_it_is_the_preset():
+    """The release's YaRN is refused by name; without it the file is the preset's model but
+    for what config.json does not say: the depths (an import reads them off the weights),
+    the training keys, and the preset's pre-training context."""
+    assert hf_config_problems(DEEPSEEK_V3) == [
+        "config.json: RoPE type 'yarn' (rope scaling) is not implemented by forge, only plain "
+        "RoPE ('default') and Llama 3.1's ('llama3'); the model's logits would differ"
+    ]
+    ours = preset("deepseek_v3_671b")
+    plain = {k: v for k, v in DEEPSEEK_V3.items() if k != "rope_scaling"}
+    cfg, _ = model_config_from_hf(plain)
+    keys = ("max_seq_len", "mtp_depth", "mtp_moe", "moe_bias_update_rate", "moe_aux_loss_weight")
+    assert attrs.evolve(cfg, **{k: getattr(ours, k) for k in keys}) == ours
+    assert (cfg.mtp_depth, ours.mtp_depth, ours.mtp_moe) == (0, 1, True)
+
+
+def test_the_deepseek_v3_preset_has_the_releases_counts_and_transformers_builds_it():
+    """671.03B in the model (DeepSeek's 671B), 37.55B active (its 37B), 11.61B in the depth
+    (its 14B holds its own copies of the embedding and head: 684.5B in the files), and
+    transformers' own class, from the config.json forge's export writes, has the model's
+    parameters exactly (it builds no depth)."""
+    transformers = pytest.importorskip("transformers")
+    from forge.interop.export import hf_config
+
+    cfg = preset("deepseek_v3_671b")
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    total, embedding = num_parameters(model), cfg.vocab_size * cfg.dim
+    depth = sum(p.numel() for n, p in model.named_parameters() if n.startswith("mtp."))
+    assert (total - depth, depth) == (671_026_404_352, 11_610_067_968)
+    assert non_embedding_parameters(cfg, active=True) + embedding == 37_552_282_624
+    files = sum(math.prod(s) for n, s in all_shapes(cfg).items() if "expert_bias" not in n)
+    assert files + 2 * embedding == 684_489_830_400  # with the depth's copies, no buffers
+    config = hf_config(cfg, "bfloat16")
+    kwargs = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    hf = transformers.AutoConfig.for_model(config["model_type"], **kwargs)
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(hf)
+    assert type(theirs).__name__ == "DeepseekV3ForCausalLM"
+    assert sum(p.numel() for p in theirs.parameters()) == total - depth
 
 
 def test_rope_tables_without_scaling_are_unchanged():
     cos, sin = rope_tables(16, 8, 10000.0)
     angles = torch.outer(torch.arange(8.0), 1.0 / 10000.0 ** (torch.arange(0, 16, 2) / 16.0))
     assert torch.equal(cos, angles.cos()) and torch.equal(sin, angles.sin())
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3_debug", "deepseek_v3_671b"])
+def test_the_deepseek_v3_presets_export_as_deepseek_v3(name):
+    from forge.interop.export_rules import export_family, export_problem
+
+    cfg = preset(name)
+    assert export_problem(cfg) is None and export_family(cfg).architecture == (
+        "DeepseekV3ForCausalLM"
+    )
+    assert cfg.mla is not None and cfg.mtp_depth == 1 and cfg.mtp_moe
