@@ -210,8 +210,9 @@ def is_moe(model: nn.Module) -> bool:
 class Transformer(nn.Module):
     """Decoder-only language model returning logits ``(B, T, vocab)``.
 
-    A pipeline stage is the same class with some parts set to None: without
-    ``tok_embeddings`` it takes hidden states, without ``output`` it returns them. ``layers``
+    A pipeline stage is the same class with some parts set to None: a stage after the first
+    (``embeds_tokens`` false) takes hidden states, without ``output`` it returns them; the last
+    stage of a model with multi-token depths keeps a copy of the embedding for them. ``layers``
     is keyed by the global layer index, so a stage's parameter names match the full model's.
     """
 
@@ -222,6 +223,7 @@ class Transformer(nn.Module):
     # distributed.cp: the context-parallel group (``forge.parallel.context_parallel``); the
     # forward then takes this rank's head–tail part of every row
     context_group: ProcessGroup | None = None
+    embeds_tokens: bool = True  # false: a pipeline stage after the first (hidden states in)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -295,6 +297,7 @@ class Transformer(nn.Module):
         loss: LossSpec | None = None,
         cache: KVCache | None = None,
         hidden: bool = False,
+        depth_tokens: torch.Tensor | None = None,
     ) -> Any:
         """Token ids ``(B, T)`` (or hidden states on a later pipeline stage) to logits.
 
@@ -302,17 +305,17 @@ class Transformer(nn.Module):
         pipeline stage receives the earlier stages' ``moe_stats`` beside the hidden states.
 
         Packed rows pass per-token ``positions`` (RoPE restarts per document) and
-        ``document_ids`` (attention stays within a document). With ``labels`` and a
-        chunked ``loss``, returns ``chunked_lm_loss``'s objective, per-token cross-entropy
-        and z term instead, never materialising the logits; the loss is computed
-        here, in forward, so FSDP2's and the pipeline's hooks see the output weight used as
-        usual. With a ``cache`` (generation), ``tokens`` continue the cached positions. A model
-        with multi-token depths (``model.mtp_depth``) given ``labels`` appends each depth's
-        summed cross-entropy ``(mtp_depth,)`` to what it returns (before the MoE statistics),
-        in training mode.
-        With ``hidden``, the last block's output (before the final norm) instead of logits.
+        ``document_ids`` (attention stays within a document). With ``labels`` and a chunked
+        ``loss``, returns ``chunked_lm_loss``'s objective, per-token cross-entropy and z term
+        instead, never materialising the logits; the loss is computed here, in forward, so
+        FSDP2's and the pipeline's hooks see the output weight used as usual. With a ``cache``
+        (generation), ``tokens`` continue the cached positions. A model with multi-token
+        depths given ``labels`` appends each depth's summed cross-entropy ``(mtp_depth,)``
+        (before the MoE statistics), in training mode; they embed ``depth_tokens`` on a
+        pipeline's last stage. With ``hidden``, the last block's output (before the final
+        norm) instead of logits.
         """
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = self.tok_embeddings(tokens) if self.embeds_tokens else tokens  # type: ignore[misc]
         cos, sin = self.rope_cos, self.rope_sin
         if positions is not None:  # (B, 1, T, D/2): one table per row, broadcast over heads
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
@@ -340,8 +343,9 @@ class Transformer(nn.Module):
             cache.length += tokens.shape[1]
         depths = None
         if self.mtp is not None and labels is not None and cache is None and self.training:
+            ids = tokens if depth_tokens is None else depth_tokens
             depths, moe_stats = depth_losses(
-                self, h, tokens, labels, (cos, sin), mask, loss, moe_stats
+                self, h, ids, labels, (cos, sin), mask, loss, moe_stats
             )
         out = h if hidden else self.head(h, labels, loss)  # hidden: before the final norm
         if depths is not None:

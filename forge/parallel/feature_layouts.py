@@ -8,10 +8,7 @@ from forge.config.sections import JobConfig
 
 # model features whose layers have no plan yet in some of the tensor, pipeline and
 # context-parallel layouts: (the feature, whether a model uses it, those layouts)
-SHARDED_ONLY = (
-    ("latent attention ([model.mla])", lambda m: m.mla is not None, ("tp", "pp", "cp")),
-    ("multi-token prediction (model.mtp_depth)", lambda m: m.mtp_depth > 0, ("pp",)),
-)
+SHARDED_ONLY = (("latent attention ([model.mla])", lambda m: m.mla is not None, ("cp",)),)
 
 
 def sharded_only_problems(config: JobConfig, dims: object) -> list[Problem]:

@@ -10,12 +10,16 @@ last so it traces the final modules, hooks included.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as torch_dist
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -27,6 +31,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from forge.config.sections import ActivationCheckpointing, Precision
+from forge.model.latent_attention import LatentAttention
 from forge.model.moe import MoE
 from forge.model.transformer import Transformer, TransformerBlock
 from forge.model.vlm import VisionLanguageModel
@@ -78,33 +83,109 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
         parallelize_module(block, tp_mesh, block_plan(block))
     for depth in model.mtp.values() if model.mtp is not None else ():
         parallelize_module(depth, tp_mesh, depth_plan())
+        assert isinstance(depth.block, nn.Module)
         parallelize_module(depth.block, tp_mesh, block_plan(depth.block))
 
 
 def block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
-    """A transformer block's plan: heads split over the attention projections, the norms on
-    sequence shards, the feed-forward's (``dense_ffn_plan``, ``moe_plan``)."""
+    """A transformer block's plan: heads split over the attention projections
+    (``latent_plan`` for latent attention), the norms on sequence shards, the
+    feed-forward's (``dense_ffn_plan``, ``moe_plan``)."""
     assert isinstance(block, TransformerBlock)
     qk_norms: dict[str, ParallelStyle] = {}
-    if block.attention.q_norm is not None:
+    if getattr(block.attention, "q_norm", None) is not None:
         # q and k hold this rank's heads (dim 2): the norm's weight is replicated and each
         # rank normalises its own heads, returning plain local tensors to attention
         heads = SequenceParallel(sequence_dim=2, use_local_output=True)
         qk_norms = {"attention.q_norm": heads, "attention.k_norm": heads}
+    attention: dict[str, ParallelStyle] = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+    }
+    if isinstance(block.attention, LatentAttention):
+        attention = latent_plan(block.attention)
     plan: dict[str, ParallelStyle] = {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(  # (x, cos, sin, mask): only x is sharded
             input_layouts=(Shard(1), None, None, None),
             desired_input_layouts=(Replicate(), None, None, None),
         ),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
+        **attention,
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
     }
     ffn = moe_plan() if isinstance(block.feed_forward, MoE) else dense_ffn_plan()
     return qk_norms | plan | ffn
+
+
+def latent_plan(attention: LatentAttention) -> dict[str, ParallelStyle]:
+    """Latent attention's heads split: the up-projections to each head's query, key and value
+    (``wq`` or ``wq_b``, ``wkv_b``) by columns, ``wo`` by rows; the compressions before them
+    (``wq_a``, ``wkv_a``) and their norms are computed whole on every rank (``Replicated``):
+    their output's gradient is complete where a column-split projection consumes it (its
+    input's gradient is summed over the group), and summed here for the rotated key every
+    head shares (the last ``rope_dim`` channels of ``wkv_a``'s output), of which each rank's
+    heads give a part."""
+    plan: dict[str, ParallelStyle] = {
+        "attention.wkv_a": Replicated(sum_grad_from=attention.m.kv_rank),
+        "attention.kv_norm": Replicated(),
+        "attention.wkv_b": ColwiseParallel(),
+    }
+    if attention.wq is not None:
+        return plan | {"attention.wq": ColwiseParallel()}
+    return plan | {
+        "attention.wq_a": Replicated(),
+        "attention.q_a_norm": Replicated(),
+        "attention.wq_b": ColwiseParallel(),
+    }
+
+
+class Replicated(ParallelStyle):
+    """A module every tensor-parallel rank computes whole: its weights replicated DTensors
+    (their gradients the same on every rank, from complete output gradients), its input taken
+    as replicated, its output a plain tensor. With ``sum_grad_from``, the output's gradient
+    in the channels from there on is summed over the group in backward (each rank's consumers
+    give only a part of it)."""
+
+    def __init__(self, sum_grad_from: int | None = None) -> None:
+        super().__init__()
+        self.sum_grad_from = sum_grad_from
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicated_inputs(_: nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:
+            return tuple(
+                x.redistribute(mesh, [Replicate()])
+                if isinstance(x, DTensor)
+                else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                for x in inputs
+            )
+
+        def local_output(_: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+            local = output.to_local()
+            if self.sum_grad_from is None:
+                return local
+            return SumGradTail.apply(local, self.sum_grad_from, mesh.get_group())
+
+        return distribute_module(
+            module, device_mesh, input_fn=replicated_inputs, output_fn=local_output
+        )
+
+
+class SumGradTail(torch.autograd.Function):
+    """Identity in forward; in backward the gradient's channels from ``start`` on are summed
+    over ``group`` (the rest passes as it is)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, start: int, group: ProcessGroup) -> torch.Tensor:
+        ctx.start, ctx.group = start, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        tail = grad[..., ctx.start :].contiguous()
+        torch_dist.all_reduce(tail, group=ctx.group)
+        return torch.cat([grad[..., : ctx.start], tail], dim=-1), None, None
 
 
 def depth_plan() -> dict[str, ParallelStyle]:

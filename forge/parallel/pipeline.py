@@ -42,24 +42,29 @@ def stage_boundaries(model: Transformer, cfg: DistributedConfig) -> tuple[int, .
     if cfg.pp_stage_boundaries:
         return cfg.pp_stage_boundaries
     layers = [count(block) for block in model.layers.values()]
-    head = count(model.norm) + count(model.output)  # a tied head still costs its stage a copy
+    # a tied head still costs its stage a copy; multi-token depths sit with the head
+    head = count(model.norm) + count(model.output) + count(model.mtp)
     costs = layer_costs(layers, count(model.tok_embeddings), head)
     return balanced_boundaries(costs, cfg.n_stages)
 
 
 def stage_module(model: Transformer, layers: range, first: bool, last: bool) -> Transformer:
     """A copy of ``model`` holding only ``layers`` (global names kept); the embedding lives on
-    the ``first`` stage, the final norm and head on the ``last``."""
+    the ``first`` stage, the final norm, head and multi-token depths on the ``last``, which
+    keeps a copy of the embedding for its depths (``tied_weight`` keeps the two alike)."""
     keep = {str(i) for i in layers}
     part = copy.deepcopy(model)
     for name in list(part.layers.keys()):
         if name not in keep:
             del part.layers[name]
     if not first:
-        part.tok_embeddings = None
+        part.embeds_tokens = False
+        if not (last and part.mtp is not None):
+            part.tok_embeddings = None
     if not last:
         part.norm = None
         part.output = None
+        part.mtp = None
     return part
 
 
@@ -108,9 +113,18 @@ class RankStages(Transformer):
         self.add_module("layers", layers)
         self.add_module("norm", first_of(s.norm for s in stages))
         self.add_module("output", first_of(s.output for s in stages))
+        self.add_module("mtp", first_of(s.mtp for s in stages))
         self.register_buffer("rope_cos", stages[0].rope_cos, persistent=False)
         self.register_buffer("rope_sin", stages[0].rope_sin, persistent=False)
         self.stages = tuple(stages)  # a tuple: not registered, the names stay global
+
+    def train(self, mode: bool = True) -> RankStages:
+        """Training or evaluation mode on this module and on each stage module the schedule
+        runs (the stages are not its children; their forward reads the mode)."""
+        super().train(mode)
+        for stage in self.stages:
+            stage.train(mode)
+        return self
 
     def register_forward_hook(self, hook: Any, *args: Any, **kwargs: Any) -> RemovableHandle:
         """The hook on every stage module, as this module's forward never runs (a ``nan``
@@ -135,14 +149,19 @@ def rank_model(stages: Sequence[Transformer]) -> Transformer:
     itself), after the stages are materialized. A tied embedding is one weight where the
     first and the last stage share the rank (V layout); where the rank holds only the last
     stage, the head's weight is also registered as the embedding (``HeldEmbedding``)."""
-    first = next((s for s in stages if s.tok_embeddings is not None), None)
+    first = next((s for s in stages if s.embeds_tokens), None)
     last = next((s for s in stages if s.output is not None), None)
     tied = stages[0].cfg.tie_embeddings
-    if tied and first is not None and last is not None and first.tok_embeddings is not None:
-        assert last.output is not None
-        last.output.weight = first.tok_embeddings.weight
+    if first is not None and last is not None and first.tok_embeddings is not None:
+        if tied:
+            assert last.output is not None
+            last.output.weight = first.tok_embeddings.weight
+        if last is not first and last.tok_embeddings is not None:  # the depths' copy
+            last.tok_embeddings.weight = first.tok_embeddings.weight
     model = stages[0] if len(stages) == 1 else RankStages(stages)
-    if tied and first is None and last is not None and last.output is not None:
+    # a last stage with multi-token depths holds its embedding's copy, tied to its head
+    held = first is None and last is not None and last.tok_embeddings is None
+    if tied and held and last is not None and last.output is not None:
         model.add_module("tok_embeddings", HeldEmbedding(last.output.weight))
     return model
 
@@ -192,11 +211,13 @@ def tied_weight(
     pp_rank: int,
     last_rank: int,
 ) -> TiedWeight | None:
-    """This rank's ``TiedWeight`` when the embedding is tied and its two ends lie on
+    """This rank's ``TiedWeight`` when the embedding is also needed on the last stage (tied
+    to the head, or embedding the tokens of multi-token depths) and its two ends lie on
     different pipeline ranks (pipeline rank 0, whose first stage holds the embedding, and
-    ``last_rank``, whose last stage holds the head); None elsewhere. Every rank takes part
-    in creating the groups of every pair."""
-    if not stages[0].cfg.tie_embeddings or last_rank == 0:
+    ``last_rank``, whose last stage holds the head or the depths' copy); None elsewhere.
+    Every rank takes part in creating the groups of every pair."""
+    cfg = stages[0].cfg
+    if not (cfg.tie_embeddings or cfg.mtp_depth > 0) or last_rank == 0:
         return None
     group = pp_group  # at pp = 2 the two ends are the whole pipeline group
     if torch_dist.get_world_size(pp_group) > 2:
@@ -206,17 +227,24 @@ def tied_weight(
             if me in pair:
                 assert isinstance(made, ProcessGroup)
                 group = made
-    embedding, head = stages[0].tok_embeddings, stages[-1].output  # in stage order
+    embedding = stages[0].tok_embeddings if stages[0].embeds_tokens else None  # stage order
     if pp_rank == 0 and embedding is not None:
         return TiedWeight(embedding.weight, group, in_norm=True)
-    if pp_rank == last_rank and head is not None:
-        return TiedWeight(head.weight, group, in_norm=False)
+    copy_ = stages[-1].output if cfg.tie_embeddings else stages[-1].tok_embeddings
+    if pp_rank == last_rank and copy_ is not None:
+        return TiedWeight(copy_.weight, group, in_norm=False)
     return None
 
 
-def head_kwargs(labels: torch.Tensor, loss: LossSpec) -> dict[str, object]:
-    """The last stage's keyword inputs: with a chunked loss the stage computes the loss from
-    ``labels`` itself (the schedule splits them with the micro-batches)."""
-    if not loss.chunked:
-        return {}
-    return {"labels": labels, "loss": loss}
+def head_kwargs(
+    labels: torch.Tensor, loss: LossSpec, tokens: torch.Tensor | None = None
+) -> dict[str, object]:
+    """The last stage's keyword inputs (the schedule splits them with the micro-batches): with
+    a chunked loss the stage computes the loss from ``labels`` itself; a model with
+    multi-token depths also takes the row's ``tokens`` for them, and the labels."""
+    kwargs: dict[str, object] = {}
+    if loss.chunked:
+        kwargs |= {"labels": labels, "loss": loss}
+    if tokens is not None:
+        kwargs |= {"labels": labels, "depth_tokens": tokens}
+    return kwargs

@@ -1,6 +1,6 @@
 """The last pipeline stage's loss function: what ``micro_batch_loss`` computes outside a
-pipeline (cross-entropy, z-loss, a mixture of experts' auxiliary losses), weighed so that
-every label of the step counts the same."""
+pipeline (cross-entropy, z-loss, a mixture of experts' auxiliary losses, the multi-token
+depths' losses), weighed so that every label of the step counts the same."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from forge.data.packing import IGNORE_INDEX
 from forge.metrics.sources import SourceStats
 from forge.model.chunked_loss import PLAIN_LOSS, LossSpec
 from forge.model.moe import moe_terms
+from forge.model.mtp import split_mtp_output
 from forge.model.transformer import split_moe_output
 
 
@@ -31,6 +32,8 @@ class MicroRecord:
     moe: torch.Tensor | None = None
     # a mixture's rows: (source index, loss sum, labels) of each row; None when untracked
     rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # the multi-token depths' summed losses × each depth's label weight; None without
+    depths: torch.Tensor | None = None
 
 
 def head_terms(
@@ -68,16 +71,21 @@ class StageLoss:
     not matter in which order a schedule computes the losses.
     """
 
-    def __init__(self, loss: LossSpec = PLAIN_LOSS, moe: bool = False) -> None:
+    def __init__(self, loss: LossSpec = PLAIN_LOSS, moe: bool = False, depth: int = 0) -> None:
         self.loss = loss
         self.moe = moe
+        self.depth = depth  # the model's multi-token depths
         self._per_label: torch.Tensor | None = None
+        self._per_target: torch.Tensor | None = None
         self._records: list[MicroRecord] = []
         self.sources = False  # whether targets carry each row's source (``track``)
 
-    def weigh(self, per_label: torch.Tensor | None) -> None:
-        """Set one label's weight for the coming step (None: every micro-batch weighs 1)."""
+    def weigh(self, per_label: torch.Tensor | None, per_target: torch.Tensor | None = None) -> None:
+        """Set one label's weight for the coming step (None: every micro-batch weighs 1) and
+        one target's of each multi-token depth ``(depth,)`` (None: the step computes no
+        depth: evaluation)."""
         self._per_label = per_label
+        self._per_target = per_target
 
     def track(self, sources: bool) -> None:
         """Record each row's source, loss sum and labels in the coming run (``rows``); its
@@ -87,6 +95,7 @@ class StageLoss:
 
     def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         out, stats = split_moe_output(output, self.moe)
+        out, depths = split_mtp_output(out, self._per_target is not None)
         labels, rows = (target[:, :-1], target[:, -1]) if self.sources else (target, None)
         objective, ce, z, per_token = head_terms(out, labels, self.loss)
         row_sums = None
@@ -103,8 +112,14 @@ class StageLoss:
             share = torch.ones((), device=objective.device)
         else:
             share = count * self._per_label.to(objective.device)
-        self._records.append(MicroRecord(ce, z, count, share.detach(), stats, row_sums))
-        return objective * share
+        objective = objective * share
+        if depths is not None and self._per_target is not None:
+            weighed = depths * self._per_target.to(depths.device)
+            objective = objective + self.loss.mtp_weight / self.depth * weighed.sum()
+            depths = weighed.detach()
+        record = MicroRecord(ce, z, count, share.detach(), stats, row_sums, depths)
+        self._records.append(record)
+        return objective
 
     def take(self, n: int) -> list[MicroRecord]:
         """The last ``n`` micro-batches' records, forgetting all.

@@ -162,11 +162,11 @@ LATENT_KEYS, MTP_KEYS = "[model.mla]\nkv_rank = 16\n", "mtp_depth = 1\n"
 @pytest.mark.parametrize(
     ("feature", "what", "dim", "refused"),
     [
-        (LATENT_KEYS, "latent attention", "tp", True),
-        (LATENT_KEYS, "latent attention", "pp", True),
+        (LATENT_KEYS, "latent attention", "tp", False),
+        (LATENT_KEYS, "latent attention", "pp", False),
         (LATENT_KEYS, "latent attention", "cp", True),
         (MTP_KEYS, "multi-token", "tp", False),
-        (MTP_KEYS, "multi-token", "pp", True),
+        (MTP_KEYS, "multi-token", "pp", False),
         (MTP_KEYS, "multi-token", "cp", False),
     ],
 )

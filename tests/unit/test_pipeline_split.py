@@ -322,3 +322,37 @@ def test_a_forward_hook_on_a_rank_of_several_stages_reaches_each_stage():
     handle.remove()
     first(tokens)
     assert seen == stages
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize(
+    ("kind", "per_rank"),
+    [
+        (PipelineSchedule.ONE_F_ONE_B, 1),
+        (PipelineSchedule.INTERLEAVED_1F1B, 2),
+        (PipelineSchedule.ZBV, 2),
+    ],
+    ids=["one stage a rank", "looped", "v layout"],
+)
+def test_the_last_stage_holds_the_depths_and_an_embedding_for_them_under_global_names(
+    kind, per_rank, tied
+):
+    """Multi-token depths sit with the head; the last stage embeds their tokens with its own
+    copy of the embedding (the first stage's own weight where one rank holds both), named as
+    the full model's, and takes hidden states, not token ids."""
+    full = meta_model(mtp_depth=2, tie_embeddings=tied)
+    d = DistributedConfig(pp=2, pp_schedule=kind, pp_stages_per_rank=per_rank)
+    ranks = [rank_model(rank_stage_modules(full, d, r)) for r in range(2)]
+    every = [s for r in ranks for s in getattr(r, "stages", (r,))]
+    last = next(s for s in every if s.output is not None)
+    assert [s.mtp is not None for s in every].count(True) == 1 and last.mtp is not None
+    assert not last.embeds_tokens and isinstance(last.tok_embeddings, torch.nn.Embedding)
+    holder = next(r for r in ranks if last in getattr(r, "stages", (r,)))
+    assert names(holder)[0] == "tok_embeddings.weight"
+    assert any(n.startswith("mtp.2.") for n in names(holder))
+    assert set().union(*(r.state_dict() for r in ranks)) == set(full.state_dict())
+    first = next(s for s in every if s.embeds_tokens)
+    if kind is PipelineSchedule.ZBV:  # one rank holds both ends: one weight
+        assert last.tok_embeddings.weight is first.tok_embeddings.weight  # type: ignore[union-attr]
+    if tied:
+        assert last.output.weight is last.tok_embeddings.weight

@@ -43,7 +43,7 @@ def pipeline_of(
     rank, group = pp_mesh.get_local_rank(), pp_mesh.get_group()
     kind, per_rank = d.pp_schedule, d.pp_stages_per_rank
     indices = local_stages(kind, d.pp, per_rank, rank)
-    stage_loss = StageLoss(loss, cfg.model.moe)
+    stage_loss = StageLoss(loss, cfg.model.moe, cfg.model.mtp_depth)
     schedule = build_schedule(
         list(zip(indices, stages, strict=True)),
         d.n_stages,

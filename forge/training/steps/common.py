@@ -159,12 +159,21 @@ def label_counts(batches: Sequence[Batch]) -> torch.Tensor:
     return torch.stack([(b.labels != IGNORE_INDEX).sum() for b in batches]).float()
 
 
-def depth_count_rows(batches: Sequence[Batch], model: nn.Module) -> torch.Tensor:
-    """Each micro-batch's targets of every multi-token depth of ``model`` ``(micro-batches,
-    depth)`` at this rank's positions (under context parallelism, counted on whole rows:
-    ``forge.model.mtp.depth_inputs``)."""
-    depth, group = mtp_depth_of(model), getattr(model, "context_group", None)
-    return torch.stack([depth_counts(b.labels, depth, group) for b in batches])
+def with_depth_counts(
+    counts: torch.Tensor, batches: Sequence[Batch], model: nn.Module
+) -> torch.Tensor:
+    """``counts`` (each micro-batch's labels) beside each micro-batch's targets of every
+    multi-token depth of ``model`` ``(micro-batches, 1 + depth)``, at this rank's positions
+    (under context parallelism counted on whole rows: ``forge.model.mtp.depth_inputs``); the
+    labels alone without depths. ``model``: a model, or a pipeline rank's stages."""
+    depth = model.cfg.mtp_depth  # type: ignore[union-attr]  # every pipeline rank alike
+    assert isinstance(depth, int)
+    if not depth:
+        return counts
+    parts = getattr(model, "stages", (model,))
+    group = next((g for m in parts if (g := getattr(m, "context_group", None)) is not None), None)
+    depths = torch.stack([depth_counts(b.labels, depth, group) for b in batches])
+    return torch.cat([counts[:, None], depths], dim=1)
 
 
 def mtp_depth_of(model: nn.Module) -> int:

@@ -28,6 +28,7 @@ from forge.training.steps.common import (
     step_labels,
     step_lr,
     trainable_parameters,
+    with_depth_counts,
 )
 from forge.training.steps.replay import Replayer
 from forge.training.steps.spec import StepFunction, StepSpec
@@ -46,7 +47,8 @@ def stage_inputs(
 ) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
     """The schedule's positional and keyword inputs on this rank, each the concatenation of
     ``batches`` (the schedule splits them again, one per micro-batch): the first stage feeds
-    the tokens, the last the labels (and, with a chunked ``loss``, computes it itself). Packed
+    the tokens, the last the labels (and, with a chunked ``loss``, computes it itself; with
+    multi-token depths, it takes the tokens too and computes their losses). Packed
     rows' positions and document ids go to every stage as keyword inputs, split alike: each
     stage's attention and RoPE need them (they are not activations to send on)."""
     args = (torch.cat([b.inputs for b in batches]),) if pipeline.is_first else ()
@@ -61,7 +63,8 @@ def stage_inputs(
         if pipeline.loss.sources:
             target = with_sources(labels, torch.cat([sources_of(b) for b in batches]))
         kwargs |= {"target": target, "losses": [], "return_outputs": False}
-        kwargs |= head_kwargs(labels, loss)
+        tokens = torch.cat([b.inputs for b in batches]) if pipeline.loss.depth else None
+        kwargs |= head_kwargs(labels, loss, tokens)
     return args, kwargs
 
 
@@ -111,8 +114,14 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
     def gradients(batches: tuple[Batch, ...], step: int, computation: int) -> StepTotals:
         params = trainable_parameters(stage)  # a freeze schedule may change them
         device = next(stage.parameters()).device
-        labels = step_labels(label_counts(batches), spec.token_slices, spec.world_size)
-        pipeline.loss.weigh(label_weight(labels, spec.token_slices))
+        counts = with_depth_counts(label_counts(batches), batches, stage)
+        weight = label_weight(
+            step_labels(counts, spec.token_slices, spec.world_size), spec.token_slices
+        )
+        if pipeline.loss.depth:  # one target of depth k weighs the same at any split
+            pipeline.loss.weigh(weight[0], weight[1:])
+        else:
+            pipeline.loss.weigh(weight)
         pipeline.loss.track(bool(spec.sources))
         try:
             run_stage(pipeline, batches, spec.loss, Pass.TRAIN)
@@ -136,6 +145,7 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
             z_loss=measured.z,
             moe=measured.moe,
             sources=measured.sources,
+            mtp=measured.mtp,
         )
 
     def pipeline_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
@@ -151,13 +161,15 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
 @attrs.frozen
 class StageTotals:
     """What the last stage measured of a step, on every stage: the token-weighted loss, its
-    z term (None when off), the MoE statistics (None when dense) and a mixture's per-source
-    sums ``(2, sources)`` (None without)."""
+    z term (None when off), the MoE statistics (None when dense), a mixture's per-source
+    sums ``(2, sources)`` (None without) and the multi-token depths' weighed losses
+    ``(depth,)`` (None without)."""
 
     loss: torch.Tensor
     z: torch.Tensor | None = None
     moe: torch.Tensor | None = None
     sources: torch.Tensor | None = None
+    mtp: torch.Tensor | None = None
 
 
 def stage_totals(
@@ -179,14 +191,20 @@ def stage_totals(
     per_source = torch.zeros((2, len(sources)), dtype=torch.float64, device=device)
     if sources and records:
         per_source = source_sums(records, SourceStats(sources, device))
+    depth = pipeline.loss.depth
+    mtp = torch.zeros(depth, device=device)
+    for r in records:
+        mtp = mtp + r.depths if r.depths is not None else mtp
     scalars = [loss] if z is None else [loss, z]
-    parts = [torch.stack(scalars), moe.flatten(), per_source.flatten()]
+    parts = [torch.stack(scalars), moe.flatten(), per_source.flatten(), mtp]
     totals = torch.cat([t.double() for t in parts])
     torch_dist.all_reduce(totals, group=pipeline.group)
-    n_scalar, n_moe = len(scalars), moe.numel()
+    n_scalar, n_moe, n_source = len(scalars), moe.numel(), per_source.numel()
+    rest = n_scalar + n_moe + n_source
     return StageTotals(
         loss=totals[0].float(),
         z=totals[1].float() if with_z else None,
         moe=totals[n_scalar : n_scalar + n_moe].float().view(moe_shape) if moe_shape else None,
-        sources=totals[n_scalar + n_moe :].view(2, len(sources)) if sources else None,
+        sources=totals[n_scalar + n_moe : rest].view(2, len(sources)) if sources else None,
+        mtp=totals[rest:].float() if depth else None,
     )

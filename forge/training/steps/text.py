@@ -14,7 +14,6 @@ from forge.model.precision import autocast_for, device_type_of
 from forge.parallel.grad_norm import global_grad_norm
 from forge.training.steps.common import (
     StepTotals,
-    depth_count_rows,
     finish_step,
     label_counts,
     label_weight,
@@ -25,6 +24,7 @@ from forge.training.steps.common import (
     step_labels,
     step_lr,
     trainable_parameters,
+    with_depth_counts,
 )
 from forge.training.steps.replay import Replayer
 from forge.training.steps.spec import StepFunction, StepSpec
@@ -70,9 +70,8 @@ def make_text_step(spec: StepSpec) -> StepFunction:
         stats = SourceStats(spec.sources, device) if spec.sources else None
         moe: torch.Tensor | None = None
         n = len(batches)
-        counts = label_counts(batches)
-        if depth:  # each depth's targets beside the main labels: one all-reduce for all
-            counts = torch.cat([counts[:, None], depth_count_rows(batches, model)], dim=1)
+        # each depth's targets beside the main labels: one all-reduce for all
+        counts = with_depth_counts(label_counts(batches), batches, model)
         weight = label_weight(
             step_labels(counts, spec.token_slices, spec.world_size), spec.token_slices
         )
