@@ -342,6 +342,7 @@ def test_continued_pre_training_carries_the_correction_bias_and_the_depth(tiny_c
     tiny_config.write_text(model_section + "\n" + text[text.index("[train]") :])
     load = f"--checkpoint.load_path={tmp_path / 'imported' / 'step_0'}"
     steps = ["--train.max_steps=3", "--model.moe_bias_update_rate=0.01"]
+    steps += ["--checkpoint.export_final=true", "--checkpoint.export_dtype=float32"]
     assert TRAIN.main([str(tiny_config), load, *steps]) == 0
     export = ["export", str(run_dir(tiny_config)), "--out", str(tmp_path / "exp")]
     with contextlib.redirect_stdout(io.StringIO()):
@@ -358,6 +359,8 @@ def test_continued_pre_training_carries_the_correction_bias_and_the_depth(tiny_c
         assert not torch.equal(after[bias], before[bias]), bias
     depth = "model.layers.3.eh_proj.weight"
     assert not torch.equal(after[depth], before[depth])
+    final = safetensors_of(run_dir(tiny_config) / "export")  # checkpoint.export_final's
+    assert final.keys() == after.keys() and all(torch.equal(final[k], after[k]) for k in after)
 
 
 # --- refusals: convert_checkpoint.py import on a copy of a valid folder with one thing
