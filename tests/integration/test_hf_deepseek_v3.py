@@ -153,9 +153,9 @@ def test_an_import_has_transformers_logits_and_greedy_text(saved):
 
 
 @torch.no_grad()
-def test_the_rope_pairs_and_the_correction_bias_are_exercised(tmp_path):
-    """Reading the interleaved rows as halves, or dropping the score-correction bias, moves
-    the logits: the test folders exercise both."""
+def test_the_rope_pairs_the_correction_bias_and_the_scaling_are_exercised(tmp_path):
+    """Reading the interleaved rows as halves, dropping the score-correction bias or the
+    llama3 RoPE scaling moves the logits: the test folders exercise all three."""
     hf = hf_model(FOLDERS[FIRST])
     hf.save_pretrained(tmp_path / "hf")
     model = forge_model(tmp_path / "hf")
@@ -170,6 +170,13 @@ def test_the_rope_pairs_and_the_correction_bias_are_exercised(tmp_path):
             assert b.abs().max() > 0  # imported, not the softmax families' zero
             b.zero_()
     assert (logits(model, TOKENS) - theirs).abs().max() > 1e-2
+    scaled = hf_model(FOLDERS["halves (rope_interleave false), llama3 RoPE, tied"])
+    scaled.save_pretrained(tmp_path / "scaled")
+    model = forge_model(tmp_path / "scaled")
+    assert model.cfg.rope_scaling is not None  # and it matters:
+    plain = Transformer(attrs.evolve(model.cfg, rope_scaling=None)).eval()
+    plain.load_state_dict(model.state_dict())
+    assert (logits(plain, TOKENS) - scaled(TOKENS).logits).abs().max() > 1e-2
 
 
 @torch.no_grad()
