@@ -87,7 +87,7 @@ class FamilySpec:
     # why config.json's window keys are refused (before the layer_types every family checks)
     window_refusal: ImportRefusal = no_import_refusal
     import_refusal: ImportRefusal = no_import_refusal  # routing, layout: after the window
-    export_refusal: ExportRefusal = no_export_refusal  # after every MoE family's refusals
+    export_refusal: ExportRefusal = no_export_refusal  # after what the fields below decide
     # config.json keys of its own that are integers >= 0 (0: none of the thing), and numbers
     counts: tuple[str, ...] = ()
     numbers: tuple[str, ...] = ()
