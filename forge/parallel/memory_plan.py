@@ -10,13 +10,17 @@ The estimate adds what a training rank holds at its peak (``MemoryPlan``):
 - **gathered weights**: FSDP2 all-gathers a block to compute it, and prefetches the next one:
   two blocks in the compute dtype (replicas alone too: FSDP2 copies a shard of one rank out
   to compute with it, as it would gather it);
-- **activations**: what backward keeps per token and layer, counted for this model with SDPA
-  attention (no ``T × T`` scores kept): the norms' inputs and outputs, q/k/v before and after
-  RoPE, the attention output, and SwiGLU's four ``ffn``-wide tensors, i.e.
-  ``10·dim + 4·kv_dim + 4·ffn`` elements in the compute dtype; sequence parallelism divides them
-  by ``tp``; full activation checkpointing keeps only each block's input plus one block's
-  activations during its recompute, selective keeps half the blocks; a pipeline stage keeps
-  as many micro-batches in flight as its schedule does (1F1B: up to ``pp``; GPipe: all);
+- **activations**: what backward keeps per token and block, counted for this model with SDPA
+  attention (no ``T × T`` scores kept), in the compute dtype: ``7·dim`` around the attention
+  and the feed-forward (the norms' inputs and outputs, the residual stream), the attention's
+  own and the feed-forward's own (``block_elements``). A block of the default shapes,
+  grouped-query and dense, keeps ``10·dim + 4·kv_dim + 4·ffn``; latent attention and a
+  mixture of experts keep their own tensors. Sequence parallelism divides them by ``tp``
+  (latent attention's compressions excepted: every rank computes them whole);
+  full activation checkpointing keeps only each block's input plus one block's activations
+  during its recompute, selective keeps half the blocks; a stage's blocks are the largest
+  ones where blocks differ (an upper bound, as for the weights); a pipeline stage keeps as
+  many micro-batches in flight as its schedule does (1F1B: up to ``pp``; GPipe: all);
 - **loss**: the chunked loss's few ``chunk × vocab`` fp32 buffers, or the plain loss's three
   ``tokens × vocab`` ones;
 - **buffers**: the RoPE tables, cos and sin of ``max_seq_len × head_dim / 2`` in fp32.
@@ -31,6 +35,7 @@ import math
 
 import attrs
 
+from forge.config.model import ModelConfig
 from forge.config.sections import (
     ActivationCheckpointing,
     JobConfig,
@@ -105,11 +110,14 @@ def stage_parameters(
     # and norm; else the first stage's embedding or the last's head
     both_ends = pp == 1 or config.distributed.pp_schedule in V_SHAPED
     ends = embedding * (1 if m.tie_embeddings else 2) if both_ends else embedding
+    if m.mtp_depth and pp > 1:  # the depths' stage, the last, keeps a copy of the embedding
+        ends += embedding
     ends += m.dim
     norms = 2 * m.dim + (2 * m.head_size if m.qk_norm else 0)
     block = largest_block_parameters(m)  # an upper bound where blocks differ (MoE)
     extra = vision.parameters  # a vision-language model is one stage
-    # multi-token depths (one stage: pipelines refuse them); their matrices: projection, block
+    # multi-token depths (on the last stage; counted with the largest: an upper bound); their
+    # matrices: projection, block
     depths = sum(math.prod(shape) for shape in mtp_shapes(m).values())
     depth_matrices = sum(math.prod(s) for s in mtp_shapes(m).values() if len(s) == 2)
     return layers * block + ends + extra + depths, layers * (block - norms) + extra + depth_matrices
@@ -124,12 +132,59 @@ def optimizer_tensors(name: OptimizerName, total: int, hidden_matrices: int) -> 
     return 2.0 * total  # AdamW, Schedule-Free AdamW
 
 
-def activation_bytes_per_layer(config: JobConfig, tokens: int, tp: int) -> int:
-    """What backward keeps for one block and ``tokens`` tokens (see the module docstring)."""
-    m = config.model
-    kv_dim = m.kv_heads * m.head_size
-    elements = 10 * m.dim + 4 * kv_dim + 4 * m.hidden_dim
-    return tokens * elements * dtype_bytes(config.train.mixed_precision) // tp
+def attention_elements(m: ModelConfig) -> int:
+    """What backward keeps of one block's attention per token, in elements.
+
+    Grouped-query: the queries before and after RoPE (``2·dim``), the keys and values before
+    and after (``4·kv_dim``), the output (``dim``). Latent attention, counted by the same rule
+    (a projection's output and what RoPE or a norm makes of it): the queries of ``n_heads ×
+    qk_dim`` before and after RoPE, the ``q_rank`` bottleneck before and after its norm, the
+    latent with the rotated key before and after theirs (``2 × (kv_rank + rope_dim)``), the
+    latent's expansion to each head's unrotated key and value (``n_heads × (nope_dim +
+    v_dim)``), the keys joined with the shared rotated key (``n_heads × qk_dim``) and the output
+    (``n_heads × v_dim``). Its heads are wider than ``dim``: DeepSeek-V3's queries are 128 × 192
+    = 24,576 channels a token, 3.4 × its ``dim`` of 7168, where GQA's would be ``dim``."""
+    if m.mla is None:
+        return 3 * m.dim + 4 * m.kv_heads * m.head_size
+    a, heads = m.mla, m.n_heads
+    queries = 2 * heads * a.qk_dim + 2 * a.q_rank
+    latent = 2 * a.cached_dim
+    keys_values = heads * (a.nope_dim + a.v_dim) + heads * a.qk_dim
+    return queries + latent + keys_values + heads * a.v_dim
+
+
+def feed_forward_elements(m: ModelConfig, moe: bool) -> int:
+    """What backward keeps of one block's feed-forward per token, in elements: SwiGLU's four
+    ``ffn``-wide tensors (its input is a norm's output, counted with the block); a mixture of
+    experts' router logits and scores, then for each of the ``top_k`` copies of the token its
+    gathered row, its expert's four SwiGLU tensors and its output, and the shared experts'
+    SwiGLU (one of ``moe_shared_experts × expert_hidden_dim``)."""
+    if not moe:
+        return 4 * m.hidden_dim
+    width = m.expert_hidden_dim
+    routed = m.moe_top_k * (2 * m.dim + 4 * width)
+    return 2 * m.moe_num_experts + routed + 4 * m.moe_shared_experts * width
+
+
+def block_elements(m: ModelConfig, layer: int) -> int:
+    """What backward keeps of block ``layer`` per token (``n_layers + k - 1``: multi-token
+    depth k's, a mixture of experts where ``mtp_moe``), in elements."""
+    return 7 * m.dim + attention_elements(m) + feed_forward_elements(m, m.is_moe_layer(layer))
+
+
+def replicated_elements(m: ModelConfig) -> int:
+    """Of a block's elements, those every tensor-parallel rank keeps whole: latent attention's
+    compressions (the latent and rotated key, the query bottleneck, before and after their
+    norms) run on every rank with replicated weights, only the heads after them are split."""
+    return 0 if m.mla is None else 2 * m.mla.cached_dim + 2 * m.mla.q_rank
+
+
+def activation_bytes_per_layer(config: JobConfig, tokens: int, tp: int, layer: int = 0) -> int:
+    """What backward keeps of block ``layer`` for ``tokens`` tokens (see the module docstring)."""
+    whole = replicated_elements(config.model)
+    split = block_elements(config.model, layer) - whole
+    size = dtype_bytes(config.train.mixed_precision)
+    return tokens * split * size // tp + tokens * whole * size
 
 
 def buffer_bytes(config: JobConfig) -> int:
@@ -176,27 +231,33 @@ def memory_plan(
     tokens = t.batch_size * (t.seq_len // dims.cp + vision.decoder_tokens)
     layers = -(-m.n_layers // dims.pp)
     kv_gathered, cp_mask = context_parallel_bytes(config, dims.cp, dims.tp)
-    per_layer = activation_bytes_per_layer(config, tokens, dims.tp) + kv_gathered
+    # the stage's blocks, largest first: where blocks differ (dense and MoE), the stage is
+    # counted as holding the largest ones (an upper bound, as its weights are)
+    blocks = sorted(
+        (activation_bytes_per_layer(config, tokens, dims.tp, i) + kv_gathered
+         for i in range(m.n_layers)),
+        reverse=True,
+    )[:layers]  # fmt: skip
+    depths = [  # a depth's block attends over the gathered keys too under cp
+        activation_bytes_per_layer(config, tokens, dims.tp, m.n_layers + k) + kv_gathered
+        for k in range(m.mtp_depth)
+    ]
     in_flight = 1
     if dims.pp > 1:
         n_micro = t.grad_accum_steps
         schedule = config.distributed.pp_schedule
         in_flight = n_micro if schedule is PipelineSchedule.GPIPE else min(dims.pp, n_micro)
-    without_ac = layers * per_layer
+    block_input = tokens * m.dim * compute_bytes // dims.tp
+    without_ac = sum(blocks) + sum(depths)
     ac = t.activation_checkpointing
-    if ac is ActivationCheckpointing.FULL:
-        kept = layers * tokens * m.dim * compute_bytes // dims.tp + per_layer
+    if ac is ActivationCheckpointing.FULL:  # one block recomputed at a time: the largest
+        kept = layers * block_input + max(blocks + depths)
     elif ac is ActivationCheckpointing.SELECTIVE:
-        kept = (layers // 2) * tokens * m.dim * compute_bytes // dims.tp + (
-            layers - layers // 2
-        ) * per_layer
+        kept = (layers // 2) * block_input + sum(blocks[: layers - layers // 2])
     else:
-        kept = without_ac
+        kept = sum(blocks)
     # each multi-token depth: one more block (checkpointed with the others) and one more head
-    kept += m.mtp_depth * (
-        tokens * m.dim * compute_bytes if ac is not ActivationCheckpointing.NONE else per_layer
-    )
-    without_ac += m.mtp_depth * per_layer
+    kept += len(depths) * block_input if ac is not ActivationCheckpointing.NONE else sum(depths)
     vocab_rows = m.vocab_size // dims.tp
     labelled = t.batch_size * t.seq_len // dims.cp  # image tokens have no logits
     if t.loss_chunk_size > 0:  # a depth's chunked loss also keeps the head's gradient
