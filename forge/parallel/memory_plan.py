@@ -16,8 +16,8 @@ The estimate adds what a training rank holds at its peak (``MemoryPlan``):
   own and the feed-forward's own (``block_elements``). A block of the default shapes,
   grouped-query and dense, keeps ``10·dim + 4·kv_dim + 4·ffn``; latent attention and a
   mixture of experts keep their own tensors. Sequence parallelism divides them by ``tp``
-  (latent attention's compressions excepted: every rank computes them whole);
-  full activation checkpointing keeps only each block's input plus one block's activations
+  (latent attention's compressions excepted: every rank computes them whole); full
+  activation checkpointing keeps only each block's input plus the largest block's activations
   during its recompute, selective keeps half the blocks; a stage's blocks are the largest
   ones where blocks differ (an upper bound, as for the weights); a pipeline stage keeps as
   many micro-batches in flight as its schedule does (1F1B: up to ``pp``; GPipe: all);
