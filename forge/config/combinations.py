@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from forge.config.sections import JobConfig, Problem, ScheduleName
+from forge.config.sections import Float8Recipe, JobConfig, Problem, ScheduleName
 
 
 def cross_section_problems(config: JobConfig) -> list[Problem]:
@@ -37,6 +37,8 @@ def cross_section_problems(config: JobConfig) -> list[Problem]:
     depth, seq = config.model.mtp_depth, config.train.seq_len
     if depth >= seq > 0:
         p.append(("model.mtp_depth", f"must be < train.seq_len={seq} (no target would be left)"))
+    if config.train.float8 is not Float8Recipe.OFF and config.model.vlm is not None:
+        p.append(("train.float8", "is not supported with model.vlm yet; set it to 'off'"))
     return p
 
 

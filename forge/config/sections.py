@@ -29,7 +29,7 @@ from forge.config.ranges import Problem
 from forge.config.resilience import NonFinitePolicy, ResilienceConfig, SpikePolicy
 from forge.config.rope import RopeScaling, RopeScalingType
 from forge.config.run import MetricsConfig, ProfilerConfig, RunConfig
-from forge.config.train import ActivationCheckpointing, Precision, TrainConfig
+from forge.config.train import ActivationCheckpointing, Float8Recipe, Precision, TrainConfig
 from forge.config.vision import VisionConfig, VisionEncoderKind, VlmArch
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "EvalConfig",
     "EvalTask",
     "ExportDtype",
+    "Float8Recipe",
     "FreezeRule",
     "HooksConfig",
     "JobConfig",

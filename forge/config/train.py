@@ -18,6 +18,15 @@ class Precision(enum.Enum):
     FP32 = "fp32"
 
 
+class Float8Recipe(enum.Enum):
+    """``train.float8``: FP8 matrix products through torchao (``forge.parallel.float8``), and
+    how their scales are taken: one per tensor, or one per row."""
+
+    OFF = "off"
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+
+
 class ActivationCheckpointing(enum.Enum):
     NONE = "none"
     FULL = "full"  # every block recomputes its activations in backward
@@ -53,6 +62,11 @@ class TrainConfig:
     # multi-token prediction (model.mtp_depth > 0): the depths' mean loss × this joins the
     # objective (DeepSeek-V3: 0.3, then 0.1); the logged ``loss`` stays the main model's
     mtp_loss_weight: float = 0.3
+    # FP8 matrix products for the linear layers (docs/precision.md#fp8; the extra "fp8")
+    float8: Float8Recipe = Float8Recipe.OFF
+    # deterministic kernels everywhere (docs/precision.md#deterministic-mode): two launches
+    # of one config give the same bits on a GPU too
+    deterministic: bool = False
 
     def compile_enabled(self, device_type: str, compiler_found: bool) -> bool:
         """Whether blocks and loss chunks are compiled: ``compile`` when set; by default only

@@ -1,9 +1,10 @@
-"""Apply parallelisms to a built model in one fixed order: TP → EP → activation
+"""Apply parallelisms to a built model in one fixed order: FP8 layers → TP → EP → activation
 checkpointing → FSDP2 → compile.
 
-Why this order: TP rewrites the Linear layers into DTensor shards, so it must see the plain
-modules; EP likewise shards the experts' weights; activation checkpointing wraps whole blocks,
-TP-sharded or not; FSDP2 then shards whatever parameters exist (plain or TP DTensors, giving
+Why this order: FP8 swaps Linear layers for torchao's (a swapped module would lose the hooks a
+plan put on it); TP rewrites the Linear layers into DTensor shards, so it must see the modules
+as they will run; EP likewise shards the experts' weights; activation checkpointing wraps whole
+blocks, TP-sharded or not; FSDP2 then shards whatever parameters exist (plain or TP DTensors, giving
 2-D FSDP×TP), except the experts EP already split over the data-parallel ranks; compile comes
 last so it traces the final modules, hooks included.
 """
@@ -30,13 +31,14 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from forge.config.sections import ActivationCheckpointing, Precision
+from forge.config.sections import ActivationCheckpointing, Float8Recipe, Precision
 from forge.model.latent_attention import LatentAttention
 from forge.model.moe import MoE
 from forge.model.transformer import Transformer, TransformerBlock
 from forge.model.vlm import VisionLanguageModel
 from forge.parallel.context_parallel import apply_context_parallel
 from forge.parallel.expert import apply_ep
+from forge.parallel.float8 import apply_float8
 
 
 def decoder_of(model: nn.Module) -> Transformer:
@@ -305,11 +307,17 @@ def parallelize(
     ep_mesh: DeviceMesh | None = None,
     experts_mesh: DeviceMesh | None = None,
     cp_mesh: DeviceMesh | None = None,
+    float8: Float8Recipe = Float8Recipe.OFF,
+    emulate_float8: bool = True,
 ) -> nn.Module:
-    """The fixed order: TP, EP, activation checkpointing, FSDP2, compile. Returns the model.
+    """The fixed order: FP8 layers, TP, EP, activation checkpointing, FSDP2, compile. Returns
+    the model.
     ``ep_mesh`` and ``experts_mesh``: ``expert_meshes``'s; ``cp_mesh``: the context-parallel
-    group the attention layers gather keys and values over (``apply_context_parallel``)."""
+    group the attention layers gather keys and values over (``apply_context_parallel``);
+    ``float8``: ``train.float8`` (``emulate_float8``: off a GPU, ``forge.parallel.float8``)."""
     apply_context_parallel(model, cp_mesh)
+    # FP8 layers before TP, whose plan then splits them (a swapped module loses its hooks)
+    apply_float8(model, float8, emulate_float8)
     if tp_mesh is not None:
         apply_tp(decoder_of(model), tp_mesh)
     experts = apply_ep(model, ep_mesh) if ep_mesh is not None else set()

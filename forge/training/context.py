@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -86,6 +87,11 @@ class DistContext:
     @property
     def is_main(self) -> bool:
         return self.world.rank == 0
+
+    def say(self, line: str) -> None:
+        """A ``[forge]`` line on stderr from rank 0; nothing elsewhere."""
+        if self.is_main:
+            print(f"[forge] {line}", file=sys.stderr)
 
     @property
     def coords(self) -> dict[str, int]:

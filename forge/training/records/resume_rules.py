@@ -90,6 +90,8 @@ GROUPS: dict[str, ChangeGroup] = {
     "train.compile": G.FREE,
     "train.z_loss_weight": G.NUMERICS,
     "train.mtp_loss_weight": G.NUMERICS,
+    "train.float8": G.NUMERICS,  # the checkpoint holds high-precision weights either way
+    "train.deterministic": G.FREE,
     "train.loss_chunk_size": G.FREE,
     "optimizer.name": G.OPTIMIZER_STATE,
     "optimizer.lr": G.SCHEDULE,

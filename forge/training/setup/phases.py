@@ -36,6 +36,7 @@ from forge.model.vlm import build_model
 from forge.optim.freezing import Freezer, freeze_for_step
 from forge.optim.param_groups import build_optimizer
 from forge.optim.schedules import resolve_schedule
+from forge.parallel.float8 import float8_start_line
 from forge.parallel.memory_plan import memory_plan
 from forge.parallel.mesh import (
     broadcast_from_main,
@@ -221,6 +222,8 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
     on its own; ``rank_model`` holds their parameters under the full model's names.
     """
     cfg = run.config
+    if (line := float8_start_line(cfg.train.float8, cfg.model, dist.device)) is not None:
+        dist.say(line)
     with torch.device("meta"):  # no memory until sharded: each rank materializes its part
         model = build_model(cfg.model)
     if cfg.train.param_dtype is Precision.BF16:  # pure bf16: allocated (and sharded) as bf16
@@ -243,6 +246,8 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
             param_dtype=cfg.train.param_dtype,
             ep_mesh=ep_mesh,
             experts_mesh=experts_mesh,
+            float8=cfg.train.float8,
+            emulate_float8=dist.device.type != "cuda",
         )
         part.materialize(dist.device)
     model = model if stages is None else rank_model(stages)
@@ -285,7 +290,7 @@ def setup_data(run: RunContext, dist: DistContext) -> DataContext:
     else:
         loaders = text_loaders(cfg, folders, manifests, **place, context=dist.context_split)
     if loaders.warning is not None:
-        report_on_main(dist)(f"warning: {loaders.warning}")
+        dist.say(f"warning: {loaders.warning}")
     names = tuple(s.name for s in sources)
     return DataContext(
         fingerprints=tuple(dataset_fingerprint(m) for m in manifests),
@@ -322,7 +327,7 @@ def setup_checkpointing(
     """
     cfg = run.config.checkpoint
     plan = resolve_resume(run.checkpoint_dir, load_path_of(run.config))
-    say = report_on_main(dist)
+    say = dist.say
     for path in plan.skipped:
         say(f"skipping incomplete checkpoint {path}")
     if plan.latest_note is not None:
@@ -354,16 +359,6 @@ def setup_checkpointing(
         for difference in differences:
             say(f"  differs from the run that wrote it: {difference.describe()}")
     return CheckpointContext(plan=plan, initial_state=LoopState(), rewound_from=rewound_from)
-
-
-def report_on_main(dist: DistContext) -> Callable[[str], None]:
-    """A ``[forge]`` line on stderr from rank 0; nothing elsewhere."""
-
-    def say(line: str) -> None:
-        if dist.is_main:
-            print(f"[forge] {line}", file=sys.stderr)
-
-    return say
 
 
 def prepare_run_dir(run: RunContext, dist: DistContext, ckpt: CheckpointContext) -> None:
