@@ -60,10 +60,12 @@ from forge.training.setup.phases import (
     setup_distributed,
     teardown,
 )
+from forge.training.steps.replay import kernel_modes_kept
 from forge.training.steps.select import make_step_fn
 from forge.types import ExitCode, LoopOutcome
 
 
+@kernel_modes_kept()  # train.deterministic changes them for this run only
 def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
     """Run the phases in order; returns the process exit code of the loop's outcome."""
     # a launch starts with its process (imports included); a call of main in a running

@@ -92,7 +92,7 @@ from forge.training.setup.problems import (
     precision_warning,
 )
 from forge.training.setup.vlm import vision_footprint, vlm_problems
-from forge.training.steps.replay import cuda_determinism_env
+from forge.training.steps.replay import cuda_determinism_env, use_deterministic_kernels
 from forge.types import LoopState
 
 WorldCheck = Callable[[RunContext, WorldInfo], list[str]]
@@ -187,8 +187,11 @@ def setup_distributed(run: RunContext) -> DistContext:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if (problem := local_gpu_problem(world.local_rank, gpus)) is not None:
         raise ConfigError(problem)
-    if gpus and (cfg.resilience.replay_interval or cfg.resilience.replay_first_step):
-        cuda_determinism_env(os.environ)  # before CUDA starts: replays compare bit for bit
+    replays = cfg.resilience.replay_interval or cfg.resilience.replay_first_step
+    if gpus and (replays or cfg.train.deterministic):
+        cuda_determinism_env(os.environ)  # before CUDA starts: bit for bit across launches
+    if cfg.train.deterministic:
+        use_deterministic_kernels()
     dims = resolve_dims(cfg.distributed, world.world_size)
     mesh = init_process_group(world, cfg.distributed, dims)
     # weights come from per-parameter generators (initial_value); these streams differ per rank

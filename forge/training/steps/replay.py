@@ -159,6 +159,33 @@ def cuda_determinism_env(env: MutableMapping[str, str]) -> None:
     env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
+@contextlib.contextmanager
+def kernel_modes_kept() -> Iterator[None]:
+    """torch's deterministic-kernel settings put back on the way out: a run inside a running
+    process (a test, a notebook) changes them for itself only (``use_deterministic_kernels``).
+    A decorator of the train script's ``main``."""
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2:]
+
+
+def use_deterministic_kernels() -> None:
+    """``train.deterministic``: every operation runs a deterministic kernel, or torch raises
+    naming it (``torch.use_deterministic_algorithms``); cuDNN picks no kernel by timing. CPU
+    kernels already are: there it changes no bit (tested)."""
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 class Replayer:
     """Runs a step's computation once, or replays it (``rule``), for one launch: the first
     step this launch runs counts as its first step. Where an operation has no deterministic
