@@ -29,6 +29,7 @@ class LoopOutcome(enum.Enum):
     HEALTH_FAILURE = "health_failure"  # a rank failed the health check
     SHUTDOWN = "shutdown"  # a preemption signal; an emergency checkpoint was saved
     REPLAY_MISMATCH = "replay_mismatch"  # a replayed step came out three ways on some rank
+    FLOAT8_DRIFT = "float8_drift"  # an FP8 step drifted from its high-precision recomputation
 
 
 class ExitCode(enum.IntEnum):
@@ -41,6 +42,7 @@ class ExitCode(enum.IntEnum):
     HEALTH_FAILURE = 4  # a rank stalled or died
     SAVE_FAILED = 5  # a final or emergency save (or the last step's) could not be written
     REPLAY_MISMATCH = 6  # a rank computes inconsistently: suspect its hardware
+    FLOAT8_DRIFT = 7  # FP8 drifted from high precision (train.float8_on_drift = "stop")
     SHUTDOWN = 75  # EX_TEMPFAIL: preempted, "try again later" (requeue and resume)
     INTERRUPTED = 130  # a second Ctrl-C: the save in progress was abandoned (one in set-up)
 
@@ -161,6 +163,31 @@ class ReplayVerdict:
         return bool(self.inconsistent or self.diverged)
 
 
+class Float8Drift(enum.Enum):
+    """``train.float8_on_drift``: what the run does when an FP8 step drifts from its
+    high-precision recomputation past ``train.float8_check_tolerance``."""
+
+    WARN = "warn"  # say so, record it, train on
+    FALLBACK = "fallback"  # apply this step and compute in high precision from the next on
+    STOP = "stop"  # apply nothing and end the run FLOAT8_DRIFT (exit 7)
+
+
+@attrs.frozen
+class Float8Verdict:
+    """A step computed twice, in FP8 and in high precision (``train.float8_check``), agreed
+    by every rank: the relative differences of its loss and gradient norm, and what the run
+    does about them (``action``: None when within their tolerances)."""
+
+    loss_drift: float
+    grad_norm_drift: float
+    action: Float8Drift | None = None
+
+    @property
+    def stops(self) -> bool:
+        """Whether the step may not be applied and the run ends FLOAT8_DRIFT."""
+        return self.action is Float8Drift.STOP
+
+
 @attrs.frozen
 class StepResult:
     """What one optimizer step reports back. ``grad_norm`` is global (every shard and
@@ -183,6 +210,7 @@ class StepResult:
     busy_s: float = 0.0  # this rank's own time in the step, its waits for peers left out
     applied: bool = True  # the step applied its update (false: non-finite, dropped, failed)
     mtp: tuple[float, ...] | None = None  # each multi-token depth's mean loss (not in ``loss``)
+    float8: Float8Verdict | None = None  # the step was checked against high precision
 
     @property
     def finite(self) -> bool:
@@ -217,6 +245,7 @@ class Signals:
     health_failed: bool = False
     nonfinite: bool = False  # some rank's loss or grad norm was not finite
     replay_failed: bool = False  # a replayed step found no majority, or replicas diverged
+    float8_stopped: bool = False  # an FP8 step drifted and train.float8_on_drift is "stop"
     save_unwritten: bool = False  # some rank's async save is still being written
     # a save is in flight and every rank has written it (not exchanged: read off the word
     # by ``StepMonitor``): commit it now, not at the next save

@@ -22,6 +22,9 @@ EXIT_MEANINGS = {
     ExitCode.REPLAY_MISMATCH: (
         "a rank computes inconsistently (resilience.replay_interval): suspect its hardware"
     ),
+    ExitCode.FLOAT8_DRIFT: (
+        "an FP8 step drifted from high precision (train.float8_on_drift='stop')"
+    ),
     ExitCode.SHUTDOWN: "preempted: resume by running the same command again",
     ExitCode.INTERRUPTED: (
         "interrupted twice (Ctrl-C): the save in progress was abandoned; or once during set-up"

@@ -8,6 +8,7 @@ import math
 import attrs
 
 from forge.config.ranges import Problem, non_negative, positive
+from forge.types import Float8Drift
 
 
 class Precision(enum.Enum):
@@ -64,6 +65,14 @@ class TrainConfig:
     mtp_loss_weight: float = 0.3
     # FP8 matrix products for the linear layers (docs/precision.md#fp8; the extra "fp8")
     float8: Float8Recipe = Float8Recipe.OFF
+    # every this many steps, the step is also computed in high precision and compared
+    # (docs/precision.md#the-drift-guard); 0: never
+    float8_check: int = 0
+    # the relative differences of the loss, and of the gradient norm, past which FP8 has
+    # drifted (a clean run's, measured over 200 steps: 0.5% and 19%; docs/precision.md)
+    float8_check_tolerance: float = 0.05
+    float8_check_grad_tolerance: float = 0.5
+    float8_on_drift: Float8Drift = Float8Drift.WARN
     # deterministic kernels everywhere (docs/precision.md#deterministic-mode): two launches
     # of one config give the same bits on a GPU too
     deterministic: bool = False
@@ -79,6 +88,24 @@ class TrainConfig:
     def effective_data_seed(self) -> int:
         return self.seed if self.data_seed is None else self.data_seed
 
+    def float8_problems(self) -> list[Problem]:
+        """The drift guard: a check interval >= 0, only with FP8 on, and a finite tolerance."""
+        p: list[Problem] = []
+        non_negative(p, "train.float8_check", self.float8_check)
+        for key in ("float8_check_tolerance", "float8_check_grad_tolerance"):
+            tolerance = getattr(self, key)
+            if not math.isfinite(tolerance) or tolerance <= 0:
+                p.append((f"train.{key}", f"must be a finite number > 0, got {tolerance}"))
+        if self.float8_check > 0 and self.float8 is Float8Recipe.OFF:
+            p.append(
+                (
+                    "train.float8_check",
+                    "compares FP8 steps with high precision: it needs train.float8 = "
+                    "'tensorwise' or 'rowwise'; set it to 0",
+                )
+            )
+        return p
+
     def problems(self) -> list[Problem]:
         p: list[Problem] = []
         for key in ("batch_size", "seq_len", "max_steps", "grad_accum_steps"):
@@ -93,6 +120,7 @@ class TrainConfig:
         non_negative(p, "train.num_threads", self.num_threads)
         non_negative(p, "train.z_loss_weight", self.z_loss_weight)
         non_negative(p, "train.loss_chunk_size", self.loss_chunk_size)
+        p += self.float8_problems()
         if not math.isfinite(self.mtp_loss_weight) or self.mtp_loss_weight < 0:
             p.append(
                 (

@@ -17,7 +17,14 @@ import torch.distributed as dist
 
 from forge.types import Signals, StepResult
 
-FIELDS = ("nonfinite", "shutdown_requested", "health_failed", "replay_failed", "save_unwritten")
+FIELDS = (
+    "nonfinite",
+    "shutdown_requested",
+    "health_failed",
+    "replay_failed",
+    "float8_stopped",
+    "save_unwritten",
+)
 
 
 def encode(local: Signals) -> list[float]:
@@ -98,6 +105,7 @@ class StepMonitor:
                 nonfinite=not result.finite,
                 health_failed=result.collective_failed,
                 replay_failed=result.replay is not None and result.replay.failed,
+                float8_stopped=result.float8 is not None and result.float8.stops,
                 save_unwritten=in_flight and not written,
             )
         )

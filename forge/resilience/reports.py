@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from forge.config.resilience import SpikePolicy
-from forge.types import Hooks, PendingStep, ReplayVerdict, StepResult
+from forge.types import Float8Drift, Float8Verdict, Hooks, PendingStep, ReplayVerdict, StepResult
 
 if TYPE_CHECKING:
     import torch
@@ -80,9 +80,31 @@ def uncompared_line(step: int, verdict: ReplayVerdict) -> str:
     )
 
 
+# what the run does with an FP8 step that drifted (train.float8_on_drift)
+DRIFT_HANDLING = {
+    Float8Drift.WARN: "training on in FP8 (train.float8_on_drift='warn')",
+    Float8Drift.FALLBACK: (
+        "applied; the rest of this launch computes in high precision "
+        "(train.float8_on_drift='fallback'): pass --train.float8=off when you resume"
+    ),
+    Float8Drift.STOP: "not applied; the run ends (train.float8_on_drift='stop')",
+}
+
+
+def drift_line(step: int, verdict: Float8Verdict) -> str:
+    """The line for an FP8 step that drifted from its high-precision recomputation."""
+    assert verdict.action is not None
+    return (
+        f"step {step} in FP8 drifted from its high-precision recomputation: loss by "
+        f"{verdict.loss_drift:.2%}, gradient norm by {verdict.grad_norm_drift:.2%} (past "
+        "train.float8_check_tolerance or float8_check_grad_tolerance): "
+        f"{DRIFT_HANDLING[verdict.action]}"
+    )
+
+
 class FaultReport(Hooks):
-    """Prints the spike and replay lines of each step on rank 0 (every rank knows them: the
-    spike rule reads the loss over every rank, the replay verdict is agreed)."""
+    """Prints the spike, replay and FP8 drift lines of each step on rank 0 (every rank knows
+    them: the spike rule reads the loss over every rank, the verdicts are agreed)."""
 
     def __init__(
         self,
@@ -110,6 +132,10 @@ class FaultReport(Hooks):
             out.append(f"error: {diverged_line(step, verdict, self.hosts)}")
         if verdict is not None and verdict.mismatched and not verdict.failed:
             out.append(f"warning: {outvoted_line(step, verdict, self.hosts)}")
+        drift = result.float8
+        if drift is not None and drift.action is not None:
+            level = "error" if drift.stops else "warning"
+            out.append(f"{level}: {drift_line(step, drift)}")
         return out
 
     def on_before_optimizer_step(

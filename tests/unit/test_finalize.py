@@ -102,6 +102,17 @@ CASES = [
         None,
         R.FAILURE,
     ),
+    (
+        "fp8 drift stop mid-run",
+        LoopOutcome.FLOAT8_DRIFT,
+        4,
+        10,
+        2,
+        False,
+        True,
+        None,
+        R.FAILURE,
+    ),
     ("shutdown on the last step", LoopOutcome.SHUTDOWN, 10, 10, 10, True, True, None, R.SHUTDOWN),
     ("shutdown mid-run", LoopOutcome.SHUTDOWN, 5, 10, 5, True, True, None, R.SHUTDOWN),
     (

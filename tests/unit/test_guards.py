@@ -9,6 +9,8 @@ from forge.config.loader import structure_config
 from forge.config.sections import JobConfig
 from forge.training.loop.plan import ReplayRule
 from forge.training.setup.guards import GuardFacts, guard_report
+from forge.training.steps.float8_check import Float8CheckRule
+from forge.types import Float8Drift
 
 FIRST = ReplayRule(0, True)
 ONE = GuardFacts(
@@ -31,6 +33,8 @@ def config(**sections) -> JobConfig:
 
 
 ROLL = {"on_nonfinite": "rollback"}
+FP8_CHECK = {"float8": "rowwise", "float8_check": 10, "float8_on_drift": "stop"}
+CHECK = Float8CheckRule(10, 0.05, 0.5, Float8Drift.STOP)
 SPIKE_SKIP = {"spike_threshold": 6.0, "on_spike": "skip"}
 
 # (case, config sections, facts, the line's words, the keys refused)
@@ -55,6 +59,9 @@ ROWS = [
     ("one process needs no control-word group", {}, attrs.evolve(ONE, health=False), "nonfinite=skip, replay first step, signals, checksums(full)", []),
     ("two ranks whose step is not timed", {}, attrs.evolve(TWO, straggler_clock=False), None, ["resilience.straggler_ratio"]),
     ("on CUDA the step's own time is not read", {}, attrs.evolve(TWO, cuda=True, straggler_clock=False), "nonfinite=skip, replay first step, health(300 s), hang stacks(600 s), signals, checksums(full)", []),
+    ("an FP8 drift check on FP8 layers", {"train": FP8_CHECK}, attrs.evolve(ONE, float8_check=CHECK, float8_layers=14), "nonfinite=skip, replay first step, signals, checksums(full), float8 check every 10 (5% loss, 50% grad norm: stop)", []),
+    ("an FP8 drift check the step does not make", {"train": FP8_CHECK}, attrs.evolve(ONE, float8_layers=14), None, ["train.float8_check"]),
+    ("an FP8 drift check with no FP8 layer", {"train": FP8_CHECK}, attrs.evolve(ONE, float8_check=CHECK), None, ["train.float8_check"]),
 ]  # fmt: skip
 
 

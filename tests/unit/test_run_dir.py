@@ -160,6 +160,7 @@ def test_an_already_complete_run_says_how_to_extend_it():
         LoopOutcome.HEALTH_FAILURE,
         LoopOutcome.REPLAY_MISMATCH,
         LoopOutcome.NAN_ABORT,
+        LoopOutcome.FLOAT8_DRIFT,
     }
     assert all(
         outcome_message(o, LoopState(step=5), LoopPolicy(max_steps=10), "r") is None

@@ -13,7 +13,12 @@ import attrs
 from forge.types import LoopOutcome
 
 # endings after which the last state is not trusted: no save, scheduled or final
-FAILURES = (LoopOutcome.NAN_ABORT, LoopOutcome.HEALTH_FAILURE, LoopOutcome.REPLAY_MISMATCH)
+FAILURES = (
+    LoopOutcome.NAN_ABORT,
+    LoopOutcome.HEALTH_FAILURE,
+    LoopOutcome.REPLAY_MISMATCH,
+    LoopOutcome.FLOAT8_DRIFT,
+)
 
 
 @attrs.frozen

@@ -17,6 +17,7 @@ _EXIT_CODES = {
     LoopOutcome.HEALTH_FAILURE: ExitCode.HEALTH_FAILURE,
     LoopOutcome.SHUTDOWN: ExitCode.SHUTDOWN,
     LoopOutcome.REPLAY_MISMATCH: ExitCode.REPLAY_MISMATCH,
+    LoopOutcome.FLOAT8_DRIFT: ExitCode.FLOAT8_DRIFT,
 }
 
 
@@ -60,6 +61,14 @@ def outcome_message(
             f"replayed step {step} found no majority, or replicas disagreed on it (the error "
             "above names the rank and host): no checkpoint of that step or later was saved; "
             "resume from the last one on other hardware"
+        )
+    if outcome is LoopOutcome.FLOAT8_DRIFT:
+        return (
+            f"step {step} in FP8 drifted from its high-precision recomputation (the line "
+            "above gives by how much) and train.float8_on_drift='stop': it was not applied and "
+            "no checkpoint of it was saved; resume from the last checkpoint with "
+            "--train.float8=off, or with a wider train.float8_check_tolerance if the drift is "
+            "expected"
         )
     return None
 

@@ -220,6 +220,8 @@ def stop_outcome(
         return LoopOutcome.HEALTH_FAILURE
     if signals.replay_failed:
         return LoopOutcome.REPLAY_MISMATCH
+    if signals.float8_stopped:
+        return LoopOutcome.FLOAT8_DRIFT
     if action is NonFiniteAction.ABORT:
         return LoopOutcome.NAN_ABORT
     if signals.shutdown_requested:

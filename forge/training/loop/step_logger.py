@@ -46,6 +46,10 @@ def step_metrics(
         metrics.append(recorded_value("z_loss", result.z_loss, Reduction.MEAN))
     for k, value in enumerate(result.mtp or (), start=1):  # each depth's, beside the main loss
         metrics.append(recorded_value(f"mtp/loss_{k}", value, Reduction.MEAN))
+    if result.float8 is not None:  # a step checked against high precision (agreed)
+        metrics.append(recorded_value("float8/loss_drift", result.float8.loss_drift, Reduction.MAX))
+        drift = result.float8.grad_norm_drift
+        metrics.append(recorded_value("float8/grad_norm_drift", drift, Reduction.MAX))
     if result.moe is not None:
         metrics += moe_metrics(result.moe)
     if sources is not None:

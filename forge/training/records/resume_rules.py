@@ -92,6 +92,10 @@ GROUPS: dict[str, ChangeGroup] = {
     "train.mtp_loss_weight": G.NUMERICS,
     "train.float8": G.NUMERICS,  # the checkpoint holds high-precision weights either way
     "train.deterministic": G.FREE,
+    "train.float8_check": G.FREE,  # a guard: it changes no applied step's numerics
+    "train.float8_check_tolerance": G.FREE,
+    "train.float8_check_grad_tolerance": G.FREE,
+    "train.float8_on_drift": G.FREE,
     "train.loss_chunk_size": G.FREE,
     "optimizer.name": G.OPTIMIZER_STATE,
     "optimizer.lr": G.SCHEDULE,

@@ -25,6 +25,8 @@ from forge.resilience.control import ControlChannel
 from forge.resilience.signals import ShutdownFlag
 from forge.training.context import DistContext, ModelContext, RunContext
 from forge.training.loop.plan import LoopPolicy, ReplayRule
+from forge.training.steps.float8_check import Float8CheckRule
+from forge.training.steps.float8_check import float8_layers as fp8_layers
 from forge.training.steps.replay import replicated_along
 from forge.training.steps.spec import StepSpec, step_spec
 from forge.types import LoopState, StepResult
@@ -44,6 +46,7 @@ class Guard(enum.Enum):
     HANG_STACKS = "hang stacks"
     SIGNALS = "signals"
     CHECKSUMS = "checksums"
+    FLOAT8 = "float8 check"
 
 
 class GuardRefused(UserInputError):
@@ -65,6 +68,8 @@ class GuardFacts:
     signals: bool  # SIGTERM and SIGINT reach forge's shutdown flag
     health: bool = True  # the control word has a group of its own (several ranks)
     straggler_clock: bool = True  # the step reports its own time
+    float8_check: Float8CheckRule = attrs.Factory(Float8CheckRule)  # the step's drift guard
+    float8_layers: int = 0  # the model's layers that compute in FP8
 
 
 def guard_report(config: JobConfig, facts: GuardFacts) -> tuple[str, list[Problem]]:
@@ -152,6 +157,23 @@ def guard_report(config: JobConfig, facts: GuardFacts) -> tuple[str, list[Proble
     armed.append(Guard.SIGNALS.value + ("" if checkpointing else "(no checkpoint)"))
     if checkpointing:  # every commit records them; a resume fails closed without them
         armed.append(f"{Guard.CHECKSUMS.value}({config.checkpoint.verify.value})")
+    t = config.train
+    if t.float8_check > 0:
+        rule = Float8CheckRule(
+            t.float8_check, t.float8_check_tolerance, t.float8_check_grad_tolerance,
+            t.float8_on_drift,
+        )  # fmt: skip
+        if facts.float8_check != rule or facts.float8_layers == 0:
+            refused.append(
+                (
+                    "train.float8_check",
+                    "is set, but the step compares no FP8 layer with high precision",
+                )
+            )
+        armed.append(
+            f"{Guard.FLOAT8.value} every {rule.interval} ({rule.tolerance:.0%} loss, "
+            f"{rule.grad_tolerance:.0%} grad norm: {rule.on_drift.value})"
+        )
     return ", ".join(armed), refused
 
 
@@ -194,6 +216,8 @@ def guard_facts(
         signals=signals,
         health=health,
         straggler_clock=measures_own_time(),
+        float8_check=spec.float8_check,
+        float8_layers=len(fp8_layers(spec.model)) if spec.float8_check.interval else 0,
     )
 
 

@@ -26,6 +26,7 @@ from forge.training.loop.expert_balance import balance_experts, global_loads
 from forge.training.loop.plan import is_spike
 from forge.training.steps.spec import StepSpec
 from forge.types import (
+    Float8Verdict,
     LoopState,
     LossStats,
     MoeStepStats,
@@ -253,10 +254,12 @@ def finish_step(
     lr: float,
     stats: LossStats | None = None,
     replay: ReplayVerdict | None = None,
+    float8: Float8Verdict | None = None,
 ) -> StepResult:
     """Clip by the global norm and step, only if loss, norm (and z-loss, and a MoE model's
     auxiliary losses) are finite, the loss is not a spike that ``spec`` drops (measured
-    against ``stats``, the loop's running statistics) and a replayed step found a majority;
+    against ``stats``, the loop's running statistics), a replayed step found a majority and
+    an FP8 step checked against high precision does not stop the run (``float8``);
     report step ``step`` (1-based), read by ``read_result``.
 
     ``spec.before_update`` sees the step after that read, before clipping; a MoE model's
@@ -269,10 +272,10 @@ def finish_step(
     spike = result.world_loss is not None and is_spike(
         result.world_loss, stats or LossStats(), spec.spike_threshold
     )
-    result = attrs.evolve(result, spike=spike, replay=replay)
+    result = attrs.evolve(result, spike=spike, replay=replay, float8=float8)
     if spec.before_update is not None:
         spec.before_update(PendingStep(step, result))
-    failed = replay is not None and replay.failed
+    failed = (replay is not None and replay.failed) or (float8 is not None and float8.stops)
     applied = result.finite and not (spike and spec.drops_spike) and not failed
     result = attrs.evolve(result, applied=applied)
     if applied:

@@ -30,6 +30,7 @@ from forge.training.steps.common import (
     trainable_parameters,
     with_depth_counts,
 )
+from forge.training.steps.float8_check import Float8Check
 from forge.training.steps.replay import Replayer
 from forge.training.steps.spec import StepFunction, StepSpec
 from forge.types import LoopState, StepResult
@@ -110,6 +111,12 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
         spec.rank,
         next(stage.parameters()).device,
     )
+    float8_check = Float8Check(
+        spec.float8_check,
+        stage,
+        lambda: spec.optimizer.zero_grad(set_to_none=True),
+        spec.world_size,
+    )
 
     def gradients(batches: tuple[Batch, ...], step: int, computation: int) -> StepTotals:
         params = trainable_parameters(stage)  # a freeze schedule may change them
@@ -152,8 +159,11 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
         lr = set_lr(spec.optimizer, step_lr(spec, state, batches))
         stage.train()
         step = state.step + 1
-        totals, verdict = replayer(step, functools.partial(gradients, batches, step))
-        return finish_step(spec, totals, step, lr, state.loss_stats, verdict)
+        compute = functools.partial(gradients, batches, step)
+        reference = float8_check.reference(step, compute)  # in high precision, where checked
+        totals, verdict = replayer(step, compute)
+        drift = float8_check.verdict(reference, totals)
+        return finish_step(spec, totals, step, lr, state.loss_stats, verdict, drift)
 
     return pipeline_step
 

@@ -23,6 +23,7 @@ from forge.optim.schedules import Schedule
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
 from forge.training.loop.hooks import Hooks
 from forge.training.loop.plan import ReplayRule
+from forge.training.steps.float8_check import Float8CheckRule
 from forge.types import LoopState, PendingStep, StepResult
 
 StepFunction = Callable[[tuple[Batch, ...], LoopState], StepResult]  # one optimizer step
@@ -66,6 +67,8 @@ class StepSpec:
     spike_threshold: float = 0.0  # resilience.spike_threshold (0: no spike rule)
     drops_spike: bool = False  # a spiking step's update is dropped (on_spike skip, rollback)
     replay: ReplayRule = attrs.Factory(ReplayRule)  # which steps are computed again and compared
+    # which steps are also computed in high precision, and what a drift does (FP8 runs)
+    float8_check: Float8CheckRule = attrs.Factory(Float8CheckRule)
     fault: GradientFault | None = None  # test-only faults in the step's computations
 
     @property
@@ -120,5 +123,11 @@ def step_spec(
         spike_threshold=cfg.resilience.spike_threshold,
         drops_spike=run.policy.drops_spikes,
         replay=ReplayRule(cfg.resilience.replay_interval, cfg.resilience.replay_first_step),
+        float8_check=Float8CheckRule(
+            cfg.train.float8_check,
+            cfg.train.float8_check_tolerance,
+            cfg.train.float8_check_grad_tolerance,
+            cfg.train.float8_on_drift,
+        ),
         fault=fault,
     )

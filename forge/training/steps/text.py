@@ -26,6 +26,7 @@ from forge.training.steps.common import (
     trainable_parameters,
     with_depth_counts,
 )
+from forge.training.steps.float8_check import Float8Check
 from forge.training.steps.replay import Replayer
 from forge.training.steps.spec import StepFunction, StepSpec
 from forge.types import LoopState, StepResult
@@ -60,6 +61,9 @@ def make_text_step(spec: StepSpec) -> StepFunction:
         spec.world_size,
         spec.rank,
         next(model.parameters()).device,
+    )
+    float8_check = Float8Check(
+        spec.float8_check, model, lambda: optimizer.zero_grad(set_to_none=True), spec.world_size
     )
 
     def gradients(batches: tuple[Batch, ...], step: int, computation: int) -> StepTotals:
@@ -111,8 +115,11 @@ def make_text_step(spec: StepSpec) -> StepFunction:
         lr = set_lr(optimizer, step_lr(spec, state, batches))
         model.train()
         step = state.step + 1
-        totals, verdict = replayer(step, functools.partial(gradients, batches, step))
-        return finish_step(spec, totals, step, lr, state.loss_stats, verdict)
+        compute = functools.partial(gradients, batches, step)
+        reference = float8_check.reference(step, compute)  # in high precision, where checked
+        totals, verdict = replayer(step, compute)
+        drift = float8_check.verdict(reference, totals)
+        return finish_step(spec, totals, step, lr, state.loss_stats, verdict, drift)
 
     return text_step
 
