@@ -83,7 +83,9 @@ def overrides(
         f"--train.compile={compile_on}", f"--train.activation_checkpointing={args.ac}",
         "--scheduler.warmup_steps=5", "--eval.interval=0", "--checkpoint.enabled=false",
         "--checkpoint.async_mode=disabled", "--metrics.log_interval=1",
-        f"--distributed.dp_shard={gpus}",
+        f"--distributed.dp_shard={gpus}", f"--train.float8={args.float8}",
+        f"--train.float8_check={args.float8_check}",
+        f"--train.deterministic={str(args.deterministic).lower()}",
     ]  # fmt: skip
 
 
@@ -196,6 +198,12 @@ def result_lines(planned: Planned, result: Measured, peak: float | None) -> list
     return lines
 
 
+def result_mfu(planned: Planned, result: Measured, peak: float) -> float:
+    """The measured mean's MFU, forge's count."""
+    t = planned.config.train
+    return result.mean * flops_per_token(planned.config.model, t.seq_len) / peak
+
+
 def prepared_data(folder: pathlib.Path) -> pathlib.Path:
     """The stdlib corpus, tokenized into ``folder`` (byte ids)."""
     workers = str(max(1, min(16, os.cpu_count() or 1)))
@@ -257,6 +265,15 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpus", type=int, default=1, help="with --dry-run: GPUs to plan for")
     parser.add_argument("--gpu-memory-gb", type=float, default=140.0, help="with --dry-run")
     parser.add_argument("--gpu-name", default="NVIDIA H200", help="with --dry-run: its peak")
+    parser.add_argument(
+        "--float8",
+        choices=("off", "tensorwise", "rowwise"),
+        default="off",
+        help="train.float8 (docs/precision.md)",
+    )
+    parser.add_argument("--float8-check", type=int, default=0, help="train.float8_check")
+    parser.add_argument("--deterministic", action="store_true", help="train.deterministic")
+    parser.add_argument("--tag", default="bf16", help="this variant's name in the RESULT line")
     return parser.parse_args(argv)
 
 
@@ -289,6 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(*describe(planned, device_bytes), sep="\n")
             if args.dry_run:
                 print("  " + " ".join(command(planned, gpus)))
+                print(f"RESULT {planned.name} {args.tag} dry-run dry-run")  # validated, not run
         if args.dry_run:
             return 0
         if args.data is None:
@@ -305,6 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 *describe(planned, device_bytes)[:1], *result_lines(planned, result, peak), sep="\n"
             )
+            mfu = "nan" if peak is None else f"{result_mfu(planned, result, peak):.4f}"
+            print(f"RESULT {planned.name} {args.tag} {result.mean:.1f} {mfu}")  # gpu_check's table
     return 1 if failures else 0
 
 

@@ -6,7 +6,9 @@
 #      per-expert loop (no host syncs), pinned staging, async save and exact resume on the
 #      device, the memory plan against the allocator's peak for a 1B model;
 #   2. benchmarks/gpu.py: tokens/s per GPU and MFU for the 1B and 8B Llama presets (bf16,
-#      FSDP2, compiled) against KempnerForge's 57.8% for 8B on one H200.
+#      FSDP2, compiled) against KempnerForge's 57.8% for 8B on one H200, in bf16 and FP8
+#      (rowwise), the FP8 drift guard's cost (a check every 5 steps) and the deterministic
+#      mode's, as one table (table.txt: each row against its preset's bf16 row).
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]        (default OUT_DIR: $OUT, else /tmp/gpu_check)
 #
@@ -47,18 +49,52 @@ cuda_files=$(grep -rlE "mark\.cuda|pytestmark.*cuda" tests --include=*.py | sort
 timeout -k 10 200 "$py" -m pytest -q -m cuda $cuda_files -rs -p no:cacheprovider --timeout=150 \
     --junitxml="$out/cuda_tests.xml" 2>&1 | tee "$out/cuda_tests.log" || status=1
 
+# 2. throughput and the costs, one run per row (benchmarks/gpu.py; its own --timeout stops a
+# run's whole torchrun group first, the outer one is the last resort). Rows in priority order;
+# a row whose cap no longer fits the 10-minute budget (a device command's limit) is not run,
+# and the table says so. Without CUDA each row is validated and planned (--dry-run): the
+# rehearsal on a CPU, so that no config is run for the first time on the GPU.
+budget=$(( 600 - SECONDS ))
+rows=(
+    "1b bf16 110"
+    "1b fp8 110 --float8 rowwise"
+    "8b bf16 170"
+    "8b fp8 170 --float8 rowwise"
+    "1b fp8-checked 110 --float8 rowwise --float8-check 5"
+    "1b deterministic 110 --deterministic"
+)
+: > "$out/results.txt"
+for row in "${rows[@]}"; do
+    set -- $row
+    preset=$1 tag=$2 cap=$3
+    shift 3
+    log="$out/gpu_benchmark_${preset}_${tag}.log"
+    if [ "$cuda" != 1 ]; then
+        "$py" benchmarks/gpu.py --dry-run --preset "$preset" --tag "$tag" "$@" > "$log" 2>&1 || status=1
+    elif [ $(( 600 - SECONDS )) -lt $(( cap + 30 )) ]; then
+        echo "RESULT $preset $tag not-run out-of-budget" > "$log"
+    else
+        timeout -k 10 $(( cap + 30 )) "$py" benchmarks/gpu.py --preset "$preset" --tag "$tag" \
+            --steps 12 --last 5 --timeout "$cap" --log-dir "$out" "$@" > "$log" 2>&1 || status=1
+    fi
+    grep -h "^RESULT" "$log" >> "$out/results.txt" || echo "RESULT $preset $tag failed see-log" >> "$out/results.txt"
+    tail -n 4 "$log"
+done
+# one table: tokens/s per GPU, MFU (forge's count) and each row against its preset's bf16 row
+"$py" - "$out/results.txt" <<'PY' | tee "$out/table.txt"
+import sys
+rows = [line.split()[1:] for line in open(sys.argv[1]) if line.startswith("RESULT")]
+base = {p: float(t) for p, tag, t, _ in rows if tag == "bf16" and t.replace(".", "").isdigit()}
+print(f"{'preset':<7}{'variant':<16}{'tokens/s/GPU':>14}{'MFU':>15}{'vs bf16':>9}")
+for preset, tag, tokens, mfu in rows:
+    number = tokens.replace(".", "").isdigit()
+    ratio = f"{float(tokens) / base[preset]:.3f}" if number and preset in base else "-"
+    shown = f"{float(mfu):.1%}" if mfu.replace(".", "").isdigit() else mfu
+    print(f"{preset:<7}{tag:<16}{tokens:>14}{shown:>15}{ratio:>9}")
+PY
 if [ "$cuda" != 1 ]; then
-    echo "gpu_check: no CUDA device here: the CUDA tests above were skipped (each with its reason) and the benchmark was not run" >&2
+    echo "gpu_check: no CUDA device here: the CUDA tests above were skipped (each with its reason); each benchmark row was validated and planned (dry-run), not run" >&2
     exit 2
 fi
-# 2. throughput, one preset at a time (expected about 1 and 3 minutes): benchmarks/gpu.py's own
-# --timeout stops a preset's whole torchrun group first; the outer one is the last resort.
-# Every cap together stays under 10 minutes (a device command's limit).
-for preset in "1b 120" "8b 210"; do
-    set -- $preset
-    timeout -k 10 $(( $2 + 30 )) "$py" benchmarks/gpu.py --preset "$1" --steps 12 --last 5 \
-        --timeout "$2" --log-dir "$out" 2>&1 | tee "$out/gpu_benchmark_$1.log" || status=1
-done
-
 echo "gpu_check: $([ $status -eq 0 ] && echo passed || echo 'FAILED (see the logs in '"$out"')')"
 exit $status
