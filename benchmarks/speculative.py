@@ -5,7 +5,8 @@ Greedy decoding of ``--prompts`` prompts (the starts of lines of the standard li
 top-level modules, 8 to 16 characters), each ``--new-tokens`` long, plainly and with the
 depths drafting (``forge.model.speculative``), alternating which goes first; checks that
 every output is the same, and prints the drafts kept, the main model's forwards per token
-and the tokens/s of both with their ratio::
+and the tokens/s of both with their ratio, by the wall clock and by the process's CPU time (one
+thread: the steadier figure on a machine other jobs share)::
 
     python benchmarks/speculative.py runs/mtp [--prompts 50] [--new-tokens 100]
 """
@@ -13,6 +14,7 @@ and the tokens/s of both with their ratio::
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import platform
 import sys
@@ -63,7 +65,8 @@ def main() -> int:
         return 2
     tok = run_tokenizer(config)
     prompts = [tok.encode(p.encode(), bos=True) for p in prompts_of(args.prompts)]
-    plain_s = spec_s = 0.0
+    plain_s = spec_s = plain_cpu = spec_cpu = 0.0
+    load = os.getloadavg()[0]
     drafted = kept = forwards = tokens = 0
     with evaluation_weights(loaded.optimizer):
         sample(model, prompts[0], 8, temperature=0)  # warm-up
@@ -72,13 +75,15 @@ def main() -> int:
             order = ("plain", "spec") if i % 2 == 0 else ("spec", "plain")
             outs = {}
             for which in order:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 if which == "plain":
                     outs[which] = sample(model, prompt, new, temperature=0)
                     plain_s += time.perf_counter() - start
+                    plain_cpu += time.process_time() - cpu
                 else:
                     outs[which], spec = speculative_sample(model, prompt, new, temperature=0)
                     spec_s += time.perf_counter() - start
+                    spec_cpu += time.process_time() - cpu
                     drafted, kept = drafted + spec.drafted, kept + spec.accepted
                     forwards += spec.forwards
             if outs["plain"] != outs["spec"]:
@@ -86,7 +91,10 @@ def main() -> int:
                 return 1
             tokens += len(outs["plain"]) - len(prompt)
     m = config.model
-    print(f"cpu: {platform.processor() or platform.machine()}, 1 thread, torch {torch.__version__}")
+    print(
+        f"cpu: {platform.processor() or platform.machine()}, 1 thread, torch {torch.__version__};"
+        f" load average {load:.2f} at the start"
+    )
     print(
         f"model: {m.dim}d x {m.n_layers} layers, mtp_depth {m.mtp_depth}, {len(prompts)} prompts,"
         f" {tokens} new tokens, greedy, {str(loaded.dtype).removeprefix('torch.')}"
@@ -94,9 +102,10 @@ def main() -> int:
     print(f"identical outputs: {len(prompts)}/{len(prompts)}")
     print(f"drafts kept: {kept}/{drafted} ({kept / max(drafted, 1):.1%})")
     print(f"main-model forwards per token: {forwards / tokens:.3f} (plain: 1)")
-    print(f"plain:       {tokens / plain_s:8.1f} tokens/s")
-    print(f"speculative: {tokens / spec_s:8.1f} tokens/s")
-    print(f"ratio speculative / plain: {plain_s / spec_s:.2f}")
+    print(f"plain:       {tokens / plain_s:8.1f} tokens/s ({tokens / plain_cpu:8.1f} by CPU time)")
+    print(f"speculative: {tokens / spec_s:8.1f} tokens/s ({tokens / spec_cpu:8.1f} by CPU time)")
+    ratio, cpu_ratio = plain_s / spec_s, plain_cpu / spec_cpu
+    print(f"ratio speculative / plain: {ratio:.2f} ({cpu_ratio:.2f} by CPU time)")
     return 0
 
 
