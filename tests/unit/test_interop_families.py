@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from forge.config import ModelConfig
+from forge.config.latent import LatentConfig
+from forge.config.model import MoeRouter
 from forge.interop.export import ExportError, export_model
 from forge.interop.export_rules import export_family, export_problem
-from forge.interop.families import FAMILIES, LLAMA
+from forge.interop.families import DEEPSEEK_V3, FAMILIES, LLAMA
 from forge.interop.family import FamilySpec, HfConfig, router_keys
 from forge.interop.hf_import import import_model
 from forge.interop.hf_json import given
@@ -142,3 +144,59 @@ def test_a_model_no_family_of_the_registry_holds_has_no_export():
     assert export_problem(MOE, (LLAMA_LIKE,)) == line
     with pytest.raises(ExportError, match="has no export"):
         export_family(MOE, (LLAMA_LIKE,))
+
+
+def reversed_latent(
+    name: str, cfg: ModelConfig, config: HfConfig
+) -> tuple[int, tuple[int, ...]] | None:
+    """A family storing the latent projection's rows in reverse."""
+    if cfg.mla is None or not name.endswith("attention.wkv_a.weight"):
+        return None
+    return 0, tuple(reversed(range(cfg.mla.kv_rank + cfg.mla.rope_dim)))
+
+
+# DeepSeek-V3's spec under another name, with depths named otherwise, no copies of the
+# embedding and head in them, and channels of its own order: all of it spec fields
+TINY_MLA = attrs.evolve(
+    DEEPSEEK_V3,
+    model_type="tiny_mla",
+    architecture="TinyMlaForCausalLM",
+    label="TinyMLA",
+    mtp_names={
+        "hidden_norm.weight": "h_norm.weight",
+        "embed_norm.weight": "e_norm.weight",
+        "proj.weight": "join.weight",
+        "norm.weight": "out_norm.weight",
+    },
+    mtp_copies={},
+    reorder=reversed_latent,
+)
+MLA = attrs.evolve(
+    MOE,
+    n_kv_heads=None,  # latent attention has none: an import reads it unset
+    norm_eps=1e-6,
+    moe_every=1,
+    moe_router=MoeRouter.SIGMOID,
+    mla=LatentConfig(kv_rank=8, q_rank=0, nope_dim=4, rope_dim=4, v_dim=6),
+    mtp_depth=2,
+    mtp_moe=True,
+)
+
+
+def test_depths_and_channel_orders_are_spec_fields(tmp_path):
+    from safetensors.torch import load_file
+
+    registry = (TINY_MLA, *FAMILIES)
+    assert export_family(MLA, registry) is TINY_MLA
+    torch.manual_seed(0)
+    state = Transformer(MLA).state_dict()
+    export_model(state, MLA, tmp_path / "exp", "float32", families=registry)
+    written = load_file(str(tmp_path / "exp" / "model.safetensors"))
+    assert "model.layers.4.join.weight" in written  # depth 2: after the 3 blocks and depth 1
+    assert not any("embed_tokens" in k for k in written if k.startswith("model.layers."))
+    latent = written["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
+    assert torch.equal(latent, state["layers.0.attention.wkv_a.weight"].flip(0))
+    back, tensors = import_model(tmp_path / "exp", families=registry)
+    assert back == MLA
+    assert tensors.keys() == state.keys()
+    assert all(torch.equal(tensors[k], v) for k, v in state.items())
