@@ -25,6 +25,7 @@ import attrs
 import torch
 
 from forge.config.sections import ModelConfig
+from forge.config.shapes import ROUTER_BIAS
 from forge.interop.export_rules import export_family, export_problem
 from forge.interop.families import FAMILIES
 from forge.interop.family import FamilySpec
@@ -202,8 +203,10 @@ def export_model(
     for name, tensor in state.items():
         if cfg.tie_embeddings and name == "output.weight":
             continue  # tied: the embedding is the head
+        # the balancing bias moves in steps of ~1e-3: fp32 in forge's model and in the file
+        cast = torch.float32 if name.endswith(ROUTER_BIAS) else DTYPES[dtype]
         for hf_key, value in hf_tensors(name, tensor.detach(), cfg, families).items():
-            tensors[hf_key] = value.to(DTYPES[dtype]).contiguous().cpu()
+            tensors[hf_key] = value.to(cast).contiguous().cpu()
     for hf_key, shape in export_family(cfg, families).placeholders(cfg).items():
         tensors[hf_key] = torch.zeros(shape, dtype=DTYPES[dtype])  # what its class holds
     with staged_output(out) as tmp:

@@ -268,6 +268,23 @@ def test_a_forge_model_with_depths_round_trips_bit_for_bit(cfg, tmp_path):
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
 
 
+def test_a_bfloat16_export_keeps_the_correction_bias_in_float32(tmp_path):
+    """The bias moves in steps of ~1e-3, and forge keeps it fp32 in a bf16 model: the export
+    writes it so (as the release stores it), and it reads back bit for bit."""
+    cfg = NATIVE["q_rank, 2 MoE depths, shared, groups, first dense"]
+    model = native(cfg)
+    export_model(model.state_dict(), cfg, tmp_path / "exp", "bfloat16")
+    written = safetensors_of(tmp_path / "exp")
+    bias = written["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and written["model.layers.1.mlp.gate.weight"].dtype == (
+        torch.bfloat16
+    )
+    _, state = import_model(tmp_path / "exp")
+    for name, value in model.state_dict().items():
+        if name.endswith("expert_bias"):
+            assert torch.equal(state[name], value), name
+
+
 def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
