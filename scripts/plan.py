@@ -59,6 +59,7 @@ def report(plan: MemoryPlan, device_gb: float) -> list[str]:
         ("weights", plan.parameters),
         ("gradients", plan.gradients),
         ("optimizer state", plan.optimizer_state),
+        ("optimizer step temporaries", plan.optimizer_step),
         ("gathered weights (FSDP)", plan.gathered_weights),
         ("activations", plan.activations),
         ("loss", plan.loss),
@@ -68,6 +69,9 @@ def report(plan: MemoryPlan, device_gb: float) -> list[str]:
     lines.append(f"  {'total':26s} {plan.total / GIB:9.2f} GiB")
     no_ac = plan.activations_without_ac / GIB
     lines.append(f"  (activations without activation checkpointing: {no_ac:.2f} GiB)")
+    if plan.snapshot:
+        host = plan.snapshot / GIB
+        lines.append(f"  (and in host memory, the rollback snapshot: {host:.2f} GiB)")
     usable = (1 - HEADROOM) * device_gb
     verdict = "fits" if plan.fits(device_gb * GIB) else "does NOT fit"
     lines.append(

@@ -39,9 +39,11 @@ from forge.config.model import ModelConfig
 from forge.config.sections import (
     ActivationCheckpointing,
     JobConfig,
+    NonFinitePolicy,
     OptimizerName,
     PipelineSchedule,
     Precision,
+    SpikePolicy,
 )
 from forge.config.shapes import mtp_shapes
 from forge.metrics.flops import largest_block_parameters
@@ -64,13 +66,24 @@ class MemoryPlan:
     activations_without_ac: int  # the same micro-batch with activation checkpointing off
     loss: int
     buffers: int = 0
+    # the optimizer step's temporaries: one tensor the size of the parameters (AdamW's foreach
+    # step makes a denominator per parameter; Lion and Muon an update each)
+    optimizer_step: int = 0
+    # host memory, not the device's: the rollback slot (CPU clones of the weights and the
+    # optimizer state) when resilience.on_nonfinite or on_spike is "rollback"
+    snapshot: int = 0
 
     @property
     def total(self) -> int:
+        """The device's peak (the host's ``snapshot`` aside), every part summed: the optimizer
+        step's temporaries counted beside the activations freed before it (an upper bound
+        where the allocator reuses that memory; measured, the sum is the closer one on a
+        CPU: tests/integration/test_memory_measured.py)."""
         return (
             self.parameters
             + self.gradients
             + self.optimizer_state
+            + self.optimizer_step
             + self.gathered_weights
             + self.activations
             + self.loss
@@ -228,6 +241,11 @@ def memory_plan(
     gathered = 0
     if shard > 1 or dims.replicas_alone:  # whole shards are copied out all the same
         gathered = 2 * largest_block_parameters(m) * compute_bytes // dims.tp
+        # the root's own weights (embedding, head, final norm) stay gathered from forward to
+        # backward (FSDP2 does not reshard the root after forward), and their whole gradients
+        # wait for the last reduce-scatter
+        root = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim
+        gathered += 2 * root * compute_bytes // dims.tp
     tokens = t.batch_size * (t.seq_len // dims.cp + vision.decoder_tokens)
     layers = -(-m.n_layers // dims.pp)
     kv_gathered, cp_mask = context_parallel_bytes(config, dims.cp, dims.tp)
@@ -260,19 +278,22 @@ def memory_plan(
     kept += len(depths) * block_input if ac is not ActivationCheckpointing.NONE else sum(depths)
     vocab_rows = m.vocab_size // dims.tp
     labelled = t.batch_size * t.seq_len // dims.cp  # image tokens have no logits
-    if t.loss_chunk_size > 0:  # a depth's chunked loss also keeps the head's gradient
+    if t.loss_chunk_size > 0:  # each head pass also keeps the head's gradient, in fp32
         loss = 3 * min(t.loss_chunk_size, labelled) * vocab_rows * 4
-        loss += m.mtp_depth * vocab_rows * m.dim * 4
+        loss += (1 + m.mtp_depth) * vocab_rows * m.dim * 4
     else:  # every depth keeps its own fp32 logits for backward
         loss = 3 * labelled * vocab_rows * 4 + m.mtp_depth * labelled * vocab_rows * 4
+    state = optimizer_tensors(config.optimizer.name, stage, hidden) / (dims.tp * shard)
+    res = config.resilience
+    rollback = res.on_nonfinite is NonFinitePolicy.ROLLBACK or (
+        res.spike_threshold > 0 and res.on_spike is SpikePolicy.ROLLBACK
+    )
     return MemoryPlan(
         parameters=round(owned * param_bytes),
         gradients=round(owned * param_bytes),
-        optimizer_state=round(
-            optimizer_tensors(config.optimizer.name, stage, hidden)
-            / (dims.tp * shard)
-            * param_bytes
-        ),
+        optimizer_state=round(state * param_bytes),
+        optimizer_step=round(owned * param_bytes),
+        snapshot=round((owned + state) * param_bytes) if rollback else 0,
         gathered_weights=gathered,
         activations=(kept + cp_mask) * in_flight,  # every micro-batch in flight has its masks
         activations_without_ac=without_ac * in_flight,

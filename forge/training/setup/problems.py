@@ -145,7 +145,11 @@ def memory_problem(plan: MemoryPlan, capacity: MemoryCapacity) -> str | None:
     if plan.total <= capacity.bytes:
         return None
     parts = (
-        plan.parameters + plan.gradients + plan.optimizer_state + plan.gathered_weights,
+        plan.parameters
+        + plan.gradients
+        + plan.optimizer_state
+        + plan.optimizer_step
+        + plan.gathered_weights,
         plan.activations,
         plan.loss,
         plan.buffers,

@@ -1,0 +1,82 @@
+"""The memory plan (``forge.parallel.memory_plan``, ``scripts/plan.py``) against measurement:
+the peak RSS of real runs on a CPU (fresh processes: ``memory/peak_rss_gb``), for a dense
+model with and without activation checkpointing, a mixture of experts, the rollback snapshot
+and FSDP2 at 2 ranks.
+
+What is compared is growth: each run's peak over the peak of the same launch with a tiny model
+(imports, threads, the loader: what the plan does not count), against the plan's total (plus
+its host snapshot) over the tiny model's. Measured here (2 steps, fp32, dim 512 × 8 layers,
+vocab 32000): the plan is 0.97–1.01 of the growth for the dense model, 1.09 with full
+activation checkpointing, 1.10 for the mixture of experts, 0.97 with the rollback snapshot and
+0.84–0.87 per rank under FSDP2 at 2 ranks (gloo's collectives' buffers are not planned). The
+tolerance: within 20%.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from forge.config import load_config
+from forge.parallel.memory_plan import memory_plan
+from forge.parallel.world import resolve_dims
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+TOLERANCE = 0.2
+TINY = ["--model.dim=64", "--model.n_layers=1", "--model.n_heads=2", "--train.batch_size=1"]
+DENSE = ["--model.dim=512", "--model.n_layers=8", "--model.n_heads=8", "--model.vocab_size=32000"]
+MOE = ["--model.dim=384", "--model.n_layers=4", "--model.n_heads=6", "--model.vocab_size=32000",
+       "--model.moe_num_experts=8", "--model.moe_top_k=2"]  # fmt: skip
+FSDP = ["--distributed.dp_shard=2"]
+
+
+def launch(tmp: pathlib.Path, data: pathlib.Path, args: list[str], ranks: int) -> tuple[int, int]:
+    """(the run's peak RSS on rank 0, the plan's total plus its host snapshot), in bytes."""
+    run_dir = tmp / f"run{len(list(tmp.iterdir()))}"
+    argv = [str(REPO / "configs" / "train" / "debug.toml"), f"--run.dir={run_dir}",
+            f"--data.path={data}", "--train.max_steps=2", "--scheduler.warmup_steps=1",
+            "--checkpoint.enabled=false", "--eval.interval=0", "--metrics.log_interval=1",
+            "--train.mixed_precision=fp32", "--train.compile=false", "--train.num_threads=1",
+            "--resilience.replay_first_step=false", "--data.verify_checksum=false", *args]  # fmt: skip
+    config = load_config(argv).config
+    plan = memory_plan(config, resolve_dims(config.distributed, ranks))
+    runner = [sys.executable]
+    if ranks > 1:
+        runner += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    out = subprocess.run([*runner, str(REPO / "scripts" / "train.py"), *argv],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    peak = max(r.get("memory/peak_rss_gb", 0.0) for r in records)
+    return round(peak * 2**30), plan.total + plan.snapshot
+
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory, small_corpus):
+    """Each layout's tiny-model launch: what every run holds beside what the plan counts."""
+    tmp = tmp_path_factory.mktemp("memory")
+    return tmp, {
+        1: launch(tmp, small_corpus, TINY, 1),
+        2: launch(tmp, small_corpus, TINY + FSDP, 2),
+    }
+
+
+@pytest.mark.parametrize(
+    ("args", "ranks"),
+    [(DENSE, 1), ([*DENSE, "--train.activation_checkpointing=full"], 1), (MOE, 1),
+     ([*DENSE, "--resilience.on_nonfinite=rollback", "--resilience.snapshot_interval=1"], 1),
+     ([*DENSE, *FSDP, "--train.batch_size=4"], 2)],
+    ids=["dense", "dense, full activation checkpointing", "mixture of experts",
+         "rollback snapshot", "fsdp2 at 2 ranks"],
+)  # fmt: skip
+def test_the_plan_is_within_20_percent_of_the_measured_peak(baselines, small_corpus, args, ranks):
+    tmp, base = baselines
+    peak, planned = launch(tmp, small_corpus, args, ranks)
+    base_peak, base_planned = base[ranks]
+    measured, plan = peak - base_peak, planned - base_planned
+    assert measured > 500 * 2**20  # the model dominates what is compared
+    assert abs(plan / measured - 1) <= TOLERANCE, (plan / 2**20, measured / 2**20)
