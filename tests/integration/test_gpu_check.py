@@ -1,5 +1,7 @@
 """benchmarks/gpu_check.sh, the one GPU acceptance command: its CUDA tests are collected here
-and skipped with their reason, and the script says it needs a GPU (exit 2)."""
+and skipped with their reason, every row of its benchmark table is validated and planned
+(a dry run: no config meets the GPU for the first time), and the script says it needs a GPU
+(exit 2)."""
 
 from __future__ import annotations
 
@@ -29,3 +31,9 @@ def test_without_a_gpu_the_check_skips_every_cuda_test_with_its_reason(tmp_path)
     assert " passed" not in log and " failed" not in log
     assert "no CUDA device here" in done.stderr.splitlines()[-1]
     assert (tmp_path / "machine.txt").is_file()
+    # the rehearsal: every row of the table validated and planned, none run
+    table = (tmp_path / "table.txt").read_text().splitlines()
+    rows = [line.split()[:3] for line in table[1:]]
+    assert [r[:2] for r in rows] == [["1b", "bf16"], ["1b", "fp8"], ["8b", "bf16"], ["8b", "fp8"],
+                                     ["1b", "fp8-checked"], ["1b", "deterministic"]]  # fmt: skip
+    assert all(r[2] == "dry-run" for r in rows), table
