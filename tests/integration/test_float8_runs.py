@@ -79,3 +79,30 @@ def test_the_deterministic_mode_changes_no_bit_on_a_cpu_and_is_put_back(tmp_path
     assert losses[0] == losses[1] == losses[2]
     wa, wb = weights(config, tmp_path / "a", 3), weights(config, tmp_path / "without", 3)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+BLOCK_TORCHAO = (
+    "import runpy, sys; sys.modules['torchao'] = None; sys.argv = sys.argv[1:]; "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def test_an_fp8_runs_checkpoint_exports_and_generates_without_torchao(tmp_path, small_corpus):
+    """The scripts that read an FP8 run's checkpoint import no torchao: run here with its
+    import made to fail."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    config = write_config(tmp_path, small_corpus)
+    train(config, tmp_path / "fp8", *STEPS, "--train.float8=rowwise")
+    scripts = REPO / "scripts"
+    for argv in (
+        [scripts / "convert_checkpoint.py", "export", tmp_path / "fp8", "--out", tmp_path / "hf"],
+        [scripts / "generate.py", tmp_path / "fp8", "--prompt", "def ", "--max-new-tokens", "4"],
+    ):
+        out = subprocess.run([sys.executable, "-c", BLOCK_TORCHAO, *map(str, argv)],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "hf" / "config.json").is_file()

@@ -132,3 +132,24 @@ def test_fp8_with_a_vision_language_model_is_refused_by_name(tmp_path):
                     '[data]\npath = "x"\n[train]\nfloat8 = "rowwise"\n')  # fmt: skip
     with pytest.raises(ConfigError, match=r"train\.float8: is not supported with model\.vlm"):
         load_config([str(path)])
+
+
+@pytest.mark.parametrize(
+    ("train", "named"),
+    [
+        ({"float8_check": 10}, "train.float8_check"),  # compares FP8 with nothing: FP8 is off
+        ({"float8": "rowwise", "float8_check": -1}, "train.float8_check"),
+        ({"float8": "rowwise", "float8_check_tolerance": float("nan")}, "train.float8_check_tolerance"),
+        ({"float8": "rowwise", "float8_check_grad_tolerance": 0.0}, "train.float8_check_grad_tolerance"),
+        ({"float8": "rowwise", "float8_check": 10, "float8_on_drift": "stop"}, None),
+    ],
+)  # fmt: skip
+def test_the_drift_guards_keys_are_refused_by_name(train, named):
+    from forge.config.loader import structure_config
+
+    if named is None:
+        assert structure_config({"train": train}).train.float8_check == 10
+        return
+    with pytest.raises(ConfigError) as err:
+        structure_config({"train": train})
+    assert [line.split(":")[0] for line in err.value.lines] == [named]
