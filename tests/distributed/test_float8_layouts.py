@@ -1,6 +1,6 @@
 """FP8 (``train.float8``, torchao's emulation on a CPU) at real ranks (torchrun, gloo) in
-every layout of the composition table at 4 ranks, and on a mixture of experts under FSDP2 ×
-expert parallelism at 2, against the same config without FP8 at one rank; every step also
+every layout of the composition table at 4 ranks, in each parallelism alone at 2 (rowwise),
+and on a mixture of experts under FSDP2 × expert parallelism at 2, against the same config without FP8 at one rank; every step also
 checked against its high-precision recomputation (``train.float8_check = 1``: the drift
 guard through each layout, the pipeline's schedule included), and none drifting.
 
@@ -60,6 +60,26 @@ def test_fp8_in_each_composition_at_four_ranks_is_within_tolerance_of_high_preci
     assert_within_tolerance(got, training_metrics(one))
     # every step checked against high precision (one agreed verdict), none drifted
     assert all(got[s]["float8/grad_norm_drift"] < 0.05 for s in (1, 2, 3))
+
+
+AT_TWO = ["--train.batch_size=4", "--train.grad_accum_steps=2", "--eval.steps=4"]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [["--distributed.dp_shard=2", "--train.batch_size=2", "--train.grad_accum_steps=2",
+      "--eval.steps=4"],
+     ["--distributed.tp=2", "--distributed.dp_shard=1", *AT_TWO],
+     ["--distributed.pp=2", "--distributed.dp_shard=1", *AT_TWO],
+     ["--distributed.cp=2", "--distributed.dp_shard=1", *AT_TWO]],
+    ids=["fsdp", "tp", "pp", "cp"],
+)  # fmt: skip
+def test_fp8_in_each_parallelism_at_two_ranks_is_within_tolerance_of_high_precision(
+    high_precision, tmp_path, layout
+):
+    config, one = high_precision
+    train(config, tmp_path / "run", *THREE_STEPS, *layout, "--train.float8=rowwise", ranks=2)
+    assert_within_tolerance(training_metrics(tmp_path / "run"), training_metrics(one))
 
 
 def test_fp8_on_experts_under_fsdp_x_ep_at_two_ranks_is_within_tolerance(tmp_path, small_corpus):
