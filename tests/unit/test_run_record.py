@@ -174,6 +174,7 @@ EVERY_IDENTITY_KEY = {
     "model.moe_top_groups": ({"model.moe_top_groups": 2}, "model.moe_top_groups"),
     "model.moe_routed_scale": ({"model.moe_routed_scale": 2.5}, "model.moe_routed_scale"),
     "model.mtp_depth": ({"model.mtp_depth": 1}, "model.mtp_depth"),
+    "model.mtp_moe": ({"model.mtp_moe": True, "model.mtp_depth": 1, "model.moe_num_experts": 4}, "model.mtp_moe"),
     "model.mla": ({"model.mla": {"kv_rank": 64}}, "model.mla"),
     "model.vlm": ({"model.vlm": "joint_decoder"}, "model.vlm"),
     "model.vision": ({"model.vision": {"image_size": 64}}, "model.vision"),

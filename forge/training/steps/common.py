@@ -161,14 +161,13 @@ def label_counts(batches: Sequence[Batch]) -> torch.Tensor:
 
 
 def with_depth_counts(
-    counts: torch.Tensor, batches: Sequence[Batch], model: nn.Module
+    counts: torch.Tensor, batches: Sequence[Batch], depth: int, model: nn.Module
 ) -> torch.Tensor:
-    """``counts`` (each micro-batch's labels) beside each micro-batch's targets of every
-    multi-token depth of ``model`` ``(micro-batches, 1 + depth)``, at this rank's positions
+    """``counts`` (each micro-batch's labels) beside each micro-batch's targets of every one
+    of ``depth`` multi-token depths ``(micro-batches, 1 + depth)``, at this rank's positions
     (under context parallelism counted on whole rows: ``forge.model.mtp.depth_inputs``); the
-    labels alone without depths. ``model``: a model, or a pipeline rank's stages."""
-    depth = model.cfg.mtp_depth  # type: ignore[union-attr]  # every pipeline rank alike
-    assert isinstance(depth, int)
+    labels alone without depths. ``model``: a model, or a pipeline rank's stages (their
+    context-parallel group)."""
     if not depth:
         return counts
     parts = getattr(model, "stages", (model,))

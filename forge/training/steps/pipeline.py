@@ -121,7 +121,8 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
     def gradients(batches: tuple[Batch, ...], step: int, computation: int) -> StepTotals:
         params = trainable_parameters(stage)  # a freeze schedule may change them
         device = next(stage.parameters()).device
-        counts = with_depth_counts(label_counts(batches), batches, stage)
+        # the model's depths on every pipeline rank (one all-reduce of one shape)
+        counts = with_depth_counts(label_counts(batches), batches, pipeline.loss.depth, stage)
         weight = label_weight(
             step_labels(counts, spec.token_slices, spec.world_size), spec.token_slices
         )

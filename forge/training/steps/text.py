@@ -75,7 +75,7 @@ def make_text_step(spec: StepSpec) -> StepFunction:
         moe: torch.Tensor | None = None
         n = len(batches)
         # each depth's targets beside the main labels: one all-reduce for all
-        counts = with_depth_counts(label_counts(batches), batches, model)
+        counts = with_depth_counts(label_counts(batches), batches, depth, model)
         weight = label_weight(
             step_labels(counts, spec.token_slices, spec.world_size), spec.token_slices
         )
