@@ -3,7 +3,7 @@
     python scripts/convert_checkpoint.py export runs/debug --out exports/debug --dtype bfloat16
     python scripts/convert_checkpoint.py import exports/debug --out ckpt/imported
 
-Both directions take the Llama, Mixtral, Qwen3 and Qwen3-MoE families
+Both directions take the DeepSeek-V3, Llama, Mixtral, Qwen3 and Qwen3-MoE families
 (``forge.interop.families``; docs/interop.md). ``export`` reads the run's newest
 complete checkpoint (the training resolver) on the CPU (``--device cuda`` or ``auto`` to read
 it onto a GPU), in the checkpoint's dtype, and writes it in ``--dtype``; ``import`` writes a
@@ -173,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     im.add_argument(
         "folder",
         type=pathlib.Path,
-        help="a Llama, Mixtral, Qwen3 or Qwen3-MoE folder (config.json + safetensors)",
+        help="a DeepSeek-V3, Llama, Mixtral, Qwen3 or Qwen3-MoE folder (config.json + safetensors)",
     )
     im.add_argument(
         "--out", type=pathlib.Path, required=True, help="checkpoint folder to write (step_0)"
