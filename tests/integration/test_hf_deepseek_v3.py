@@ -30,6 +30,12 @@ from forge.model.generate import sample
 from forge.model.moe import empty_stats
 from forge.model.transformer import Transformer
 from tests.e2e.test_train_script import load_script
+from tests.integration.test_hf_families import (
+    config_change,
+    forge_model,
+    logits,
+    safetensors_of,
+)
 
 transformers = pytest.importorskip("transformers")  # in the dev extra: runs in `make test`
 
@@ -117,24 +123,6 @@ def saved(request, tmp_path_factory) -> tuple[dict[str, Any], Any, pathlib.Path]
     folder = tmp_path_factory.mktemp("deepseek_v3") / "hf"
     model.save_pretrained(folder)
     return keys, model, folder
-
-
-def forge_model(folder: pathlib.Path) -> Transformer:
-    cfg, state = import_model(folder)
-    model = Transformer(cfg).eval()
-    model.load_state_dict(state)
-    return model
-
-
-def logits(model: Transformer, x: torch.Tensor) -> torch.Tensor:
-    out = model(x)
-    return out[0] if isinstance(out, tuple) else out
-
-
-def safetensors_of(folder: pathlib.Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(folder / "model.safetensors"))
 
 
 @torch.no_grad()
@@ -389,14 +377,6 @@ def test_continued_pre_training_carries_the_correction_bias_and_the_depth(tiny_c
 
 # --- refusals: convert_checkpoint.py import on a copy of a valid folder with one thing
 # changed: exit 2, one ``error:`` line naming the key, nothing written
-
-
-def config_change(change: dict[str, Any]) -> Callable[[pathlib.Path], None]:
-    def apply(folder: pathlib.Path) -> None:
-        path = folder / "config.json"
-        path.write_text(json.dumps(json.loads(path.read_text()) | change))
-
-    return apply
 
 
 def tensor_change(name: str, change: Callable[[torch.Tensor], torch.Tensor | None]):
