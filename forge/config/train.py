@@ -96,6 +96,10 @@ class TrainConfig:
             tolerance = getattr(self, key)
             if not math.isfinite(tolerance) or tolerance <= 0:
                 p.append((f"train.{key}", f"must be a finite number > 0, got {tolerance}"))
+        defaults = TrainConfig()
+        for key in ("float8_check_tolerance", "float8_check_grad_tolerance", "float8_on_drift"):
+            if self.float8 is Float8Recipe.OFF and getattr(self, key) != getattr(defaults, key):
+                p.append((f"train.{key}", "has no effect with train.float8 = 'off'; remove it"))
         if self.float8_check > 0 and self.float8 is Float8Recipe.OFF:
             p.append(
                 (

@@ -141,6 +141,8 @@ def test_fp8_with_a_vision_language_model_is_refused_by_name(tmp_path):
         ({"float8": "rowwise", "float8_check": -1}, "train.float8_check"),
         ({"float8": "rowwise", "float8_check_tolerance": float("nan")}, "train.float8_check_tolerance"),
         ({"float8": "rowwise", "float8_check_grad_tolerance": 0.0}, "train.float8_check_grad_tolerance"),
+        ({"float8_on_drift": "stop"}, "train.float8_on_drift"),  # inert with FP8 off
+        ({"float8_check_tolerance": 0.1}, "train.float8_check_tolerance"),
         ({"float8": "rowwise", "float8_check": 10, "float8_on_drift": "stop"}, None),
     ],
 )  # fmt: skip
