@@ -122,7 +122,15 @@ def float8_start_line(recipe: Float8Recipe, cfg: ModelConfig, device: torch.devi
         raise ConfigError(problem)
     if recipe is Float8Recipe.OFF:
         return None
-    return float8_layers(cfg).describe(recipe, emulated=device.type != "cuda")
+    layers = float8_layers(cfg)
+    if not layers.converted:  # on, and inert: no linear layer can take FP8
+        raise ConfigError(
+            f"train.float8={recipe.value!r}: no linear layer of this model can compute in FP8 "
+            f"(each has a dimension not a multiple of {FP8_MULTIPLE}, or is the head or a "
+            "router); set train.float8='off' or choose model dimensions that are multiples "
+            f"of {FP8_MULTIPLE}"
+        )
+    return layers.describe(recipe, emulated=device.type != "cuda")
 
 
 def apply_float8(model: nn.Module, recipe: Float8Recipe, emulate: bool) -> tuple[str, ...]:

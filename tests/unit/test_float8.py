@@ -155,3 +155,12 @@ def test_the_drift_guards_keys_are_refused_by_name(train, named):
     with pytest.raises(ConfigError) as err:
         structure_config({"train": train})
     assert [line.split(":")[0] for line in err.value.lines] == [named]
+
+
+def test_fp8_that_would_cover_no_layer_is_refused_by_name():
+    """dim 120: every projection has a dimension that is no multiple of 16."""
+    inert = attrs.evolve(DENSE, dim=120, n_heads=4)
+    assert float8_layers(inert).converted == ()
+    with pytest.raises(ConfigError, match=r"train\.float8='rowwise': no linear layer"):
+        float8_start_line(Float8Recipe.ROWWISE, inert, torch.device("cpu"))
+    assert float8_start_line(Float8Recipe.ROWWISE, DENSE, torch.device("cpu")) is not None
