@@ -189,6 +189,20 @@ class Float8Verdict:
 
 
 @attrs.frozen
+class ReplicaStep:
+    """How a step went under ``[fault_tolerance]``: the replica groups that took part in the
+    attempt that committed, the attempts before it that did not (a group lost inside them:
+    their rows are read again), and a heal: the step this group received from a live peer
+    (``rebase``: the loop state it continues from) and how long the quorum that carried it
+    took."""
+
+    participants: int
+    failed_attempts: int = 0
+    rebase: LoopState | None = None
+    heal_s: float = 0.0
+
+
+@attrs.frozen
 class StepResult:
     """What one optimizer step reports back. ``grad_norm`` is global (every shard and
     stage), ``tokens`` and ``images`` count over the data-parallel ranks; ``loss``,
@@ -211,6 +225,7 @@ class StepResult:
     applied: bool = True  # the step applied its update (false: non-finite, dropped, failed)
     mtp: tuple[float, ...] | None = None  # each multi-token depth's mean loss (not in ``loss``)
     float8: Float8Verdict | None = None  # the step was checked against high precision
+    replicas: ReplicaStep | None = None  # replica groups ([fault_tolerance]): who took part
 
     @property
     def finite(self) -> bool:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from forge.config.help import help_text
 from forge.errors import CheckpointSaveError, UserInputError, print_errors
@@ -53,6 +54,7 @@ from forge.training.setup.loaders import train_batches
 from forge.training.setup.phases import (
     build_model_and_optim,
     claim_run_dir,
+    join_replica_groups,
     load_and_validate_config,
     prepare_run_dir,
     setup_checkpointing,
@@ -61,8 +63,14 @@ from forge.training.setup.phases import (
     teardown,
 )
 from forge.training.steps.replay import kernel_modes_kept
+from forge.training.steps.replicas import (
+    LayoutMismatchError,
+    StepReplicas,
+    replica_batches,
+    replicated_step,
+)
 from forge.training.steps.select import make_step_fn
-from forge.types import ExitCode, LoopOutcome
+from forge.types import ExitCode, LoopOutcome, LoopState, StepResult
 
 
 @kernel_modes_kept()  # train.deterministic changes them for this run only
@@ -80,7 +88,7 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
     # a signal during set-up stops it (nothing written, exit 75 or 130); once set-up is done,
     # it asks the loop for an emergency save
     flag = ShutdownFlag(setting_up=True)
-    lock = None
+    lock, replicas = None, None
     try:
         flag.install()  # before set-up, so an early signal is not lost
         run = load_and_validate_config(args)
@@ -91,6 +99,7 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         pause_if_asked(os.environ, "checkpoint")  # tests only: a signal in a known phase
         load_start = time.time()
         ckpt = setup_checkpointing(run, dist, model, data)
+        replicas = join_replica_groups(run, dist, model, data, ckpt.initial_state.step)
         clock = LaunchClock(run.run_dir, dist.is_main, started)
         verify_s = ckpt.resume_cost.verify_s if ckpt.resume_cost is not None else 0.0
         clock.started_up(entered, time.time() - load_start, verify_s)
@@ -115,6 +124,8 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
     except BaseException as exc:
         if lock is not None:
             lock.release(discard=True)  # a run that never started leaves no directory
+        if replicas is not None:
+            replicas.groups.close()
         flag.uninstall()
         if isinstance(exc, SetupInterrupted):  # one line, not an error: nothing to save
             print(f"[forge] {exc}", file=sys.stderr, flush=True)
@@ -127,11 +138,24 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         timeout_s = run.config.distributed.timeout_s
         with stack_watch(run.run_dir, dist.rank, dist.world_size, timeout_s) as stacks:
             return train(
-                run, dist, model, data, ckpt, flag, run_hooks, faults, stacks, clock, channel
+                run,
+                dist,
+                model,
+                data,
+                ckpt,
+                flag,
+                run_hooks,
+                faults,
+                stacks,
+                clock,
+                channel,
+                replicas,
             )
     finally:
         flag.uninstall()  # done already unless the loop raised
         lock.release()
+        if replicas is not None:
+            replicas.groups.close()
 
 
 def train(
@@ -146,11 +170,13 @@ def train(
     stacks: StackWatch | None = None,
     clock: LaunchClock | None = None,
     channel: ControlChannel | None = None,
+    replicas: StepReplicas | None = None,
 ) -> int:
     """The loop and what follows it, once every set-up phase succeeded; ``stacks``: where
     this rank's stacks go when the run hangs (re-armed before any other hook); ``clock``:
     this launch's goodput ledger (the set-up's load already in it); ``channel``: the control
-    word's, made at set-up for the guards to check."""
+    word's, made at set-up for the guards to check; ``replicas``: the replica groups
+    (``[fault_tolerance]``), whose quorum decides each step's rows."""
     if clock is None:
         clock = LaunchClock(run.run_dir, dist.is_main, time.time())
     flag.timeout_s = run.config.resilience.shutdown_timeout_s
@@ -160,8 +186,14 @@ def train(
     policy = run.policy
     hooks = HookList([stacks, hooks]) if stacks is not None else hooks
     effects = TrainingEffects(run, dist, model, data, hooks=hooks)
-    step = make_step_fn(run, dist, model, data, hooks, gradient_faults(faults, dist.rank))
-    step = stragglers.timed(with_faults(step, model.model, faults, dist.rank))
+    step = make_step_fn(
+        run, dist, model, data, hooks, gradient_faults(faults, dist.rank), replicas=replicas
+    )
+    step: Callable[[Any, LoopState], StepResult] = with_faults(step, model.model, faults, dist.rank)
+    batches: Iterator[Any] = train_batches(data, run.config.train.grad_accum_steps)
+    if replicas is not None:  # each step's rows follow its quorum, read inside the step
+        step, batches = replicated_step(step, replicas, dist.say), replica_batches(replicas)
+    step = stragglers.timed(step)
     res = run.config.resilience
     if channel is None:
         channel = ControlChannel(dist.world_size, res.health_timeout_s)
@@ -177,7 +209,7 @@ def train(
     try:
         outcome, state = run_training_loop(
             ckpt.initial_state,
-            timed_batches(train_batches(data, run.config.train.grad_accum_steps), clock),
+            timed_batches(batches, clock),
             timed_step(
                 guard_collectives(step, dist.rank, run.config.distributed.timeout_s, stacks),
                 clock,
@@ -187,6 +219,12 @@ def train(
             timed_poll(monitor, clock),
         )
         decision, state = conclude(outcome, state, policy, timed_effects)
+    except LayoutMismatchError as exc:  # a group that joined with another config
+        effects.abandon()
+        print_errors(exc.lines)
+        flag.uninstall()
+        teardown(dist, healthy=False)
+        return ExitCode.CONFIG_ERROR
     except CheckpointSaveError as exc:  # every rank raises it: they agreed on the failure
         effects.abandon()
         print_errors([str(exc), *([effects.log_failure] if effects.log_failure else [])])

@@ -39,6 +39,30 @@ def cross_section_problems(config: JobConfig) -> list[Problem]:
         p.append(("model.mtp_depth", f"must be < train.seq_len={seq} (no target would be left)"))
     if config.train.float8 is not Float8Recipe.OFF and config.model.vlm is not None:
         p.append(("train.float8", "is not supported with model.vlm yet; set it to 'off'"))
+    p += fault_tolerance_problems(config)
+    return p
+
+
+def fault_tolerance_problems(config: JobConfig) -> list[Problem]:
+    """``[fault_tolerance]`` with what it does not run with yet: a group's share of a step
+    is a number of micro-batches that changes with the groups taking part, which a pipeline
+    schedule (built for a fixed number) cannot take; the share is read in the training
+    process (no loader workers); image–caption rows are not counted alike."""
+    if not config.fault_tolerance.enabled:
+        return []
+    p: list[Problem] = []
+    if config.distributed.pp > 1:
+        p.append(("fault_tolerance.enabled", "does not run with distributed.pp > 1 yet"))
+    if config.data.num_workers > 0:
+        p.append(
+            (
+                "data.num_workers",
+                "must be 0 with fault_tolerance.enabled (a group's share of a step is read "
+                "once its quorum is known, in the training process)",
+            )
+        )
+    if config.model.vlm is not None:
+        p.append(("fault_tolerance.enabled", "does not run with model.vlm yet"))
     return p
 
 

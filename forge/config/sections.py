@@ -21,6 +21,7 @@ from forge.config.checkpoint import (
 )
 from forge.config.data import DataConfig, DataPhase, DataSource, EvalConfig, EvalTask
 from forge.config.distributed import DistributedConfig, PipelineSchedule
+from forge.config.fault_tolerance import FaultToleranceConfig
 from forge.config.freeze import FreezeRule
 from forge.config.hooks import HooksConfig
 from forge.config.model import ModelConfig, MoeRouter
@@ -44,6 +45,7 @@ __all__ = [
     "EvalConfig",
     "EvalTask",
     "ExportDtype",
+    "FaultToleranceConfig",
     "Float8Recipe",
     "FreezeRule",
     "HooksConfig",
@@ -89,6 +91,7 @@ class JobConfig:
     metrics: MetricsConfig = attrs.Factory(MetricsConfig)
     resilience: ResilienceConfig = attrs.Factory(ResilienceConfig)
     distributed: DistributedConfig = attrs.Factory(DistributedConfig)
+    fault_tolerance: FaultToleranceConfig = attrs.Factory(FaultToleranceConfig)
     hooks: HooksConfig = attrs.Factory(HooksConfig)
     profiler: ProfilerConfig = attrs.Factory(ProfilerConfig)
     freeze: tuple[FreezeRule, ...] = ()  # [[freeze]]: which parameters train when

@@ -117,6 +117,18 @@ def plan_at(state: LoaderState, s: Sampling) -> Plan | None:
     return Plan(rows, phase.lr_scale, following)
 
 
+def share_of(slots: int, participants: int, rank: int) -> range:
+    """The micro-batches of a step of ``slots`` that replica group ``rank`` of the
+    ``participants`` taking part reads (``[fault_tolerance]``): contiguous shares in the
+    groups' order, the first ``slots % participants`` one longer, so that the shares of every
+    group that took part are the step's micro-batches in order, whichever groups they are."""
+    if not 0 <= rank < participants:
+        raise ValueError(f"group {rank} is not one of the {participants} taking part")
+    base, extra = divmod(slots, participants)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + int(rank < extra))
+
+
 def exhausts(state: LoaderState, s: Sampling, phase: Phase) -> bool:
     """Whether the step that starts at ``state`` would reach a source's epoch
     ``max_epochs``: the data runs out at a step's start, never inside one, so no checkpoint
@@ -256,12 +268,41 @@ class TextLoader:
         if self._stream is None:
             self._stream = self._open()
         batch, self.state = next(self._stream)
-        if self.num_workers == 0 and pins_host_memory(self.device):
+        return self._placed(batch, pinned=self.num_workers > 0)
+
+    def _placed(self, batch: Batch, pinned: bool) -> Batch:
+        """``batch`` on the training device, cut to this rank's tokens under context
+        parallelism."""
+        if not pinned and pins_host_memory(self.device):
             batch = batch.pin_memory()
         batch = batch.to(self.device)
         if self.context[1] > 1:
             batch = context_shard(batch, self.context[1], self.context[0])
         return batch
+
+    def step_share(self, share: range) -> tuple[tuple[Batch, ...], LoaderState] | None:
+        """The micro-batches ``share`` of the step that starts at this loader's position (a
+        replica group's, ``share_of``), read in this process, and the position after the
+        whole step, which ``seek`` applies once the step commits; None when the data is used
+        up. The position itself does not move: a step that does not commit is read again."""
+        if self.state.step_rows:
+            raise ValueError("a replica group's share starts at a step's first micro-batch")
+        self._stream = None
+        state, batches = self.state, []
+        for slot in range(self.sampling.grad_accum_steps):
+            plan = plan_at(state, self.sampling)
+            if plan is None:
+                return None
+            if slot in share:
+                batch, _ = self.reader[plan]
+                batches.append(self._placed(batch, pinned=False))
+            state = plan.after
+        return tuple(batches), state
+
+    def seek(self, state: LoaderState) -> None:
+        """Continue from ``state`` (a committed step's ``step_share`` position)."""
+        self.state = state
+        self._stream = None
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able position of the next micro-batch, free of the layout."""

@@ -28,7 +28,7 @@ from forge.parallel.pipeline import TiedWeight
 from forge.parallel.pipeline_loss import StageLoss
 from forge.parallel.world import MeshDims, WorldInfo
 from forge.training.loop.plan import LoopPolicy, loop_policy
-from forge.training.records.run_dir import checkpoint_dir_of
+from forge.training.records.run_dir import checkpoint_dir_of, group_dir
 from forge.types import LoopState
 
 if TYPE_CHECKING:  # torch's pipelining imports its compiler: only a pipeline run does
@@ -51,6 +51,9 @@ class RunContext:
     def of(cls, config: JobConfig, source: pathlib.Path) -> RunContext:
         """The context of a loaded config (``run.dir`` resolved by ``load_config``)."""
         run_dir = pathlib.Path(str(config.run.dir))
+        ft = config.fault_tolerance
+        if ft.enabled:  # each replica group is a launch of its own, with its own records
+            run_dir = run_dir / group_dir(ft.group)
         return cls(config, source, run_dir, checkpoint_dir_of(config, run_dir))
 
     @property

@@ -72,6 +72,11 @@ def run_training_loop(
         except StopIteration:
             return LoopOutcome.DATA_EXHAUSTED, state
         result = step_fn(batch, state)
+        if (rebase := healed_state(result)) is not None:  # the step ran from a peer's state
+            state = rebase
+            if policy.snapshots:
+                effects.snapshot(state)
+                snapshot = state
         plan = plan_step(state, result, poll(result), policy)
         state = plan.state
         if plan.log:  # the step that ran, even if it is about to be rolled back
@@ -91,6 +96,12 @@ def run_training_loop(
         effects.step_end(state, result)
         if plan.stop is not None:
             return plan.stop, state
+
+
+def healed_state(result: StepResult) -> LoopState | None:
+    """The loop state a step started from when its replica group healed from a live peer
+    inside it (``[fault_tolerance]``): the peer's, replacing this group's."""
+    return result.replicas.rebase if result.replicas is not None else None
 
 
 def checkpoint_view(state: LoopState, policy: LoopPolicy) -> CheckpointView:

@@ -31,7 +31,7 @@ from forge.resilience.stragglers import (
     warns,
 )
 from forge.training.context import DataContext, DistContext, RunContext
-from forge.types import LoopState, SourceTotals, StepResult
+from forge.types import LoopState, ReplicaStep, SourceTotals, StepResult
 
 BUSY = "straggler/busy_s"  # each rank's own time per step, gathered (not logged as such)
 
@@ -65,6 +65,21 @@ def resilience_record(state: LoopState, config: ResilienceConfig) -> dict[str, i
         record["resilience/spikes"] = state.spikes
     if config.replay_interval > 0 or state.replay_mismatches:
         record["resilience/replay_mismatches"] = state.replay_mismatches
+    return record
+
+
+def replica_record(replicas: ReplicaStep | None) -> dict[str, Any]:
+    """Under ``[fault_tolerance]``: the replica groups that took part in the step, the
+    attempts before it that did not commit, and a heal's seconds (the same on every rank of
+    a group)."""
+    if replicas is None:
+        return {}
+    record: dict[str, Any] = {
+        "ft/participants": replicas.participants,
+        "ft/failed_attempts": replicas.failed_attempts,
+    }
+    if replicas.rebase is not None:
+        record["ft/heal_s"] = replicas.heal_s
     return record
 
 
@@ -141,6 +156,7 @@ class StepLogger:
         if stragglers:
             reduced |= self.stragglers(reduced.pop(BUSY))
         reduced |= resilience_record(state, self.resilience)
+        reduced |= replica_record(result.replicas)
         result = attrs.evolve(result, loss=loss, z_loss=z_loss)
         step_time = (self.clock() - self._mark_time) / max(1, state.step - self._mark_step)
         tps = result.tokens / step_time if step_time > 0 else math.inf

@@ -52,6 +52,7 @@ G = ChangeGroup
 IDENTITY = frozenset({G.MODEL, G.DATA_ORDER, G.FREEZE})  # another run
 
 # recorded values that are no config key of their own
+# × fault_tolerance.groups under in-job recovery; the name is the record's key: kept
 GLOBAL_BATCH = "global batch (train.batch_size × data-parallel size × grad_accum_steps)"
 DECAY = "decay steps (scheduler.decay_steps or train.max_steps)"
 TOTAL = "total steps (train.max_steps)"
@@ -70,6 +71,7 @@ GROUPS: dict[str, ChangeGroup] = {
     "metrics": G.FREE,
     "resilience": G.FREE,
     "distributed": G.LAYOUT,
+    "fault_tolerance": G.FREE,  # where the lighthouse is, timeouts
     "hooks": G.FREE,
     "profiler": G.FREE,
     "freeze": G.FREEZE,
@@ -116,6 +118,9 @@ GROUPS: dict[str, ChangeGroup] = {
     "data.num_workers": G.LAYOUT,
     "distributed.backend": G.FREE,
     "distributed.timeout_s": G.FREE,
+    "fault_tolerance.enabled": G.LAYOUT,  # the global batch split among replica groups
+    "fault_tolerance.groups": G.LAYOUT,
+    "fault_tolerance.group": G.LAYOUT,
     # recorded values that are no key
     GLOBAL_BATCH: G.DATA_ORDER,
     DECAY: G.SCHEDULE,

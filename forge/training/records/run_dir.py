@@ -170,7 +170,15 @@ def checkpoint_dir_of(config: JobConfig, run_dir: pathlib.Path) -> CheckpointPat
     cfg = config.checkpoint
     if not cfg.dir:
         return run_dir / "checkpoints"
-    return location(cfg.dir, cfg.storage_options, cfg.storage_timeout_s)
+    where = location(cfg.dir, cfg.storage_options, cfg.storage_timeout_s)
+    ft = config.fault_tolerance
+    return where / group_dir(ft.group) if ft.enabled else where
+
+
+def group_dir(group: int) -> str:
+    """The folder of replica group ``group`` under the run directory and ``checkpoint.dir``
+    (``[fault_tolerance]``): each group keeps its own records and checkpoints."""
+    return f"group_{group}"
 
 
 def load_path_of(config: JobConfig) -> CheckpointPath | None:

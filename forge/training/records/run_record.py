@@ -71,7 +71,8 @@ def run_identity(
     identity[FREEZE_ENTRIES] = len(config.freeze)
     identity |= {f"freeze[{i}]": plain(rule) for i, rule in enumerate(config.freeze)}
     if dp_size is not None:
-        identity[GLOBAL_BATCH] = train.batch_size * dp_size * train.grad_accum_steps
+        groups = config.fault_tolerance.active_groups  # replica groups share the step
+        identity[GLOBAL_BATCH] = train.batch_size * dp_size * train.grad_accum_steps * groups
     return identity
 
 

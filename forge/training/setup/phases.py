@@ -28,6 +28,7 @@ from forge.config.loader import ConfigError, load_config_checked, unstructure_co
 from forge.config.sections import JobConfig, Precision
 from forge.config.toml_writer import dumps_toml
 from forge.data.shards import dataset_fingerprint, read_manifest
+from forge.errors import UserInputError
 from forge.harness.tasks import downstream_problems
 from forge.metrics.backends import sink_problems
 from forge.model.chunked_loss import loss_spec_of
@@ -58,6 +59,7 @@ from forge.parallel.world import (
     shared_store_problem,
     world_info,
 )
+from forge.resilience.replica_groups import ReplicaGroups
 from forge.training.context import (
     CheckpointContext,
     DataContext,
@@ -90,9 +92,11 @@ from forge.training.setup.problems import (
     memory_capacity,
     memory_problem,
     precision_warning,
+    replica_group_problems,
 )
 from forge.training.setup.vlm import vision_footprint, vlm_problems
 from forge.training.steps.replay import cuda_determinism_env, use_deterministic_kernels
+from forge.training.steps.replicas import StepReplicas, layout_fingerprint
 from forge.types import LoopState
 
 WorldCheck = Callable[[RunContext, WorldInfo], list[str]]
@@ -120,6 +124,10 @@ WORLD_CHECKS: tuple[tuple[frozenset[str], WorldCheck], ...] = (
         lambda run, world: sink_problems(run.config, os.environ) if world.rank == 0 else [],
     ),
     (frozenset({"run", "checkpoint"}), lambda run, world: run_dir_problems(run)),
+    (
+        frozenset({"fault_tolerance"}),
+        lambda run, world: replica_group_problems(run.config, os.environ),
+    ),
     (frozenset({"eval", "model", "distributed"}), lambda run, w: downstream_problems(run.config)),
 )
 
@@ -383,6 +391,30 @@ def prepare_run_dir(run: RunContext, dist: DistContext, ckpt: CheckpointContext)
     problem = broadcast_from_main(problem, dist.world_size)
     if isinstance(problem, str):
         raise RunRecordsError(problem)
+
+
+def join_replica_groups(
+    run: RunContext, dist: DistContext, model: ModelContext, data: DataContext, step: int
+) -> StepReplicas | None:
+    """``[fault_tolerance]``: this launch's manager among the replica groups (None when off),
+    counting from ``step`` (where the launch resumed); a group behind heals from a live peer
+    inside its first step's quorum."""
+    ft = run.config.fault_tolerance
+    if not ft.enabled:
+        return None
+    try:
+        groups = ReplicaGroups(ft, dist.rank, dist.world_size, step, layout_fingerprint(run, dist))
+    except Exception as exc:  # torchft's servers could not start or connect
+        raise UserInputError(
+            f"fault_tolerance: the replica group's manager did not start ({exc}); check "
+            "fault_tolerance.lighthouse and that this host's name resolves"
+        ) from None
+    slots = run.config.train.grad_accum_steps * ft.groups
+    dist.say(
+        f"replica group {ft.group} of {ft.groups} (a step's {slots} micro-batches shared "
+        "among the groups that take part)"
+    )
+    return StepReplicas(groups, model, data.train_loader, slots)
 
 
 def teardown(dist: DistContext, healthy: bool = True) -> None:

@@ -14,11 +14,13 @@ import torch
 from forge.config.freeze import schedule_problems
 from forge.config.sections import JobConfig, Precision
 from forge.data.shards import DataError, Manifest, read_manifest
+from forge.errors import UserInputError
 from forge.interop.export_rules import export_problem
 from forge.model.attention import attention_problem
 from forge.model.vlm import build_model
 from forge.optim.freezing import named_parameters
 from forge.parallel.memory_plan import GIB, MemoryPlan
+from forge.resilience.replica_groups import lighthouse_address, lighthouse_problem, torchft_problem
 
 
 def freeze_problems(config: JobConfig) -> list[str]:
@@ -81,6 +83,25 @@ def data_problems(config: JobConfig) -> list[str]:
                 "at; re-prepare it with scripts/prepare_data.py"
             )
     return problems
+
+
+def replica_group_problems(config: JobConfig, env: Mapping[str, str]) -> list[str]:
+    """``[fault_tolerance]`` against the machine: torchft installed, a lighthouse named and
+    answering (every rank of the group asks: each talks to it or to its group's manager)."""
+    if not config.fault_tolerance.enabled:
+        return []
+    if (problem := torchft_problem()) is not None:
+        return [problem]
+    try:
+        address = lighthouse_address(config.fault_tolerance, dict(env))
+    except UserInputError as exc:
+        return exc.lines
+    if (problem := lighthouse_problem(address)) is not None:
+        return [
+            f"fault_tolerance.lighthouse: {problem}; start it first (`python "
+            "scripts/lighthouse.py`) and pass the address it prints"
+        ]
+    return []
 
 
 def cpu_flags() -> frozenset[str]:

@@ -275,7 +275,9 @@ def finish_step(
     if spec.before_update is not None:
         spec.before_update(PendingStep(step, result))
     failed = (replay is not None and replay.failed) or (float8 is not None and float8.stops)
-    applied = result.finite and not (spike and spec.drops_spike) and not failed
+    # replica groups: a step every group of the quorum finished, asked of all of them alike
+    committed = spec.replicas.commit() if spec.replicas is not None else True
+    applied = result.finite and not (spike and spec.drops_spike) and not failed and committed
     result = attrs.evolve(result, applied=applied)
     if applied:
         if math.isfinite(spec.max_norm):

@@ -12,7 +12,13 @@ from forge.optim.freezing import Freezer
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
 from forge.training.loop.hooks import Hooks
 from forge.training.steps.pipeline import make_pipeline_step
-from forge.training.steps.spec import GradientFault, StepFunction, StepSpec, step_spec
+from forge.training.steps.spec import (
+    GradientFault,
+    ReplicaSums,
+    StepFunction,
+    StepSpec,
+    step_spec,
+)
 from forge.training.steps.text import make_text_step, make_vlm_step
 from forge.types import LoopState, StepResult
 
@@ -24,11 +30,13 @@ def make_step_fn(
     data: DataContext | None = None,
     hooks: Hooks | None = None,
     fault: GradientFault | None = None,
+    replicas: ReplicaSums | None = None,
 ) -> StepFunction:
     """The step function the config selects (``step_for``), over the run's ``StepSpec``
     (``data`` names a mixture's sources; ``hooks.on_before_optimizer_step`` runs inside
-    it; ``fault``: test-only); with ``[[freeze]]`` the schedule's transitions run before it."""
-    step = step_for(step_spec(run, dist, model, data, hooks, fault), model)
+    it; ``fault``: test-only; ``replicas``: the replica groups'); with ``[[freeze]]`` the
+    schedule's transitions run before it."""
+    step = step_for(step_spec(run, dist, model, data, hooks, fault, replicas), model)
     if model.freezer is None:
         return step
     return functools.partial(freezing_step, step, model.freezer)

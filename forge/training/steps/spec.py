@@ -39,6 +39,19 @@ class GradientFault(Protocol):
     ) -> torch.Tensor: ...
 
 
+class ReplicaSums(Protocol):
+    """What a step asks of the replica groups (``[fault_tolerance]``;
+    ``forge.training.steps.replicas.StepReplicas``): the step's labels and, after the
+    backward, its gradients and totals summed over the groups taking part, then the commit
+    before the optimizer step. ``slots``: the micro-batches of the whole step."""
+
+    slots: int
+
+    def labels(self, total: torch.Tensor) -> torch.Tensor: ...
+    def totals(self, params: Sequence[torch.Tensor], *tensors: torch.Tensor | None) -> None: ...
+    def commit(self) -> bool: ...
+
+
 @attrs.frozen
 class StepSpec:
     """What every step needs: the model (or this rank's pipeline stage) and its optimizer,
@@ -70,6 +83,7 @@ class StepSpec:
     # which steps are also computed in high precision, and what a drift does (FP8 runs)
     float8_check: Float8CheckRule = attrs.Factory(Float8CheckRule)
     fault: GradientFault | None = None  # test-only faults in the step's computations
+    replicas: ReplicaSums | None = None  # replica groups ([fault_tolerance]); None: none
 
     @property
     def max_norm(self) -> float:
@@ -96,9 +110,11 @@ def step_spec(
     data: DataContext | None = None,
     hooks: Hooks | None = None,
     fault: GradientFault | None = None,
+    replicas: ReplicaSums | None = None,
 ) -> StepSpec:
     """The run's ``StepSpec``, from its contexts (``data`` names a mixture's sources;
-    ``hooks`` get ``on_before_optimizer_step``; ``fault``: test-only)."""
+    ``hooks`` get ``on_before_optimizer_step``; ``fault``: test-only; ``replicas``: the
+    replica groups')."""
     cfg = run.config
     before_update = None
     if hooks is not None:
@@ -130,4 +146,5 @@ def step_spec(
             cfg.train.float8_on_drift,
         ),
         fault=fault,
+        replicas=replicas,
     )

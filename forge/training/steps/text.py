@@ -66,6 +66,8 @@ def make_text_step(spec: StepSpec) -> StepFunction:
         spec.float8_check, model, lambda: optimizer.zero_grad(set_to_none=True), spec.world_size
     )
 
+    replicas = spec.replicas
+
     def gradients(batches: tuple[Batch, ...], step: int, computation: int) -> StepTotals:
         params = trainable_parameters(model)  # a freeze schedule may change them
         device = next(model.parameters()).device
@@ -76,9 +78,10 @@ def make_text_step(spec: StepSpec) -> StepFunction:
         n = len(batches)
         # each depth's targets beside the main labels: one all-reduce for all
         counts = with_depth_counts(label_counts(batches), batches, depth, model)
-        weight = label_weight(
-            step_labels(counts, spec.token_slices, spec.world_size), spec.token_slices
-        )
+        labels = step_labels(counts, spec.token_slices, spec.world_size)
+        if replicas is not None:  # every replica group's labels weigh alike
+            labels = replicas.labels(labels)
+        weight = label_weight(labels, spec.token_slices)
         main_counts, main_weight = (counts[:, 0], weight[0]) if depth else (counts, weight)
         shares = (main_counts * main_weight).unbind()
         depth_weight = weight[1:] if depth else None  # one target of depth k, at any split
@@ -99,15 +102,20 @@ def make_text_step(spec: StepSpec) -> StepFunction:
                 moe = terms.moe if moe is None else moe + terms.moe
         if spec.fault is not None:
             total = spec.fault(step, computation, params, total)
+        sources = stats.drain() if stats is not None else None
+        tokens = sum(b.num_tokens for b in batches) * spec.token_slices
+        if replicas is not None:  # the whole step's, over the groups taking part
+            replicas.totals(params, total, total_z, moe, sources, mtp)
+            n, tokens = replicas.slots, tokens // n * replicas.slots
         return StepTotals(
             loss=total,
             grad_norm=global_grad_norm(params),
             params=params,
-            tokens=sum(b.num_tokens for b in batches) * spec.token_slices,
+            tokens=tokens,
             micro_batches=n,
             z_loss=total_z,
             moe=moe,
-            sources=stats.drain() if stats is not None else None,
+            sources=sources,
             mtp=mtp,
         )
 

@@ -1,0 +1,233 @@
+"""Replica groups through torchft (``[fault_tolerance]``, docs/fault-tolerance.md): each group
+is an ordinary forge launch; a step's quorum says which groups take part, their gradients and
+step totals are summed over them, and the step commits only when torchft's manager says every
+group of the quorum finished it. A group that starts behind the others receives their state
+from a live peer inside its first quorum (``heal``).
+
+This module holds the torchft side only: what a step sends and applies on a heal is given by
+the training floor (``ReplicaGroups.register``); which rows a group reads is
+``forge.data.loader.share_of``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import attrs
+import torch
+from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
+from torch.distributed.tensor import DTensor
+
+from forge.config.fault_tolerance import FaultToleranceConfig
+from forge.errors import UserInputError
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+# a fingerprint of the group's layout in 20 bits: its square sums exactly in float64
+FINGERPRINT_BITS = 20
+
+
+@attrs.frozen
+class Quorum:
+    """Who takes part in a step: ``participants`` groups, this one ``rank``-th among them;
+    ``healed``: this group received a peer's state in it (``heal_s`` seconds for the quorum,
+    the transfer included); ``changed``: another quorum than the last step's."""
+
+    participants: int
+    rank: int
+    healed: bool = False
+    heal_s: float = 0.0
+    changed: bool = False
+
+
+class GroupsLostError(RuntimeError):
+    """No quorum formed in time: the lighthouse is gone, or too few groups are alive."""
+
+
+def lighthouse_address(cfg: FaultToleranceConfig, env: dict[str, str]) -> str:
+    """``fault_tolerance.lighthouse``, else ``$TORCHFT_LIGHTHOUSE``; ``UserInputError`` when
+    neither names one."""
+    address = cfg.lighthouse or env.get(LIGHTHOUSE_ENV, "")
+    if not address:
+        raise UserInputError(
+            "fault_tolerance.lighthouse: no lighthouse address (nor $TORCHFT_LIGHTHOUSE); start "
+            "one with `python scripts/lighthouse.py` and pass the address it prints"
+        )
+    return address
+
+
+def lighthouse_problem(address: str, timeout_s: float = 5.0) -> str | None:
+    """Why nothing answers at ``address`` (None when a connection opens)."""
+    parsed = urllib.parse.urlparse(address)
+    if parsed.hostname is None or parsed.port is None:
+        return f"{address!r} names no host and port (like http://host:29510)"
+    try:
+        with socket.create_connection((parsed.hostname, parsed.port), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return f"nothing answers at {address} ({exc.strerror or exc})"
+
+
+def torchft_problem() -> str | None:
+    """Why torchft cannot be imported (None when it can)."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError as exc:
+        return (
+            f"fault_tolerance.enabled needs torchft, which is not installed ({exc}); "
+            "install the extra: pip install 'forge[ft]'"
+        )
+    return None
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` (a DTensor's local shard; a plain tensor itself)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class ReplicaGroups:
+    """This group's torchft manager: the quorum of each step, sums over the groups taking
+    part, the commit, and a heal's state going out (to a peer behind) and coming in.
+
+    ``step`` (the run's step when the group starts: the manager counts committed steps
+    alike). The group's own ranks find the manager through the launch's store
+    (``MASTER_ADDR``/``MASTER_PORT`` under torchrun; a store of its own in one process)."""
+
+    def __init__(
+        self,
+        cfg: FaultToleranceConfig,
+        group_rank: int,
+        group_size: int,
+        step: int,
+        fingerprint: int,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        env = dict(os.environ) if env is None else env
+        self.cfg = cfg
+        self.fingerprint = fingerprint % (1 << FINGERPRINT_BITS)
+        self._store = None
+        if "MASTER_PORT" in env:
+            addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"])
+        else:  # one process: the manager's store is this process's
+            self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            addr, port = "127.0.0.1", self._store.port
+        self._send: Callable[[], dict[str, Any]] | None = None
+        self._receive: Callable[[dict[str, Any]], None] | None = None
+        timeout = timedelta(seconds=cfg.timeout_s)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout),
+            load_state_dict=self._apply,
+            state_dict=self._payload,
+            min_replica_size=cfg.min_groups,
+            use_async_quorum=False,  # a healed group takes part in the step of its quorum
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+            connect_timeout=timeout,
+            rank=group_rank,
+            world_size=group_size,
+            store_addr=addr,
+            store_port=port,
+            lighthouse_addr=lighthouse_address(cfg, env),
+            replica_id=f"group_{cfg.group}",  # torchft reads the group from its last digits
+            hostname=socket.gethostname(),
+            heartbeat_interval=timedelta(milliseconds=cfg.heartbeat_ms),
+            init_sync=False,  # every group initialises alike from the seed
+        )
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        self._quorum_id = -1
+        self.heals = 0
+
+    def register(
+        self, send: Callable[[], dict[str, Any]], receive: Callable[[dict[str, Any]], None]
+    ) -> None:
+        """What a peer behind receives from this group (``send``, called while this group
+        waits in its quorum) and how this group applies what it receives (``receive``)."""
+        self._send, self._receive = send, receive
+
+    def _payload(self) -> dict[str, Any]:
+        assert self._send is not None, "ReplicaGroups.register first"
+        return self._send()
+
+    def _apply(self, payload: dict[str, Any]) -> None:
+        assert self._receive is not None, "ReplicaGroups.register first"
+        self._receive(payload)
+        self.heals += 1
+
+    @property
+    def step(self) -> int:
+        """Steps committed (the run's step)."""
+        return self.manager.current_step()
+
+    def quorum(self) -> Quorum:
+        """The quorum of the next step (waits for it; a group behind heals inside it);
+        ``GroupsLostError`` when none forms within ``fault_tolerance.quorum_timeout_s``."""
+        heals, start = self.heals, time.perf_counter()
+        try:
+            self.manager.start_quorum()
+            participants = self.manager.num_participants()
+            rank = self.manager.participating_rank()
+        except UserInputError:  # a peer's state refused by this group (another layout)
+            raise
+        except Exception as exc:  # torchft raises what its RPCs raise
+            raise GroupsLostError(f"no quorum of replica groups formed: {exc}") from exc
+        if rank is None or participants < 1:
+            raise GroupsLostError("this group is not among the quorum's participants")
+        quorum_id = self.manager._quorum_id
+        changed, self._quorum_id = quorum_id != self._quorum_id, quorum_id
+        healed = self.heals > heals
+        return Quorum(
+            participants, rank, healed, time.perf_counter() - start if healed else 0.0, changed
+        )
+
+    def sum_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Sum ``tensors`` in place over the groups of the step's quorum, one all-reduce per
+        dtype (a DTensor: its local shard, summed with the same shard of every group). A
+        group lost inside it leaves them as they were; the step then does not commit."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            part = local(t)
+            by_dtype.setdefault(part.dtype, []).append(part)
+        for parts in by_dtype.values():
+            flat = torch.cat([p.reshape(-1) for p in parts])
+            self.manager.allreduce(flat, reduce_op=_sum_op()).wait()
+            offset = 0
+            for p in parts:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def agreed_layout(self, sums: torch.Tensor) -> bool:
+        """Whether every group of the quorum has this one's fingerprint, from the summed
+        ``[1, f, f²]`` of ``layout_terms``: the sums are ``p·f`` and ``p·f²`` only when every
+        ``f`` is the same (Cauchy–Schwarz)."""
+        count, first, second = (float(v) for v in sums.tolist())
+        f = float(self.fingerprint)
+        return first == count * f and second == count * f * f
+
+    def layout_terms(self, device: torch.device) -> torch.Tensor:
+        """``[1, f, f²]`` of this group's fingerprint, in float64 (exact sums)."""
+        f = float(self.fingerprint)
+        return torch.tensor([1.0, f, f * f], dtype=torch.float64, device=device)
+
+    def commit(self) -> bool:
+        """Whether the step commits: every group of the quorum finished it without a
+        collective failing and at least ``min_groups`` took part. Called once per step, by
+        every rank of every group, before the optimizer step."""
+        return self.manager.should_commit()
+
+    def close(self) -> None:
+        """Leave the quorum and stop the manager's servers."""
+        self.manager.shutdown(wait=False)
+        self._store = None
+
+
+def _sum_op() -> Any:
+    from torch.distributed import ReduceOp
+
+    return ReduceOp.SUM

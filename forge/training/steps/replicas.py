@@ -1,0 +1,221 @@
+"""A step under ``[fault_tolerance]`` (docs/fault-tolerance.md): the quorum first, then this
+group's share of the step's micro-batches, the step with its label count, gradients and
+totals summed over the groups taking part, and the commit before the optimizer step; a step
+that does not commit is run again, on the rows it had, by whichever groups are left.
+
+Every committed step reads exactly the step's rows of forge's one row stream (the same as a
+run without replica groups at the same global batch), shared among the groups that took part
+(``forge.data.loader.share_of``); its label weight counts every group's labels, so its loss
+and gradient are those of the whole step whichever groups computed it.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch.distributed.tensor import DTensor
+
+from forge.config.loader import CONVERTER
+from forge.data.loader import TextLoader, loader_state, plan_at, share_of
+from forge.errors import UserInputError
+from forge.resilience.replica_groups import GroupsLostError, Quorum, ReplicaGroups, local
+from forge.training.context import DistContext, ModelContext, RunContext
+from forge.training.steps.spec import StepFunction
+from forge.types import LoopState, ReplicaStep, StepResult
+
+
+class LayoutMismatchError(UserInputError):
+    """A replica group whose layout, model or batch is not the other groups'."""
+
+
+def layout_fingerprint(run: RunContext, dist: DistContext) -> int:
+    """What every replica group must share, in one number: its ranks and mesh, the model,
+    the step's shape and the run's length and seed (a group that differs would sum other
+    tensors or other rows)."""
+    cfg = run.config
+    shared = (
+        dist.world_size,
+        attrs.asdict(dist.dims) if attrs.has(type(dist.dims)) else repr(dist.dims),
+        attrs.asdict(cfg.model),
+        cfg.train.batch_size,
+        cfg.train.grad_accum_steps,
+        cfg.train.seq_len,
+        cfg.train.max_steps,
+        cfg.train.seed,
+        cfg.fault_tolerance.groups,
+        attrs.asdict(cfg.distributed),
+        cfg.optimizer.name.value,
+    )
+    return zlib.crc32(repr(shared).encode())
+
+
+class StepReplicas:
+    """The step's view of the replica groups: the sums it asks for, the commit, and the
+    state a heal sends and applies. ``slots``: the micro-batches of one whole step (each
+    group's ``train.grad_accum_steps`` × ``fault_tolerance.groups``)."""
+
+    def __init__(
+        self, groups: ReplicaGroups, model: ModelContext, loader: TextLoader, slots: int
+    ) -> None:
+        self.groups = groups
+        self.model = model
+        self.loader = loader
+        self.slots = slots
+        self.committed = False
+        self.state = LoopState()  # the state a peer behind receives: this step's start
+        self.rebase: LoopState | None = None
+        groups.register(self.payload, self.apply)
+
+    # the step's sums --------------------------------------------------------------------
+    def labels(self, total: torch.Tensor) -> torch.Tensor:
+        """The step's labels over every group taking part (``total``: this group's); a
+        group whose fingerprint differs ends the run with ``LayoutMismatchError``."""
+        total = total.clone()
+        terms = self.groups.layout_terms(total.device)
+        self.groups.sum_([total, terms])
+        if not self.groups.agreed_layout(terms):
+            raise LayoutMismatchError(mismatch_line())
+        return total
+
+    def totals(self, params: Sequence[torch.Tensor], *tensors: torch.Tensor | None) -> None:
+        """The gradients of ``params`` and the step's additive totals (loss, z-loss, MoE
+        statistics, per-source sums, multi-token losses), summed in place over the groups."""
+        grads = [p.grad for p in params if p.grad is not None]
+        self.groups.sum_([*grads, *(t for t in tensors if t is not None)])
+
+    def commit(self) -> bool:
+        """Whether the step commits (every group asks, before its optimizer step)."""
+        self.committed = self.groups.commit()
+        return self.committed
+
+    # a heal -----------------------------------------------------------------------------
+    def payload(self) -> dict[str, Any]:
+        """What a peer behind receives: the model's and the optimizer's local tensors, the
+        loader's position and the loop state at the start of this step, and the fingerprint
+        (torchft calls it while this group waits in the quorum)."""
+        model, optimizer = self.model.model, self.model.optimizer
+        return {
+            "fingerprint": self.groups.fingerprint,
+            "model": {k: local(v) for k, v in model.state_dict().items()},
+            "optimizer": locals_of(optimizer.state_dict()),
+            "loader": self.loader.state_dict(),
+            "loop": CONVERTER.unstructure(self.state),
+        }
+
+    def apply(self, payload: dict[str, Any]) -> None:
+        """Take a peer's state (``payload``) as this group's: refused, before anything
+        changes, when the peer's fingerprint is not this group's."""
+        if payload.get("fingerprint") != self.groups.fingerprint:
+            raise LayoutMismatchError(mismatch_line())
+        model, optimizer = self.model.model, self.model.optimizer
+        with torch.no_grad():
+            for key, value in model.state_dict().items():
+                local(value).copy_(payload["model"][key])
+        optimizer.load_state_dict(like_params(payload["optimizer"], optimizer))
+        self.loader.seek(loader_state(payload["loader"], self.loader.sampling))
+        self.rebase = CONVERTER.structure(payload["loop"], LoopState)
+
+
+def mismatch_line() -> str:
+    return (
+        "fault_tolerance: this replica group's layout, model or batch is not the other groups' "
+        "(every group runs the same config on as many ranks); launch it with theirs"
+    )
+
+
+def locals_of(tree: Any) -> Any:
+    """``tree`` with every DTensor replaced by its local shard."""
+    if isinstance(tree, dict):
+        return {k: locals_of(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(locals_of(v) for v in tree)
+    return local(tree) if isinstance(tree, torch.Tensor) else tree
+
+
+def like_params(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A peer's optimizer state (local shards) as this optimizer's: each tensor shaped as
+    its parameter's shard becomes a DTensor laid out as the parameter."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, values in saved["state"].items():
+        param = params[int(index)]
+        state[index] = {k: as_param(v, param) for k, v in values.items()}
+    return {"state": state, "param_groups": saved["param_groups"]}
+
+
+def as_param(value: Any, param: torch.Tensor) -> Any:
+    if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor):
+        return value
+    if value.shape != param.to_local().shape:
+        return value  # a scalar (Adam's step) or a state of its own shape
+    return DTensor.from_local(
+        value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+    )
+
+
+@attrs.frozen
+class Share:
+    """The loop's placeholder for one step under replica groups: which rows the step reads
+    is decided by its quorum, inside the step."""
+
+    step: int
+
+
+def replica_batches(replicas: StepReplicas) -> Iterator[Share]:
+    """One ``Share`` per step until the data is used up (the loop's batches)."""
+    while plan_at(replicas.loader.state, replicas.loader.sampling) is not None:
+        yield Share(replicas.loader.state.steps)
+
+
+def replicated_step(
+    step: StepFunction, replicas: StepReplicas, say: Callable[[str], None]
+) -> Callable[[Share, LoopState], StepResult]:
+    """``step`` under the replica groups' quorum: run until an attempt commits (the rows
+    of one that does not are read again); the result says who took part, the attempts
+    that failed, and a heal. No quorum in time: the step reports a failed collective
+    (the run ends HEALTH_FAILURE, as when a peer inside a group is lost)."""
+
+    def run(_share: Share, state: LoopState) -> StepResult:
+        failed, rebase, heal_s = 0, None, 0.0
+        while True:
+            replicas.state, replicas.rebase = state, None
+            try:
+                quorum = replicas.groups.quorum()
+            except GroupsLostError as exc:
+                say(f"replica groups lost at step {state.step + 1}: {exc}")
+                return lost_result()
+            if replicas.rebase is not None:  # healed: the peer's step, its state
+                state = rebase = replicas.rebase
+                heal_s = quorum.heal_s
+                say(heal_line(state.step, quorum))
+            share = replicas.loader.step_share(
+                share_of(replicas.slots, quorum.participants, quorum.rank)
+            )
+            if share is None:  # a peer ahead used the data up: nothing left for this step
+                return lost_result()
+            batches, after = share
+            result = step(batches, state)
+            if replicas.committed:
+                replicas.loader.seek(after)
+                report = ReplicaStep(quorum.participants, failed, rebase, heal_s)
+                return attrs.evolve(result, replicas=report)
+            failed += 1
+
+    return run
+
+
+def heal_line(step: int, quorum: Quorum) -> str:
+    return (
+        f"healed from a live peer at step {step} in {quorum.heal_s:.2f} s; "
+        f"{quorum.participants} groups take part"
+    )
+
+
+def lost_result() -> StepResult:
+    return StepResult(
+        loss=float("nan"), grad_norm=float("nan"), tokens=0, lr=0.0, collective_failed=True
+    )

@@ -1,0 +1,86 @@
+"""Start the lighthouse that replica groups meet at (``[fault_tolerance]``,
+docs/fault-tolerance.md): ``python scripts/lighthouse.py [--port 29510]``.
+
+Prints ``lighthouse: http://HOST:PORT`` (the address every group's
+``fault_tolerance.lighthouse`` names) and serves until Ctrl-C or SIGTERM (exit 130). A quorum
+forms as soon as every group it knows alive has asked, or ``--join-timeout-ms`` after
+``--min-groups`` have; a group silent for ``--heartbeat-timeout-ms`` is left out of the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from collections.abc import Sequence
+
+from forge.errors import print_errors
+from forge.interrupts import exits_on_interrupt
+from forge.resilience.replica_groups import torchft_problem
+from forge.types import ExitCode
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, default=29510, help="0: any free port")
+    parser.add_argument("--bind", default="[::]", help="the address to listen on")
+    parser.add_argument(
+        "--min-groups", type=int, default=1, help="the fewest replica groups a quorum takes"
+    )
+    parser.add_argument(
+        "--join-timeout-ms",
+        type=int,
+        default=1000,
+        help="how long a quorum waits for a group it does not know yet",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=5000,
+        help="a group silent this long is left out of the next quorum",
+    )
+    return parser.parse_args(argv)
+
+
+def option_problems(args: argparse.Namespace) -> list[str]:
+    problems = []
+    if not 0 <= args.port < 65536:
+        problems.append(f"--port must be in [0, 65535], got {args.port}")
+    for name in ("min_groups", "join_timeout_ms", "heartbeat_timeout_ms"):
+        if getattr(args, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            problems.append(f"{flag} must be >= 1, got {getattr(args, name)}")
+    return problems
+
+
+@exits_on_interrupt
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    problems = option_problems(args)
+    if (missing := torchft_problem()) is not None:
+        problems.append(missing.replace("fault_tolerance.enabled needs", "the lighthouse needs"))
+    if problems:
+        print_errors(problems)
+        return ExitCode.CONFIG_ERROR
+    from torchft.coordination import LighthouseServer
+
+    try:
+        server = LighthouseServer(
+            bind=f"{args.bind}:{args.port}",
+            min_replicas=args.min_groups,
+            join_timeout_ms=args.join_timeout_ms,
+            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        )
+    except Exception as exc:  # torchft's server raises what binding raised
+        print_errors([f"--port {args.port}: the lighthouse cannot listen there ({exc})"])
+        return ExitCode.CONFIG_ERROR
+    print(f"lighthouse: {server.address()}", flush=True)
+    try:
+        threading.Event().wait()  # until a signal ends the process
+    finally:
+        server.shutdown()
+    return ExitCode.OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
