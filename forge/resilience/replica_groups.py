@@ -215,6 +215,10 @@ class ReplicaGroups:
         f = float(self.fingerprint)
         return torch.tensor([1.0, f, f * f], dtype=torch.float64, device=device)
 
+    def veto(self, reason: str) -> None:
+        """This step may not commit, in this group or any other."""
+        self.manager.report_error(RuntimeError(reason))
+
     def commit(self) -> bool:
         """Whether the step commits: every group of the quorum finished it without a
         collective failing and at least ``min_groups`` took part. Called once per step, by

@@ -21,10 +21,10 @@ from forge.model.moe import ASSIGNED, AUX, DROPPED, LOADS, Z, moe_terms
 from forge.model.mtp import depth_counts, has_mtp, split_mtp_output
 from forge.model.transformer import is_moe, split_moe_output
 from forge.optim.schedules import lr_at
-from forge.parallel.grad_norm import clip_coefficient, scale_grads_
+from forge.parallel.grad_norm import clip_coefficient, global_grad_norm, scale_grads_
 from forge.training.loop.expert_balance import balance_experts, global_loads
 from forge.training.loop.plan import is_spike
-from forge.training.steps.spec import StepSpec
+from forge.training.steps.spec import ReplicaSums, StepSpec
 from forge.types import (
     Float8Verdict,
     LoopState,
@@ -244,6 +244,28 @@ class StepTotals:
     moe: torch.Tensor | None = None
     sources: torch.Tensor | None = None
     mtp: torch.Tensor | None = None  # each multi-token depth's mean loss (None without)
+
+
+def fails_alone(replay: ReplayVerdict | None, float8: Float8Verdict | None) -> bool:
+    """Whether this group's own checks refuse its step (a replay without a majority, an FP8
+    drift that stops the run): under replica groups no group may apply a sum it is in."""
+    return bool((replay is not None and replay.failed) or (float8 is not None and float8.stops))
+
+
+def over_groups(totals: StepTotals, replicas: ReplicaSums, vetoed: bool) -> StepTotals:
+    """``totals`` of this replica group's share summed with every group's taking part in
+    the step (``[fault_tolerance]``): gradients, loss and every additive total, the grad
+    norm of the summed gradients, the whole step's tokens and micro-batches. ``vetoed``:
+    this group's checks refuse the step; the step then commits in no group."""
+    tensors = (totals.loss, totals.z_loss, totals.moe, totals.sources, totals.mtp)
+    replicas.totals(totals.params, vetoed, *tensors)
+    per_micro = totals.tokens // max(1, totals.micro_batches)
+    return attrs.evolve(
+        totals,
+        grad_norm=global_grad_norm(totals.params),
+        tokens=per_micro * replicas.slots,
+        micro_batches=replicas.slots,
+    )
 
 
 def finish_step(

@@ -24,6 +24,7 @@ from forge.data.loader import TextLoader, loader_state, plan_at, share_of
 from forge.errors import UserInputError
 from forge.resilience.replica_groups import GroupsLostError, Quorum, ReplicaGroups, local
 from forge.training.context import DistContext, ModelContext, RunContext
+from forge.training.steps.common import fails_alone
 from forge.training.steps.spec import StepFunction
 from forge.types import LoopState, ReplicaStep, StepResult
 
@@ -66,6 +67,7 @@ class StepReplicas:
         self.loader = loader
         self.slots = slots
         self.committed = False
+        self.vetoed = False
         self.state = LoopState()  # the state a peer behind receives: this step's start
         self.rebase: LoopState | None = None
         groups.register(self.payload, self.apply)
@@ -81,14 +83,23 @@ class StepReplicas:
             raise LayoutMismatchError(mismatch_line())
         return total
 
-    def totals(self, params: Sequence[torch.Tensor], *tensors: torch.Tensor | None) -> None:
+    def totals(
+        self, params: Sequence[torch.Tensor], vetoed: bool, *tensors: torch.Tensor | None
+    ) -> None:
         """The gradients of ``params`` and the step's additive totals (loss, z-loss, MoE
-        statistics, per-source sums, multi-token losses), summed in place over the groups."""
+        statistics, per-source sums, multi-token losses), summed in place over the groups;
+        ``vetoed``: this group's own checks refuse the step, so no group commits it."""
         grads = [p.grad for p in params if p.grad is not None]
-        self.groups.sum_([*grads, *(t for t in tensors if t is not None)])
+        device = grads[0].device if grads else torch.device("cpu")
+        veto = torch.tensor([float(vetoed)], dtype=torch.float64, device=device)
+        self.groups.sum_([*grads, *(t for t in tensors if t is not None), veto])
+        self.vetoed = float(veto.item()) > 0  # any group's: one host read, as the commit's
 
     def commit(self) -> bool:
-        """Whether the step commits (every group asks, before its optimizer step)."""
+        """Whether the step commits (every group asks, before its optimizer step): not when
+        a group of the quorum vetoed it, else as torchft's manager says."""
+        if self.vetoed:
+            self.groups.veto("a replica group's own checks refused the step")
         self.committed = self.groups.commit()
         return self.committed
 
@@ -199,6 +210,8 @@ def replicated_step(
                 return lost_result()
             batches, after = share
             result = step(batches, state)
+            if fails_alone(result.replay, result.float8):  # its own checks end the run
+                return result
             if replicas.committed:
                 replicas.loader.seek(after)
                 report = ReplicaStep(quorum.participants, failed, rebase, heal_s)

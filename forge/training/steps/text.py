@@ -14,11 +14,13 @@ from forge.model.precision import autocast_for, device_type_of
 from forge.parallel.grad_norm import global_grad_norm
 from forge.training.steps.common import (
     StepTotals,
+    fails_alone,
     finish_step,
     label_counts,
     label_weight,
     micro_batch_loss,
     mtp_depth_of,
+    over_groups,
     set_gradient_sync,
     set_lr,
     step_labels,
@@ -68,7 +70,22 @@ def make_text_step(spec: StepSpec) -> StepFunction:
 
     replicas = spec.replicas
 
-    def gradients(batches: tuple[Batch, ...], step: int, computation: int) -> StepTotals:
+    def label_weights(batches: tuple[Batch, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each micro-batch's labels (and each depth's targets) and one label's weight, once
+        per step: every computation of it (a replay, a high-precision check) weighs alike."""
+        # each depth's targets beside the main labels: one all-reduce for all
+        counts = with_depth_counts(label_counts(batches), batches, depth, model)
+        labels = step_labels(counts, spec.token_slices, spec.world_size)
+        if replicas is not None:  # every replica group's labels weigh alike
+            labels = replicas.labels(labels)
+        return counts, label_weight(labels, spec.token_slices)
+
+    def gradients(
+        batches: tuple[Batch, ...],
+        weights: tuple[torch.Tensor, torch.Tensor],
+        step: int,
+        computation: int,
+    ) -> StepTotals:
         params = trainable_parameters(model)  # a freeze schedule may change them
         device = next(model.parameters()).device
         total = torch.zeros((), device=device)  # summed on the device: no sync here
@@ -76,12 +93,7 @@ def make_text_step(spec: StepSpec) -> StepFunction:
         stats = SourceStats(spec.sources, device) if spec.sources else None
         moe: torch.Tensor | None = None
         n = len(batches)
-        # each depth's targets beside the main labels: one all-reduce for all
-        counts = with_depth_counts(label_counts(batches), batches, depth, model)
-        labels = step_labels(counts, spec.token_slices, spec.world_size)
-        if replicas is not None:  # every replica group's labels weigh alike
-            labels = replicas.labels(labels)
-        weight = label_weight(labels, spec.token_slices)
+        counts, weight = weights
         main_counts, main_weight = (counts[:, 0], weight[0]) if depth else (counts, weight)
         shares = (main_counts * main_weight).unbind()
         depth_weight = weight[1:] if depth else None  # one target of depth k, at any split
@@ -102,20 +114,15 @@ def make_text_step(spec: StepSpec) -> StepFunction:
                 moe = terms.moe if moe is None else moe + terms.moe
         if spec.fault is not None:
             total = spec.fault(step, computation, params, total)
-        sources = stats.drain() if stats is not None else None
-        tokens = sum(b.num_tokens for b in batches) * spec.token_slices
-        if replicas is not None:  # the whole step's, over the groups taking part
-            replicas.totals(params, total, total_z, moe, sources, mtp)
-            n, tokens = replicas.slots, tokens // n * replicas.slots
         return StepTotals(
             loss=total,
             grad_norm=global_grad_norm(params),
             params=params,
-            tokens=tokens,
+            tokens=sum(b.num_tokens for b in batches) * spec.token_slices,
             micro_batches=n,
             z_loss=total_z,
             moe=moe,
-            sources=sources,
+            sources=stats.drain() if stats is not None else None,
             mtp=mtp,
         )
 
@@ -123,10 +130,12 @@ def make_text_step(spec: StepSpec) -> StepFunction:
         lr = set_lr(optimizer, step_lr(spec, state, batches))
         model.train()
         step = state.step + 1
-        compute = functools.partial(gradients, batches, step)
+        compute = functools.partial(gradients, batches, label_weights(batches), step)
         reference = float8_check.reference(step, compute)  # in high precision, where checked
         totals, verdict = replayer(step, compute)
         drift = float8_check.verdict(reference, totals)
+        if replicas is not None:  # this group's step, checked; now the whole step's
+            totals = over_groups(totals, replicas, fails_alone(verdict, drift))
         return finish_step(spec, totals, step, lr, state.loss_stats, verdict, drift)
 
     return text_step

@@ -1,0 +1,185 @@
+"""Replica groups as users run them (``[fault_tolerance]``, docs/fault-tolerance.md): a
+lighthouse, two groups of one process each, one killed mid-run and launched again.
+
+Asserted by events, not timings: the run completes, the relaunched group heals from its live
+peer, later steps commit with both groups, every committed step's rows are the row stream's
+(the digest of an uninterrupted run's), a NaN injected after the heal is skipped by both groups
+as by a run without replica groups, and both groups end with the uninterrupted run's weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from forge.checkpoint.store import load_checkpoint
+from forge.config import load_config
+from forge.model.vlm import build_model
+from tests.conftest import REPO, TINY
+from tests.e2e.test_train_script import TRAIN
+from tests.in_process import run_main
+
+pytest.importorskip("torchft")
+
+STEPS = 60
+RUN = [
+    f"--train.max_steps={STEPS}",
+    "--data.verify_checksum=false",
+    "--checkpoint.interval=20",
+    "--eval.interval=0",
+]
+
+
+def start_lighthouse() -> tuple[subprocess.Popen[str], str]:
+    """``scripts/lighthouse.py`` on a free port; its address, read from its first line."""
+    proc = subprocess.Popen(
+        # a group silent for 1 s is left out of the next quorum
+        [
+            sys.executable,
+            str(REPO / "scripts" / "lighthouse.py"),
+            "--port=0",
+            "--heartbeat-timeout-ms=1000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("lighthouse: http://"), line
+    return proc, line.split()[1]
+
+
+def launch(
+    config: pathlib.Path, run_dir: pathlib.Path, group: int, lighthouse: str, faults: str = ""
+) -> subprocess.Popen[str]:
+    args = [
+        sys.executable,
+        str(REPO / "scripts" / "train.py"),
+        str(config),
+        f"--run.dir={run_dir}",
+        *RUN,
+        "--fault_tolerance.enabled=true",
+        "--fault_tolerance.groups=2",
+        f"--fault_tolerance.group={group}",
+        f"--fault_tolerance.lighthouse={lighthouse}",
+        "--fault_tolerance.timeout_s=10",
+        "--fault_tolerance.quorum_timeout_s=30",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "FORGE_FAULTS"}
+    if faults:
+        env["FORGE_FAULTS"] = faults
+    return subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+
+
+def finished(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return proc.returncode, out + err
+
+
+def records(run_dir: pathlib.Path) -> dict[int, dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
+
+
+def weights(config: pathlib.Path, run_dir: pathlib.Path) -> dict[str, torch.Tensor]:
+    model = build_model(load_config([str(config)]).config.model)
+    load_checkpoint(run_dir / "checkpoints" / f"step_{STEPS}", model, None)
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def killed_and_healed(tmp_path_factory, small_corpus):
+    """Group 1 kills itself after step 20 and is launched again while group 0 trains on
+    (slowed to 0.2 s a step, so that the relaunch finds it running); a NaN at step 55 (after
+    the heal) in group 0 only. Beside it, the same run without replica groups, in one
+    process (the reference)."""
+    tmp = tmp_path_factory.mktemp("ft")
+    config = tmp / "tiny.toml"
+    config.write_text(TINY.format(data=small_corpus))
+    lighthouse, address = start_lighthouse()
+    try:
+        first = launch(config, tmp / "run", 0, address, "slow:step=1:seconds=0.2,nan:step=55")
+        doomed = launch(config, tmp / "run", 1, address, "signal:step=20:sig=KILL")
+        killed = finished(doomed)
+        assert killed[0] == -signal.SIGKILL, killed[1][-3000:]
+        time.sleep(0.5)
+        second = launch(config, tmp / "run", 1, address)
+        outcomes = finished(first), finished(second)
+    finally:
+        lighthouse.send_signal(signal.SIGTERM)
+        lighthouse.wait(timeout=10)
+    os.environ["FORGE_FAULTS"] = "nan:step=55"
+    try:
+        out = run_main(
+            TRAIN.main,
+            [str(config), f"--run.dir={tmp / 'ref'}", *RUN, "--train.grad_accum_steps=2"],
+        )
+    finally:
+        del os.environ["FORGE_FAULTS"]
+    assert out.returncode == 0, out.stderr[-3000:]
+    return config, tmp, outcomes
+
+
+def test_both_groups_complete_and_the_relaunched_one_heals_from_its_peer(killed_and_healed):
+    _, tmp, ((code0, log0), (code1, log1)) = killed_and_healed
+    assert code0 == 0, log0[-4000:]
+    assert code1 == 0, log1[-4000:]
+    assert f"COMPLETED at step {STEPS}" in log0 and f"COMPLETED at step {STEPS}" in log1
+    assert "healed from a live peer at step" in log1
+    healed = records(tmp / "run" / "group_1")
+    heal_step = min(s for s, r in healed.items() if "ft/heal_s" in r)
+    assert 20 < heal_step < STEPS
+
+
+def test_group_0_trains_alone_while_its_peer_is_down_then_with_it(killed_and_healed):
+    _, tmp, _ = killed_and_healed
+    seen = {s: r["ft/participants"] for s, r in records(tmp / "run" / "group_0").items()}
+    alone = sorted(s for s, p in seen.items() if p == 1 and s > 20)
+    assert alone, "no step after the kill ran with one group"
+    assert all(seen[s] == 2 for s in range(alone[-1] + 1, STEPS + 1))  # both, once healed
+    assert seen[20] == 2  # both before the kill
+
+
+def test_every_committed_step_reads_the_uninterrupted_runs_rows(killed_and_healed):
+    _, tmp, _ = killed_and_healed
+    reference = records(tmp / "ref")
+    for group in ("group_0", "group_1"):
+        for step, record in records(tmp / "run" / group).items():
+            assert record["data/rows"] == reference[step]["data/rows"], (group, step)
+            assert record["data/rows_digest"] == reference[step]["data/rows_digest"], (group, step)
+            assert record["tokens_seen"] == reference[step]["tokens_seen"], (group, step)
+
+
+def test_a_nan_after_the_heal_is_skipped_by_both_groups_as_without_replica_groups(
+    killed_and_healed,
+):
+    _, tmp, _ = killed_and_healed
+    assert math.isnan(records(tmp / "ref")[55]["loss"])  # the reference skipped it too
+    for group in ("group_0", "group_1"):  # the NaN was group 0's: the sum carried it to both
+        assert math.isnan(records(tmp / "run" / group)[55]["loss"]), group
+        assert math.isfinite(records(tmp / "run" / group)[56]["loss"]), group
+
+
+def test_both_groups_end_with_the_uninterrupted_runs_weights(killed_and_healed):
+    config, tmp, _ = killed_and_healed
+    reference = weights(config, tmp / "ref")
+    for group in ("group_0", "group_1"):
+        trained = weights(config, tmp / "run" / group)
+        for name, tensor in reference.items():
+            assert torch.equal(trained[name], tensor), (group, name)
