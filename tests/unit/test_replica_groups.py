@@ -1,0 +1,229 @@
+"""Replica groups' decisions (``[fault_tolerance]``): which micro-batches of a step each group
+reads, what a step's record says of them, the loop state a heal continues from, a peer's
+state refused when its layout differs, and every bad input as one line, exit 2, nothing
+written."""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import attrs
+import pytest
+import torch
+
+from forge.config import load_config
+from forge.config.fault_tolerance import FaultToleranceConfig
+from forge.data.loader import share_of
+from forge.training.loop.loop import healed_state
+from forge.training.loop.step_logger import replica_record
+from forge.training.records.resume_rules import ChangeGroup, group_of
+from forge.training.steps.replicas import LayoutMismatchError, StepReplicas, locals_of
+from forge.types import LoopState, ReplicaStep, StepResult
+from tests.e2e.test_train_script import TRAIN, nothing_written
+
+
+@pytest.mark.parametrize(
+    "slots,participants,shares",
+    [
+        (2, 2, [range(0, 1), range(1, 2)]),  # two groups, one micro-batch each
+        (2, 1, [range(0, 2)]),  # one left: it takes the whole step
+        (4, 2, [range(0, 2), range(2, 4)]),  # grad_accum_steps 2 each
+        (3, 2, [range(0, 2), range(2, 3)]),  # three groups' step, one lost: uneven
+        (6, 4, [range(0, 2), range(2, 4), range(4, 5), range(5, 6)]),
+        (3, 3, [range(0, 1), range(1, 2), range(2, 3)]),
+    ],
+)
+def test_the_shares_of_the_groups_taking_part_are_the_steps_micro_batches_in_order(
+    slots, participants, shares
+):
+    got = [share_of(slots, participants, rank) for rank in range(participants)]
+    assert got == shares
+    assert [i for share in got for i in share] == list(range(slots))
+
+
+@pytest.mark.parametrize("rank,participants", [(2, 2), (-1, 2), (0, 0)])
+def test_a_group_outside_the_quorum_has_no_share(rank, participants):
+    with pytest.raises(ValueError, match="not one of"):
+        share_of(4, participants, rank)
+
+
+@pytest.mark.parametrize(
+    "replicas,record",
+    [
+        (None, {}),
+        (ReplicaStep(2), {"ft/participants": 2, "ft/failed_attempts": 0}),
+        (ReplicaStep(1, failed_attempts=1), {"ft/participants": 1, "ft/failed_attempts": 1}),
+        (
+            ReplicaStep(2, rebase=LoopState(step=26), heal_s=0.25),
+            {"ft/participants": 2, "ft/failed_attempts": 0, "ft/heal_s": 0.25},
+        ),
+    ],
+)
+def test_a_steps_record_says_who_took_part_what_failed_and_a_heal(replicas, record):
+    assert replica_record(replicas) == record
+
+
+@pytest.mark.parametrize(
+    "replicas,expected",
+    [
+        (None, None),
+        (ReplicaStep(2), None),
+        (ReplicaStep(2, rebase=LoopState(step=26, tokens_seen=7)), LoopState(26, 7)),
+    ],
+)
+def test_a_step_that_healed_continues_from_the_peers_loop_state(replicas, expected):
+    result = StepResult(loss=1.0, grad_norm=1.0, tokens=1, lr=1.0, replicas=replicas)
+    assert healed_state(result) == expected
+
+
+@pytest.mark.parametrize(
+    "key,group",
+    [
+        ("fault_tolerance.enabled", ChangeGroup.LAYOUT),
+        ("fault_tolerance.groups", ChangeGroup.LAYOUT),
+        ("fault_tolerance.lighthouse", ChangeGroup.FREE),
+        ("fault_tolerance.timeout_s", ChangeGroup.FREE),
+    ],
+)
+def test_the_resume_rules_know_the_fault_tolerance_keys(key, group):
+    assert group_of(key) is group
+
+
+def test_the_global_batch_a_checkpoint_records_counts_every_group(tiny_config):
+    from forge.training.records.resume_rules import GLOBAL_BATCH
+    from forge.training.records.run_record import run_identity
+
+    plain = load_config([str(tiny_config), "--train.grad_accum_steps=2"]).config
+    groups = load_config(
+        [str(tiny_config), "--fault_tolerance.enabled=true", "--fault_tolerance.groups=2"]
+    ).config
+    assert run_identity(plain, 1)[GLOBAL_BATCH] == run_identity(groups, 1)[GLOBAL_BATCH] == 8
+
+
+@pytest.mark.parametrize(
+    "cfg,keys",
+    [
+        (FaultToleranceConfig(group=2, groups=2), ["fault_tolerance.group"]),
+        (FaultToleranceConfig(group=-1, groups=2), ["fault_tolerance.group"]),
+        (FaultToleranceConfig(groups=0), ["fault_tolerance.groups"]),
+        (FaultToleranceConfig(groups=2, min_groups=3), ["fault_tolerance.min_groups"]),
+        (FaultToleranceConfig(lighthouse="vm:29510"), ["fault_tolerance.lighthouse"]),
+        (FaultToleranceConfig(timeout_s=0), ["fault_tolerance.timeout_s"]),
+        (FaultToleranceConfig(groups=2, group=1, lighthouse="http://vm:29510"), []),
+    ],
+)
+def test_fault_tolerance_values_out_of_range_name_their_key(cfg, keys):
+    assert [key for key, _ in cfg.problems()] == keys
+
+
+@pytest.mark.parametrize(
+    "pp,workers,keys",
+    [
+        (1, 0, []),
+        (2, 0, ["fault_tolerance.enabled"]),  # a pipeline schedule takes a fixed count
+        (1, 2, ["data.num_workers"]),  # a share is read once its quorum is known
+        (2, 1, ["fault_tolerance.enabled", "data.num_workers"]),
+    ],
+)
+def test_what_replica_groups_do_not_run_with_yet_is_refused_by_name(tiny_config, pp, workers, keys):
+    from forge.config.combinations import fault_tolerance_problems
+
+    base = load_config([str(tiny_config)]).config
+    config = attrs.evolve(
+        base,
+        distributed=attrs.evolve(base.distributed, pp=pp),
+        data=attrs.evolve(base.data, num_workers=workers),
+    )
+    on = attrs.evolve(config, fault_tolerance=FaultToleranceConfig(enabled=True))
+    assert [key for key, _ in fault_tolerance_problems(on)] == keys
+    assert fault_tolerance_problems(config) == []  # off: nothing to refuse
+
+
+class FakeGroups:
+    """The manager's side a heal reads: the fingerprint and ``register``."""
+
+    fingerprint = 7
+
+    def register(self, send, receive) -> None:
+        self.send, self.receive = send, receive
+
+
+@attrs.define
+class Holder:
+    """The two fields of a ``ModelContext`` a heal touches."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+def test_a_peers_state_with_another_layout_is_refused_before_anything_changes():
+    model = torch.nn.Linear(2, 2)
+    groups = FakeGroups()
+    holder = Holder(model, torch.optim.AdamW(model.parameters()))
+    replicas = StepReplicas(groups, holder, None, 2)  # type: ignore[arg-type]
+    before = model.weight.detach().clone()
+    payload = {"fingerprint": 8, "model": {k: v * 0 for k, v in model.state_dict().items()}}
+    with pytest.raises(LayoutMismatchError, match="launch it with theirs"):
+        groups.receive(payload)
+    assert torch.equal(model.weight, before)
+    assert replicas.rebase is None
+
+
+def test_a_heal_sends_local_tensors():
+    tree = {"a": torch.ones(2), "b": [torch.zeros(1), 3], "c": {"d": "x"}}
+    assert locals_of(tree)["b"][1] == 3 and torch.equal(locals_of(tree)["a"], torch.ones(2))
+
+
+@pytest.fixture
+def listening():
+    """An address where a connection opens (the lighthouse's check asks no more)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+
+
+BAD_INPUT = [
+    (
+        "group out of range",
+        ["--fault_tolerance.groups=2", "--fault_tolerance.group=2"],
+        "fault_tolerance.group: must be in [0, fault_tolerance.groups=2), got 2",
+    ),
+    (
+        "lighthouse not answering",
+        ["--fault_tolerance.lighthouse=http://127.0.0.1:1"],
+        "fault_tolerance.lighthouse: nothing answers at http://127.0.0.1:1",
+    ),
+    (
+        "no lighthouse",
+        [],
+        "fault_tolerance.lighthouse: no lighthouse address (nor $TORCHFT_LIGHTHOUSE)",
+    ),
+    (
+        "loader workers",
+        ["--fault_tolerance.lighthouse={listening}", "--data.num_workers=2"],
+        "data.num_workers: must be 0 with fault_tolerance.enabled",
+    ),
+]
+
+
+@pytest.mark.parametrize("extra,text", [b[1:] for b in BAD_INPUT], ids=[b[0] for b in BAD_INPUT])
+def test_bad_fault_tolerance_input_is_one_line_exit_2_and_nothing_on_disk(
+    tiny_config, capsys, monkeypatch, listening, extra, text
+):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    extra = [arg.format(listening=listening) for arg in extra]
+    args = [str(tiny_config), "--fault_tolerance.enabled=true", *extra]
+    assert TRAIN.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any(text in line for line in err), err
+    assert len(err) == 1, err
+    assert nothing_written(tiny_config)
+
+
+def test_without_torchft_the_extra_is_named(tiny_config, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft raises ImportError
+    args = [str(tiny_config), "--fault_tolerance.enabled=true"]
+    assert TRAIN.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install 'forge[ft]'" in err[0], err
+    assert nothing_written(tiny_config)
