@@ -14,6 +14,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from forge.cli import summary
 from forge.errors import print_errors
 from forge.interrupts import exits_on_interrupt
 from forge.resilience.replica_groups import torchft_problem
@@ -21,7 +22,9 @@ from forge.types import ExitCode
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--port", type=int, default=29510, help="0: any free port")
     parser.add_argument("--bind", default="[::]", help="the address to listen on")
     parser.add_argument(
