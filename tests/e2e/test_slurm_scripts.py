@@ -273,3 +273,53 @@ def test_follower_job_forwards_sigterm_to_a_waiting_follower(tmp_path):
     assert "interrupted (SIGTERM): stopped; nothing it was writing is left behind" in out
     assert not (tmp_path / "shims" / "scontrol.calls").exists()  # cancelled: not requeued
     assert not run.exists()
+
+
+GROUP_SCRIPT = REPO / "scripts" / "slurm" / "replica_group.sbatch"
+GROUP_ENV = {"LIGHTHOUSE": "http://node7:29510", "REPLICA_GROUP": "1", "REPLICA_GROUPS": "2"}
+
+
+@pytest.mark.parametrize("name", ["replica_group.sbatch", "lighthouse.sbatch"])
+def test_replica_group_scripts_parse(name):
+    script = REPO / "scripts" / "slurm" / name
+    assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+
+
+def test_a_replica_group_job_passes_its_keys_to_every_task(tmp_path):
+    proc = start(tmp_path, ticks=3, script=GROUP_SCRIPT, **GROUP_ENV)
+    proc.communicate(timeout=20)
+    assert proc.returncode == 0
+    args = (tmp_path / "srun.args").read_text().split()
+    assert args[-5:] == [
+        "--train.max_steps=10",
+        "--fault_tolerance.enabled=true",
+        "--fault_tolerance.lighthouse=http://node7:29510",
+        "--fault_tolerance.group=1",
+        "--fault_tolerance.groups=2",
+    ]
+
+
+@pytest.mark.parametrize(
+    "code,requeued",
+    [("1", True), ("4", True), ("137", True), ("0", False), ("2", False), ("6", False)],
+)
+def test_a_failed_replica_group_is_requeued_to_heal_unless_refused_or_suspect(
+    tmp_path, code, requeued
+):
+    proc = start(tmp_path, ticks=3, script=GROUP_SCRIPT, FAKE_EXIT=code, **GROUP_ENV)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == int(code)
+    calls = tmp_path / "scontrol.calls"
+    assert calls.exists() == requeued, out
+    if requeued:
+        assert "heals from its live peers" in out
+
+
+def test_a_replica_group_job_without_its_keys_says_which(tmp_path):
+    env = shims(tmp_path, 3)
+    out = subprocess.run(
+        ["bash", str(GROUP_SCRIPT)], cwd=REPO, env={**env, "LIGHTHOUSE": "http://x:1"},
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert out.returncode != 0 and "set REPLICA_GROUP" in out.stderr
+    assert not (tmp_path / "srun.started").exists()
