@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from forge.cli import summary
 from forge.errors import print_errors
 from forge.interrupts import exits_on_interrupt
-from forge.resilience.replica_groups import torchft_problem
+from forge.resilience.replica_groups import quiet_torchft, torchft_problem
 from forge.types import ExitCode
 
 
@@ -65,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problems:
         print_errors(problems)
         return ExitCode.CONFIG_ERROR
+    quiet_torchft()  # RUST_LOG=info shows its quorums
     from torchft.coordination import LighthouseServer
 
     try:

@@ -179,6 +179,7 @@ def train(
     (``[fault_tolerance]``), whose quorum decides each step's rows."""
     if clock is None:
         clock = LaunchClock(run.run_dir, dist.is_main, time.time())
+    clock.replicated = replicas is not None
     flag.timeout_s = run.config.resilience.shutdown_timeout_s
     model = ckpt.applied_to(model)  # schedule_from = "checkpoint": the recorded LR schedule
     if dist.is_main:

@@ -7,7 +7,8 @@ never an earlier launch. ``run_totals`` reads every launch's last line and adds 
 
 - a launch's own buckets, measured where the time is spent (``Bucket``);
 - ``recomputed`` also takes the productive time a launch spent past its last save (killed,
-  its node lost, or ended without a final save): the next launch trains those steps again;
+  its node lost, or ended without a final save): the next launch trains those steps again —
+  unless it was a replica group's (``[fault_tolerance]``), whose peers kept them;
 - ``down``: the time between one launch's last line and the next launch's start (a process
   killed, the scheduler's relaunch), which no launch could measure.
 
@@ -58,6 +59,9 @@ class LaunchRecord:
     uncommitted: float  # productive seconds since the last save began (lost if it died)
     ended: bool  # the launch wrote its last line at its end (not killed)
     seconds: Mapping[str, float]  # by ``Bucket`` value
+    # a replica group's launch ([fault_tolerance]): its peers kept the steps past its last
+    # save, so a death loses none of them
+    replicated: bool = False
 
 
 def launch_line(record: LaunchRecord) -> str:
@@ -95,6 +99,7 @@ def well_formed(record: LaunchRecord) -> bool:
     return (
         isinstance(record.launch, str)
         and type(record.step) is int
+        and type(record.replicated) is bool
         and set(record.seconds) <= BUCKETS
         and all(type(x) in (int, float) and math.isfinite(x) for x in numbers)
     )
@@ -111,7 +116,7 @@ def run_totals(
     for record in [*launches, *([running] if running is not None else [])]:
         for name, seconds in record.seconds.items():
             totals[Bucket(name)] += seconds
-        if record is not running:  # its steps past its last save are trained again
+        if record is not running and not record.replicated:  # trained again: lost with it
             totals[Bucket.PRODUCTIVE] -= record.uncommitted
             totals[Bucket.RECOMPUTED] += record.uncommitted
         if previous_end is not None:

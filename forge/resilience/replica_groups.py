@@ -10,10 +10,12 @@ the training floor (``ReplicaGroups.register``); which rows a group reads is
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
 import urllib.parse
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -84,6 +86,19 @@ def torchft_problem() -> str | None:
     return None
 
 
+def quiet_torchft() -> None:
+    """forge says what happens to the groups in its own lines (a heal, a step that did not
+    commit, a lost quorum): torchft's own logs (its servers' info lines, a lost peer's
+    traceback) stay out of the output unless asked for (``RUST_LOG``, the ``torchft``
+    logger's level set by the caller)."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    logger = logging.getLogger("torchft")
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.CRITICAL)
+    # a heal's tensors are read from the transfer's bytes, which torch warns are read-only
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor`` (a DTensor's local shard; a plain tensor itself)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -106,6 +121,7 @@ class ReplicaGroups:
         fingerprint: int,
         env: dict[str, str] | None = None,
     ) -> None:
+        quiet_torchft()
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 

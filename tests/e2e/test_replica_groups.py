@@ -97,9 +97,11 @@ def records(run_dir: pathlib.Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
 
 
-def weights(config: pathlib.Path, run_dir: pathlib.Path) -> dict[str, torch.Tensor]:
+def weights(
+    config: pathlib.Path, run_dir: pathlib.Path, step: int = STEPS
+) -> dict[str, torch.Tensor]:
     model = build_model(load_config([str(config)]).config.model)
-    load_checkpoint(run_dir / "checkpoints" / f"step_{STEPS}", model, None)
+    load_checkpoint(run_dir / "checkpoints" / f"step_{step}", model, None)
     return model.state_dict()
 
 

@@ -16,10 +16,10 @@ from forge.metrics.goodput import (
 )
 
 
-def launch(started, wall, seconds, uncommitted=0.0, ended=True, name=None):
+def launch(started, wall, seconds, uncommitted=0.0, ended=True, name=None, replicated=False):
     return LaunchRecord(
         launch=name or f"{started}", started=started, wall=wall, step=10,
-        uncommitted=uncommitted, ended=ended, seconds=seconds,
+        uncommitted=uncommitted, ended=ended, seconds=seconds, replicated=replicated,
     )  # fmt: skip
 
 
@@ -32,6 +32,11 @@ ROWS = [
         "a killed launch's work past its last commit is recomputed",
         [launch(0, 10, {S: 2, P: 8}, uncommitted=3, ended=False), launch(12, 10, {S: 2, P: 8})],
         {Bucket.PRODUCTIVE: 13, Bucket.RECOMPUTED: 3, Bucket.DOWN: 2, Bucket.SETUP: 4},
+    ),
+    (
+        "a killed replica group's work past its last save was kept by its peers",
+        [launch(0, 10, {S: 2, P: 8}, uncommitted=3, ended=False, replicated=True), launch(12, 10, {S: 2, P: 8}, replicated=True)],
+        {Bucket.PRODUCTIVE: 16, Bucket.RECOMPUTED: 0, Bucket.DOWN: 2},
     ),
     (
         "a launch stopped with a save lost nothing",
@@ -85,6 +90,7 @@ DAMAGED = [
     ("a NaN", '{"launch": "c", "started": 20, "wall": NaN, "step": 1, "uncommitted": 0, "ended": true, "seconds": {}}'),
     ("an infinity in a bucket", '{"launch": "c", "started": 20, "wall": 1, "step": 1, "uncommitted": 0, "ended": true, "seconds": {"setup": Infinity}}'),
     ("a string for a number", '{"launch": "c", "started": "20", "wall": 1, "step": 1, "uncommitted": 0, "ended": true, "seconds": {}}'),
+    ("a string for replicated", '{"launch": "c", "started": 20, "wall": 1, "step": 1, "uncommitted": 0, "ended": true, "seconds": {}, "replicated": "yes"}'),
     ("a missing field", '{"launch": "c", "started": 20, "wall": 1, "step": 1, "ended": true, "seconds": {}}'),
     ("seconds that are a list", '{"launch": "c", "started": 20, "wall": 1, "step": 1, "uncommitted": 0, "ended": true, "seconds": [1]}'),
     ("a JSON value that is no object", "[1, 2]"),

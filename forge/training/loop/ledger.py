@@ -65,6 +65,7 @@ class LaunchClock:
         self.since_snapshot = 0.0  # productive seconds a rollback would train again
         self.last_step: tuple[Bucket, float] | None = None
         self.earlier = read_ledger(self.path) if is_main else []  # the run's other launches
+        self.replicated = False  # a replica group's launch: a death loses no step
 
     def started_up(self, entered: float, load_s: float, verify_s: float) -> None:
         """Before the loop: the imports (process start to ``main``, at ``entered``), the
@@ -127,6 +128,7 @@ class LaunchClock:
             uncommitted=round(self.uncommitted, 3),
             ended=ended,
             seconds={b.value: round(s, 3) for b, s in self.seconds.items() if s},
+            replicated=self.replicated,
         )
 
     def run_metrics(self) -> dict[str, float]:

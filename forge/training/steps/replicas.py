@@ -217,6 +217,10 @@ def replicated_step(
                 report = ReplicaStep(quorum.participants, failed, rebase, heal_s)
                 return attrs.evolve(result, replicas=report)
             failed += 1
+            say(
+                f"step {state.step + 1} did not commit ({quorum.participants} groups took part, "
+                "one was lost inside it): its rows are read again by the groups left"
+            )
 
     return run
 
