@@ -193,8 +193,8 @@ class ReplicaStep:
     """How a step went under ``[fault_tolerance]``: the replica groups that took part in the
     attempt that committed, the attempts before it that did not (a group lost inside them:
     their rows are read again), and a heal: the step this group received from a live peer
-    (``rebase``: the loop state it continues from) and how long the quorum that carried it
-    took."""
+    (``rebase``: the loop state it continues from, when it healed inside the loop; a heal at
+    set-up starts the loop there) and how long the quorum that carried it took (0: none)."""
 
     participants: int
     failed_attempts: int = 0

@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         pause_if_asked(os.environ, "checkpoint")  # tests only: a signal in a known phase
         load_start = time.time()
         ckpt = setup_checkpointing(run, dist, model, data)
-        replicas = join_replica_groups(run, dist, model, data, ckpt.initial_state.step)
+        replicas, ckpt = join_replica_groups(run, dist, model, data, ckpt)  # may heal
         clock = LaunchClock(run.run_dir, dist.is_main, started)
         verify_s = ckpt.resume_cost.verify_s if ckpt.resume_cost is not None else 0.0
         clock.started_up(entered, time.time() - load_start, verify_s)

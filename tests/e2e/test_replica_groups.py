@@ -145,8 +145,8 @@ def test_both_groups_complete_and_the_relaunched_one_heals_from_its_peer(killed_
     assert f"COMPLETED at step {STEPS}" in log0 and f"COMPLETED at step {STEPS}" in log1
     assert "healed from a live peer at step" in log1
     healed = records(tmp / "run" / "group_1")
-    heal_step = min(s for s, r in healed.items() if "ft/heal_s" in r)
-    assert 20 < heal_step < STEPS
+    # (group 1 may also have healed at its first launch, had group 0 started first)
+    assert any(20 < s < STEPS for s, r in healed.items() if "ft/heal_s" in r)
 
 
 def test_group_0_trains_alone_while_its_peer_is_down_then_with_it(killed_and_healed):

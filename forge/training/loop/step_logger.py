@@ -78,7 +78,7 @@ def replica_record(replicas: ReplicaStep | None) -> dict[str, Any]:
         "ft/participants": replicas.participants,
         "ft/failed_attempts": replicas.failed_attempts,
     }
-    if replicas.rebase is not None:
+    if replicas.heal_s > 0:
         record["ft/heal_s"] = replicas.heal_s
     return record
 

@@ -18,6 +18,7 @@ import shutil
 import sys
 from collections.abc import Callable, Sequence
 
+import attrs
 import numpy as np
 import torch
 
@@ -59,7 +60,7 @@ from forge.parallel.world import (
     shared_store_problem,
     world_info,
 )
-from forge.resilience.replica_groups import ReplicaGroups
+from forge.resilience.replica_groups import GroupsLostError, ReplicaGroups
 from forge.training.context import (
     CheckpointContext,
     DataContext,
@@ -96,7 +97,7 @@ from forge.training.setup.problems import (
 )
 from forge.training.setup.vlm import vision_footprint, vlm_problems
 from forge.training.steps.replay import cuda_determinism_env, use_deterministic_kernels
-from forge.training.steps.replicas import StepReplicas, layout_fingerprint
+from forge.training.steps.replicas import StepReplicas, heal_line, layout_fingerprint
 from forge.types import LoopState
 
 WorldCheck = Callable[[RunContext, WorldInfo], list[str]]
@@ -394,27 +395,47 @@ def prepare_run_dir(run: RunContext, dist: DistContext, ckpt: CheckpointContext)
 
 
 def join_replica_groups(
-    run: RunContext, dist: DistContext, model: ModelContext, data: DataContext, step: int
-) -> StepReplicas | None:
-    """``[fault_tolerance]``: this launch's manager among the replica groups (None when off),
-    counting from ``step`` (where the launch resumed); a group behind heals from a live peer
-    inside its first step's quorum."""
+    run: RunContext, dist: DistContext, model: ModelContext, data: DataContext,
+    ckpt: CheckpointContext,
+) -> tuple[StepReplicas | None, CheckpointContext]:  # fmt: skip
+    """``[fault_tolerance]``: this launch's manager among the replica groups (None when off)
+    and the first step's quorum, joined here: a group behind the others heals in it from a
+    live peer (the returned context starts the loop at the peer's state), a group whose
+    layout is not the peers' is refused before anything is written."""
     ft = run.config.fault_tolerance
     if not ft.enabled:
-        return None
+        return None, ckpt
     try:
-        groups = ReplicaGroups(ft, dist.rank, dist.world_size, step, layout_fingerprint(run, dist))
+        groups = ReplicaGroups(
+            ft, dist.rank, dist.world_size, ckpt.initial_state.step, layout_fingerprint(run, dist)
+        )
     except Exception as exc:  # torchft's servers could not start or connect
         raise UserInputError(
             f"fault_tolerance: the replica group's manager did not start ({exc}); check "
             "fault_tolerance.lighthouse and that this host's name resolves"
         ) from None
     slots = run.config.train.grad_accum_steps * ft.groups
+    replicas = StepReplicas(groups, model, data.train_loader, slots)
+    try:
+        quorum = replicas.join(ckpt.initial_state)
+    except GroupsLostError as exc:
+        groups.close()
+        raise UserInputError(
+            f"fault_tolerance.quorum_timeout_s: {exc}; is the lighthouse's --min-groups more "
+            "than the groups started?"
+        ) from None
+    except BaseException:
+        groups.close()
+        raise
     dist.say(
-        f"replica group {ft.group} of {ft.groups} (a step's {slots} micro-batches shared "
-        "among the groups that take part)"
+        f"replica group {ft.group} of {ft.groups}: {quorum.participants} taking part (a step's "
+        f"{slots} micro-batches shared among them)"
     )
-    return StepReplicas(groups, model, data.train_loader, slots)
+    if replicas.rebase is None:
+        return replicas, ckpt
+    healed, replicas.rebase = replicas.rebase, None
+    dist.say(heal_line(healed.step, quorum))
+    return replicas, attrs.evolve(ckpt, initial_state=healed)
 
 
 def teardown(dist: DistContext, healthy: bool = True) -> None:

@@ -70,6 +70,7 @@ class StepReplicas:
         self.vetoed = False
         self.state = LoopState()  # the state a peer behind receives: this step's start
         self.rebase: LoopState | None = None
+        self._pending: Quorum | None = None
         groups.register(self.payload, self.apply)
 
     # the step's sums --------------------------------------------------------------------
@@ -102,6 +103,20 @@ class StepReplicas:
             self.groups.veto("a replica group's own checks refused the step")
         self.committed = self.groups.commit()
         return self.committed
+
+    def join(self, state: LoopState) -> Quorum:
+        """The first step's quorum, at set-up (``state``: where this launch resumed): a group
+        behind heals in it — refused, before the run directory is written, when the peer's
+        layout is not this group's — and its ``rebase`` is the state the loop starts from.
+        The first step then runs in this quorum."""
+        self.state = state
+        self._pending = self.groups.quorum()
+        return self._pending
+
+    def next_quorum(self) -> Quorum:
+        """The quorum the set-up joined (once), else the next step's."""
+        pending, self._pending = self._pending, None
+        return pending if pending is not None else self.groups.quorum()
 
     # a heal -----------------------------------------------------------------------------
     def payload(self) -> dict[str, Any]:
@@ -193,16 +208,17 @@ def replicated_step(
     def run(_share: Share, state: LoopState) -> StepResult:
         failed, rebase, heal_s = 0, None, 0.0
         while True:
-            replicas.state, replicas.rebase = state, None
+            replicas.state = state
             try:
-                quorum = replicas.groups.quorum()
+                quorum = replicas.next_quorum()
             except GroupsLostError as exc:
                 say(f"replica groups lost at step {state.step + 1}: {exc}")
                 return lost_result()
-            if replicas.rebase is not None:  # healed: the peer's step, its state
+            if replicas.rebase is not None:  # healed inside the loop: the peer's state
                 state = rebase = replicas.rebase
-                heal_s = quorum.heal_s
+                replicas.rebase = None
                 say(heal_line(state.step, quorum))
+            heal_s = quorum.heal_s if quorum.healed else heal_s
             share = replicas.loader.step_share(
                 share_of(replicas.slots, quorum.participants, quorum.rank)
             )

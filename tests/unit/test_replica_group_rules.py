@@ -58,6 +58,10 @@ def test_a_group_outside_the_quorum_has_no_share(rank, participants):
             ReplicaStep(2, rebase=LoopState(step=26), heal_s=0.25),
             {"ft/participants": 2, "ft/failed_attempts": 0, "ft/heal_s": 0.25},
         ),
+        (  # healed at set-up: the loop started from the peer's state
+            ReplicaStep(2, heal_s=0.5),
+            {"ft/participants": 2, "ft/failed_attempts": 0, "ft/heal_s": 0.5},
+        ),
     ],
 )
 def test_a_steps_record_says_who_took_part_what_failed_and_a_heal(replicas, record):
