@@ -76,6 +76,7 @@ def lighthouse_problem(address: str, timeout_s: float = 5.0) -> str | None:
 
 def torchft_problem() -> str | None:
     """Why torchft cannot be imported (None when it can)."""
+    quiet_torchft()  # before its first import: its servers read RUST_LOG then
     try:
         import torchft  # noqa: F401
     except ImportError as exc:

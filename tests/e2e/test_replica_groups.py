@@ -60,7 +60,12 @@ def start_lighthouse() -> tuple[subprocess.Popen[str], str]:
 
 
 def launch(
-    config: pathlib.Path, run_dir: pathlib.Path, group: int, lighthouse: str, faults: str = ""
+    config: pathlib.Path,
+    run_dir: pathlib.Path,
+    group: int,
+    lighthouse: str,
+    faults: str = "",
+    *extra: str,
 ) -> subprocess.Popen[str]:
     args = [
         sys.executable,
@@ -74,6 +79,7 @@ def launch(
         f"--fault_tolerance.lighthouse={lighthouse}",
         "--fault_tolerance.timeout_s=10",
         "--fault_tolerance.quorum_timeout_s=30",
+        *extra,
     ]
     env = {k: v for k, v in os.environ.items() if k != "FORGE_FAULTS"}
     if faults:
@@ -185,3 +191,81 @@ def test_both_groups_end_with_the_uninterrupted_runs_weights(killed_and_healed):
         trained = weights(config, tmp / "run" / group)
         for name, tensor in reference.items():
             assert torch.equal(trained[name], tensor), (group, name)
+
+
+def test_both_groups_hold_the_same_checkpoint_optimizer_state_included(killed_and_healed):
+    _, tmp, _ = killed_and_healed
+    ours, theirs = (
+        tmp / "run" / g / "checkpoints" / f"step_{STEPS}" for g in ("group_0", "group_1")
+    )
+    shards = sorted(p.name for p in ours.glob("*.distcp"))
+    assert shards and shards == sorted(p.name for p in theirs.glob("*.distcp"))
+    for name in shards:  # every tensor, the model's and the optimizer's, byte for byte
+        assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+
+
+def test_losing_every_group_at_once_resumes_from_the_checkpoints_as_without_them(
+    killed_and_healed,
+):
+    """Both groups stopped by SIGTERM after step 30 (each saves and exits 75), then both
+    launched again: they resume from their own checkpoints and end with the uninterrupted
+    run's weights (the reference of the module's fixture, its NaN at step 55 included)."""
+    config, tmp, _ = killed_and_healed
+    lighthouse, address = start_lighthouse()
+    run_dir = tmp / "all_lost"
+    try:
+        stopped = [
+            launch(config, run_dir, 0, address, "signal:step=30:sig=TERM,nan:step=55"),
+            launch(config, run_dir, 1, address, "signal:step=30:sig=TERM"),
+        ]
+        for code, log in map(finished, stopped):
+            assert code == 75, log[-3000:]
+        again = [
+            launch(config, run_dir, 0, address, "nan:step=55"),
+            launch(config, run_dir, 1, address),
+        ]
+        for code, log in map(finished, again):
+            assert code == 0, log[-3000:]
+            assert "resumed from" in log
+    finally:
+        lighthouse.send_signal(signal.SIGTERM)
+        lighthouse.wait(timeout=10)
+    reference = weights(config, tmp / "ref")
+    for group in ("group_0", "group_1"):
+        trained = weights(config, run_dir / group)
+        for name, tensor in reference.items():
+            assert torch.equal(trained[name], tensor), (group, name)
+
+
+def test_a_group_with_another_layout_is_refused_and_the_others_go_on(tmp_path, small_corpus):
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY.format(data=small_corpus))
+    lighthouse, address = start_lighthouse()
+    short = "--fault_tolerance.timeout_s=4"  # the refused group's share of a step times out
+    try:
+        running = launch(config, tmp_path / "run", 0, address, "slow:step=1:seconds=0.2", short)
+        until_step(tmp_path / "run" / "group_0", 3)
+        other = launch(config, tmp_path / "run", 1, address, "", short, "--train.batch_size=2")
+        code, log = finished(other)
+        reached = max(records(tmp_path / "run" / "group_0"))
+        until_step(tmp_path / "run" / "group_0", reached + 2)  # it goes on without the other
+        running.send_signal(signal.SIGTERM)
+        outcome = finished(running)
+    finally:
+        lighthouse.send_signal(signal.SIGTERM)
+        lighthouse.wait(timeout=10)
+    lines = [line for line in log.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1, log[-3000:]
+    assert "layout, model or batch is not the other groups'" in lines[0]
+    assert "Traceback" not in log
+    assert not (tmp_path / "run" / "group_1").exists()  # nothing written
+    assert outcome[0] == 75, outcome[1][-3000:]  # alive until told to stop: it saved and left
+
+
+def until_step(run_dir: pathlib.Path, step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and any(s >= step for s in records(run_dir)):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{run_dir} never reached step {step}")
