@@ -231,3 +231,25 @@ def test_without_torchft_the_extra_is_named(tiny_config, capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install 'forge[ft]'" in err[0], err
     assert nothing_written(tiny_config)
+
+
+@pytest.mark.parametrize(
+    "mine,others,agreed",
+    [
+        (7, [7], True),
+        (7, [7, 7], True),
+        (7, [], True),  # alone
+        (7, [8], False),
+        (7, [6, 8], False),  # the same sum, another sum of squares
+        ((1 << 20) - 1, [(1 << 20) - 1] * 3, True),  # the largest fingerprint sums exactly
+    ],
+)
+def test_groups_agree_on_a_layout_only_when_every_fingerprint_is_the_same(mine, others, agreed):
+    from forge.resilience.replica_groups import ReplicaGroups
+
+    groups = ReplicaGroups.__new__(ReplicaGroups)  # the arithmetic needs no manager
+    groups.fingerprint = mine
+    sums = groups.layout_terms(torch.device("cpu"))
+    for f in others:
+        sums += torch.tensor([1.0, f, f * f], dtype=torch.float64)
+    assert groups.agreed_layout(sums) is agreed
