@@ -2,7 +2,8 @@
 (``[fault_tolerance]``, one process each) whose group 1 is SIGKILLed ``--faults`` times at
 steps drawn from ``--seed`` and relaunched at once, against the same job as one launch
 (``grad_accum_steps × 2``: the same global batch) SIGKILLed at the same steps and relaunched
-from its last checkpoint, as a scheduler would.
+from its last checkpoint, as a scheduler would. Each mode is compared with itself
+uninterrupted (measured in the same run).
 
 Per fault: the time to recover (the kill to the first step recorded with the job whole again:
 both groups taking part; for a restart, the first step past the one it was killed at), the
@@ -58,25 +59,26 @@ def kill_steps(faults: int, steps: int, seed: int) -> list[int]:
 
 
 class Watch:
-    """Records of a run directory read as they appear, each with its arrival time."""
+    """Records of a run directory read as they appear, each with its arrival time (the file
+    is read whole each time: a resume rewrites it)."""
 
     def __init__(self, run_dir: pathlib.Path) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.seen: list[tuple[float, dict]] = []
-        self._offset = 0
+        self._lines: set[str] = set()
 
     def poll(self) -> None:
-        if not self.path.exists():
+        try:
+            lines = self.path.read_text().splitlines(keepends=True)
+        except OSError:
             return
-        with self.path.open() as f:
-            f.seek(self._offset)
-            for line in f:
-                if not line.endswith("\n"):
-                    break
-                self._offset += len(line)
-                record = json.loads(line)
-                if "loss" in record:
-                    self.seen.append((time.perf_counter(), record))
+        for line in lines:
+            if not line.endswith("\n") or line in self._lines:
+                continue
+            self._lines.add(line)
+            record = json.loads(line)
+            if "loss" in record:
+                self.seen.append((time.perf_counter(), record))
 
     def last_step(self) -> int:
         return self.seen[-1][1]["step"] if self.seen else 0
@@ -122,8 +124,9 @@ def restart_job(config: pathlib.Path, tmp: pathlib.Path, common: list[str], kill
     return time.perf_counter() - start, faults
 
 
-def in_job(config: pathlib.Path, tmp: pathlib.Path, common: list[str], kills: list[int]):
-    """Two replica groups; group 1 killed at ``kills`` and relaunched at once."""
+def in_job(config: pathlib.Path, tmp: pathlib.Path, common: list[str], kills: list[int], name: str):
+    """Two replica groups; group 1 killed at ``kills`` (none: the uninterrupted job) and
+    relaunched at once."""
     lighthouse = subprocess.Popen(
         [sys.executable, str(REPO / "scripts" / "lighthouse.py"), "--port=0",
          "--heartbeat-timeout-ms=1000"],
@@ -133,7 +136,7 @@ def in_job(config: pathlib.Path, tmp: pathlib.Path, common: list[str], kills: li
     address = lighthouse.stdout.readline().split()[1]
     ft = ["--fault_tolerance.enabled=true", "--fault_tolerance.groups=2",
           f"--fault_tolerance.lighthouse={address}"]  # fmt: skip
-    run_dir = tmp / "in_job"
+    run_dir = tmp / name
     survivor, joiner = Watch(run_dir / "group_0"), Watch(run_dir / "group_1")
     start, faults = time.perf_counter(), []
     try:
@@ -143,21 +146,23 @@ def in_job(config: pathlib.Path, tmp: pathlib.Path, common: list[str], kills: li
             until(lambda step=step: (joiner.poll(), joiner.last_step() >= step)[1])
             group1.send_signal(signal.SIGKILL)
             group1.wait()
-            killed_at = time.perf_counter()
+            killed_at, reached = time.perf_counter(), joiner.last_step()
             group1 = train(config, run_dir, *common, *ft, "--fault_tolerance.group=1")
 
-            def whole(since: float = killed_at) -> bool:
+            def whole(reached: int = reached) -> bool:
                 survivor.poll()
-                return any(r["ft/participants"] == 2 for _, r in survivor.after(since))
+                return any(
+                    r["step"] > reached and r["ft/participants"] == 2 for _, r in survivor.seen
+                )
 
             until(whole)
-            after = survivor.after(killed_at)
-            whole_at = next(i for i, (_, r) in enumerate(after) if r["ft/participants"] == 2)
-            until_whole = [r for _, r in after[: whole_at + 1]]
+            later = [(at, r) for at, r in survivor.seen if r["step"] > reached]
+            whole_at = next(i for i, (_, r) in enumerate(later) if r["ft/participants"] == 2)
+            until_whole = [r for _, r in later[: whole_at + 1]]
             faults.append(
                 {
-                    "recover_s": after[whole_at][0] - killed_at,
-                    "stall_s": after[0][0] - killed_at,
+                    "recover_s": later[whole_at][0] - killed_at,
+                    "stall_s": later[0][0] - killed_at,
                     "recomputed": sum(r["ft/failed_attempts"] for r in until_whole),
                     "alone": sum(1 for r in until_whole if r["ft/participants"] == 1),
                 }
@@ -200,17 +205,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--eval.interval=0",
         ]
         base = uninterrupted(config, tmp, common)
+        ft_base, _ = in_job(config, tmp, common, [], "in_job_whole")
         restart_wall, restarted = restart_job(config, tmp, common, kills)
-        ft_wall, healed = in_job(config, tmp, common, kills)
+        ft_wall, healed = in_job(config, tmp, common, kills, "in_job")
     print(f"kills at steps {kills}; {args.steps} steps, {SLOW_S} s extra each; checkpoint every "
-          f"{args.interval}; uninterrupted: {base:.1f} s")  # fmt: skip
+          f"{args.interval}; uninterrupted: {base:.1f} s as one launch, {ft_base:.1f} s as two "
+          "replica groups")  # fmt: skip
     print(
         "| mode | time to recover, median / max (s) | stall (s) | steps recomputed | wall (s) "
         "| vs uninterrupted | goodput |"
     )
     print("|---|---|---|---|---|---|---|")
     print(row("restart from checkpoint", restart_wall, base, restarted))
-    print(row("in-job (replica groups)", ft_wall, base, healed))
+    print(row("in-job (replica groups)", ft_wall, ft_base, healed))
     print(f"in-job: steps the survivor trained alone per fault: {[f['alone'] for f in healed]}")
     return 0
 

@@ -37,6 +37,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="how long a quorum waits for a group it does not know yet",
     )
     parser.add_argument(
+        "--quorum-tick-ms",
+        type=int,
+        default=10,
+        help="how often the lighthouse checks whether a quorum can form (each step waits for one)",
+    )
+    parser.add_argument(
         "--heartbeat-timeout-ms",
         type=int,
         default=5000,
@@ -49,7 +55,7 @@ def option_problems(args: argparse.Namespace) -> list[str]:
     problems = []
     if not 0 <= args.port < 65536:
         problems.append(f"--port must be in [0, 65535], got {args.port}")
-    for name in ("min_groups", "join_timeout_ms", "heartbeat_timeout_ms"):
+    for name in ("min_groups", "join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms"):
         if getattr(args, name) < 1:
             flag = "--" + name.replace("_", "-")
             problems.append(f"{flag} must be >= 1, got {getattr(args, name)}")
@@ -73,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             bind=f"{args.bind}:{args.port}",
             min_replicas=args.min_groups,
             join_timeout_ms=args.join_timeout_ms,
+            quorum_tick_ms=args.quorum_tick_ms,
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         )
     except Exception as exc:  # torchft's server raises what binding raised
