@@ -17,7 +17,6 @@ from forge.config.fault_tolerance import FaultToleranceConfig
 from forge.data.loader import share_of
 from forge.training.loop.loop import healed_state
 from forge.training.loop.step_logger import replica_record
-from forge.training.records.resume_rules import ChangeGroup, group_of
 from forge.training.steps.replicas import LayoutMismatchError, StepReplicas, locals_of
 from forge.types import LoopState, ReplicaStep, StepResult
 from tests.e2e.test_train_script import TRAIN, nothing_written
@@ -79,19 +78,6 @@ def test_a_steps_record_says_who_took_part_what_failed_and_a_heal(replicas, reco
 def test_a_step_that_healed_continues_from_the_peers_loop_state(replicas, expected):
     result = StepResult(loss=1.0, grad_norm=1.0, tokens=1, lr=1.0, replicas=replicas)
     assert healed_state(result) == expected
-
-
-@pytest.mark.parametrize(
-    "key,group",
-    [
-        ("fault_tolerance.enabled", ChangeGroup.LAYOUT),
-        ("fault_tolerance.groups", ChangeGroup.LAYOUT),
-        ("fault_tolerance.lighthouse", ChangeGroup.FREE),
-        ("fault_tolerance.timeout_s", ChangeGroup.FREE),
-    ],
-)
-def test_the_resume_rules_know_the_fault_tolerance_keys(key, group):
-    assert group_of(key) is group
 
 
 def test_the_global_batch_a_checkpoint_records_counts_every_group(tiny_config):

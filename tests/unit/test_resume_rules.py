@@ -68,6 +68,10 @@ def test_the_table_names_only_real_keys_sections_and_recorded_values():
         ("distributed.cp", G.LAYOUT),
         ("distributed.ep", G.LAYOUT),
         ("distributed.timeout_s", G.FREE),
+        ("fault_tolerance.enabled", G.LAYOUT),  # replica groups split the same global batch
+        ("fault_tolerance.groups", G.LAYOUT),
+        ("fault_tolerance.lighthouse", G.FREE),
+        ("fault_tolerance.timeout_s", G.FREE),
         ("hooks.classes", G.FREE),
         ("profiler.enabled", G.FREE),
     ],
