@@ -108,15 +108,18 @@ def test_fault_tolerance_values_out_of_range_name_their_key(cfg, keys):
 
 
 @pytest.mark.parametrize(
-    "pp,workers,keys",
+    "pp,workers,check,keys",
     [
-        (1, 0, []),
-        (2, 0, ["fault_tolerance.enabled"]),  # a pipeline schedule takes a fixed count
-        (1, 2, ["data.num_workers"]),  # a share is read once its quorum is known
-        (2, 1, ["fault_tolerance.enabled", "data.num_workers"]),
+        (1, 0, 0, []),
+        (2, 0, 0, ["fault_tolerance.enabled"]),  # a pipeline schedule takes a fixed count
+        (1, 2, 0, ["data.num_workers"]),  # a share is read once its quorum is known
+        (1, 0, 10, ["train.float8_check"]),  # a group would judge its share alone
+        (2, 1, 0, ["fault_tolerance.enabled", "data.num_workers"]),
     ],
 )
-def test_what_replica_groups_do_not_run_with_yet_is_refused_by_name(tiny_config, pp, workers, keys):
+def test_what_replica_groups_do_not_run_with_yet_is_refused_by_name(
+    tiny_config, pp, workers, check, keys
+):
     from forge.config.combinations import fault_tolerance_problems
 
     base = load_config([str(tiny_config)]).config
@@ -124,6 +127,7 @@ def test_what_replica_groups_do_not_run_with_yet_is_refused_by_name(tiny_config,
         base,
         distributed=attrs.evolve(base.distributed, pp=pp),
         data=attrs.evolve(base.data, num_workers=workers),
+        train=attrs.evolve(base.train, float8_check=check),
     )
     on = attrs.evolve(config, fault_tolerance=FaultToleranceConfig(enabled=True))
     assert [key for key, _ in fault_tolerance_problems(on)] == keys
