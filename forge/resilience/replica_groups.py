@@ -100,6 +100,17 @@ def quiet_torchft() -> None:
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
+def quiet_transport(timeout: timedelta) -> Any:
+    """torchft's HTTP transport for heals (its default), without a line on stderr for every
+    request a peer makes (the server's per-instance handler class: no other server changes)."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    transport = HTTPTransport(timeout=timeout, num_chunks=0)
+    handler = transport._server.RequestHandlerClass
+    handler.log_message = lambda *_args, **_kwargs: None  # type: ignore[method-assign]
+    return transport
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor`` (a DTensor's local shard; a plain tensor itself)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -139,6 +150,7 @@ class ReplicaGroups:
         self._receive: Callable[[dict[str, Any]], None] | None = None
         timeout = timedelta(seconds=cfg.timeout_s)
         self.manager = Manager(
+            checkpoint_transport=quiet_transport(timeout),
             pg=ProcessGroupGloo(timeout=timeout),
             load_state_dict=self._apply,
             state_dict=self._payload,
