@@ -83,7 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         )
     except Exception as exc:  # torchft's server raises what binding raised
-        print_errors([f"--port {args.port}: the lighthouse cannot listen there ({exc})"])
+        where = f"{args.bind}:{args.port}"
+        print_errors([f"--bind/--port {where}: the lighthouse cannot listen there ({exc})"])
         return ExitCode.CONFIG_ERROR
     print(f"lighthouse: {server.address()}", flush=True)
     try:

@@ -26,6 +26,7 @@ from forge.resilience.faults import (
     with_faults,
 )
 from forge.resilience.health import guard_collectives
+from forge.resilience.replica_groups import GroupsLostError
 from forge.resilience.reports import FaultReport
 from forge.resilience.signals import SetupInterrupted, ShutdownFlag, pause_if_asked
 from forge.resilience.stacks import StackWatch, stack_watch
@@ -130,6 +131,9 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         if isinstance(exc, SetupInterrupted):  # one line, not an error: nothing to save
             print(f"[forge] {exc}", file=sys.stderr, flush=True)
             return exc.exit_code
+        if isinstance(exc, GroupsLostError):  # no quorum: retryable, unlike bad input
+            print_errors([str(exc)])
+            return ExitCode.HEALTH_FAILURE
         if not isinstance(exc, UserInputError):
             raise  # a bug: its traceback, with nothing of the set-up left behind
         print_errors(exc.lines)
@@ -193,6 +197,7 @@ def train(
     step: Callable[[Any, LoopState], StepResult] = with_faults(step, model.model, faults, dist.rank)
     batches: Iterator[Any] = train_batches(data, run.config.train.grad_accum_steps)
     if replicas is not None:  # each step's rows follow its quorum, read inside the step
+        replicas.stop_requested = flag.requested  # a signal ends a step waiting for a quorum
         step, batches = replicated_step(step, replicas, dist.say), replica_batches(replicas)
     step = stragglers.timed(step)
     res = run.config.resilience

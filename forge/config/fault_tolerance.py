@@ -7,6 +7,9 @@ import attrs
 
 from forge.config.ranges import Problem, positive
 
+# torchft's RPCs and the cross-group sums between processes: shorter fails healthy steps
+MIN_TIMEOUT_S = 1.0
+
 
 @attrs.frozen
 class FaultToleranceConfig:
@@ -35,8 +38,16 @@ class FaultToleranceConfig:
         p: list[Problem] = []
         positive(p, "fault_tolerance.groups", self.groups)
         positive(p, "fault_tolerance.min_groups", self.min_groups)
-        positive(p, "fault_tolerance.timeout_s", self.timeout_s)
-        positive(p, "fault_tolerance.quorum_timeout_s", self.quorum_timeout_s)
+        for key in ("timeout_s", "quorum_timeout_s"):
+            value = getattr(self, key)
+            if not value >= MIN_TIMEOUT_S:  # NaN included
+                p.append(
+                    (
+                        f"fault_tolerance.{key}",
+                        f"must be >= {MIN_TIMEOUT_S:g} s, got {value:g}: a healthy step's sums, "
+                        "commit and quorum take that long between processes",
+                    )
+                )
         positive(p, "fault_tolerance.heartbeat_ms", self.heartbeat_ms)
         if self.groups >= 1 and not 0 <= self.group < self.groups:
             p.append(

@@ -66,7 +66,7 @@ def lighthouse_problem(address: str, timeout_s: float = 5.0) -> str | None:
     """Why nothing answers at ``address`` (None when a connection opens)."""
     parsed = urllib.parse.urlparse(address)
     if parsed.hostname is None or parsed.port is None:
-        return f"{address!r} names no host and port (like http://host:29510)"
+        return f"{address!r} is not an address with a host and a port, like http://host:29510"
     try:
         with socket.create_connection((parsed.hostname, parsed.port), timeout=timeout_s):
             return None
@@ -100,6 +100,12 @@ def quiet_torchft() -> None:
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
+def short_cause(exc: BaseException) -> str:
+    """The first clause of a torchft error (its RPCs' messages carry gRPC's metadata)."""
+    text = str(exc).split(", details:")[0].removeprefix("status: ")
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 def quiet_transport(timeout: timedelta) -> Any:
     """torchft's HTTP transport for heals (its default), without a line on stderr for every
     request a peer makes (the server's per-instance handler class: no other server changes)."""
@@ -108,6 +114,9 @@ def quiet_transport(timeout: timedelta) -> Any:
     transport = HTTPTransport(timeout=timeout, num_chunks=0)
     handler = transport._server.RequestHandlerClass
     handler.log_message = lambda *_args, **_kwargs: None  # type: ignore[method-assign]
+    # a peer that dies while it receives is the quorum's business, not a traceback's
+    server = transport._server
+    setattr(server, "handle_error", lambda *_args: None)  # noqa: B010 — one instance's
     return transport
 
 
@@ -204,8 +213,8 @@ class ReplicaGroups:
             rank = self.manager.participating_rank()
         except UserInputError:  # a peer's state refused by this group (another layout)
             raise
-        except Exception as exc:  # torchft raises what its RPCs raise
-            raise GroupsLostError(f"no quorum of replica groups formed: {exc}") from exc
+        except Exception as exc:  # torchft raises what its RPCs raise (gRPC's own text)
+            raise GroupsLostError(f"no quorum formed ({short_cause(exc)})") from exc
         if rank is None or participants < 1:
             raise GroupsLostError("this group is not among the quorum's participants")
         quorum_id = self.manager._quorum_id
@@ -252,7 +261,10 @@ class ReplicaGroups:
         """Whether the step commits: every group of the quorum finished it without a
         collective failing and at least ``min_groups`` took part. Called once per step, by
         every rank of every group, before the optimizer step."""
-        return self.manager.should_commit()
+        try:
+            return self.manager.should_commit()
+        except Exception as exc:  # its RPC timed out: no group may count on this step
+            raise GroupsLostError(f"the commit did not answer ({short_cause(exc)})") from exc
 
     def close(self) -> None:
         """Leave the quorum and stop the manager's servers."""

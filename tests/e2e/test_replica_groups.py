@@ -39,7 +39,7 @@ RUN = [
 ]
 
 
-def start_lighthouse() -> tuple[subprocess.Popen[str], str]:
+def start_lighthouse(*extra: str) -> tuple[subprocess.Popen[str], str]:
     """``scripts/lighthouse.py`` on a free port; its address, read from its first line."""
     proc = subprocess.Popen(
         # a group silent for 1 s is left out of the next quorum
@@ -48,6 +48,7 @@ def start_lighthouse() -> tuple[subprocess.Popen[str], str]:
             str(REPO / "scripts" / "lighthouse.py"),
             "--port=0",
             "--heartbeat-timeout-ms=1000",
+            *extra,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -269,3 +270,24 @@ def until_step(run_dir: pathlib.Path, step: int, timeout: float = 120) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"{run_dir} never reached step {step}")
+
+
+def test_a_group_that_finds_no_quorum_at_set_up_exits_4_writing_nothing(tmp_path, small_corpus):
+    """A lighthouse that needs two groups and one started: retryable (a scheduler may start
+    the other later), so exit 4 and not 2, one line, nothing written."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY.format(data=small_corpus))
+    lighthouse, address = start_lighthouse("--min-groups=2")
+    try:
+        alone = launch(
+            config, tmp_path / "run", 0, address, "", "--fault_tolerance.quorum_timeout_s=2"
+        )
+        code, log = finished(alone)
+    finally:
+        lighthouse.send_signal(signal.SIGTERM)
+        lighthouse.wait(timeout=10)
+    lines = [line for line in log.splitlines() if line.startswith("error:")]
+    assert code == 4 and len(lines) == 1, log[-3000:]
+    assert "quorum_timeout_s=2" in lines[0] and "--min-groups" in lines[0]
+    assert "Traceback" not in log and "metadata" not in log
+    assert not (tmp_path / "run" / "group_0").exists()

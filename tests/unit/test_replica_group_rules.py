@@ -15,9 +15,16 @@ import torch
 from forge.config import load_config
 from forge.config.fault_tolerance import FaultToleranceConfig
 from forge.data.loader import share_of
+from forge.resilience.replica_groups import Quorum, short_cause
 from forge.training.loop.loop import healed_state
 from forge.training.loop.step_logger import replica_record
-from forge.training.steps.replicas import LayoutMismatchError, StepReplicas, locals_of
+from forge.training.steps.replicas import (
+    LayoutMismatchError,
+    StepReplicas,
+    locals_of,
+    quorum_problem,
+    replicated_step,
+)
 from forge.types import LoopState, ReplicaStep, StepResult
 from tests.e2e.test_train_script import TRAIN, nothing_written
 
@@ -100,6 +107,8 @@ def test_the_global_batch_a_checkpoint_records_counts_every_group(tiny_config):
         (FaultToleranceConfig(groups=2, min_groups=3), ["fault_tolerance.min_groups"]),
         (FaultToleranceConfig(lighthouse="vm:29510"), ["fault_tolerance.lighthouse"]),
         (FaultToleranceConfig(timeout_s=0), ["fault_tolerance.timeout_s"]),
+        (FaultToleranceConfig(timeout_s=0.001), ["fault_tolerance.timeout_s"]),  # below 1 s
+        (FaultToleranceConfig(quorum_timeout_s=float("nan")), ["fault_tolerance.quorum_timeout_s"]),
         (FaultToleranceConfig(groups=2, group=1, lighthouse="http://vm:29510"), []),
     ],
 )
@@ -243,3 +252,71 @@ def test_groups_agree_on_a_layout_only_when_every_fingerprint_is_the_same(mine, 
     for f in others:
         sums += torch.tensor([1.0, f, f * f], dtype=torch.float64)
     assert groups.agreed_layout(sums) is agreed
+
+
+@pytest.mark.parametrize(
+    "participants,groups,min_groups,reason",
+    [
+        (2, 2, 1, None),
+        (1, 2, 1, None),  # one left: it takes the whole step
+        (1, 2, 2, "1 of fault_tolerance.min_groups=2 groups take part"),
+        (3, 2, 1, "more than fault_tolerance.groups=2: two launches share a group index"),
+        (2, 1, 1, "more than fault_tolerance.groups=1"),
+    ],
+)
+def test_a_step_runs_only_in_a_quorum_of_between_min_groups_and_groups(
+    participants, groups, min_groups, reason
+):
+    problem = quorum_problem(participants, groups, min_groups)
+    assert problem is None if reason is None else reason in problem
+
+
+class WaitingGroups(FakeGroups):
+    """A quorum of one group, always (its peer gone), under ``min_groups = 2``."""
+
+    cfg = FaultToleranceConfig(
+        enabled=True, groups=2, min_groups=2, quorum_timeout_s=1.0, heartbeat_ms=10
+    )
+
+    def __init__(self) -> None:
+        self.quorums = 0
+
+    def quorum(self) -> Quorum:
+        self.quorums += 1
+        return Quorum(participants=1, rank=0)
+
+
+def never_called(batches, state):
+    raise AssertionError("a step ran in a quorum it may not run in")
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_a_step_waiting_for_groups_ends_at_the_quorum_timeout_or_a_signal_saying_so_once(stop):
+    groups = WaitingGroups()
+    model = torch.nn.Linear(2, 2)
+    replicas = StepReplicas(groups, Holder(model, torch.optim.AdamW(model.parameters())), None, 2)  # type: ignore[arg-type]
+    replicas.stop_requested = lambda: stop
+    said: list[str] = []
+    result = replicated_step(never_called, replicas, said.append)(None, LoopState(step=8))  # type: ignore[arg-type]
+    assert result.collective_failed  # the run ends HEALTH_FAILURE: the last checkpoint stands
+    waits = [line for line in said if "min_groups=2" in line and line.startswith("step 9")]
+    assert len(waits) == 1, said  # once, however many quorums it asked for
+    assert groups.quorums == 1 if stop else groups.quorums > 2
+    last = said[-1]
+    assert ("while waiting for replica groups" in last) if stop else ("quorum_timeout_s=1" in last)
+
+
+@pytest.mark.parametrize(
+    "error,cause",
+    [
+        (
+            TimeoutError(
+                'status: Cancelled, message: "Timeout expired", details: [], metadata: {}'
+            ),
+            'Cancelled, message: "Timeout expired"',
+        ),
+        (RuntimeError("x" * 300), "x" * 117 + "..."),
+    ],
+)
+def test_torchfts_errors_are_cut_to_their_cause(error, cause):
+    assert short_cause(error) == cause

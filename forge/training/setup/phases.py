@@ -415,14 +415,16 @@ def join_replica_groups(
             "fault_tolerance.lighthouse and that this host's name resolves"
         ) from None
     slots = run.config.train.grad_accum_steps * ft.groups
-    replicas = StepReplicas(groups, model, data.train_loader, slots)
+    # the schedule in force (a peer behind receives it): a resume may keep a checkpoint's
+    replicas = StepReplicas(groups, ckpt.applied_to(model), data.train_loader, slots)
     try:
         quorum = replicas.join(ckpt.initial_state)
     except GroupsLostError as exc:
         groups.close()
-        raise UserInputError(
-            f"fault_tolerance.quorum_timeout_s: {exc}; is the lighthouse's --min-groups more "
-            "than the groups started?"
+        raise GroupsLostError(
+            f"fault_tolerance: {exc} within fault_tolerance.quorum_timeout_s="
+            f"{ft.quorum_timeout_s:g} s: are the other groups started, and is the lighthouse's "
+            "--min-groups more than the groups alive?"
         ) from None
     except BaseException:
         groups.close()
@@ -435,7 +437,10 @@ def join_replica_groups(
         return replicas, ckpt
     healed, replicas.rebase = replicas.rebase, None
     dist.say(heal_line(healed.step, quorum))
-    return replicas, attrs.evolve(ckpt, initial_state=healed)
+    schedule, peak_lr = replicas.schedule or (None, None)  # the peer's, in force from here
+    ckpt = attrs.evolve(ckpt, initial_state=healed, schedule=schedule, peak_lr=peak_lr)
+    replicas.model = ckpt.applied_to(model)
+    return replicas, ckpt
 
 
 def teardown(dist: DistContext, healthy: bool = True) -> None:

@@ -97,10 +97,14 @@ def replica_group_problems(config: JobConfig, env: Mapping[str, str]) -> list[st
     except UserInputError as exc:
         return exc.lines
     if (problem := lighthouse_problem(address)) is not None:
-        return [
-            f"fault_tolerance.lighthouse: {problem}; start it first (`python "
-            "scripts/lighthouse.py`) and pass the address it prints"
-        ]
+        advice = (
+            ""
+            if problem.startswith("'")
+            else (
+                "; start it first (`python scripts/lighthouse.py`) and pass the address it prints"
+            )
+        )
+        return [f"fault_tolerance.lighthouse: {problem}{advice}"]
     return []
 
 

@@ -11,6 +11,7 @@ and gradient are those of the whole step whichever groups computed it.
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -19,9 +20,11 @@ import attrs
 import torch
 from torch.distributed.tensor import DTensor
 
+from forge.config.fault_tolerance import FaultToleranceConfig
 from forge.config.loader import CONVERTER
 from forge.data.loader import TextLoader, loader_state, plan_at, share_of
 from forge.errors import UserInputError
+from forge.optim.schedules import Schedule
 from forge.resilience.replica_groups import GroupsLostError, Quorum, ReplicaGroups, local
 from forge.training.context import DistContext, ModelContext, RunContext
 from forge.training.steps.common import fails_alone
@@ -70,7 +73,10 @@ class StepReplicas:
         self.vetoed = False
         self.state = LoopState()  # the state a peer behind receives: this step's start
         self.rebase: LoopState | None = None
+        self.schedule: tuple[Schedule, float | None] | None = None  # a heal's, at set-up
         self._pending: Quorum | None = None
+        # a signal asked the run to stop (set by the driver): a step waiting for a quorum ends
+        self.stop_requested: Callable[[], bool] = lambda: False
         groups.register(self.payload, self.apply)
 
     # the step's sums --------------------------------------------------------------------
@@ -130,6 +136,8 @@ class StepReplicas:
             "optimizer": locals_of(optimizer.state_dict()),
             "loader": self.loader.state_dict(),
             "loop": CONVERTER.unstructure(self.state),
+            # the LR schedule in force (a resume may keep a checkpoint's: schedule_from)
+            "schedule": (self.model.schedule, self.model.peak_lr),
         }
 
     def apply(self, payload: dict[str, Any]) -> None:
@@ -144,6 +152,7 @@ class StepReplicas:
         optimizer.load_state_dict(like_params(payload["optimizer"], optimizer))
         self.loader.seek(loader_state(payload["loader"], self.loader.sampling))
         self.rebase = CONVERTER.structure(payload["loop"], LoopState)
+        self.schedule = payload["schedule"]
 
 
 def mismatch_line() -> str:
@@ -205,46 +214,102 @@ def replicated_step(
     that failed, and a heal. No quorum in time: the step reports a failed collective
     (the run ends HEALTH_FAILURE, as when a peer inside a group is lost)."""
 
+    cfg = replicas.groups.cfg
+
     def run(_share: Share, state: LoopState) -> StepResult:
         failed, rebase, heal_s = 0, None, 0.0
+        waiting_since: float | None = None  # the first attempt of this step that did not run
+        said: set[str] = set()  # each reason once per step
         while True:
             replicas.state = state
             try:
                 quorum = replicas.next_quorum()
             except GroupsLostError as exc:
-                say(f"replica groups lost at step {state.step + 1}: {exc}")
+                say(lost_line(state.step + 1, cfg, str(exc)))
                 return lost_result()
             if replicas.rebase is not None:  # healed inside the loop: the peer's state
                 state = rebase = replicas.rebase
                 replicas.rebase = None
                 say(heal_line(state.step, quorum))
             heal_s = quorum.heal_s if quorum.healed else heal_s
-            share = replicas.loader.step_share(
-                share_of(replicas.slots, quorum.participants, quorum.rank)
-            )
-            if share is None:  # a peer ahead used the data up: nothing left for this step
+            wait = quorum_problem(quorum.participants, cfg.groups, cfg.min_groups)
+            if wait is None:
+                share = replicas.loader.step_share(
+                    share_of(replicas.slots, quorum.participants, quorum.rank)
+                )
+                if share is None:  # a peer ahead used the data up: nothing left for this step
+                    return lost_result()
+                batches, after = share
+                try:
+                    result = step(batches, state)
+                except GroupsLostError as exc:  # the commit itself did not answer
+                    say(lost_line(state.step + 1, cfg, str(exc)))
+                    return lost_result()
+                if fails_alone(result.replay, result.float8):  # its own checks end the run
+                    return result
+                if replicas.committed:
+                    replicas.loader.seek(after)
+                    report = ReplicaStep(quorum.participants, failed, rebase, heal_s)
+                    return attrs.evolve(result, replicas=report)
+                failed += 1
+                wait = (
+                    f"it did not commit ({quorum.participants} {groups_word(quorum.participants)} "
+                    "took part, one was lost inside it): its rows are read again"
+                )
+            if wait not in said:
+                said.add(wait)
+                say(f"step {state.step + 1}: {wait}")
+            now = time.monotonic()
+            waiting_since = now if waiting_since is None else waiting_since
+            if now - waiting_since > cfg.quorum_timeout_s:
+                say(lost_line(state.step + 1, cfg, f"no step committed: {wait}"))
                 return lost_result()
-            batches, after = share
-            result = step(batches, state)
-            if fails_alone(result.replay, result.float8):  # its own checks end the run
-                return result
-            if replicas.committed:
-                replicas.loader.seek(after)
-                report = ReplicaStep(quorum.participants, failed, rebase, heal_s)
-                return attrs.evolve(result, replicas=report)
-            failed += 1
-            say(
-                f"step {state.step + 1} did not commit ({quorum.participants} groups took part, "
-                "one was lost inside it): its rows are read again by the groups left"
-            )
+            if replicas.stop_requested():  # a signal: the last committed state stands
+                say(
+                    f"stopped at step {state.step + 1} while waiting for replica groups; "
+                    "the last checkpoint stands"
+                )
+                return lost_result()
+            if wait is not None and not wait.startswith("it did not commit"):
+                time.sleep(min(1.0, cfg.heartbeat_ms / 1000 * 2))  # the quorum will change
 
     return run
 
 
+def quorum_problem(participants: int, groups: int, min_groups: int) -> str | None:
+    """Why a step may not run in a quorum of ``participants`` groups (None: it may): fewer
+    than ``fault_tolerance.min_groups``, or more than ``fault_tolerance.groups`` (two
+    launches with one group index: their shares would overlap)."""
+    if participants > groups:
+        return (
+            f"{participants} groups take part, more than fault_tolerance.groups={groups}: two "
+            "launches share a group index; waiting for the quorum to shrink"
+        )
+    if participants < min_groups:
+        return (
+            f"{participants} of fault_tolerance.min_groups={min_groups} groups take part; "
+            "waiting for more"
+        )
+    return None
+
+
+def groups_word(n: int) -> str:
+    return "group" if n == 1 else "groups"
+
+
 def heal_line(step: int, quorum: Quorum) -> str:
+    n = quorum.participants
     return (
         f"healed from a live peer at step {step} in {quorum.heal_s:.2f} s; "
-        f"{quorum.participants} groups take part"
+        f"{n} {groups_word(n)} take{'s' if n == 1 else ''} part"
+    )
+
+
+def lost_line(step: int, cfg: FaultToleranceConfig, cause: str) -> str:
+    return (
+        f"replica groups lost at step {step}: {cause} within fault_tolerance.quorum_timeout_s="
+        f"{cfg.quorum_timeout_s:g} s (the lighthouse stopped answering, or too few groups are "
+        "alive); relaunch the groups once the lighthouse answers"
     )
 
 
