@@ -1,12 +1,13 @@
-"""Replica groups of two ranks each under FSDP2 (``[fault_tolerance]``), launched as users run
-them: one torchrun per group. Opt-in (``FORGE_SLOW_TESTS=1``: four processes on this machine's
-two cores take minutes): one rank of group 1 killed, its torchrun ends the group, a new torchrun
-relaunches it, and it heals from group 0 — each rank its own shards of the model and of the
+"""Replica groups of two ranks each, under FSDP2 and under tensor parallelism
+(``[fault_tolerance]``), launched as users run them: one torchrun per group. Opt-in (``FORGE_SLOW_TESTS=1``: four processes on this machine's
+two cores take minutes): group 1's torchrun and ranks killed at once (its node lost), a new
+torchrun relaunches it, and it heals from group 0 — each rank its own shards of the model and of the
 optimizer state — then both groups end with the weights of one run of the same global batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import signal
@@ -17,7 +18,13 @@ import pytest
 import torch
 
 from tests.conftest import REPO, TINY
-from tests.e2e.test_replica_groups import finished, records, start_lighthouse, weights
+from tests.e2e.test_replica_groups import (
+    finished,
+    records,
+    start_lighthouse,
+    until_step,
+    weights,
+)
 from tests.e2e.test_train_script import TRAIN
 from tests.in_process import run_main
 
@@ -35,7 +42,12 @@ RUN = [f"--train.max_steps={STEPS}", "--data.verify_checksum=false", "--checkpoi
 
 
 def torchrun_group(
-    config: pathlib.Path, run_dir: pathlib.Path, group: int, lighthouse: str, faults: str = ""
+    config: pathlib.Path,
+    run_dir: pathlib.Path,
+    group: int,
+    lighthouse: str,
+    faults: str = "",
+    layout: tuple[str, ...] = (),
 ) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k != "FORGE_FAULTS"}
     if faults:
@@ -45,25 +57,52 @@ def torchrun_group(
         str(REPO / "scripts" / "train.py"), str(config), f"--run.dir={run_dir}", *RUN,
         "--fault_tolerance.enabled=true", "--fault_tolerance.groups=2",
         f"--fault_tolerance.group={group}", f"--fault_tolerance.lighthouse={lighthouse}",
-        "--fault_tolerance.timeout_s=20",
+        "--fault_tolerance.timeout_s=20", *layout,
     ]  # fmt: skip
     return subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
 
 
-def test_fsdp_groups_heal_a_relaunched_group_and_train_the_one_run_model(tmp_path, small_corpus):
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process below it (from ``/proc``: torchrun's ranks included)."""
+    parents: dict[int, int] = {}
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents[int(stat.parent.name)] = int(fields[1])
+    tree, frontier = [root], [root]
+    while frontier:
+        frontier = [pid for pid, parent in parents.items() if parent in frontier]
+        tree += frontier
+    return tree
+
+
+# (layout inside each group, the one-rank reference's micro-batches for the same global batch)
+LAYOUTS = [
+    pytest.param(("--distributed.dp_shard=2",), 4, id="fsdp2"),
+    pytest.param(("--distributed.dp_shard=1", "--distributed.tp=2"), 2, id="tp2"),
+]
+
+
+@pytest.mark.parametrize("layout,accum", LAYOUTS)
+def test_groups_heal_a_relaunched_group_and_train_the_one_run_model(
+    tmp_path, small_corpus, layout, accum
+):
     config = tmp_path / "tiny.toml"
     config.write_text(TINY.format(data=small_corpus))
     lighthouse, address = start_lighthouse()
+    run = tmp_path / "run"
     try:
-        first = torchrun_group(config, tmp_path / "run", 0, address, "slow:step=1:seconds=0.3")
-        doomed = torchrun_group(
-            config, tmp_path / "run", 1, address, "signal:step=15:rank=1:sig=KILL"
-        )
-        code, log = finished(doomed, timeout=300)
-        assert code != 0, log[-3000:]
-        second = torchrun_group(config, tmp_path / "run", 1, address)
+        first = torchrun_group(config, run, 0, address, "slow:step=1:seconds=0.3", layout)
+        doomed = torchrun_group(config, run, 1, address, "", layout)
+        until_step(run / "group_1", 15)
+        assert doomed.poll() is None, finished(doomed)[1][-3000:]
+        for pid in process_tree(doomed.pid):  # the group's node lost: agent and ranks at once
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        doomed.communicate()
+        second = torchrun_group(config, run, 1, address, "", layout)
         (code0, log0), (code1, log1) = finished(first, 400), finished(second, 400)
     finally:
         lighthouse.send_signal(signal.SIGTERM)
@@ -75,7 +114,7 @@ def test_fsdp_groups_heal_a_relaunched_group_and_train_the_one_run_model(tmp_pat
     assert 1 in seen.values() and seen[STEPS] == 2
     out = run_main(
         TRAIN.main,
-        [str(config), f"--run.dir={tmp_path / 'ref'}", *RUN, "--train.grad_accum_steps=4"],
+        [str(config), f"--run.dir={tmp_path / 'ref'}", *RUN, f"--train.grad_accum_steps={accum}"],
     )
     assert out.returncode == 0, out.stderr[-3000:]
     reference = weights(config, tmp_path / "ref", STEPS)
