@@ -195,7 +195,12 @@ class ReplicaGroups:
 
     def _apply(self, payload: dict[str, Any]) -> None:
         assert self._receive is not None, "ReplicaGroups.register first"
-        self._receive(payload)
+        try:
+            self._receive(payload)
+        except UserInputError:  # refused by name (another layout)
+            raise
+        except Exception as exc:  # said as a heal's failure, not as a missing quorum
+            raise GroupsLostError(f"the heal from a live peer failed ({short_cause(exc)})") from exc
         self.heals += 1
 
     @property
@@ -211,7 +216,7 @@ class ReplicaGroups:
             self.manager.start_quorum()
             participants = self.manager.num_participants()
             rank = self.manager.participating_rank()
-        except UserInputError:  # a peer's state refused by this group (another layout)
+        except (UserInputError, GroupsLostError):  # a peer's state refused, a heal failed
             raise
         except Exception as exc:  # torchft raises what its RPCs raise (gRPC's own text)
             raise GroupsLostError(f"no quorum formed ({short_cause(exc)})") from exc

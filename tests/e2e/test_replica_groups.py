@@ -31,6 +31,9 @@ from tests.in_process import run_main
 pytest.importorskip("torchft")
 
 STEPS = 60
+# the blocks frozen until step 22: the relaunched group (its checkpoint at step 20, frozen)
+# heals past the transition, its optimizer's groups put in the peer's stage first
+FREEZE = '\n[[freeze]]\nmodule = "layers"\nuntil_step = 22\n'
 RUN = [
     f"--train.max_steps={STEPS}",
     "--data.verify_checksum=false",
@@ -115,12 +118,12 @@ def weights(
 @pytest.fixture(scope="module")
 def killed_and_healed(tmp_path_factory, small_corpus):
     """Group 1 kills itself after step 20 and is launched again while group 0 trains on
-    (slowed to 0.2 s a step, so that the relaunch finds it running); a NaN at step 55 (after
-    the heal) in group 0 only. Beside it, the same run without replica groups, in one
+    (slowed to 0.2 s a step, so that the relaunch finds it running), healing past the freeze
+    schedule's transition at step 22; a NaN at step 55 (after the heal) in group 0 only. Beside it, the same run without replica groups, in one
     process (the reference)."""
     tmp = tmp_path_factory.mktemp("ft")
     config = tmp / "tiny.toml"
-    config.write_text(TINY.format(data=small_corpus))
+    config.write_text(TINY.format(data=small_corpus) + FREEZE)
     lighthouse, address = start_lighthouse()
     try:
         first = launch(config, tmp / "run", 0, address, "slow:step=1:seconds=0.2,nan:step=55")

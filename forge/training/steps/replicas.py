@@ -149,9 +149,14 @@ class StepReplicas:
         with torch.no_grad():
             for key, value in model.state_dict().items():
                 local(value).copy_(payload["model"][key])
+        rebase = CONVERTER.structure(payload["loop"], LoopState)
+        freezer = self.model.freezer
+        if freezer is not None:  # the optimizer's groups as the peer's, at the peer's step
+            last = max(1, rebase.step)
+            freezer.hold(freezer.trainable_at(last), last)
         optimizer.load_state_dict(like_params(payload["optimizer"], optimizer))
         self.loader.seek(loader_state(payload["loader"], self.loader.sampling))
-        self.rebase = CONVERTER.structure(payload["loop"], LoopState)
+        self.rebase = rebase
         self.schedule = payload["schedule"]
 
 
