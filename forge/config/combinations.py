@@ -64,7 +64,17 @@ def fault_tolerance_problems(config: JobConfig) -> list[Problem]:
         )
     if config.model.vlm is not None:
         p.append(("fault_tolerance.enabled", "does not run with model.vlm yet"))
-    if config.train.float8_check > 0:  # each group would judge its own share, and fall back alone
+    res = config.resilience
+    for key, policy in (("on_nonfinite", res.on_nonfinite), ("on_spike", res.on_spike)):
+        if policy.value == "rollback":  # each group's snapshot is its own launch's
+            p.append(
+                (
+                    f"resilience.{key}",
+                    "'rollback' does not run with fault_tolerance.enabled yet (a group that "
+                    "healed holds another snapshot than its peers); use 'skip'",
+                )
+            )
+    if config.train.float8_check > 0:  # a group would judge its own share, and fall back alone
         p.append(
             ("train.float8_check", "does not run with fault_tolerance.enabled yet; set it to 0")
         )

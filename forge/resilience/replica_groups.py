@@ -222,6 +222,8 @@ class ReplicaGroups:
             raise GroupsLostError(f"no quorum formed ({short_cause(exc)})") from exc
         if rank is None or participants < 1:
             raise GroupsLostError("this group is not among the quorum's participants")
+        if (error := self.manager.errored()) is not None:  # torchft keeps a heal's failure
+            raise GroupsLostError(f"the quorum or its heal failed ({short_cause(error)})")
         quorum_id = self.manager._quorum_id
         changed, self._quorum_id = quorum_id != self._quorum_id, quorum_id
         healed = self.heals > heals
@@ -257,6 +259,10 @@ class ReplicaGroups:
         """``[1, f, f²]`` of this group's fingerprint, in float64 (exact sums)."""
         f = float(self.fingerprint)
         return torch.tensor([1.0, f, f * f], dtype=torch.float64, device=device)
+
+    def failed(self) -> bool:
+        """Whether a collective of this step failed (its sums are then not to be read)."""
+        return self.manager.errored() is not None
 
     def veto(self, reason: str) -> None:
         """This step may not commit, in this group or any other."""

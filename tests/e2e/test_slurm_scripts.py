@@ -301,9 +301,18 @@ def test_a_replica_group_job_passes_its_keys_to_every_task(tmp_path):
 
 @pytest.mark.parametrize(
     "code,requeued",
-    [("1", True), ("4", True), ("137", True), ("0", False), ("2", False), ("6", False)],
+    [
+        ("4", True),  # a peer or the quorum lost
+        ("137", True),  # killed by a signal
+        ("0", False),
+        ("1", False),  # a crash would recur
+        ("2", False),  # bad input
+        ("3", False),  # a NaN abort would recur
+        ("5", False),  # a failed save
+        ("6", False),  # suspect hardware
+    ],
 )
-def test_a_failed_replica_group_is_requeued_to_heal_unless_refused_or_suspect(
+def test_a_lost_replica_group_is_requeued_to_heal_and_a_failure_that_would_recur_is_not(
     tmp_path, code, requeued
 ):
     proc = start(tmp_path, ticks=3, script=GROUP_SCRIPT, FAKE_EXIT=code, **GROUP_ENV)

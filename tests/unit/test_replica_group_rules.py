@@ -320,3 +320,25 @@ def test_a_step_waiting_for_groups_ends_at_the_quorum_timeout_or_a_signal_saying
 )
 def test_torchfts_errors_are_cut_to_their_cause(error, cause):
     assert short_cause(error) == cause
+
+
+@pytest.mark.parametrize(
+    "on_nonfinite,on_spike,keys",
+    [
+        ("skip", "warn", []),
+        ("rollback", "warn", ["resilience.on_nonfinite"]),  # a healed group's snapshot differs
+        ("skip", "rollback", ["resilience.on_spike"]),
+    ],
+)
+def test_rollback_is_refused_with_replica_groups(tiny_config, on_nonfinite, on_spike, keys):
+    from forge.config.combinations import fault_tolerance_problems
+    from forge.config.resilience import NonFinitePolicy, SpikePolicy
+
+    base = load_config([str(tiny_config)]).config
+    resilience = attrs.evolve(
+        base.resilience, on_nonfinite=NonFinitePolicy(on_nonfinite), on_spike=SpikePolicy(on_spike)
+    )
+    on = attrs.evolve(
+        base, resilience=resilience, fault_tolerance=FaultToleranceConfig(enabled=True)
+    )
+    assert [key for key, _ in fault_tolerance_problems(on)] == keys

@@ -29,7 +29,6 @@ from forge.config.loader import ConfigError, load_config_checked, unstructure_co
 from forge.config.sections import JobConfig, Precision
 from forge.config.toml_writer import dumps_toml
 from forge.data.shards import dataset_fingerprint, read_manifest
-from forge.errors import UserInputError
 from forge.harness.tasks import downstream_problems
 from forge.metrics.backends import sink_problems
 from forge.model.chunked_loss import loss_spec_of
@@ -409,8 +408,8 @@ def join_replica_groups(
         groups = ReplicaGroups(
             ft, dist.rank, dist.world_size, ckpt.initial_state.step, layout_fingerprint(run, dist)
         )
-    except Exception as exc:  # torchft's servers could not start or connect
-        raise UserInputError(
+    except Exception as exc:  # torchft's servers could not start or connect: retryable
+        raise GroupsLostError(
             f"fault_tolerance: the replica group's manager did not start ({exc}); check "
             "fault_tolerance.lighthouse and that this host's name resolves"
         ) from None

@@ -36,25 +36,21 @@ class LayoutMismatchError(UserInputError):
     """A replica group whose layout, model or batch is not the other groups'."""
 
 
+# sections that do not change what a step computes (each group has its own of these)
+OWN_SECTIONS = ("run", "eval", "checkpoint", "metrics", "hooks", "profiler")
+
+
 def layout_fingerprint(run: RunContext, dist: DistContext) -> int:
-    """What every replica group must share, in one number: its ranks and mesh, the model,
-    the step's shape and the run's length and seed (a group that differs would sum other
-    tensors or other rows)."""
+    """What every replica group must share, in one number: its ranks and mesh, and every
+    config section a step reads (the model, the batch, the optimizer and schedule, the
+    freeze schedule, the guards' policies, the data) — a group that differs would sum other
+    tensors, read other rows or apply another update. Logging, evaluation, checkpointing,
+    the hooks and this group's index and address stay its own."""
     cfg = run.config
-    shared = (
-        dist.world_size,
-        attrs.asdict(dist.dims) if attrs.has(type(dist.dims)) else repr(dist.dims),
-        attrs.asdict(cfg.model),
-        cfg.train.batch_size,
-        cfg.train.grad_accum_steps,
-        cfg.train.seq_len,
-        cfg.train.max_steps,
-        cfg.train.seed,
-        cfg.fault_tolerance.groups,
-        attrs.asdict(cfg.distributed),
-        cfg.optimizer.name.value,
-    )
-    return zlib.crc32(repr(shared).encode())
+    shared = {name: value for name, value in attrs.asdict(cfg).items() if name not in OWN_SECTIONS}
+    ft = cfg.fault_tolerance
+    shared["fault_tolerance"] = (ft.groups, ft.min_groups)
+    return zlib.crc32(repr((dist.world_size, repr(dist.dims), shared)).encode())
 
 
 class StepReplicas:
@@ -86,7 +82,8 @@ class StepReplicas:
         total = total.clone()
         terms = self.groups.layout_terms(total.device)
         self.groups.sum_([total, terms])
-        if not self.groups.agreed_layout(terms):
+        # a sum a lost group broke says nothing of layouts: the step will not commit
+        if not self.groups.failed() and not self.groups.agreed_layout(terms):
             raise LayoutMismatchError(mismatch_line())
         return total
 
@@ -313,8 +310,9 @@ def heal_line(step: int, quorum: Quorum) -> str:
 def lost_line(step: int, cfg: FaultToleranceConfig, cause: str) -> str:
     return (
         f"replica groups lost at step {step}: {cause} within fault_tolerance.quorum_timeout_s="
-        f"{cfg.quorum_timeout_s:g} s (the lighthouse stopped answering, or too few groups are "
-        "alive); relaunch the groups once the lighthouse answers"
+        f"{cfg.quorum_timeout_s:g} s (the lighthouse stopped answering, too few groups are "
+        "alive, or a rank of this group is gone); relaunch the groups once the lighthouse "
+        "answers"
     )
 
 
