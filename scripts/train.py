@@ -55,7 +55,6 @@ from forge.training.setup.loaders import train_batches
 from forge.training.setup.phases import (
     build_model_and_optim,
     claim_run_dir,
-    join_replica_groups,
     load_and_validate_config,
     prepare_run_dir,
     setup_checkpointing,
@@ -63,6 +62,7 @@ from forge.training.setup.phases import (
     setup_distributed,
     teardown,
 )
+from forge.training.setup.replica_join import join_replica_groups
 from forge.training.steps.replay import kernel_modes_kept
 from forge.training.steps.replicas import (
     LayoutMismatchError,

@@ -117,18 +117,6 @@ def plan_at(state: LoaderState, s: Sampling) -> Plan | None:
     return Plan(rows, phase.lr_scale, following)
 
 
-def share_of(slots: int, participants: int, rank: int) -> range:
-    """The micro-batches of a step of ``slots`` that replica group ``rank`` of the
-    ``participants`` taking part reads (``[fault_tolerance]``): contiguous shares in the
-    groups' order, the first ``slots % participants`` one longer, so that the shares of every
-    group that took part are the step's micro-batches in order, whichever groups they are."""
-    if not 0 <= rank < participants:
-        raise ValueError(f"group {rank} is not one of the {participants} taking part")
-    base, extra = divmod(slots, participants)
-    start = rank * base + min(rank, extra)
-    return range(start, start + base + int(rank < extra))
-
-
 def exhausts(state: LoaderState, s: Sampling, phase: Phase) -> bool:
     """Whether the step that starts at ``state`` would reach a source's epoch
     ``max_epochs``: the data runs out at a step's start, never inside one, so no checkpoint

@@ -1,6 +1,7 @@
 """The order of a run's rows, from the sampling's seed alone: the window each global row reads
 (``window_indices``), and where the first N rows leave the cursors and the digest
-(``rows_before``: what a saved loader position is checked against)."""
+(``rows_before``: what a saved loader position is checked against), and which of a step's
+micro-batches each replica group reads (``share_of``)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,15 @@ def rows_before(
         digest = add_rows(digest, start, sources, window_indices(seed, sizes, sources, positions))
         start += count
     return cursors, digest
+
+
+def share_of(slots: int, participants: int, rank: int) -> range:
+    """The micro-batches of a step of ``slots`` that replica group ``rank`` of the
+    ``participants`` taking part reads (``[fault_tolerance]``): contiguous shares in the
+    groups' order, the first ``slots % participants`` one longer, so that the shares of every
+    group that took part are the step's micro-batches in order, whichever groups they are."""
+    if not 0 <= rank < participants:
+        raise ValueError(f"group {rank} is not one of the {participants} taking part")
+    base, extra = divmod(slots, participants)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + int(rank < extra))

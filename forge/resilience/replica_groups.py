@@ -6,7 +6,7 @@ from a live peer inside its first quorum (``heal``).
 
 This module holds the torchft side only: what a step sends and applies on a heal is given by
 the training floor (``ReplicaGroups.register``); which rows a group reads is
-``forge.data.loader.share_of``."""
+``forge.data.row_order.share_of``."""
 
 from __future__ import annotations
 
@@ -37,13 +37,12 @@ FINGERPRINT_BITS = 20
 class Quorum:
     """Who takes part in a step: ``participants`` groups, this one ``rank``-th among them;
     ``healed``: this group received a peer's state in it (``heal_s`` seconds for the quorum,
-    the transfer included); ``changed``: another quorum than the last step's."""
+    the transfer included)."""
 
     participants: int
     rank: int
     healed: bool = False
     heal_s: float = 0.0
-    changed: bool = False
 
 
 class GroupsLostError(RuntimeError):
@@ -179,7 +178,6 @@ class ReplicaGroups:
             init_sync=False,  # every group initialises alike from the seed
         )
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
-        self._quorum_id = -1
         self.heals = 0
 
     def register(
@@ -203,11 +201,6 @@ class ReplicaGroups:
             raise GroupsLostError(f"the heal from a live peer failed ({short_cause(exc)})") from exc
         self.heals += 1
 
-    @property
-    def step(self) -> int:
-        """Steps committed (the run's step)."""
-        return self.manager.current_step()
-
     def quorum(self) -> Quorum:
         """The quorum of the next step (waits for it; a group behind heals inside it);
         ``GroupsLostError`` when none forms within ``fault_tolerance.quorum_timeout_s``."""
@@ -224,12 +217,8 @@ class ReplicaGroups:
             raise GroupsLostError("this group is not among the quorum's participants")
         if (error := self.manager.errored()) is not None:  # torchft keeps a heal's failure
             raise GroupsLostError(f"the quorum or its heal failed ({short_cause(error)})")
-        quorum_id = self.manager._quorum_id
-        changed, self._quorum_id = quorum_id != self._quorum_id, quorum_id
         healed = self.heals > heals
-        return Quorum(
-            participants, rank, healed, time.perf_counter() - start if healed else 0.0, changed
-        )
+        return Quorum(participants, rank, healed, time.perf_counter() - start if healed else 0.0)
 
     def sum_(self, tensors: Sequence[torch.Tensor]) -> None:
         """Sum ``tensors`` in place over the groups of the step's quorum, one all-reduce per

@@ -14,7 +14,7 @@ import torch
 
 from forge.config import load_config
 from forge.config.fault_tolerance import FaultToleranceConfig
-from forge.data.loader import share_of
+from forge.data.row_order import share_of
 from forge.resilience.replica_groups import Quorum, short_cause
 from forge.training.loop.loop import healed_state
 from forge.training.loop.step_logger import replica_record

@@ -38,7 +38,7 @@ def train_sampling(config: JobConfig, sizes: Sequence[int], dp_rank: int, dp_siz
         batch_size=train.batch_size,
         rank=dp_rank,
         world_size=dp_size,
-        # replica groups read shares of one step's micro-batches (forge.data.loader.share_of)
+        # replica groups read shares of one step's micro-batches (forge.data.row_order.share_of)
         grad_accum_steps=train.grad_accum_steps * config.fault_tolerance.active_groups,
         max_epochs=train.max_epochs,
     )

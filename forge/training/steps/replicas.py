@@ -5,7 +5,7 @@ that does not commit is run again, on the rows it had, by whichever groups are l
 
 Every committed step reads exactly the step's rows of forge's one row stream (the same as a
 run without replica groups at the same global batch), shared among the groups that took part
-(``forge.data.loader.share_of``); its label weight counts every group's labels, so its loss
+(``forge.data.row_order.share_of``); its label weight counts every group's labels, so its loss
 and gradient are those of the whole step whichever groups computed it.
 """
 
@@ -22,7 +22,8 @@ from torch.distributed.tensor import DTensor
 
 from forge.config.fault_tolerance import FaultToleranceConfig
 from forge.config.loader import CONVERTER
-from forge.data.loader import TextLoader, loader_state, plan_at, share_of
+from forge.data.loader import TextLoader, loader_state, plan_at
+from forge.data.row_order import share_of
 from forge.errors import UserInputError
 from forge.optim.schedules import Schedule
 from forge.resilience.replica_groups import GroupsLostError, Quorum, ReplicaGroups, local
@@ -199,13 +200,11 @@ class Share:
     """The loop's placeholder for one step under replica groups: which rows the step reads
     is decided by its quorum, inside the step."""
 
-    step: int
-
 
 def replica_batches(replicas: StepReplicas) -> Iterator[Share]:
     """One ``Share`` per step until the data is used up (the loop's batches)."""
     while plan_at(replicas.loader.state, replicas.loader.sampling) is not None:
-        yield Share(replicas.loader.state.steps)
+        yield Share()
 
 
 def replicated_step(
@@ -235,7 +234,8 @@ def replicated_step(
                 say(heal_line(state.step, quorum))
             heal_s = quorum.heal_s if quorum.healed else heal_s
             wait = quorum_problem(quorum.participants, cfg.groups, cfg.min_groups)
-            if wait is None:
+            ran = wait is None  # a step that ran and failed retries at once; a wait sleeps
+            if ran:
                 share = replicas.loader.step_share(
                     share_of(replicas.slots, quorum.participants, quorum.rank)
                 )
@@ -258,6 +258,7 @@ def replicated_step(
                     f"it did not commit ({quorum.participants} {groups_word(quorum.participants)} "
                     "took part, one was lost inside it): its rows are read again"
                 )
+            assert wait is not None  # the quorum's problem, or the attempt's failure
             if wait not in said:
                 said.add(wait)
                 say(f"step {state.step + 1}: {wait}")
@@ -272,7 +273,7 @@ def replicated_step(
                     "the last checkpoint stands"
                 )
                 return lost_result()
-            if wait is not None and not wait.startswith("it did not commit"):
+            if not ran:
                 time.sleep(min(1.0, cfg.heartbeat_ms / 1000 * 2))  # the quorum will change
 
     return run
