@@ -44,16 +44,12 @@ def cross_section_problems(config: JobConfig) -> list[Problem]:
 
 
 def fault_tolerance_problems(config: JobConfig) -> list[Problem]:
-    """``[fault_tolerance]`` with what it does not run with yet: a group's share of a step
-    is a number of micro-batches that changes with the groups taking part, which a pipeline
-    schedule (built for a fixed number) cannot take; the share is read in the training
-    process (no loader workers); image–caption rows are not counted alike; the FP8 drift
-    guard would judge each group's share alone."""
+    """``[fault_tolerance]`` with what it does not run with yet: the share is read in the
+    training process (no loader workers); image–caption rows are not counted alike; the FP8
+    drift guard would judge each group's share alone."""
     if not config.fault_tolerance.enabled:
         return []
     p: list[Problem] = []
-    if config.distributed.pp > 1:
-        p.append(("fault_tolerance.enabled", "does not run with distributed.pp > 1 yet"))
     if config.data.num_workers > 0:
         p.append(
             (

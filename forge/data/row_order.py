@@ -62,13 +62,17 @@ def rows_before(
     return cursors, digest
 
 
-def share_of(slots: int, participants: int, rank: int) -> range:
+def share_of(slots: int, participants: int, rank: int, unit: int = 1) -> range:
     """The micro-batches of a step of ``slots`` that replica group ``rank`` of the
     ``participants`` taking part reads (``[fault_tolerance]``): contiguous shares in the
-    groups' order, the first ``slots % participants`` one longer, so that the shares of every
-    group that took part are the step's micro-batches in order, whichever groups they are."""
+    groups' order, each a whole number of ``unit`` micro-batches (a pipeline's schedule runs
+    ``unit`` at a time), the first ``slots / unit % participants`` one unit longer, so that
+    the shares of every group that took part are the step's micro-batches in order, whichever
+    groups they are."""
     if not 0 <= rank < participants:
         raise ValueError(f"group {rank} is not one of the {participants} taking part")
-    base, extra = divmod(slots, participants)
+    if unit < 1 or slots % unit:
+        raise ValueError(f"a step of {slots} micro-batches is not shared in units of {unit}")
+    base, extra = divmod(slots // unit, participants)
     start = rank * base + min(rank, extra)
-    return range(start, start + base + int(rank < extra))
+    return range(start * unit, (start + base + int(rank < extra)) * unit)

@@ -1,4 +1,4 @@
-"""Replica groups of two ranks each, under FSDP2 and under tensor parallelism
+"""Replica groups of two ranks each, under FSDP2, tensor parallelism and a pipeline
 (``[fault_tolerance]``), launched as users run them: one torchrun per group. Opt-in (``FORGE_SLOW_TESTS=1``: four processes on this machine's
 two cores take minutes): group 1's torchrun and ranks killed at once (its node lost), a new
 torchrun relaunches it, and it heals from group 0 — each rank its own shards of the model and of the
@@ -82,6 +82,12 @@ def process_tree(root: int) -> list[int]:
 LAYOUTS = [
     pytest.param(("--distributed.dp_shard=2",), 4, id="fsdp2"),
     pytest.param(("--distributed.dp_shard=1", "--distributed.tp=2"), 2, id="tp2"),
+    # a group alone runs its schedule twice a step (its peer's share too)
+    pytest.param(
+        ("--distributed.dp_shard=1", "--distributed.pp=2", "--train.grad_accum_steps=2"),
+        4,
+        id="pp2",
+    ),
 ]
 
 

@@ -14,7 +14,9 @@ import torch
 
 from forge.config import load_config
 from forge.config.fault_tolerance import FaultToleranceConfig
+from forge.data.batch import Batch
 from forge.data.row_order import share_of
+from forge.model.chunked_loss import PLAIN_LOSS
 from forge.resilience.replica_groups import Quorum, short_cause
 from forge.training.loop.loop import healed_state
 from forge.training.loop.step_logger import replica_record
@@ -52,6 +54,29 @@ def test_the_shares_of_the_groups_taking_part_are_the_steps_micro_batches_in_ord
 def test_a_group_outside_the_quorum_has_no_share(rank, participants):
     with pytest.raises(ValueError, match="not one of"):
         share_of(4, participants, rank)
+
+
+@pytest.mark.parametrize(
+    "slots,participants,unit,shares",
+    [
+        (4, 2, 2, [range(0, 2), range(2, 4)]),  # two pipelined groups, accum 2 each
+        (4, 1, 2, [range(0, 4)]),  # one left: two runs of its schedule
+        (6, 2, 2, [range(0, 4), range(4, 6)]),  # three groups' step, one lost: whole units
+        (9, 2, 3, [range(0, 6), range(6, 9)]),
+        (6, 3, 2, [range(0, 2), range(2, 4), range(4, 6)]),
+    ],
+)
+def test_a_pipelined_groups_share_is_whole_runs_of_its_schedule(slots, participants, unit, shares):
+    got = [share_of(slots, participants, rank, unit) for rank in range(participants)]
+    assert got == shares
+    assert all(len(share) % unit == 0 for share in got)
+    assert [i for share in got for i in share] == list(range(slots))
+
+
+@pytest.mark.parametrize("slots,unit", [(5, 2), (4, 0)])
+def test_a_step_that_is_not_whole_units_has_no_share(slots, unit):
+    with pytest.raises(ValueError, match="units of"):
+        share_of(slots, 1, 0, unit)
 
 
 @pytest.mark.parametrize(
@@ -120,10 +145,10 @@ def test_fault_tolerance_values_out_of_range_name_their_key(cfg, keys):
     "pp,workers,check,keys",
     [
         (1, 0, 0, []),
-        (2, 0, 0, ["fault_tolerance.enabled"]),  # a pipeline schedule takes a fixed count
+        (2, 0, 0, []),  # a pipeline runs its share a schedule's micro-batches at a time
         (1, 2, 0, ["data.num_workers"]),  # a share is read once its quorum is known
         (1, 0, 10, ["train.float8_check"]),  # a group would judge its share alone
-        (2, 1, 0, ["fault_tolerance.enabled", "data.num_workers"]),
+        (2, 1, 10, ["data.num_workers", "train.float8_check"]),
     ],
 )
 def test_what_replica_groups_do_not_run_with_yet_is_refused_by_name(
@@ -342,3 +367,31 @@ def test_rollback_is_refused_with_replica_groups(tiny_config, on_nonfinite, on_s
         base, resilience=resilience, fault_tolerance=FaultToleranceConfig(enabled=True)
     )
     assert [key for key, _ in fault_tolerance_problems(on)] == keys
+
+
+class RecordingSchedule:
+    """A pipeline schedule that records the first stage's input of each run."""
+
+    def __init__(self) -> None:
+        self.runs: list[torch.Tensor] = []
+
+    def step(self, *args: torch.Tensor, **_kwargs: object) -> None:
+        self.runs.append(args[0])
+
+
+@pytest.mark.parametrize("share,runs", [(2, 1), (4, 2), (6, 3)])
+def test_a_pipelined_groups_share_runs_its_schedule_a_schedules_micro_batches_at_a_time(
+    share, runs
+):
+    from forge.training.context import PipelineContext
+    from forge.training.steps.pipeline import Pass, run_stage
+
+    schedule = RecordingSchedule()
+    pipeline = PipelineContext(schedule, None, (0,), 2, n_microbatches=2)  # type: ignore[arg-type]
+    batches = [Batch(torch.full((1, 3), i), torch.full((1, 3), i)) for i in range(share)]
+    run_stage(pipeline, batches, PLAIN_LOSS, Pass.TRAIN)
+    assert len(schedule.runs) == runs
+    # every micro-batch once, in the step's order, two per run of the schedule
+    assert torch.cat(schedule.runs)[:, 0].tolist() == list(range(share))
+    with pytest.raises(ValueError, match="3 micro-batches do not run"):
+        run_stage(pipeline, batches[:1] * 3, PLAIN_LOSS, Pass.TRAIN)

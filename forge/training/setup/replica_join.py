@@ -37,9 +37,12 @@ def join_replica_groups(
             f"fault_tolerance: the replica group's manager did not start ({exc}); check "
             "fault_tolerance.lighthouse and that this host's name resolves"
         ) from None
-    slots = run.config.train.grad_accum_steps * ft.groups
+    accum = run.config.train.grad_accum_steps
+    slots = accum * ft.groups
+    # a pipeline's schedule runs a group's micro-batches `accum` at a time
+    unit = accum if model.pipeline is not None else 1
     # the schedule in force (a peer behind receives it): a resume may keep a checkpoint's
-    replicas = StepReplicas(groups, ckpt.applied_to(model), data.train_loader, slots)
+    replicas = StepReplicas(groups, ckpt.applied_to(model), data.train_loader, slots, unit)
     try:
         quorum = replicas.join(ckpt.initial_state)
     except GroupsLostError as exc:

@@ -252,17 +252,23 @@ def fails_alone(replay: ReplayVerdict | None, float8: Float8Verdict | None) -> b
     return bool((replay is not None and replay.failed) or (float8 is not None and float8.stops))
 
 
-def over_groups(totals: StepTotals, replicas: ReplicaSums, vetoed: bool) -> StepTotals:
+def over_groups(
+    totals: StepTotals,
+    replicas: ReplicaSums,
+    vetoed: bool,
+    norm_of: Callable[[Sequence[torch.Tensor]], torch.Tensor] = global_grad_norm,
+) -> StepTotals:
     """``totals`` of this replica group's share summed with every group's taking part in
     the step (``[fault_tolerance]``): gradients, loss and every additive total, the grad
-    norm of the summed gradients, the whole step's tokens and micro-batches. ``vetoed``:
-    this group's checks refuse the step; the step then commits in no group."""
+    norm of the summed gradients (``norm_of`` the parameters: a pipeline's spans its
+    stages), the whole step's tokens and micro-batches. ``vetoed``: this group's checks
+    refuse the step; the step then commits in no group."""
     tensors = (totals.loss, totals.z_loss, totals.moe, totals.sources, totals.mtp)
     replicas.totals(totals.params, vetoed, *tensors)
     per_micro = totals.tokens // max(1, totals.micro_batches)
     return attrs.evolve(
         totals,
-        grad_norm=global_grad_norm(totals.params),
+        grad_norm=norm_of(totals.params),
         tokens=per_micro * replicas.slots,
         micro_batches=replicas.slots,
     )

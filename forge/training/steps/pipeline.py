@@ -21,9 +21,11 @@ from forge.parallel.pipeline_loss import source_sums, stage_sums, with_sources
 from forge.training.context import PipelineContext
 from forge.training.steps.common import (
     StepTotals,
+    fails_alone,
     finish_step,
     label_counts,
     label_weight,
+    over_groups,
     set_lr,
     step_labels,
     step_lr,
@@ -80,11 +82,19 @@ def run_stage(
     pipeline: PipelineContext, batches: Sequence[Batch], loss: LossSpec, mode: Pass
 ) -> None:
     """Run ``batches`` through this rank's stages (``stage_inputs``), with backward
-    (``Pass.TRAIN``) or forward only (``Pass.EVAL``)."""
-    args, kwargs = stage_inputs(pipeline, batches, loss)
+    (``Pass.TRAIN``: the schedule's ``n_microbatches`` at a time, gradients summed — a
+    replica group's share of a step may be several) or forward only (``Pass.EVAL``)."""
     if mode is Pass.TRAIN:
-        pipeline.schedule.step(*args, **kwargs)
+        n = pipeline.n_microbatches
+        if len(batches) % n:
+            raise ValueError(
+                f"{len(batches)} micro-batches do not run through a schedule of {n} at a time"
+            )
+        for start in range(0, len(batches), n):
+            args, kwargs = stage_inputs(pipeline, batches[start : start + n], loss)
+            pipeline.schedule.step(*args, **kwargs)
         return
+    args, kwargs = stage_inputs(pipeline, batches, loss)
     from forge.parallel.schedules import forward_only  # a pipeline's: see pipeline_of
 
     with forward_only(pipeline.schedule):
@@ -118,14 +128,29 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
         spec.world_size,
     )
 
-    def gradients(batches: tuple[Batch, ...], step: int, computation: int) -> StepTotals:
-        params = trainable_parameters(stage)  # a freeze schedule may change them
-        device = next(stage.parameters()).device
+    replicas = spec.replicas
+
+    def label_weights(batches: tuple[Batch, ...]) -> torch.Tensor:
+        """One label's weight (and each depth's target's), once per step: every computation
+        of it (a replay, a high-precision check) weighs alike."""
         # the model's depths on every pipeline rank (one all-reduce of one shape)
         counts = with_depth_counts(label_counts(batches), batches, pipeline.loss.depth, stage)
-        weight = label_weight(
-            step_labels(counts, spec.token_slices, spec.world_size), spec.token_slices
-        )
+        labels = step_labels(counts, spec.token_slices, spec.world_size)
+        if replicas is not None:  # every replica group's labels weigh alike
+            labels = replicas.labels(labels)
+        return label_weight(labels, spec.token_slices)
+
+    def norm_of(params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The grad norm across stages, an embedding tied across pipeline ranks counted once."""
+        tied = pipeline.tied
+        counted = [p for p in params if tied is None or tied.in_norm or p is not tied.weight]
+        return global_grad_norm(counted, pipeline.group)
+
+    def gradients(
+        batches: tuple[Batch, ...], weight: torch.Tensor, step: int, computation: int
+    ) -> StepTotals:
+        params = trainable_parameters(stage)  # a freeze schedule may change them
+        device = next(stage.parameters()).device
         if pipeline.loss.depth:  # one target of depth k weighs the same at any split
             pipeline.loss.weigh(weight[0], weight[1:])
         else:
@@ -135,18 +160,16 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
             run_stage(pipeline, batches, spec.loss, Pass.TRAIN)
         finally:
             pipeline.loss.track(False)  # evaluation runs untracked
-        tied = pipeline.tied
-        if tied is not None:
-            tied.sum_grads()
+        if pipeline.tied is not None:
+            pipeline.tied.sum_grads()
         n = len(batches)
         measured = stage_totals(pipeline, n, device, spec.moe_shape, with_z, spec.sources)
         loss = measured.loss
         if spec.fault is not None:
             loss = spec.fault(step, computation, params, loss)
-        counted = [p for p in params if tied is None or tied.in_norm or p is not tied.weight]
         return StepTotals(
             loss=loss,
-            grad_norm=global_grad_norm(counted, pipeline.group),
+            grad_norm=norm_of(params),
             params=params,
             tokens=sum(b.num_tokens for b in batches) * spec.token_slices,
             micro_batches=n,
@@ -160,10 +183,12 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
         lr = set_lr(spec.optimizer, step_lr(spec, state, batches))
         stage.train()
         step = state.step + 1
-        compute = functools.partial(gradients, batches, step)
+        compute = functools.partial(gradients, batches, label_weights(batches), step)
         reference = float8_check.reference(step, compute)  # in high precision, where checked
         totals, verdict = replayer(step, compute)
         drift = float8_check.verdict(reference, totals)
+        if replicas is not None:  # this group's step, checked; now the whole step's
+            totals = over_groups(totals, replicas, fails_alone(verdict, drift), norm_of)
         return finish_step(spec, totals, step, lr, state.loss_stats, verdict, drift)
 
     return pipeline_step

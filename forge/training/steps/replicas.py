@@ -57,15 +57,23 @@ def layout_fingerprint(run: RunContext, dist: DistContext) -> int:
 class StepReplicas:
     """The step's view of the replica groups: the sums it asks for, the commit, and the
     state a heal sends and applies. ``slots``: the micro-batches of one whole step (each
-    group's ``train.grad_accum_steps`` × ``fault_tolerance.groups``)."""
+    group's ``train.grad_accum_steps`` × ``fault_tolerance.groups``); ``unit``: a group's
+    share is a whole number of these (a pipeline's schedule runs its micro-batches so many
+    at a time)."""
 
     def __init__(
-        self, groups: ReplicaGroups, model: ModelContext, loader: TextLoader, slots: int
+        self,
+        groups: ReplicaGroups,
+        model: ModelContext,
+        loader: TextLoader,
+        slots: int,
+        unit: int = 1,
     ) -> None:
         self.groups = groups
         self.model = model
         self.loader = loader
         self.slots = slots
+        self.unit = unit
         self.committed = False
         self.vetoed = False
         self.state = LoopState()  # the state a peer behind receives: this step's start
@@ -237,7 +245,7 @@ def replicated_step(
             ran = wait is None  # a step that ran and failed retries at once; a wait sleeps
             if ran:
                 share = replicas.loader.step_share(
-                    share_of(replicas.slots, quorum.participants, quorum.rank)
+                    share_of(replicas.slots, quorum.participants, quorum.rank, replicas.unit)
                 )
                 if share is None:  # a peer ahead used the data up: nothing left for this step
                     return lost_result()
