@@ -238,3 +238,26 @@ def test_a_followed_run_says_where_its_evaluation_happens(follow, interval, expe
     assert line == expected or (
         expected is not None and line is not None and line.endswith(expected)
     )
+
+
+@pytest.mark.parametrize(
+    "folder,retiring,is_damaged",
+    [
+        (True, False, True),  # there without its commit marker, no one removing it
+        (True, True, False),  # retention is taking it apart: removed, not damaged
+        (False, True, False),  # gone, the mark not yet taken back
+        (False, False, False),  # gone
+    ],
+)
+def test_a_committed_step_being_removed_by_retention_is_not_called_damaged(
+    tmp_path, folder, retiring, is_damaged
+):
+    from forge.checkpoint.pins import RETIRING, marker_path, write_mark
+    from forge.training.evaluation.follower import damaged
+
+    if folder:
+        (tmp_path / "step_4").mkdir()
+        (tmp_path / "step_4" / "__0_0.distcp").write_bytes(b"x")  # a shard, no .metadata
+    if retiring:
+        write_mark(marker_path(tmp_path, 4, RETIRING), b"")
+    assert damaged(tmp_path, 4) is is_damaged

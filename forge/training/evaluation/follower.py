@@ -21,7 +21,7 @@ import attrs
 import torch
 
 from forge.checkpoint.paths import CheckpointPath
-from forge.checkpoint.pins import finish_deferred, pinned
+from forge.checkpoint.pins import RETIRING, finish_deferred, has_marker, pinned
 from forge.checkpoint.store import is_complete, list_steps, read_train_state
 from forge.config.data import EvalTask
 from forge.config.sections import JobConfig
@@ -76,9 +76,16 @@ def look(run_dir: pathlib.Path, root: CheckpointPath, config: JobConfig, records
     # the steps without a record yet: a long run's removed steps cost no call each time)
     recorded_steps_done = {s for s, _ in done}
     unsure = recorded - committed - recorded_steps_done
-    incomplete = frozenset(s for s in unsure if (root / f"step_{s}").is_dir())
+    incomplete = frozenset(s for s in unsure if damaged(root, s))
     running = trainer_running(run_dir)
     return FollowView(committed, recorded, done, final, running, incomplete)
+
+
+def damaged(root: CheckpointPath, step: int) -> bool:
+    """Whether a committed step found not complete is still there and damaged, not being
+    removed: retention marks a step retiring before it takes its commit marker, and takes the
+    mark back only once the folder is gone, so the mark is read first, then the folder."""
+    return not has_marker(root, step, RETIRING) and (root / f"step_{step}").is_dir()
 
 
 def trainer_running(run_dir: pathlib.Path) -> bool:
