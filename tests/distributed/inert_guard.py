@@ -3,7 +3,8 @@ argument), for the guard check that must then refuse to start:
 
 - ``replicas``: no mesh dim counts as one whose ranks hold replicated values;
 - ``health``: the control word gets no group of its own;
-- ``stragglers``: the step is not timed (no own time reported).
+- ``stragglers``: the step is not timed (no own time reported);
+- ``stacks``: the hang watchdog is never armed.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pathlib
 import runpy
 import sys
 
-from forge.resilience import control, stragglers
+from forge.resilience import control, stacks, stragglers
 from forge.training.steps import replay
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -26,6 +27,7 @@ MUTANTS = {
     "replicas": lambda: setattr(replay, "REPLICATED_DIMS", ()),
     "health": lambda: setattr(control.ControlChannel, "__init__", no_group),
     "stragglers": lambda: setattr(stragglers, "timed", lambda step, *args: step),
+    "stacks": lambda: setattr(stacks.StackWatch, "arm", lambda self: None),
 }
 
 

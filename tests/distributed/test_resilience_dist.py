@@ -322,6 +322,7 @@ INERT = [
     ("replicas", "distributed.dp_replicate", "the layout has 2 replicas"),
     ("health", "resilience.health_timeout_s", "the control word has no group of its own"),
     ("stragglers", "resilience.straggler_ratio", "the step does not report its own time"),
+    ("stacks", "distributed.timeout_s", "the hang watchdog writes no stacks"),
 ]
 
 

@@ -58,6 +58,8 @@ ROWS = [
     ("two ranks whose control word has no group", {}, attrs.evolve(TWO, health=False), None, ["resilience.health_timeout_s"]),
     ("one process needs no control-word group", {}, attrs.evolve(ONE, health=False), "nonfinite=skip, replay first step, signals, checksums(full)", []),
     ("two ranks whose step is not timed", {}, attrs.evolve(TWO, straggler_clock=False), None, ["resilience.straggler_ratio"]),
+    ("two ranks whose hang watchdog writes no stacks", {}, attrs.evolve(TWO, hang_watch=False), None, ["distributed.timeout_s"]),
+    ("one process has no hang watchdog to arm", {}, attrs.evolve(ONE, hang_watch=False), "nonfinite=skip, replay first step, signals, checksums(full)", []),
     ("on CUDA the step's own time is not read", {}, attrs.evolve(TWO, cuda=True, straggler_clock=False), "nonfinite=skip, replay first step, health(300 s), hang stacks(600 s), signals, checksums(full)", []),
     ("an FP8 drift check on FP8 layers", {"train": FP8_CHECK}, attrs.evolve(ONE, float8_check=CHECK, float8_layers=14), "nonfinite=skip, replay first step, signals, checksums(full), float8 check every 10 (5% loss, 50% grad norm: stop)", []),
     ("an FP8 drift check the step does not make", {"train": FP8_CHECK}, attrs.evolve(ONE, float8_layers=14), None, ["train.float8_check"]),

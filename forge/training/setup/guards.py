@@ -11,6 +11,8 @@ refusals, one per guard that cannot act, before anything is written.
 from __future__ import annotations
 
 import enum
+import pathlib
+import tempfile
 import time
 from collections.abc import Sequence
 
@@ -23,6 +25,7 @@ from forge.errors import UserInputError
 from forge.resilience import stragglers
 from forge.resilience.control import ControlChannel
 from forge.resilience.signals import ShutdownFlag
+from forge.resilience.stacks import StackWatch, stacks_path
 from forge.training.context import DistContext, ModelContext, RunContext
 from forge.training.loop.plan import LoopPolicy, ReplayRule
 from forge.training.steps.float8_check import Float8CheckRule
@@ -68,6 +71,7 @@ class GuardFacts:
     signals: bool  # SIGTERM and SIGINT reach forge's shutdown flag
     health: bool = True  # the control word has a group of its own (several ranks)
     straggler_clock: bool = True  # the step reports its own time
+    hang_watch: bool = True  # the watchdog writes a rank's stacks when no step ends in time
     float8_check: Float8CheckRule = attrs.Factory(Float8CheckRule)  # the step's drift guard
     float8_layers: int = 0  # the model's layers that compute in FP8
 
@@ -138,6 +142,14 @@ def guard_report(config: JobConfig, facts: GuardFacts) -> tuple[str, list[Proble
             (
                 "resilience.straggler_ratio",
                 "the step does not report its own time: a straggler would never be named",
+            )
+        )
+    if facts.world_size > 1 and not facts.hang_watch:
+        refused.append(
+            (
+                "distributed.timeout_s",
+                "the hang watchdog writes no stacks: a rank that hangs would leave no trace "
+                "of where it waited",
             )
         )
     if facts.world_size > 1:
@@ -216,6 +228,7 @@ def guard_facts(
         signals=signals,
         health=health,
         straggler_clock=measures_own_time(),
+        hang_watch=world_size == 1 or dumps_stacks(),
         float8_check=spec.float8_check,
         float8_layers=len(fp8_layers(spec.model)) if spec.float8_check.interval else 0,
     )
@@ -232,6 +245,23 @@ def measures_own_time() -> bool:
         return StepResult(loss=0.0, grad_norm=0.0, tokens=0, lr=0.0)
 
     return stragglers.timed(busy)(None, LoopState()).busy_s > 0
+
+
+def dumps_stacks() -> bool:
+    """Whether the watchdog a rank re-arms after every step (``StackWatch``) writes the
+    stacks when no step ends in time: armed for 1 ms, it must write within 2 s."""
+    with tempfile.TemporaryDirectory() as folder:
+        watch = StackWatch(stacks_path(pathlib.Path(folder), 0), 0.001)
+        try:
+            watch.arm()
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                if watch.path.stat().st_size > 0:
+                    return True
+                time.sleep(0.002)
+            return False
+        finally:
+            watch.close()
 
 
 def armed_guards(
