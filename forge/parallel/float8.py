@@ -50,10 +50,12 @@ class Float8Layers:
     converted: tuple[str, ...]
     kept: tuple[tuple[str, Kept], ...]
 
-    def describe(self, recipe: Float8Recipe, emulated: bool) -> str:
-        """The start-up line."""
+    def describe(self, recipe: Float8Recipe, emulated: bool, gathered: bool = False) -> str:
+        """The start-up line (``gathered``: FSDP2 gathers their weights in FP8)."""
         how = "emulated on a CPU (torchao's emulation: FP8 casts, high-precision products)"
         line = f"float8 {recipe.value}: {len(self.converted)} linear layers in FP8"
+        if gathered:
+            line += " (their weights gathered in FP8 by FSDP2)"
         if emulated:
             line += f", {how}"
         if self.kept:
@@ -115,9 +117,12 @@ def float8_problem(recipe: Float8Recipe, device: torch.device) -> str | None:
     return None
 
 
-def float8_start_line(recipe: Float8Recipe, cfg: ModelConfig, device: torch.device) -> str | None:
-    """The start-up line of ``train.float8`` (None when off); raises ``ConfigError`` with
-    ``float8_problem``'s message where it cannot run."""
+def float8_start_line(
+    recipe: Float8Recipe, cfg: ModelConfig, device: torch.device, gathered: bool = False
+) -> str | None:
+    """The start-up line of ``train.float8`` (None when off; ``gathered``: FSDP2 gathers the
+    weights in FP8); raises ``ConfigError`` with ``float8_problem``'s message where it cannot
+    run."""
     if (problem := float8_problem(recipe, device)) is not None:
         raise ConfigError(problem)
     if recipe is Float8Recipe.OFF:
@@ -130,18 +135,35 @@ def float8_start_line(recipe: Float8Recipe, cfg: ModelConfig, device: torch.devi
             "router); set train.float8='off' or choose model dimensions that are multiples "
             f"of {FP8_MULTIPLE}"
         )
-    return layers.describe(recipe, emulated=device.type != "cuda")
+    return layers.describe(recipe, emulated=device.type != "cuda", gathered=gathered)
 
 
-def apply_float8(model: nn.Module, recipe: Float8Recipe, emulate: bool) -> tuple[str, ...]:
+def gathers_in_float8(recipe: Float8Recipe, fsdp: bool, tp: bool, checked: bool) -> bool:
+    """Whether FSDP2 gathers the FP8 layers' weights in FP8 (a byte an element instead of two
+    or four): under FSDP2 with tensorwise scaling (torchao's FP8 all-gather takes one scale a
+    weight); not under tensor parallelism (whose plan would split torchao's weight wrapper),
+    nor with the drift guard (``checked``: its high-precision computation, and its fallback,
+    need the weights gathered in high precision). The weight is cast with the scale of the
+    whole tensor before the gather rather than after it: the same FP8 values, the same step."""
+    return recipe is Float8Recipe.TENSORWISE and fsdp and not tp and not checked
+
+
+def apply_float8(
+    model: nn.Module, recipe: Float8Recipe, emulate: bool, all_gather: bool = False
+) -> tuple[str, ...]:
     """Swap the linear layers ``float8_layers`` chooses for torchao's ``Float8Linear`` in
-    ``recipe``'s scaling (``emulate``: on a CPU); returns their names. A no-op when off."""
+    ``recipe``'s scaling (``emulate``: on a CPU; ``all_gather``: their weights gathered in
+    FP8, ``gathers_in_float8``); returns their names. A no-op when off."""
     if recipe is Float8Recipe.OFF:
         return ()
     import_torchao()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe.value), emulate=emulate)
+    config = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(recipe.value),
+        emulate=emulate,
+        enable_fsdp_float8_all_gather=all_gather,
+    )
     chosen: list[str] = []
 
     def converts(module: nn.Module, name: str) -> bool:
@@ -154,6 +176,20 @@ def apply_float8(model: nn.Module, recipe: Float8Recipe, emulate: bool) -> tuple
 
     convert_to_float8_training(model, config=config, module_filter_fn=converts)
     return tuple(chosen)
+
+
+def scales_before_forward(root: nn.Module) -> None:
+    """Under the FP8 all-gather, every FP8 weight's scale computed in one all-reduce as
+    ``root``'s forward begins, before FSDP2 gathers any of them (else each weight's gather
+    reduces its own). At every forward, not after the optimizer alone: a load, a rollback or
+    a heal changes the weights too, and a scale left from other weights would cast them
+    wrongly."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    def precompute(module: nn.Module, _args: object) -> None:
+        precompute_float8_dynamic_scale_for_fsdp(module)
+
+    root.register_forward_pre_hook(precompute, prepend=True)
 
 
 # loggers that speak while torchao is imported: its GPU kernel libraries that cannot load on

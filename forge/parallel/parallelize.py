@@ -38,7 +38,7 @@ from forge.model.transformer import Transformer, TransformerBlock
 from forge.model.vlm import VisionLanguageModel
 from forge.parallel.context_parallel import apply_context_parallel
 from forge.parallel.expert import apply_ep
-from forge.parallel.float8 import apply_float8
+from forge.parallel.float8 import apply_float8, scales_before_forward
 
 
 def decoder_of(model: nn.Module) -> Transformer:
@@ -309,15 +309,17 @@ def parallelize(
     cp_mesh: DeviceMesh | None = None,
     float8: Float8Recipe = Float8Recipe.OFF,
     emulate_float8: bool = True,
+    float8_all_gather: bool = False,
 ) -> nn.Module:
     """The fixed order: FP8 layers, TP, EP, activation checkpointing, FSDP2, compile. Returns
     the model.
     ``ep_mesh`` and ``experts_mesh``: ``expert_meshes``'s; ``cp_mesh``: the context-parallel
     group the attention layers gather keys and values over (``apply_context_parallel``);
-    ``float8``: ``train.float8`` (``emulate_float8``: off a GPU, ``forge.parallel.float8``)."""
+    ``float8``: ``train.float8`` (``emulate_float8``: off a GPU, ``forge.parallel.float8``;
+    ``float8_all_gather``: FSDP2 gathers their weights in FP8, ``gathers_in_float8``)."""
     apply_context_parallel(model, cp_mesh)
     # FP8 layers before TP, whose plan then splits them (a swapped module loses its hooks)
-    apply_float8(model, float8, emulate_float8)
+    apply_float8(model, float8, emulate_float8, all_gather=float8_all_gather)
     if tp_mesh is not None:
         apply_tp(decoder_of(model), tp_mesh)
     experts = apply_ep(model, ep_mesh) if ep_mesh is not None else set()
@@ -325,6 +327,8 @@ def parallelize(
     if dp_mesh is not None:
         ignored = experts if experts_mesh is None else set()
         apply_fsdp(model, dp_mesh, precision, param_dtype, experts_mesh, ignored)
+        if float8_all_gather:
+            scales_before_forward(model)
     if compile_blocks:
         apply_compile(model)
     return model

@@ -14,7 +14,9 @@ room: 1e-3 for the losses, 2% for the gradient norm.
 from __future__ import annotations
 
 import pytest
+import torch
 
+from tests.conftest import REPO
 from tests.distributed.test_compositions import (
     LAYOUTS,
     ONE_RANK,
@@ -22,9 +24,10 @@ from tests.distributed.test_compositions import (
     training_metrics,
     write_mixture_config,
 )
-from tests.distributed.test_equivalence import train
+from tests.distributed.test_equivalence import COMMON, train, weights
 from tests.distributed.test_moe_parallel import EP, write_moe_config
 from tests.distributed.test_moe_parallel import ONE_RANK as MOE_ONE_RANK
+from tests.ranks import run_ranks
 
 pytest.importorskip("torchao")  # the fp8 extra, in dev: runs in `make test`
 
@@ -89,3 +92,36 @@ def test_fp8_on_experts_under_fsdp_x_ep_at_two_ranks_is_within_tolerance(tmp_pat
     train(config, tmp_path / "two", *THREE_STEPS, *EP, "--train.float8=rowwise",
           "--train.float8_check=1", ranks=2)  # fmt: skip
     assert_within_tolerance(training_metrics(tmp_path / "two"), training_metrics(tmp_path / "one"))
+
+
+FSDP_AT_TWO = ["--distributed.dp_shard=2", "--train.batch_size=2", "--train.grad_accum_steps=2",
+               "--eval.steps=4", "--train.float8=tensorwise"]  # fmt: skip
+
+
+def test_fp8_weights_gathered_in_fp8_under_fsdp2_train_as_gathered_in_high_precision(
+    high_precision, tmp_path
+):
+    """Under FSDP2 with tensorwise scaling the FP8 layers' weights are gathered in FP8 (cast
+    with the whole tensor's scale, computed as each forward begins); with the drift guard on
+    they are gathered in high precision and cast after. The same FP8 values: the same steps,
+    bit for bit — a scale left from earlier weights would change them — the same
+    high-precision weights in the checkpoint, and a resume that continues them exactly."""
+    config, _ = high_precision
+    argv = [str(REPO / "scripts" / "train.py"), str(config), *COMMON, *THREE_STEPS, *FSDP_AT_TWO]
+    run, high = tmp_path / "gathered", tmp_path / "high"
+    gathered = run_ranks(2, [*argv, f"--run.dir={run}"])
+    assert gathered.returncode == 0, gathered.stderr[-3000:]
+    assert "(their weights gathered in FP8 by FSDP2)" in gathered.stderr
+    out = run_ranks(2, [*argv, f"--run.dir={high}", "--train.float8_check=1",
+                        "--train.max_steps=4"])  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "gathered in FP8" not in out.stderr
+    resumed = run_ranks(2, [*argv, f"--run.dir={run}", "--train.max_steps=4"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got, ref = training_metrics(run), training_metrics(high)
+    for step in (1, 2, 3, 4):
+        for key in ("loss", "grad_norm"):
+            assert got[step][key] == ref[step][key], (step, key)
+    assert got[3]["eval/loss"] == ref[3]["eval/loss"]
+    saved, reference = weights(config, run, 2), weights(config, high, 2)
+    assert all(torch.equal(saved[name], tensor) for name, tensor in reference.items())

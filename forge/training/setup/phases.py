@@ -36,7 +36,7 @@ from forge.model.vlm import build_model
 from forge.optim.freezing import Freezer, freeze_for_step
 from forge.optim.param_groups import build_optimizer
 from forge.optim.schedules import resolve_schedule
-from forge.parallel.float8 import float8_start_line
+from forge.parallel.float8 import float8_start_line, gathers_in_float8
 from forge.parallel.memory_plan import memory_plan
 from forge.parallel.mesh import (
     broadcast_from_main,
@@ -230,7 +230,11 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
     on its own; ``rank_model`` holds their parameters under the full model's names.
     """
     cfg = run.config
-    if (line := float8_start_line(cfg.train.float8, cfg.model, dist.device)) is not None:
+    tp_mesh, dp_mesh = submesh(dist.mesh, "tp"), dist.data_mesh  # dp_replicate × dp_shard × cp
+    gathered = gathers_in_float8(
+        cfg.train.float8, dp_mesh is not None, tp_mesh is not None, cfg.train.float8_check > 0
+    )
+    if (line := float8_start_line(cfg.train.float8, cfg.model, dist.device, gathered)) is not None:
         dist.say(line)
     with torch.device("meta"):  # no memory until sharded: each rank materializes its part
         model = build_model(cfg.model)
@@ -245,8 +249,8 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
     for part in [model] if stages is None else stages:  # each stage is a root of its own
         parallelize(
             part,
-            tp_mesh=submesh(dist.mesh, "tp"),
-            dp_mesh=dist.data_mesh,  # dp_replicate × dp_shard × cp
+            tp_mesh=tp_mesh,
+            dp_mesh=dp_mesh,
             cp_mesh=submesh(dist.mesh, "cp"),
             precision=cfg.train.mixed_precision,
             activation_checkpointing=cfg.train.activation_checkpointing,
@@ -256,6 +260,7 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
             experts_mesh=experts_mesh,
             float8=cfg.train.float8,
             emulate_float8=dist.device.type != "cuda",
+            float8_all_gather=gathered,
         )
         part.materialize(dist.device)
     model = model if stages is None else rank_model(stages)
