@@ -24,6 +24,10 @@ The estimate adds what a training rank holds at its peak (``MemoryPlan``):
 - **loss**: the chunked loss's few ``chunk × vocab`` fp32 buffers, or the plain loss's three
   ``tokens × vocab`` ones;
 - **buffers**: the RoPE tables, cos and sin of ``max_seq_len × head_dim / 2`` in fp32.
+- **FP8 casts** (``train.float8``): the largest FP8 layer's transient casts, a byte an element
+  (``float8_bytes``); torchao keeps the high-precision input and weight for backward, so the
+  activations are those without FP8. Where FSDP2 gathers the FP8 weights in FP8
+  (``gathers_in_float8``), a gathered block counts its FP8 weights at a byte each.
 
 It leaves out the CUDA context, allocator fragmentation and communication buffers: the fit
 check keeps ``HEADROOM`` of the device free for them.
@@ -38,6 +42,7 @@ import attrs
 from forge.config.model import ModelConfig
 from forge.config.sections import (
     ActivationCheckpointing,
+    Float8Recipe,
     JobConfig,
     NonFinitePolicy,
     OptimizerName,
@@ -45,8 +50,9 @@ from forge.config.sections import (
     Precision,
     SpikePolicy,
 )
-from forge.config.shapes import mtp_shapes
+from forge.config.shapes import block_shapes, forge_shapes, mtp_shapes
 from forge.metrics.flops import largest_block_parameters
+from forge.parallel.float8 import float8_layers, gathers_in_float8
 from forge.parallel.stages import V_SHAPED
 from forge.parallel.world import MeshDims
 
@@ -69,6 +75,8 @@ class MemoryPlan:
     # the optimizer step's temporaries: one tensor the size of the parameters (AdamW's foreach
     # step makes a denominator per parameter; Lion and Muon an update each)
     optimizer_step: int = 0
+    # train.float8: the largest FP8 layer's transient casts (float8_bytes)
+    float8: int = 0
     # host memory, not the device's: the rollback slot (CPU clones of the weights and the
     # optimizer state) when resilience.on_nonfinite or on_spike is "rollback"
     snapshot: int = 0
@@ -88,6 +96,7 @@ class MemoryPlan:
             + self.activations
             + self.loss
             + self.buffers
+            + self.float8
         )
 
     def fits(self, device_bytes: float) -> bool:
@@ -206,6 +215,39 @@ def buffer_bytes(config: JobConfig) -> int:
     return 2 * m.max_seq_len * (m.head_size // 2) * 4
 
 
+def float8_bytes(config: JobConfig, tokens: int, tp: int) -> int:
+    """``train.float8``'s transient casts at their peak, a byte an element: the largest FP8
+    layer's (``float8_layers``) in backward, where its output gradient, its input and its
+    weight are cast again (transposed) for the two products — in forward only the input and
+    the weight are. Split by ``tp`` as the layer is; 0 when off."""
+    m = config.model
+    if config.train.float8 is Float8Recipe.OFF:
+        return 0
+    shapes = forge_shapes(m) | mtp_shapes(m)
+    casts = [
+        tokens * (out + inn) + out * inn
+        for out, inn in (shapes[f"{name}.weight"] for name in float8_layers(m).converted)
+    ]
+    return max(casts, default=0) // tp
+
+
+def gathered_block_bytes(config: JobConfig, compute_bytes: int, in_float8: bool) -> int:
+    """The largest block's weights as FSDP2 gathers them: in the compute dtype, its FP8
+    layers' at a byte each where they are gathered in FP8 (``in_float8``)."""
+    m = config.model
+    if not in_float8:
+        return largest_block_parameters(m) * compute_bytes
+    converted = set(float8_layers(m).converted)
+    sizes = []
+    for layer in range(m.n_layers):
+        total = 0
+        for name, shape in block_shapes(m, layer).items():
+            fp8 = f"layers.{layer}.{name.removesuffix('.weight')}" in converted
+            total += math.prod(shape) * (1 if fp8 else compute_bytes)
+        sizes.append(total)
+    return max(sizes)
+
+
 def context_parallel_bytes(config: JobConfig, cp: int, tp: int = 1) -> tuple[int, int]:
     """What ``distributed.cp > 1`` adds on a rank: per layer, the all-gathered keys and
     values of the whole sequence (this rank's ``1 / tp`` of the KV heads, kept for the
@@ -240,7 +282,8 @@ def memory_plan(
     compute_bytes = dtype_bytes(t.mixed_precision)
     gathered = 0
     if shard > 1 or dims.replicas_alone:  # whole shards are copied out all the same
-        gathered = 2 * largest_block_parameters(m) * compute_bytes // dims.tp
+        in_float8 = gathers_in_float8(t.float8, True, dims.tp > 1, t.float8_check > 0)
+        gathered = 2 * gathered_block_bytes(config, compute_bytes, in_float8) // dims.tp
         # the root's own weights (embedding, head, final norm) stay gathered from forward to
         # backward (FSDP2 does not reshard the root after forward), and their whole gradients
         # wait for the last reduce-scatter
@@ -299,4 +342,5 @@ def memory_plan(
         activations_without_ac=without_ac * in_flight,
         loss=loss,
         buffers=buffer_bytes(config),
+        float8=float8_bytes(config, tokens, dims.tp),
     )

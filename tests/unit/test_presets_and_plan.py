@@ -10,7 +10,7 @@ import torch
 
 from forge.config import load_config
 from forge.config.latent import LatentConfig
-from forge.config.sections import ActivationCheckpointing, OptimizerName, Precision
+from forge.config.sections import ActivationCheckpointing, Float8Recipe, OptimizerName, Precision
 from forge.metrics.flops import non_embedding_parameters
 from forge.model.transformer import Transformer, num_parameters
 from forge.parallel.memory_plan import GIB, memory_plan, stage_parameters
@@ -134,6 +134,30 @@ def test_the_8b_plan_on_8_ranks_worked_by_hand():
 
 def evolve_train(cfg, **kwargs):
     return attrs.evolve(cfg, train=attrs.evolve(cfg.train, **kwargs))
+
+
+@pytest.mark.parametrize(
+    "recipe,check,fp8_gathered",
+    [
+        (Float8Recipe.TENSORWISE, 0, True),  # FSDP2 gathers the FP8 weights in FP8
+        (Float8Recipe.TENSORWISE, 10, False),  # the drift guard gathers high precision
+        (Float8Recipe.ROWWISE, 0, False),
+    ],
+)
+def test_the_8b_plan_with_fp8_worked_by_hand(recipe, check, fp8_gathered):
+    """The FP8 casts: the largest FP8 layer is the feed-forward's (14336 x 4096): in backward
+    its output gradient, input and weight cast again, a byte an element. A gathered block's
+    seven FP8 matrices at a byte where FSDP2 gathers them in FP8 (its two norms in bf16)."""
+    off = memory_plan(EIGHT_B, MeshDims(dp_shard=8))
+    plan = memory_plan(
+        evolve_train(EIGHT_B, float8=recipe, float8_check=check), MeshDims(dp_shard=8)
+    )
+    assert off.float8 == 0
+    assert plan.float8 == 8192 * (14336 + 4096) + 14336 * 4096
+    matrices = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096  # wq wo, wk wv, w1 w2 w3
+    saved = 2 * matrices * (2 - 1) if fp8_gathered else 0  # two blocks in flight, bf16 → byte
+    assert off.gathered_weights - plan.gathered_weights == saved
+    assert plan.activations == off.activations  # torchao keeps the high-precision tensors
 
 
 # (change, part, expected ratio to the 8-rank FSDP plan's)
