@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from typing import Any
 
 import attrs
 import pytest
@@ -44,13 +45,15 @@ def write_config(tmp: pathlib.Path, data: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def train(config: pathlib.Path, run_dir: pathlib.Path, *args: str, ranks: int = 1) -> None:
+def train(config: pathlib.Path, run_dir: pathlib.Path, *args: str, ranks: int = 1) -> Any:
+    """The run's output (it succeeded)."""
     args = [str(config), f"--run.dir={run_dir}", *COMMON, *args]
     if ranks == 1:  # the reference: in this process, one thread (tests/conftest.py), as a rank
         out = run_main(TRAIN.main, args)
     else:
         out = run_ranks(ranks, [str(REPO / "scripts" / "train.py"), *args])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out
 
 
 def records(run_dir: pathlib.Path, key: str = "loss") -> list[dict]:

@@ -70,10 +70,12 @@ def deterministic_state() -> tuple[bool, bool, bool]:
 def test_the_deterministic_mode_changes_no_bit_on_a_cpu_and_is_put_back(tmp_path, small_corpus):
     config = write_config(tmp_path, small_corpus)
     before = deterministic_state()
+    said = "[forge] deterministic: every operation runs a deterministic kernel, or torch names it"
     for name in ("a", "b"):
-        train(config, tmp_path / name, *STEPS, "--train.deterministic=true")
+        out = train(config, tmp_path / name, *STEPS, "--train.deterministic=true")
         assert deterministic_state() == before  # main put torch's settings back
-    train(config, tmp_path / "without", *STEPS)
+        assert f"{said} (a CPU's kernels already are: no bit changes)" in out.stderr
+    assert said not in train(config, tmp_path / "without", *STEPS).stderr
     a, b, without = (records(tmp_path / n) for n in ("a", "b", "without"))
     losses = [[r["loss"] for r in run] for run in (a, b, without)]
     assert losses[0] == losses[1] == losses[2]

@@ -189,3 +189,23 @@ def test_the_start_line_says_the_weights_are_gathered_in_fp8():
     line = layers.describe(Float8Recipe.TENSORWISE, emulated=False, gathered=True)
     assert "(their weights gathered in FP8 by FSDP2)" in line
     assert "gathered" not in layers.describe(Float8Recipe.TENSORWISE, emulated=False)
+
+
+@pytest.mark.parametrize(
+    "device,words",
+    [
+        ("cuda", "; cuDNN picks no kernel by timing; cuBLAS's workspace fixed"),
+        ("cpu", " (a CPU's kernels already are: no bit changes)"),
+    ],
+)
+def test_the_deterministic_modes_start_line_says_what_it_does_on_the_device(device, words):
+    from forge.training.steps.replay import cuda_determinism_env, deterministic_line
+
+    line = deterministic_line(device)
+    assert (
+        line
+        == f"deterministic: every operation runs a deterministic kernel, or torch names it{words}"
+    )
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}
+    cuda_determinism_env(env)  # a workspace the user set is kept
+    assert env == {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}

@@ -62,6 +62,7 @@ ROWS = [
     ("one process has no hang watchdog to arm", {}, attrs.evolve(ONE, hang_watch=False), "nonfinite=skip, replay first step, signals, checksums(full)", []),
     ("on CUDA the step's own time is not read", {}, attrs.evolve(TWO, cuda=True, straggler_clock=False), "nonfinite=skip, replay first step, health(300 s), hang stacks(600 s), signals, checksums(full)", []),
     ("an FP8 drift check on FP8 layers", {"train": FP8_CHECK}, attrs.evolve(ONE, float8_check=CHECK, float8_layers=14), "nonfinite=skip, replay first step, signals, checksums(full), float8 check every 10 (5% loss, 50% grad norm: stop)", []),
+    ("a tolerance under 1% keeps its digits", {"train": {**FP8_CHECK, "float8_check_tolerance": 0.005, "float8_check_grad_tolerance": 0.125}}, attrs.evolve(ONE, float8_check=attrs.evolve(CHECK, tolerance=0.005, grad_tolerance=0.125), float8_layers=14), "nonfinite=skip, replay first step, signals, checksums(full), float8 check every 10 (0.5% loss, 12.5% grad norm: stop)", []),
     ("an FP8 drift check the step does not make", {"train": FP8_CHECK}, attrs.evolve(ONE, float8_layers=14), None, ["train.float8_check"]),
     ("an FP8 drift check with no FP8 layer", {"train": FP8_CHECK}, attrs.evolve(ONE, float8_check=CHECK), None, ["train.float8_check"]),
 ]  # fmt: skip

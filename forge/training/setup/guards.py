@@ -183,10 +183,15 @@ def guard_report(config: JobConfig, facts: GuardFacts) -> tuple[str, list[Proble
                 )
             )
         armed.append(
-            f"{Guard.FLOAT8.value} every {rule.interval} ({rule.tolerance:.0%} loss, "
-            f"{rule.grad_tolerance:.0%} grad norm: {rule.on_drift.value})"
+            f"{Guard.FLOAT8.value} every {rule.interval} ({percent(rule.tolerance)} loss, "
+            f"{percent(rule.grad_tolerance)} grad norm: {rule.on_drift.value})"
         )
     return ", ".join(armed), refused
+
+
+def percent(fraction: float) -> str:
+    """``fraction`` as a percentage, its digits kept (0.005 is 0.5%, not 0%)."""
+    return f"{fraction * 100:g}%"
 
 
 def replay_words(rule: ReplayRule, facts: GuardFacts) -> str:

@@ -93,7 +93,11 @@ from forge.training.setup.problems import (
     replica_group_problems,
 )
 from forge.training.setup.vlm import vision_footprint, vlm_problems
-from forge.training.steps.replay import cuda_determinism_env, use_deterministic_kernels
+from forge.training.steps.replay import (
+    cuda_determinism_env,
+    deterministic_line,
+    use_deterministic_kernels,
+)
 from forge.types import LoopState
 
 WorldCheck = Callable[[RunContext, WorldInfo], list[str]]
@@ -205,6 +209,8 @@ def setup_distributed(run: RunContext) -> DistContext:
         torch.set_num_threads(cfg.train.num_threads)
     device = device_for(world)  # first: the gather of host names runs on it under NCCL
     dist = DistContext(world=world, dims=dims, mesh=mesh, device=device, hosts=host_names(world))
+    if cfg.train.deterministic:
+        dist.say(deterministic_line(dist.device.type))
     warning = precision_warning(run.config.train.mixed_precision, dist.device.type, cpu_flags())
     if warning and dist.is_main:
         print(f"[forge] warning: {warning}", file=sys.stderr)

@@ -186,6 +186,14 @@ def use_deterministic_kernels() -> None:
     torch.backends.cudnn.benchmark = False
 
 
+def deterministic_line(device_type: str) -> str:
+    """The start-up line of ``train.deterministic`` on a ``device_type`` device."""
+    line = "deterministic: every operation runs a deterministic kernel, or torch names it"
+    if device_type == "cuda":
+        return f"{line}; cuDNN picks no kernel by timing; cuBLAS's workspace fixed"
+    return f"{line} (a CPU's kernels already are: no bit changes)"
+
+
 class Replayer:
     """Runs a step's computation once, or replays it (``rule``), for one launch: the first
     step this launch runs counts as its first step. Where an operation has no deterministic
