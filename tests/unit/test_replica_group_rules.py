@@ -19,7 +19,7 @@ from forge.data.row_order import share_of
 from forge.model.chunked_loss import PLAIN_LOSS
 from forge.resilience.replica_groups import Quorum, short_cause
 from forge.training.loop.loop import healed_state
-from forge.training.loop.step_logger import replica_record
+from forge.training.loop.step_logger import replica_record, replicas_since
 from forge.training.steps.replicas import (
     LayoutMismatchError,
     StepReplicas,
@@ -395,3 +395,22 @@ def test_a_pipelined_groups_share_runs_its_schedule_a_schedules_micro_batches_at
     assert torch.cat(schedule.runs)[:, 0].tolist() == list(range(share))
     with pytest.raises(ValueError, match="3 micro-batches do not run"):
         run_stage(pipeline, batches[:1] * 3, PLAIN_LOSS, Pass.TRAIN)
+
+
+@pytest.mark.parametrize(
+    "steps,logged",
+    [
+        ([ReplicaStep(2), ReplicaStep(2)], ReplicaStep(2)),
+        # one group alone between two logs of two: the log says so
+        ([ReplicaStep(2), ReplicaStep(1, failed_attempts=1), ReplicaStep(2)], ReplicaStep(1, 1)),
+        ([ReplicaStep(1), ReplicaStep(2, heal_s=0.25), ReplicaStep(2, heal_s=0.5)],
+         ReplicaStep(1, 0, heal_s=0.75)),
+        ([None, ReplicaStep(3, failed_attempts=2)], ReplicaStep(3, 2)),
+        ([None, None], None),
+    ],
+)  # fmt: skip
+def test_a_log_covers_every_replica_step_since_the_last(steps, logged):
+    since = None
+    for step in steps:
+        since = replicas_since(since, step)
+    assert since == logged

@@ -69,9 +69,9 @@ def resilience_record(state: LoopState, config: ResilienceConfig) -> dict[str, i
 
 
 def replica_record(replicas: ReplicaStep | None) -> dict[str, Any]:
-    """Under ``[fault_tolerance]``: the replica groups that took part in the step, the
-    attempts before it that did not commit, and a heal's seconds (the same on every rank of
-    a group)."""
+    """Under ``[fault_tolerance]``: the replica groups that took part in the steps since the
+    last log (the fewest), the attempts that did not commit, and a heal's seconds
+    (``replicas_since``; the same on every rank of a group)."""
     if replicas is None:
         return {}
     record: dict[str, Any] = {
@@ -81,6 +81,19 @@ def replica_record(replicas: ReplicaStep | None) -> dict[str, Any]:
     if replicas.heal_s > 0:
         record["ft/heal_s"] = replicas.heal_s
     return record
+
+
+def replicas_since(a: ReplicaStep | None, b: ReplicaStep | None) -> ReplicaStep | None:
+    """Two steps' ``ReplicaStep`` taken together, for the log that covers both: the fewest
+    groups that took part in either, their failed attempts and heal seconds summed (a step of
+    one group between two logs is not hidden by the logged step's two); None is nothing."""
+    if a is None or b is None:
+        return a if b is None else b
+    return ReplicaStep(
+        participants=min(a.participants, b.participants),
+        failed_attempts=a.failed_attempts + b.failed_attempts,
+        heal_s=a.heal_s + b.heal_s,
+    )
 
 
 def add_sources(a: SourceTotals | None, b: SourceTotals | None) -> SourceTotals | None:
@@ -115,6 +128,7 @@ class StepLogger:
         self._mark_time = clock()
         self._mark_step = 0
         self._sources: SourceTotals | None = None  # a mixture's sums since the last log
+        self._replicas: ReplicaStep | None = None  # the replica groups' steps since the last log
         self._logged: StepResult | None = None  # the step whose sums the last log took
         self._busy = (0.0, 0)  # this rank's own time since the last log, and its steps
         self.resilience = run.config.resilience
@@ -142,8 +156,10 @@ class StepLogger:
         metrics are reduced over ranks here, in one collective, so that no other step pays
         for a reduction."""
         sources = add_sources(self._sources, result.sources)
+        replicas = replicas_since(self._replicas, result.replicas)
         busy, steps = self._busy[0] + result.busy_s, self._busy[1] + 1
         self._sources, self._logged, self._busy = None, result, (0.0, 0)
+        self._replicas = None
         metrics = step_metrics(result, sources, self.data.source_names)
         world, rank = self.dist.world_size, self.dist.rank
         stragglers = world > 1 and self.dist.device.type == "cpu"  # docs/resilience.md
@@ -156,7 +172,7 @@ class StepLogger:
         if stragglers:
             reduced |= self.stragglers(reduced.pop(BUSY))
         reduced |= resilience_record(state, self.resilience)
-        reduced |= replica_record(result.replicas)
+        reduced |= replica_record(replicas)
         result = attrs.evolve(result, loss=loss, z_loss=z_loss)
         step_time = (self.clock() - self._mark_time) / max(1, state.step - self._mark_step)
         tps = result.tokens / step_time if step_time > 0 else math.inf
@@ -175,6 +191,7 @@ class StepLogger:
         the next log."""
         if result is not self._logged:
             self._sources = add_sources(self._sources, result.sources)
+            self._replicas = replicas_since(self._replicas, result.replicas)
             self._busy = (self._busy[0] + result.busy_s, self._busy[1] + 1)
 
     def stragglers(self, busy: Sequence[float]) -> dict[str, Any]:
