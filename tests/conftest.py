@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import pathlib
+import pickle
+import shutil
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 
@@ -11,6 +17,7 @@ from forge.data.shards import write_dataset
 from forge.data.tokenizer import ByteTokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+T = TypeVar("T")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -33,6 +40,28 @@ def pytest_configure(config: pytest.Config) -> None:
         folder = tempfile.mkdtemp(prefix="forge-test-cache-")
         os.environ["FORGE_CACHE_DIR"] = folder
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
+
+
+def once_per_session(
+    factory: pytest.TempPathFactory, name: str, compute: Callable[[pathlib.Path], T]
+) -> T:
+    """``compute(folder)`` once per test session, by whichever xdist worker asks first; the
+    others wait for it and read its (pickled) result. A module fixture runs once per worker
+    that gets one of its tests, and worksteal hands a module's last tests to the idle worker:
+    an expensive scenario would run twice. Without xdist it is computed here."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return compute(factory.mktemp(name))
+    root = factory.getbasetemp().parent  # the session's, above every worker's own
+    folder, done = root / name, root / f"{name}.pickle"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if done.is_file():
+            return pickle.loads(done.read_bytes())
+        shutil.rmtree(folder, ignore_errors=True)  # a worker's attempt that failed
+        folder.mkdir()
+        result = compute(folder)
+        done.write_bytes(pickle.dumps(result))
+        return result
 
 
 def make_dataset(out: pathlib.Path, docs: dict[str, list[Document]]) -> pathlib.Path:

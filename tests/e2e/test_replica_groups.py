@@ -24,7 +24,7 @@ import torch
 from forge.checkpoint.store import load_checkpoint
 from forge.config import load_config
 from forge.model.vlm import build_model
-from tests.conftest import REPO, TINY
+from tests.conftest import REPO, TINY, once_per_session
 from tests.e2e.test_train_script import TRAIN
 from tests.in_process import run_main
 
@@ -119,9 +119,17 @@ def weights(
 def killed_and_healed(tmp_path_factory, small_corpus):
     """Group 1 kills itself after step 20 and is launched again while group 0 trains on
     (slowed to 0.2 s a step, so that the relaunch finds it running), healing past the freeze
-    schedule's transition at step 22; a NaN at step 55 (after the heal) in group 0 only. Beside it, the same run without replica groups, in one
-    process (the reference)."""
-    tmp = tmp_path_factory.mktemp("ft")
+    schedule's transition at step 22; a NaN at step 55 (after the heal) in group 0 only.
+    Beside it, the same run without replica groups, in one process (the reference). Once per
+    session (``once_per_session``)."""
+    return once_per_session(
+        tmp_path_factory, "ft_killed_and_healed", lambda tmp: kill_and_heal(tmp, small_corpus)
+    )
+
+
+def kill_and_heal(
+    tmp: pathlib.Path, small_corpus: pathlib.Path
+) -> tuple[pathlib.Path, pathlib.Path, tuple[tuple[int, str], tuple[int, str]]]:
     config = tmp / "tiny.toml"
     config.write_text(TINY.format(data=small_corpus) + FREEZE)
     lighthouse, address = start_lighthouse()

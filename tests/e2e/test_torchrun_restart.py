@@ -19,7 +19,7 @@ import time
 import pytest
 
 from forge.parallel.world import restart_namespace, world_info
-from tests.conftest import REPO, TINY
+from tests.conftest import REPO, TINY, once_per_session
 
 RUN = [sys.executable, "-m", "torch.distributed.run"]
 SCRIPT = str(REPO / "scripts" / "train.py")
@@ -89,14 +89,18 @@ def ok(out: subprocess.CompletedProcess) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, small_corpus) -> tuple[pathlib.Path, pathlib.Path]:
-    """The config, and the run directory of the same 2-rank run, uninterrupted."""
-    tmp = tmp_path_factory.mktemp("torchrun_ref")
-    config = tmp / "tiny.toml"
-    config.write_text(TINY.format(data=small_corpus))
-    out, _ = torchrun(config, tmp / "run")
-    ok(out)
-    assert [s for s, _ in losses(tmp / "run")] == list(range(1, 9))
-    return config, tmp / "run"
+    """The config, and the run directory of the same 2-rank run, uninterrupted (once per
+    session: ``once_per_session``)."""
+
+    def uninterrupted(tmp: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+        config = tmp / "tiny.toml"
+        config.write_text(TINY.format(data=small_corpus))
+        out, _ = torchrun(config, tmp / "run")
+        ok(out)
+        assert [s for s, _ in losses(tmp / "run")] == list(range(1, 9))
+        return config, tmp / "run"
+
+    return once_per_session(tmp_path_factory, "torchrun_ref", uninterrupted)
 
 
 ELASTIC = {"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"}

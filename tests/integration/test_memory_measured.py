@@ -24,6 +24,7 @@ import pytest
 from forge.config import load_config
 from forge.parallel.memory_plan import memory_plan
 from forge.parallel.world import resolve_dims
+from tests.conftest import once_per_session
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TOLERANCE = 0.2
@@ -57,12 +58,16 @@ def launch(tmp: pathlib.Path, data: pathlib.Path, args: list[str], ranks: int) -
 
 @pytest.fixture(scope="module")
 def baselines(tmp_path_factory, small_corpus):
-    """Each layout's tiny-model launch: what every run holds beside what the plan counts."""
-    tmp = tmp_path_factory.mktemp("memory")
-    return tmp, {
-        1: launch(tmp, small_corpus, TINY, 1),
-        2: launch(tmp, small_corpus, TINY + FSDP, 2),
-    }
+    """Each layout's tiny-model launch: what every run holds beside what the plan counts
+    (once per session: ``once_per_session``)."""
+    return once_per_session(
+        tmp_path_factory,
+        "memory_baselines",
+        lambda tmp: {
+            1: launch(tmp, small_corpus, TINY, 1),
+            2: launch(tmp, small_corpus, TINY + FSDP, 2),
+        },
+    )
 
 
 @pytest.mark.parametrize(
@@ -73,10 +78,11 @@ def baselines(tmp_path_factory, small_corpus):
     ids=["dense", "dense, full activation checkpointing", "mixture of experts",
          "rollback snapshot", "fsdp2 at 2 ranks"],
 )  # fmt: skip
-def test_the_plan_is_within_20_percent_of_the_measured_peak(baselines, small_corpus, args, ranks):
-    tmp, base = baselines
-    peak, planned = launch(tmp, small_corpus, args, ranks)
-    base_peak, base_planned = base[ranks]
+def test_the_plan_is_within_20_percent_of_the_measured_peak(
+    baselines, small_corpus, tmp_path, args, ranks
+):
+    peak, planned = launch(tmp_path, small_corpus, args, ranks)
+    base_peak, base_planned = baselines[ranks]
     measured, plan = peak - base_peak, planned - base_planned
     assert measured > 500 * 2**20  # the model dominates what is compared
     assert abs(plan / measured - 1) <= TOLERANCE, (plan / 2**20, measured / 2**20)
