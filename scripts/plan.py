@@ -64,7 +64,7 @@ def report(plan: MemoryPlan, device_gb: float) -> list[str]:
         ("activations", plan.activations),
         ("loss", plan.loss),
         ("RoPE tables", plan.buffers),
-        *([("FP8 casts", plan.float8)] if plan.float8 else []),
+        *([("FP8 casts", plan.float8_casts)] if plan.float8_casts else []),
     ]
     lines = [f"  {name:26s} {size / GIB:9.2f} GiB" for name, size in rows]
     lines.append(f"  {'total':26s} {plan.total / GIB:9.2f} GiB")

@@ -60,7 +60,9 @@ def once_per_session(
         shutil.rmtree(folder, ignore_errors=True)  # a worker's attempt that failed
         folder.mkdir()
         result = compute(folder)
-        done.write_bytes(pickle.dumps(result))
+        partial = done.with_suffix(".partial")
+        partial.write_bytes(pickle.dumps(result))
+        partial.replace(done)  # whole or absent: a worker killed while writing leaves none
         return result
 
 

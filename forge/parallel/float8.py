@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from forge.config.loader import ConfigError
-from forge.config.sections import Float8Recipe, ModelConfig
+from forge.config.sections import Float8Recipe, JobConfig, ModelConfig
 from forge.config.shapes import ROUTER_GATE, forge_shapes, mtp_shapes
 
 FP8_MULTIPLE = 16  # FP8 matrix kernels take dimensions that are multiples of this
@@ -138,14 +138,24 @@ def float8_start_line(
     return layers.describe(recipe, emulated=device.type != "cuda", gathered=gathered)
 
 
-def gathers_in_float8(recipe: Float8Recipe, fsdp: bool, tp: bool, checked: bool) -> bool:
-    """Whether FSDP2 gathers the FP8 layers' weights in FP8 (a byte an element instead of two
-    or four): under FSDP2 with tensorwise scaling (torchao's FP8 all-gather takes one scale a
-    weight); not under tensor parallelism (whose plan would split torchao's weight wrapper),
-    nor with the drift guard (``checked``: its high-precision computation, and its fallback,
-    need the weights gathered in high precision). The weight is cast with the scale of the
-    whole tensor before the gather rather than after it: the same FP8 values, the same step."""
-    return recipe is Float8Recipe.TENSORWISE and fsdp and not tp and not checked
+def gathers_in_float8(config: JobConfig, fsdp: bool) -> bool:
+    """Whether FSDP2 (``fsdp``: the layout shards over data-parallel ranks) gathers the FP8
+    layers' weights in FP8 (a byte an element instead of two or four): with tensorwise
+    scaling (torchao's FP8 all-gather takes one scale a weight); not under tensor parallelism
+    (whose plan would split torchao's weight wrapper), nor with the drift guard (its
+    high-precision computation, and its fallback, need the weights gathered in high
+    precision), and not yet under a pipeline or replica groups (untried: a stage's scales, a
+    heal into the wrapper). The weight is cast with the scale of the whole tensor before the
+    gather rather than after it: the same FP8 values, the same step."""
+    t, d = config.train, config.distributed
+    return (
+        t.float8 is Float8Recipe.TENSORWISE
+        and fsdp
+        and d.tp == 1
+        and d.pp == 1
+        and t.float8_check == 0
+        and not config.fault_tolerance.enabled
+    )
 
 
 def apply_float8(
@@ -180,10 +190,10 @@ def apply_float8(
 
 def scales_before_forward(root: nn.Module) -> None:
     """Under the FP8 all-gather, every FP8 weight's scale computed in one all-reduce as
-    ``root``'s forward begins, before FSDP2 gathers any of them (else each weight's gather
-    reduces its own). At every forward, not after the optimizer alone: a load, a rollback or
-    a heal changes the weights too, and a scale left from other weights would cast them
-    wrongly."""
+    ``root``'s forward begins (each micro-batch's: a few floats), before FSDP2 gathers any of
+    them (else each weight's gather reduces its own). At every forward, not after the
+    optimizer alone: a load, a rollback or a heal changes the weights too, and a scale left
+    from other weights would cast them wrongly."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     def precompute(module: nn.Module, _args: object) -> None:

@@ -76,7 +76,7 @@ class MemoryPlan:
     # step makes a denominator per parameter; Lion and Muon an update each)
     optimizer_step: int = 0
     # train.float8: the largest FP8 layer's transient casts (float8_bytes)
-    float8: int = 0
+    float8_casts: int = 0
     # host memory, not the device's: the rollback slot (CPU clones of the weights and the
     # optimizer state) when resilience.on_nonfinite or on_spike is "rollback"
     snapshot: int = 0
@@ -96,7 +96,7 @@ class MemoryPlan:
             + self.activations
             + self.loss
             + self.buffers
-            + self.float8
+            + self.float8_casts
         )
 
     def fits(self, device_bytes: float) -> bool:
@@ -282,7 +282,7 @@ def memory_plan(
     compute_bytes = dtype_bytes(t.mixed_precision)
     gathered = 0
     if shard > 1 or dims.replicas_alone:  # whole shards are copied out all the same
-        in_float8 = gathers_in_float8(t.float8, True, dims.tp > 1, t.float8_check > 0)
+        in_float8 = gathers_in_float8(config, fsdp=True)
         gathered = 2 * gathered_block_bytes(config, compute_bytes, in_float8) // dims.tp
         # the root's own weights (embedding, head, final norm) stay gathered from forward to
         # backward (FSDP2 does not reshard the root after forward), and their whole gradients
@@ -342,5 +342,5 @@ def memory_plan(
         activations_without_ac=without_ac * in_flight,
         loss=loss,
         buffers=buffer_bytes(config),
-        float8=float8_bytes(config, tokens, dims.tp),
+        float8_casts=float8_bytes(config, tokens, dims.tp),
     )

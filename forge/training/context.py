@@ -132,16 +132,17 @@ class DistContext:
 class PipelineContext:
     """This rank's pipeline stages (``stage_indices`` of ``n_stages`` over all ranks) and the
     schedule that drives them; the last stage's loss function; this rank's end of an
-    embedding tied across pipeline ranks (None: untied, or both ends on this rank); the
-    micro-batches one run of the schedule takes (``train.grad_accum_steps``)."""
+    embedding tied across pipeline ranks (None: untied, or both ends on this rank).
+    ``n_microbatches``: the micro-batches one run of the schedule takes
+    (``train.grad_accum_steps``)."""
 
     schedule: _PipelineSchedule
     group: ProcessGroup
     stage_indices: tuple[int, ...]
     n_stages: int
+    n_microbatches: int
     loss: StageLoss = attrs.Factory(StageLoss)  # the last stage's loss function
     tied: TiedWeight | None = None
-    n_microbatches: int = 1
 
     @property
     def is_first(self) -> bool:

@@ -22,7 +22,6 @@ from forge.parallel.float8 import (
     float8_layers,
     float8_problem,
     float8_start_line,
-    gathers_in_float8,
     kept_reason,
 )
 
@@ -167,45 +166,8 @@ def test_fp8_that_would_cover_no_layer_is_refused_by_name():
     assert float8_start_line(Float8Recipe.ROWWISE, DENSE, torch.device("cpu")) is not None
 
 
-@pytest.mark.parametrize(
-    "recipe,fsdp,tp,checked,gathers",
-    [
-        (Float8Recipe.TENSORWISE, True, False, False, True),  # FSDP2 gathers FP8 bytes
-        (Float8Recipe.ROWWISE, True, False, False, False),  # a scale a row: torchao cannot
-        (Float8Recipe.TENSORWISE, False, False, False, False),  # nothing gathered
-        (Float8Recipe.TENSORWISE, True, True, False, False),  # TP's plan would split the wrapper
-        (Float8Recipe.TENSORWISE, True, False, True, False),  # the guard needs high precision
-        (Float8Recipe.OFF, True, False, False, False),
-    ],
-)
-def test_fsdp2_gathers_fp8_weights_in_fp8_where_the_recipe_and_layout_allow(
-    recipe, fsdp, tp, checked, gathers
-):
-    assert gathers_in_float8(recipe, fsdp, tp, checked) is gathers
-
-
 def test_the_start_line_says_the_weights_are_gathered_in_fp8():
     layers = float8_layers(ModelConfig(dim=64, n_layers=1, n_heads=4, vocab_size=256))
     line = layers.describe(Float8Recipe.TENSORWISE, emulated=False, gathered=True)
     assert "(their weights gathered in FP8 by FSDP2)" in line
     assert "gathered" not in layers.describe(Float8Recipe.TENSORWISE, emulated=False)
-
-
-@pytest.mark.parametrize(
-    "device,words",
-    [
-        ("cuda", "; cuDNN picks no kernel by timing; cuBLAS's workspace fixed"),
-        ("cpu", " (a CPU's kernels already are: no bit changes)"),
-    ],
-)
-def test_the_deterministic_modes_start_line_says_what_it_does_on_the_device(device, words):
-    from forge.training.steps.replay import cuda_determinism_env, deterministic_line
-
-    line = deterministic_line(device)
-    assert (
-        line
-        == f"deterministic: every operation runs a deterministic kernel, or torch names it{words}"
-    )
-    env = {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}
-    cuda_determinism_env(env)  # a workspace the user set is kept
-    assert env == {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}

@@ -152,8 +152,8 @@ def test_the_8b_plan_with_fp8_worked_by_hand(recipe, check, fp8_gathered):
     plan = memory_plan(
         evolve_train(EIGHT_B, float8=recipe, float8_check=check), MeshDims(dp_shard=8)
     )
-    assert off.float8 == 0
-    assert plan.float8 == 8192 * (14336 + 4096) + 14336 * 4096
+    assert off.float8_casts == 0
+    assert plan.float8_casts == 8192 * (14336 + 4096) + 14336 * 4096
     matrices = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096  # wq wo, wk wv, w1 w2 w3
     saved = 2 * matrices * (2 - 1) if fp8_gathered else 0  # two blocks in flight, bf16 → byte
     assert off.gathered_weights - plan.gathered_weights == saved

@@ -387,7 +387,7 @@ def test_a_pipelined_groups_share_runs_its_schedule_a_schedules_micro_batches_at
     from forge.training.steps.pipeline import Pass, run_stage
 
     schedule = RecordingSchedule()
-    pipeline = PipelineContext(schedule, None, (0,), 2, n_microbatches=2)  # type: ignore[arg-type]
+    pipeline = PipelineContext(schedule, None, (0,), 2, 2)  # type: ignore[arg-type]
     batches = [Batch(torch.full((1, 3), i), torch.full((1, 3), i)) for i in range(share)]
     run_stage(pipeline, batches, PLAIN_LOSS, Pass.TRAIN)
     assert len(schedule.runs) == runs

@@ -237,9 +237,7 @@ def build_model_and_optim(run: RunContext, dist: DistContext) -> ModelContext:
     """
     cfg = run.config
     tp_mesh, dp_mesh = submesh(dist.mesh, "tp"), dist.data_mesh  # dp_replicate × dp_shard × cp
-    gathered = gathers_in_float8(
-        cfg.train.float8, dp_mesh is not None, tp_mesh is not None, cfg.train.float8_check > 0
-    )
+    gathered = gathers_in_float8(cfg, fsdp=dp_mesh is not None)
     if (line := float8_start_line(cfg.train.float8, cfg.model, dist.device, gathered)) is not None:
         dist.say(line)
     with torch.device("meta"):  # no memory until sharded: each rank materializes its part
