@@ -414,3 +414,41 @@ def test_a_log_covers_every_replica_step_since_the_last(steps, logged):
     for step in steps:
         since = replicas_since(since, step)
     assert since == logged
+
+
+class Kept:
+    """A metrics sink that keeps the records."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def write(self, record) -> None:
+        self.records.append(dict(record))
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_logger_every_two_steps_reports_the_step_one_group_ran_alone_between_its_logs():
+    from types import SimpleNamespace
+
+    from forge.config.sections import JobConfig
+    from forge.training.loop.step_logger import StepLogger
+
+    dist = SimpleNamespace(device=torch.device("cpu"), world_size=1, rank=0, token_slices=1,
+                           is_main=True)  # fmt: skip
+    loader = SimpleNamespace(state_dict=lambda: {"rows": 0, "digest": "0"})
+    data = SimpleNamespace(train_loader=loader, source_names=())
+    sink = Kept()
+    logger = StepLogger(SimpleNamespace(config=JobConfig()), dist, data, [sink])  # type: ignore[arg-type]
+    # the unlogged steps (1 and 3) are the ones that went otherwise
+    steps = [ReplicaStep(1, failed_attempts=1), ReplicaStep(2), ReplicaStep(2, heal_s=0.5),
+             ReplicaStep(2)]  # fmt: skip
+    for step, replicas in enumerate(steps, start=1):
+        result = StepResult(loss=1.0, grad_norm=1.0, tokens=8, lr=0.1, replicas=replicas)
+        if step % 2 == 0:  # the loop logs every second step, then ends each step
+            logger.log(LoopState(step=step), result)
+        logger.step_end(result)
+    first, second = ({k: v for k, v in r.items() if k.startswith("ft/")} for r in sink.records)
+    assert first == {"ft/participants": 1, "ft/failed_attempts": 1}
+    assert second == {"ft/participants": 2, "ft/failed_attempts": 0, "ft/heal_s": 0.5}
