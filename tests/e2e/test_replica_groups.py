@@ -117,9 +117,10 @@ def weights(
 
 @pytest.fixture(scope="module")
 def killed_and_healed(tmp_path_factory, small_corpus):
-    """Group 1 kills itself after step 20 and is launched again while group 0 trains on
-    (slowed to 0.2 s a step, so that the relaunch finds it running), healing past the freeze
-    schedule's transition at step 22; a NaN at step 55 (after the heal) in group 0 only.
+    """Group 1 kills itself after step 20 and is launched again once group 0 has trained a
+    step alone (slowed to 0.2 s a step, so that the relaunch finds it running), healing past
+    the freeze schedule's transition at step 22; a NaN at step 55 (after the heal) in group 0
+    only.
     Beside it, the same run without replica groups, in one process (the reference). Once per
     session (``once_per_session``)."""
     return once_per_session(
@@ -138,7 +139,9 @@ def kill_and_heal(
         doomed = launch(config, tmp / "run", 1, address, "signal:step=20:sig=KILL")
         killed = finished(doomed)
         assert killed[0] == -signal.SIGKILL, killed[1][-3000:]
-        time.sleep(0.5)
+        # relaunched once group 0 has committed a step alone (by events, not a delay: a
+        # collective with a peer that died before it connected waits fault_tolerance.timeout_s)
+        until_alone(tmp / "run" / "group_0", after=20)
         second = launch(config, tmp / "run", 1, address)
         outcomes = finished(first), finished(second)
     finally:
@@ -272,6 +275,18 @@ def test_a_group_with_another_layout_is_refused_and_the_others_go_on(tmp_path, s
     assert "Traceback" not in log
     assert not (tmp_path / "run" / "group_1").exists()  # nothing written
     assert outcome[0] == 75, outcome[1][-3000:]  # alive until told to stop: it saved and left
+
+
+def until_alone(run_dir: pathlib.Path, after: int, timeout: float = 120) -> None:
+    """Until ``run_dir``'s group logs a step past ``after`` that it ran alone."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and any(
+            s > after and r.get("ft/participants") == 1 for s, r in records(run_dir).items()
+        ):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{run_dir} never ran a step alone after step {after}")
 
 
 def until_step(run_dir: pathlib.Path, step: int, timeout: float = 120) -> None:
