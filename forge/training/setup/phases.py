@@ -25,7 +25,7 @@ from forge.checkpoint.paths import CheckpointPath
 from forge.checkpoint.resume import ResumeSource, resolve_resume
 from forge.checkpoint.store import load_checkpoint, read_train_state, remove_stale_temporaries
 from forge.config.loader import ConfigError, load_config_checked, unstructure_config
-from forge.config.sections import JobConfig, Precision
+from forge.config.sections import Precision
 from forge.config.toml_writer import dumps_toml
 from forge.data.shards import dataset_fingerprint, read_manifest
 from forge.harness.tasks import downstream_problems
@@ -37,7 +37,6 @@ from forge.optim.freezing import Freezer, freeze_for_step
 from forge.optim.param_groups import build_optimizer
 from forge.optim.schedules import resolve_schedule
 from forge.parallel.float8 import float8_start_line, gathers_in_float8
-from forge.parallel.memory_plan import memory_plan
 from forge.parallel.mesh import (
     broadcast_from_main,
     device_for,
@@ -87,12 +86,11 @@ from forge.training.setup.problems import (
     data_problems,
     export_final_problems,
     freeze_problems,
-    memory_capacity,
-    memory_problem,
+    memory_problems,
     precision_warning,
     replica_group_problems,
 )
-from forge.training.setup.vlm import vision_footprint, vlm_problems
+from forge.training.setup.vlm import vlm_problems
 from forge.training.steps.replay import (
     cuda_determinism_env,
     deterministic_line,
@@ -151,17 +149,6 @@ def load_and_validate_config(argv: Sequence[str]) -> RunContext:
     if problems:
         raise ConfigError(problems)
     return run
-
-
-def memory_problems(config: JobConfig, world: WorldInfo) -> list[str]:
-    """The run's per-rank memory estimate against what a rank has (needs a sound layout and
-    model); nothing where the machine's memory is unknown."""
-    capacity = memory_capacity(os.environ, world.local_rank)
-    if capacity is None:
-        return []
-    dims = resolve_dims(config.distributed, world.world_size)
-    problem = memory_problem(memory_plan(config, dims, vision_footprint(config.model)), capacity)
-    return [problem] if problem else []
 
 
 def run_dir_problems(run: RunContext) -> list[str]:

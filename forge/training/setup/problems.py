@@ -19,8 +19,10 @@ from forge.interop.export_rules import export_problem
 from forge.model.attention import attention_problem
 from forge.model.vlm import build_model
 from forge.optim.freezing import named_parameters
-from forge.parallel.memory_plan import GIB, MemoryPlan
+from forge.parallel.memory_plan import GIB, MemoryPlan, memory_plan
+from forge.parallel.world import WorldInfo, resolve_dims
 from forge.resilience.replica_groups import lighthouse_address, lighthouse_problem, torchft_problem
+from forge.training.setup.vlm import vision_footprint
 
 
 def freeze_problems(config: JobConfig) -> list[str]:
@@ -221,3 +223,14 @@ def memory_capacity(env: Mapping[str, str], local_rank: int) -> MemoryCapacity |
     ranks = ranks_on_host(env)
     share = f"a 1/{ranks} share " if ranks > 1 else ""
     return MemoryCapacity(host // ranks, f"{share}this host's {host / GIB:,.1f} GiB")
+
+
+def memory_problems(config: JobConfig, world: WorldInfo) -> list[str]:
+    """The run's per-rank memory estimate against what a rank has (needs a sound layout and
+    model); nothing where the machine's memory is unknown."""
+    capacity = memory_capacity(os.environ, world.local_rank)
+    if capacity is None:
+        return []
+    dims = resolve_dims(config.distributed, world.world_size)
+    problem = memory_problem(memory_plan(config, dims, vision_footprint(config.model)), capacity)
+    return [problem] if problem else []
