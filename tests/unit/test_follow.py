@@ -34,6 +34,7 @@ from forge.training.evaluation.follow import (
     wanted,
 )
 from forge.training.loop.plan import loop_policy
+from tests.conftest import REPO
 
 E, S, W, STOP = FollowAction.EVALUATE, FollowAction.SKIP, FollowAction.WAIT, FollowAction.STOP
 BOTH = (LOSS, "task")
@@ -261,3 +262,36 @@ def test_a_committed_step_being_removed_by_retention_is_not_called_damaged(
     if retiring:
         write_mark(marker_path(tmp_path, 4, RETIRING), b"")
     assert damaged(tmp_path, 4) is is_damaged
+
+
+def test_a_commit_landing_during_a_look_is_seen_complete_never_as_damage(tmp_path, monkeypatch):
+    """The trainer renames a finished save into place, then records its commit: a look that
+    listed the checkpoints before reading the record would find the step recorded, its folder
+    there, and not in its list of complete ones — a good checkpoint skipped as damaged."""
+    from forge.training.evaluation import follower
+    from forge.training.records.run_records import record_commit
+
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    config = load_config([str(REPO / "configs" / "train" / "debug.toml")]).config
+
+    def commit(step: int) -> None:
+        folder = root / f"step_{step}"
+        folder.mkdir()
+        for name in (".metadata", "train_state.json"):
+            (folder / name).write_bytes(b"{}")
+        record_commit(tmp_path, step)
+
+    commit(4)
+    read = follower.json_lines
+
+    def committing_meanwhile(path: pathlib.Path) -> list[dict]:
+        if path.name == "checkpoints.jsonl" and not (root / "step_5").exists():
+            commit(5)  # the trainer, exactly as the record of commits is read
+        return read(path)
+
+    monkeypatch.setattr(follower, "json_lines", committing_meanwhile)
+    view = follower.look(tmp_path, root, config, [])
+    assert view.incomplete == frozenset()
+    assert next_action(view, (LOSS,), 1) == Decision(FollowAction.EVALUATE, 4, (LOSS,))
+    assert view.committed == view.recorded == frozenset({4, 5})

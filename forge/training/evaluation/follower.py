@@ -66,10 +66,12 @@ class FollowOptions:
 
 def look(run_dir: pathlib.Path, root: CheckpointPath, config: JobConfig, records) -> FollowView:
     """One look at the run: its complete checkpoints, its record of commits, the follower's
-    records (``records``, already read) and the step it completes at."""
+    records (``records``, already read) and the step it completes at. The record of commits
+    is read before the checkpoints are listed: a step is recorded only once committed, so a
+    commit landing between the two reads is seen complete, never recorded and missing."""
+    commits = json_lines(run_dir / COMMITS_FILE)
     steps = list_steps(root)
     committed = frozenset(s for s in steps if is_complete(root / f"step_{s}"))
-    commits = json_lines(run_dir / COMMITS_FILE)
     done = done_pairs(records, rewinds_of(commits))
     recorded, final = recorded_steps(commits), config.train.max_steps
     # committed once and not complete now: gone, or there and damaged (looked at only for
