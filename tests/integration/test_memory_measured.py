@@ -1,15 +1,15 @@
 """The memory plan (``forge.parallel.memory_plan``, ``scripts/plan.py``) against measurement:
 the peak RSS of real runs on a CPU (fresh processes: ``memory/peak_rss_gb``), for a dense
-model with and without activation checkpointing, a mixture of experts, the rollback snapshot
-and FSDP2 at 2 ranks.
+model with and without activation checkpointing (with, beside the rollback snapshot: one
+launch for both), a mixture of experts and FSDP2 at 2 ranks.
 
 What is compared is growth: each run's peak over the peak of the same launch with a tiny model
 (imports, threads, the loader: what the plan does not count), against the plan's total (plus
 its host snapshot) over the tiny model's. Measured here (2 steps, fp32, dim 512 × 8 layers,
 vocab 32000): the plan is 0.97–1.01 of the growth for the dense model, 1.09 with full
-activation checkpointing, 1.10 for the mixture of experts, 0.97 with the rollback snapshot and
-0.84–0.87 per rank under FSDP2 at 2 ranks (gloo's collectives' buffers are not planned). The
-tolerance: within 20%.
+activation checkpointing (0.97 with the rollback snapshot alone; both together 1.06), 1.10 for
+the mixture of experts and 0.84–0.87 per rank under FSDP2 at 2 ranks (gloo's collectives'
+buffers are not planned). The tolerance: within 20%.
 """
 
 from __future__ import annotations
@@ -72,11 +72,11 @@ def baselines(tmp_path_factory, small_corpus):
 
 @pytest.mark.parametrize(
     ("args", "ranks"),
-    [(DENSE, 1), ([*DENSE, "--train.activation_checkpointing=full"], 1), (MOE, 1),
-     ([*DENSE, "--resilience.on_nonfinite=rollback", "--resilience.snapshot_interval=1"], 1),
-     ([*DENSE, *FSDP, "--train.batch_size=4"], 2)],
-    ids=["dense", "dense, full activation checkpointing", "mixture of experts",
-         "rollback snapshot", "fsdp2 at 2 ranks"],
+    [(DENSE, 1), (MOE, 1), ([*DENSE, *FSDP, "--train.batch_size=4"], 2),
+     ([*DENSE, "--train.activation_checkpointing=full", "--resilience.on_nonfinite=rollback",
+       "--resilience.snapshot_interval=1"], 1)],
+    ids=["dense", "mixture of experts", "fsdp2 at 2 ranks",
+         "dense, full activation checkpointing, rollback snapshot"],
 )  # fmt: skip
 def test_the_plan_is_within_20_percent_of_the_measured_peak(
     baselines, small_corpus, tmp_path, args, ranks
