@@ -30,7 +30,9 @@ def one_line(exc: BaseException) -> str:
         where = f": {exc.filename}" if exc.filename else ""
         return f"{type(exc).__name__}: {exc.strerror}{where}"
     text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+    if not isinstance(exc, UserInputError):  # forge's own lines are whole; others may be long
+        text = text[:300]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 NO_SPACE = "no space left on the device"

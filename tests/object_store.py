@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +34,16 @@ def free_port() -> int:
 @contextlib.contextmanager
 def moto_server(extra_env: dict[str, str] | None = None) -> Iterator[str]:
     """A moto S3 server on a free local port; yields its endpoint URL."""
+    with moto_process(extra_env) as (endpoint, _):
+        yield endpoint
+
+
+@contextlib.contextmanager
+def moto_process(
+    extra_env: dict[str, str] | None = None,
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A moto S3 server on a free local port; yields its endpoint URL and its process (a
+    test may stop it: a store that stops answering)."""
     pytest.importorskip("moto.server", reason="the dev extra installs moto[server]")
     port = free_port()
     env = {**os.environ, **(extra_env or {})}
@@ -50,8 +61,9 @@ def moto_server(extra_env: dict[str, str] | None = None) -> Iterator[str]:
             assert proc.poll() is None, "moto's server exited at start"
             assert time.monotonic() < deadline, "moto's server did not start in 60 s"
             time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", proc
     finally:
+        proc.send_signal(signal.SIGCONT)  # a stopped server would not see the termination
         proc.terminate()
         proc.wait(timeout=30)
 

@@ -37,8 +37,9 @@ from forge.checkpoint.async_staging import (
 from forge.checkpoint.checksum_writer import ChecksummingWriter, hashing_pool
 from forge.checkpoint.costs import SaveCost
 from forge.checkpoint.integrity import checksums_of, own_files
-from forge.checkpoint.paths import CheckpointPath, is_remote, save_tensors
-from forge.checkpoint.rng import capture_rng
+from forge.checkpoint.object_path import StoreTimeoutError, result_while_answering
+from forge.checkpoint.paths import CheckpointPath, is_remote
+from forge.checkpoint.rng import RngFile, capture_rng
 from forge.checkpoint.save_failures import (
     PeerLostError,
     failure_cause,
@@ -250,13 +251,15 @@ class Checkpointer:
         error, sums = None, {}
         try:  # the write and this rank's checksums of it, fresh in the page cache
             if pending.future is not None:
-                sums = pending.future.result()
+                sums = result_while_answering(pending.future, self.root)
             else:  # the shards' checksums came with the write; the small files' now
                 shards = pending.shards()
                 rest = [f for f in own_files(pending.tmp, self.rank) if f not in shards]
                 sums = {**shards, **checksums_of(pending.tmp, rest)}
         except (Exception, CheckpointException) as exc:
             error = failure_cause(exc, pending.tmp)
+            if isinstance(exc, StoreTimeoutError):  # its checksum thread still waits on it
+                self._hasher = None
         # every rank's shards are written and checksummed, or none commits
         checksums, error = self._merged(sums, error, pending.step)
         if error:
@@ -336,17 +339,6 @@ def written_shards(writer: StorageWriter) -> Callable[[], Mapping[str, list]]:
     """How to get the checksums a writer took of the shards as it wrote them (none: they
     are read back with the small files)."""
     return writer.checksums if isinstance(writer, ChecksummingWriter) else dict
-
-
-@attrs.frozen
-class RngFile:
-    """This rank's random streams, and where a save writes them."""
-
-    path: CheckpointPath
-    state: dict[str, Any]
-
-    def write(self) -> None:
-        save_tensors(self.state, self.path)
 
 
 def written_checksums(

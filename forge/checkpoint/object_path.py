@@ -22,6 +22,8 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import attrs
@@ -86,6 +88,29 @@ def answered_within(seconds: float, call: Callable[[], T]) -> T:
     if not ok:
         raise value
     return value
+
+
+def result_while_answering(future: Future[T], where: Any) -> T:
+    """``future.result()`` for a write into ``where``: on an object store with a timeout,
+    waited for in slices of ``timeout_s``, the store asked between them whether it answers
+    (``exists``, itself bounded). A write held by a store that stopped answering raises
+    ``StoreTimeoutError`` within two timeouts, instead of holding the caller as long as the
+    store is silent (its client's timeouts times its retries, or for ever); a slow write to a
+    store that answers is waited for in full. Elsewhere: waited for plainly."""
+    timeout_s = where.timeout_s if isinstance(where, ObjectPath) else None
+    if timeout_s is None:
+        return future.result()
+    while True:
+        try:
+            return future.result(timeout=timeout_s)
+        except FutureTimeout:
+            pass
+        try:
+            where.exists()
+        except StoreTimeoutError:
+            raise
+        except OSError:  # an answer, if an error: the write reports its own failure
+            pass
 
 
 def store_endpoint(protocol: str, options: Mapping[str, Any], env: Mapping[str, str]) -> str | None:

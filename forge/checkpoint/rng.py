@@ -14,6 +14,8 @@ from typing import Any
 import attrs
 import torch
 
+from forge.checkpoint.paths import CheckpointPath, save_tensors
+
 
 @attrs.frozen
 class CudaRngRestore:
@@ -77,3 +79,14 @@ def restore_rng(state: dict[str, Any], say: Callable[[str], None] | None = None)
         torch.cuda.set_rng_state(plan.state)
     if plan.warning is not None and say is not None:
         say(f"warning: {plan.warning}")
+
+
+@attrs.frozen
+class RngFile:
+    """This rank's random streams, and where a save writes them."""
+
+    path: CheckpointPath
+    state: dict[str, Any]
+
+    def write(self) -> None:
+        save_tensors(self.state, self.path)

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -276,3 +277,50 @@ def test_a_url_as_load_path_gives_a_new_run_its_initial_weights(
     load = f"--checkpoint.load_path=s3://{s3_bucket}/run/step_4"
     assert TRAIN.main([str(tiny_config), f"--run.dir={tmp_path / 'new'}", load]) == 0
     assert f"initial weights from s3://{s3_bucket}/run/step_4" in capsys.readouterr().err
+
+
+def test_a_store_that_stops_answering_fails_its_save_by_name_and_the_run_goes_on_exactly(
+    tiny_config, local_reference, monkeypatch
+):
+    """The store stops answering (its server SIGSTOPped) while a save uploads: the loop, waiting
+    for that save before the next, asks the store, names it within two
+    ``checkpoint.storage_timeout_s`` and goes on training (a scheduled save); once the store
+    answers again the next saves commit, and the run is the uninterrupted one bit for bit."""
+    from tests.object_store import ENV, moto_process, new_bucket
+
+    with moto_process() as (endpoint, server):  # its own server: this test stops it
+        for name, value in {**ENV, "AWS_ENDPOINT_URL": endpoint}.items():
+            monkeypatch.setenv(name, value)
+        bucket = new_bucket(endpoint)
+        argv = [str(tiny_config), "--train.max_steps=10", "--checkpoint.storage_timeout_s=1",
+                *remote(bucket, "--checkpoint.async_mode=async")]  # fmt: skip
+        env = {**os.environ, "FORGE_FAULTS": "slow:step=1:seconds=0.3"}
+        proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "train.py"), *argv], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        stopped, lines = False, []
+        try:
+            metrics = run_dir(tiny_config) / "metrics.jsonl"
+            while not stopped and proc.poll() is None:
+                if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+                    server.send_signal(signal.SIGSTOP)  # before step 4's save
+                    stopped = True
+                time.sleep(0.02)
+            reader = threading.Thread(target=lines.extend, args=(proc.stderr,), daemon=True)
+            reader.start()
+            deadline = time.monotonic() + 60  # a loop that waits on the store for ever fails
+            while not any("training goes on" in line for line in lines):
+                assert time.monotonic() < deadline, "".join(lines)
+                time.sleep(0.05)
+        finally:
+            if stopped:
+                server.send_signal(signal.SIGCONT)
+        assert proc.wait(timeout=120) == 0, "".join(lines)
+        reader.join(timeout=30)
+        err = "".join(lines)
+        failed = [line for line in err.splitlines() if "training goes on" in line]
+        assert len(failed) == 1, err
+        assert "did not answer within checkpoint.storage_timeout_s=1 s" in failed[0], failed
+        assert "for a store that is slow to answer)" in failed[0]  # the whole line, not cut
+        assert endpoint in failed[0]
+        assert losses(tiny_config) == losses(local_reference)  # exact floats, steps 1-10
+        assert s3(endpoint).cat(f"{bucket}/run/latest") == b"step_10"

@@ -8,10 +8,17 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 
-from forge.checkpoint.object_path import StoreTimeoutError, object_path, store_endpoint
+from forge.checkpoint.object_path import (
+    ObjectPath,
+    StoreTimeoutError,
+    object_path,
+    result_while_answering,
+    store_endpoint,
+)
 from forge.errors import UserInputError
 from forge.resilience.signals import (
     SetupInterrupted,
@@ -99,3 +106,43 @@ def test_a_signal_stops_set_up_where_it_is_and_asks_for_a_save_once_set_up_is_do
         assert flag.received == signal.SIGTERM  # the loop's flag: nothing raised
     finally:
         flag.uninstall()
+
+
+def hangs(path: ObjectPath) -> bool:
+    return path.answer(threading.Event().wait)
+
+
+def refuses(path: ObjectPath) -> bool:
+    raise OSError("ClientError: 503 SlowDown")
+
+
+# (case, where the write goes, how the store answers the loop's question, the write's time,
+# what the wait gives)
+WAITS = [
+    ("a store that answers: a slow write waited for in full", "s3", lambda p: True, 0.5, 7),
+    ("a store that answers with an error: the write's own end", "s3", refuses, 0.5, 7),
+    ("a store that stopped answering: named, not waited for", "s3", hangs, None, "timeout"),
+    ("a local folder: waited for plainly", "local", hangs, 0.5, 7),
+]
+
+
+@pytest.mark.parametrize(
+    "where,answers,write_s,expected", [w[1:] for w in WAITS], ids=[w[0] for w in WAITS]
+)
+def test_a_save_in_flight_is_waited_for_while_its_store_answers(
+    monkeypatch, tmp_path, where, answers, write_s, expected
+):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setattr(ObjectPath, "exists", answers)
+    path = object_path("s3://bucket/run", timeout_s=0.1) if where == "s3" else tmp_path
+    write: Future[int] = Future()
+    start = time.monotonic()
+    if write_s is not None:
+        threading.Timer(write_s, write.set_result, (7,)).start()
+    if expected == "timeout":
+        with pytest.raises(StoreTimeoutError):
+            result_while_answering(write, path)
+        assert time.monotonic() - start < 1  # two timeouts and the slices between
+    else:
+        assert result_while_answering(write, path) == expected
+        assert time.monotonic() - start >= write_s
