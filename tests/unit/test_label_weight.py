@@ -8,7 +8,7 @@ import torch
 
 from forge.data.batch import Batch
 from forge.data.packing import IGNORE_INDEX
-from forge.training.steps.common import label_counts, label_weight, step_labels
+from forge.training.steps.common import label_counts, label_weight, step_label_weight, step_labels
 
 
 def batch(labels: list[list[int]]) -> Batch:
@@ -44,3 +44,19 @@ def test_the_shares_of_one_ranks_micro_batches_are_their_labels_over_the_steps()
     counts = label_counts([batch([[1, 2, 3]]), batch([[X, X, X]]), batch([[4, X, X]])])
     shares = counts * label_weight(step_labels(counts, 1, 1), 1)
     assert shares.tolist() == pytest.approx([0.75, 0.0, 0.25])
+
+
+@pytest.mark.parametrize(
+    ("groups", "weight"),
+    [
+        (None, 1 / 4),  # no replica groups: this rank's four labels
+        (1, 1 / 4),  # one group takes part: alike
+        (3, 1 / 12),  # three groups of four labels: each label one twelfth of the step
+    ],
+)
+def test_under_replica_groups_a_label_weighs_over_every_participating_groups(groups, weight):
+    """Each group's labels summed across the groups that take part (``across_groups``): a
+    label weighs the same in every group, and a group's share is its labels' part."""
+    counts = label_counts([batch([[1, 2, X], [3, 4, X]])])
+    across = None if groups is None else (lambda labels: labels * groups)
+    assert step_label_weight(counts, 1, 1, across).item() == pytest.approx(weight)

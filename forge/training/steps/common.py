@@ -203,6 +203,22 @@ def label_weight(total: torch.Tensor, token_slices: int) -> torch.Tensor:
     return token_slices / total.clamp(min=1)
 
 
+def step_label_weight(
+    counts: torch.Tensor,
+    token_slices: int,
+    world_size: int,
+    across_groups: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One label's weight for a step whose micro-batches hold ``counts`` labels here: over
+    every rank's labels (``step_labels``) and, under replica groups, every participating
+    group's (``across_groups``: their labels summed), so that every labelled token of the
+    step weighs the same wherever it sits."""
+    labels = step_labels(counts, token_slices, world_size)
+    if across_groups is not None:
+        labels = across_groups(labels)
+    return label_weight(labels, token_slices)
+
+
 def trainable_parameters(model: nn.Module) -> list[torch.Tensor]:
     """The parameters that get gradients this step."""
     return [p for p in model.parameters() if p.requires_grad]

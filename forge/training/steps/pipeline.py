@@ -24,10 +24,9 @@ from forge.training.steps.common import (
     fails_alone,
     finish_step,
     label_counts,
-    label_weight,
     over_groups,
     set_lr,
-    step_labels,
+    step_label_weight,
     step_lr,
     trainable_parameters,
     with_depth_counts,
@@ -135,10 +134,8 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
         of it (a replay, a high-precision check) weighs alike."""
         # the model's depths on every pipeline rank (one all-reduce of one shape)
         counts = with_depth_counts(label_counts(batches), batches, pipeline.loss.depth, stage)
-        labels = step_labels(counts, spec.token_slices, spec.world_size)
-        if replicas is not None:  # every replica group's labels weigh alike
-            labels = replicas.labels(labels)
-        return label_weight(labels, spec.token_slices)
+        across = None if replicas is None else replicas.labels
+        return step_label_weight(counts, spec.token_slices, spec.world_size, across)
 
     def norm_of(params: Sequence[torch.Tensor]) -> torch.Tensor:
         """The grad norm across stages, an embedding tied across pipeline ranks counted once."""

@@ -17,13 +17,12 @@ from forge.training.steps.common import (
     fails_alone,
     finish_step,
     label_counts,
-    label_weight,
     micro_batch_loss,
     mtp_depth_of,
     over_groups,
     set_gradient_sync,
     set_lr,
-    step_labels,
+    step_label_weight,
     step_lr,
     trainable_parameters,
     with_depth_counts,
@@ -75,10 +74,8 @@ def make_text_step(spec: StepSpec) -> StepFunction:
         per step: every computation of it (a replay, a high-precision check) weighs alike."""
         # each depth's targets beside the main labels: one all-reduce for all
         counts = with_depth_counts(label_counts(batches), batches, depth, model)
-        labels = step_labels(counts, spec.token_slices, spec.world_size)
-        if replicas is not None:  # every replica group's labels weigh alike
-            labels = replicas.labels(labels)
-        return counts, label_weight(labels, spec.token_slices)
+        across = None if replicas is None else replicas.labels
+        return counts, step_label_weight(counts, spec.token_slices, spec.world_size, across)
 
     def gradients(
         batches: tuple[Batch, ...],
