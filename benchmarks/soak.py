@@ -7,7 +7,10 @@ Faults, drawn from ``--seed`` at random steps:
   ``kill_rank`` (SIGKILL one rank), ``term_job`` (SIGTERM the job: torchrun's shutdown),
   ``stall_rank`` (SIGSTOP one rank past ``distributed.timeout_s``, then SIGCONT: its peer
   ends HEALTH_FAILURE; a fault a launch outlives counts as recovered in the job),
-  ``kill_in_save`` (SIGKILL one rank as a checkpoint step's async save starts);
+  ``kill_in_save`` (SIGKILL one rank as a checkpoint step's async save starts),
+  ``store_stall`` (the checkpoint store stops answering: its server SIGSTOPped for
+  ``STORE_STALL_S``, then SIGCONT; the job's checkpoints are then in an S3 bucket of moto's
+  server, which the soak starts: the dev extra);
 - in-job faults, keyed by step in ``FORGE_FAULTS`` (each launch that reaches the step meets
   them again, and so does the reference run): ``nan`` (skipped by policy), ``spike``
   (skipped by ``on_spike = "skip"``), ``corrupt`` (a flipped gradient bit on a replayed step,
@@ -25,6 +28,7 @@ recomputed), the steps recomputed, and the run's goodput::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import json
 import os
@@ -36,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import attrs
 
@@ -51,6 +55,8 @@ from forge.outputs import file_output_problem, replace_file  # noqa: E402
 INTERVAL = 5  # steps between checkpoints
 LAUNCH_LIMIT = 300.0  # seconds a launch may take before the soak gives up on it
 COLLECTIVE_TIMEOUT_S = 10  # distributed.timeout_s: a stalled rank outlasts it
+STORAGE_TIMEOUT_S = 2  # checkpoint.storage_timeout_s with a store
+STORE_STALL_S = 3 * STORAGE_TIMEOUT_S  # a stalled store outlasts the wait for a save
 
 
 class Kind(enum.Enum):
@@ -61,9 +67,30 @@ class Kind(enum.Enum):
     NAN = "nan"
     SPIKE = "spike"
     CORRUPT = "corrupt"
+    STORE_STALL = "store_stall"
 
 
-PROCESS = (Kind.KILL_RANK, Kind.TERM_JOB, Kind.STALL_RANK, Kind.KILL_IN_SAVE)
+# sent by the soak while a launch runs (the others are keyed by step in FORGE_FAULTS)
+PROCESS = (Kind.KILL_RANK, Kind.TERM_JOB, Kind.STALL_RANK, Kind.KILL_IN_SAVE, Kind.STORE_STALL)
+OUTLIVED = (Kind.STALL_RANK, Kind.STORE_STALL)  # a launch may go on through these
+
+
+@attrs.frozen
+class Store:
+    """The S3 store the job's checkpoints go to (with ``store_stall``): moto's server."""
+
+    endpoint: str
+    bucket: str
+    server: subprocess.Popen = attrs.field(eq=False)
+
+    def env(self) -> dict[str, str]:
+        from tests.object_store import ENV
+
+        return {**ENV, "AWS_ENDPOINT_URL": self.endpoint}
+
+    def args(self, prefix: str) -> list[str]:
+        return [f"--checkpoint.dir=s3://{self.bucket}/{prefix}",
+                f"--checkpoint.storage_timeout_s={STORAGE_TIMEOUT_S}"]  # fmt: skip
 
 
 @attrs.frozen
@@ -138,13 +165,17 @@ def config_args(data: pathlib.Path, steps: int) -> list[str]:
     ]
 
 
-def torchrun(run_dir: pathlib.Path, args: Sequence[str], faults: str, log) -> subprocess.Popen:
+def torchrun(
+    run_dir: pathlib.Path, args: Sequence[str], faults: str, log, store: Store | None = None
+) -> subprocess.Popen:
     """One launch: torchrun's agent and two workers (no restarts: the soak is the
-    scheduler)."""
+    scheduler); its checkpoints in ``store`` under the run directory's name when given."""
+    where = store.args(run_dir.name) if store is not None else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "--max-restarts=0", str(REPO / "scripts" / "train.py"), *args,
+           "--max-restarts=0", str(REPO / "scripts" / "train.py"), *args, *where,
            f"--run.dir={run_dir}"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FORGE_FAULTS": faults}
+    env |= store.env() if store is not None else {}
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -191,8 +222,14 @@ class Recovery:
     verify: float  # the checkpoint's bytes checked
 
 
-def send(fault: Fault, agent: subprocess.Popen) -> None:
-    """Deliver a process fault to the running launch."""
+def send(fault: Fault, agent: subprocess.Popen, store: Store | None = None) -> None:
+    """Deliver a process fault to the running launch (or its store)."""
+    if fault.kind is Kind.STORE_STALL:
+        if store is not None:
+            store.server.send_signal(signal.SIGSTOP)
+            time.sleep(STORE_STALL_S)  # a save's wait names it and training goes on
+            store.server.send_signal(signal.SIGCONT)
+        return
     ranks = workers(agent.pid)
     if fault.kind is Kind.TERM_JOB:
         agent.send_signal(signal.SIGTERM)
@@ -209,9 +246,14 @@ def send(fault: Fault, agent: subprocess.Popen) -> None:
 
 
 def soak(
-    work: pathlib.Path, data: pathlib.Path, steps: int, faults: list[Fault]
+    work: pathlib.Path,
+    data: pathlib.Path,
+    steps: int,
+    faults: list[Fault],
+    store: Store | None = None,
 ) -> dict[str, object]:
-    """Run the job under ``faults`` until it completes, then the reference; the report."""
+    """Run the job under ``faults`` until it completes, then the reference; the report.
+    With ``store``, both keep their checkpoints in it (``store_stall`` needs one)."""
     args = config_args(data, steps)
     env_faults = in_job_env(faults)
     pending = [f for f in faults if f.kind in PROCESS]
@@ -228,11 +270,11 @@ def soak(
             if launches > len(faults) + 5:
                 raise RuntimeError(f"no completion after {launches - 1} launches; see {work}")
             begun = time.time()
-            agent = torchrun(run_dir, args, env_faults, log)
+            agent = torchrun(run_dir, args, env_faults, log, store)
             before = max(steps_logged(run_dir), default=0)
             while agent.poll() is None:
                 reached = max(steps_logged(run_dir), default=0)
-                outlived = open_fault is not None and open_fault[0].kind is Kind.STALL_RANK
+                outlived = open_fault is not None and open_fault[0].kind in OUTLIVED
                 if outlived and reached > open_fault[2] + 1:
                     fault, at, at_step, _ = open_fault  # a stall the launch outlived
                     recoveries.append(Recovery(fault.kind, at_step, at_step, time.time() - at,
@@ -255,7 +297,7 @@ def soak(
                 due = open_fault is None and pending and reached >= pending[0].step
                 if due and (reached > before or before == 0):  # this launch reached it
                     fault, at = pending.pop(0), time.time()
-                    send(fault, agent)
+                    send(fault, agent, store)
                     sent.append(fault)
                     launched = len(read_ledger(run_dir / "goodput.jsonl"))
                     open_fault = (fault, at, reached, launched)
@@ -271,9 +313,10 @@ def soak(
     wall = time.time() - started
     reference = work / "reference"
     with (work / "reference.log").open("ab") as log:
-        if torchrun(reference, args, env_faults, log).wait() != 0:
+        if torchrun(reference, args, env_faults, log, store).wait() != 0:
             raise RuntimeError(f"the reference run failed; see {work / 'reference.log'}")
-    identical = same_weights(run_dir, reference, steps) and losses(run_dir) == losses(reference)
+    identical = same_weights(run_dir, reference, steps, store)
+    identical = identical and losses(run_dir) == losses(reference)
     recovered = len(recoveries) == len(sent)
     totals = run_totals(read_ledger(run_dir / "goodput.jsonl"))
     return {
@@ -334,8 +377,11 @@ def records_lost(run_dir: pathlib.Path, steps: int) -> int:
     return len(set(range(1, steps + 1)) - {s for s, _ in losses(run_dir)})
 
 
-def same_weights(run: pathlib.Path, reference: pathlib.Path, steps: int) -> bool:
-    """Whether the two final checkpoints hold the same tensors, bit for bit."""
+def same_weights(
+    run: pathlib.Path, reference: pathlib.Path, steps: int, store: Store | None = None
+) -> bool:
+    """Whether the two final checkpoints hold the same tensors, bit for bit (fetched from
+    ``store`` first when they are there)."""
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -343,7 +389,14 @@ def same_weights(run: pathlib.Path, reference: pathlib.Path, steps: int) -> bool
         states = []
         for i, root in enumerate((run, reference)):
             out = pathlib.Path(tmp) / f"{i}.pt"
-            dcp_to_torch_save(str(root / "checkpoints" / f"step_{steps}"), str(out))
+            folder = root / "checkpoints" / f"step_{steps}"
+            if store is not None:
+                from tests.object_store import s3
+
+                folder = pathlib.Path(tmp) / f"step_{i}"
+                s3(store.endpoint).get(f"{store.bucket}/{root.name}/step_{steps}/", str(folder),
+                                       recursive=True)  # fmt: skip
+            dcp_to_torch_save(str(folder), str(out))
             states.append(torch.load(out, weights_only=False))
     flat = [dict(flatten(s)) for s in states]
     if flat[0].keys() != flat[1].keys():
@@ -385,6 +438,15 @@ def work_problem(work: pathlib.Path | None) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def moto_store() -> Iterator[Store]:
+    """moto's S3 server on a free local port and a new bucket (``tests/object_store.py``)."""
+    from tests.object_store import moto_process, new_bucket
+
+    with moto_process() as (endpoint, server):
+        yield Store(endpoint, new_bucket(endpoint), server)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -404,10 +466,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     kinds = [Kind(k) for k in args.kinds.split(",")]
     faults = plan_faults(args.seed, args.faults, args.steps, kinds)
     print(f"{len(faults)} faults: " + ", ".join(f"{f.kind.value}@{f.step}" for f in faults))
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         work = args.work or pathlib.Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        report = soak(work, args.data, args.steps, faults)
+        store = stack.enter_context(moto_store()) if Kind.STORE_STALL in kinds else None
+        report = soak(work, args.data, args.steps, faults, store)
     print(json.dumps(report, indent=2))
     if args.out is not None:
         replace_file(args.out, json.dumps(report, indent=2) + "\n")

@@ -81,8 +81,11 @@ class CheckpointSaveError(RuntimeError):
     temporary directory is removed; ``remains`` says what was found of the previous
     checkpoint and ``latest`` after the failure (intact, or what is gone)."""
 
-    def __init__(self, root: str, step: int, cause: str, remains: str) -> None:
+    def __init__(
+        self, root: str, step: int, cause: str, remains: str, abandoned: bool = False
+    ) -> None:
         self.root, self.step, self.cause = root, step, cause
+        self.abandoned = abandoned  # given up on while its write still runs
         what = f"({cause})"
         if cause.startswith(NO_SPACE):
             what = (
@@ -90,7 +93,15 @@ class CheckpointSaveError(RuntimeError):
                 "longer needs, or lower checkpoint.keep_last_n) or point checkpoint.dir at a "
                 "disk with room"
             )
-        super().__init__(f"checkpoint.dir {root}: saving step {step} failed {what}; {remains}")
+        ends = (
+            "; its write could not be stopped, so the run ends: relaunch it once the store "
+            "answers (it resumes from the last committed checkpoint)"
+            if abandoned
+            else ""
+        )
+        super().__init__(
+            f"checkpoint.dir {root}: saving step {step} failed {what}; {remains}{ends}"
+        )
 
 
 def print_errors(lines: Sequence[str], stream: TextIO | None = None) -> None:

@@ -6,7 +6,8 @@ A save stages the state, writes DCP shards (in a background thread with ``async_
 staging place. The commit (train state, checksums, ``step_<N>`` made visible, ``latest``
 moved: the storage's ``commit``; then retention) happens only in ``wait()``, once every rank's
 shards are written (``status``: at the first step all have), or before the next save or exit.
-DCP's collectives run on a dedicated gloo group so they never interleave with training ones.
+DCP's collectives run on a dedicated gloo group so they never interleave with training ones;
+the ranks' agreements on a save (``_gather``) on another, beside DCP's.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from forge.checkpoint.store import (
 from forge.config.sections import AsyncMode
 from forge.errors import CheckpointSaveError, one_line
 from forge.model.transformer import canonical_name
+from forge.parallel.mesh import gloo_group
 
 
 @attrs.define
@@ -89,11 +91,12 @@ class Checkpointer:
         self.mode = mode
         self.rank = rank
         self.on_commit = on_commit
+        # DCP's collectives, and forge's agreements on a group of their own: a save given up
+        # on (its store stopped answering) may still run DCP's on the first at any moment
         self.group: dist.ProcessGroup | None = None
+        self.agreement: dist.ProcessGroup | None = None
         if world_size > 1:
-            group = dist.new_group(backend="gloo")
-            assert isinstance(group, dist.ProcessGroup)
-            self.group = group
+            self.group, self.agreement = gloo_group(), gloo_group()
         self.pending: PendingSave | None = None
         # once known (rank 0 lists root at the first save, then follows its commits): the
         # newest step in root, complete or not (for ``prepare``), and the newest committed,
@@ -116,11 +119,11 @@ class Checkpointer:
     def _gather(self, value: Any, step: int) -> list[Any]:
         """Every rank's ``value``, in rank order, on every rank (a barrier too), for the save
         of ``step``; ``PeerLostError`` when the collective itself fails."""
-        if self.group is None:
+        if self.agreement is None:
             return [value]
-        values: list[Any] = [None] * dist.get_world_size(self.group)
+        values: list[Any] = [None] * dist.get_world_size(self.agreement)
         try:
-            dist.all_gather_object(values, value, group=self.group)
+            dist.all_gather_object(values, value, group=self.agreement)
         except RuntimeError as exc:  # gloo's closed connection or timeout (DistError too)
             raise PeerLostError(step, str(exc)) from None
         return values
@@ -131,17 +134,20 @@ class Checkpointer:
         return next((e for e in self._gather(error, step) if e is not None), None)
 
     def _merged(
-        self, sums: dict[str, list], error: str | None, step: int
-    ) -> tuple[dict, str | None]:
-        """Every rank's checksums of the files it wrote, merged, or the first rank's error
-        (one collective: a barrier too)."""
+        self, sums: dict[str, list], error: str | None, gave_up: bool, step: int
+    ) -> tuple[dict, str | None, bool]:
+        """Every rank's checksums of the files it wrote, merged, or the first rank's error,
+        and whether any rank gave its write up (one collective: a barrier too)."""
         merged: dict[str, list] = {}
-        for rank_sums, rank_error in self._gather((sums, error), step):
+        for rank_sums, rank_error, rank_gave_up in self._gather((sums, error, gave_up), step):
             error = error or rank_error
+            gave_up = gave_up or rank_gave_up
             merged |= rank_sums
-        return merged, error
+        return merged, error, gave_up
 
-    def _fail(self, step: int, tmp: CheckpointPath, error: str) -> CheckpointSaveError:
+    def _fail(
+        self, step: int, tmp: CheckpointPath, error: str, abandoned: bool = False
+    ) -> CheckpointSaveError:
         """Remove the failed save's files (rank 0); the error to raise, with what rank 0
         found of the previous checkpoint and ``latest`` (checked, not assumed: a store can
         lose data mid-run), the same on every rank. Every rank calls it, after agreeing on
@@ -152,7 +158,7 @@ class Checkpointer:
                 self.storage.discard(tmp)
             remains = what_remains(self.storage, self.root, self._committed)
         remains = self._gather(remains, step)[0]
-        return CheckpointSaveError(str(self.root), step, error, remains)
+        return CheckpointSaveError(str(self.root), step, error, remains, abandoned)
 
     def _past_every_commit(self, step: int) -> bool:
         """Whether ``step`` is newer than every checkpoint in ``root`` (listed at the first
@@ -248,7 +254,7 @@ class Checkpointer:
         if pending is None:
             return None
         waited = time.perf_counter()
-        error, sums = None, {}
+        error, sums, gave_up = None, {}, False
         try:  # the write and this rank's checksums of it, fresh in the page cache
             if pending.future is not None:
                 sums = result_while_answering(pending.future, self.root)
@@ -258,12 +264,11 @@ class Checkpointer:
                 sums = {**shards, **checksums_of(pending.tmp, rest)}
         except (Exception, CheckpointException) as exc:
             error = failure_cause(exc, pending.tmp)
-            if isinstance(exc, StoreTimeoutError):  # its checksum thread still waits on it
-                self._hasher = None
+            gave_up = isinstance(exc, StoreTimeoutError)  # the write goes on, unwaited
         # every rank's shards are written and checksummed, or none commits
-        checksums, error = self._merged(sums, error, pending.step)
+        checksums, error, gave_up = self._merged(sums, error, gave_up, pending.step)
         if error:
-            raise self._fail(pending.step, pending.tmp, error)
+            raise self._fail(pending.step, pending.tmp, error, abandoned=gave_up)
         final = step_dir(self.root, pending.step)
         if self.rank == 0:
             try:
@@ -297,11 +302,12 @@ class Checkpointer:
             self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forge-checksum")
         return self._hasher
 
-    def stop_threads(self) -> None:
-        """Shut the checksum threads down (after a fatal failure too: none is left running)."""
+    def stop_threads(self, wait: bool = True) -> None:
+        """Shut the checksum threads down (after a fatal failure too: none is left running;
+        ``wait=False`` after a save given up on, whose checksum thread waits on its write)."""
         for pool in (self._hasher, self._pieces):
             if pool is not None:
-                pool.shutdown()
+                pool.shutdown(wait=wait, cancel_futures=not wait)
         self._hasher = self._pieces = None
 
     def _piece_pool(self) -> ThreadPoolExecutor:

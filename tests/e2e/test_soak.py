@@ -20,7 +20,7 @@ K = SOAK.Kind
 
 # (case, kinds, count, steps): what the plan must hold whatever the seed
 PLANS = [
-    ("every kind once", list(K), 7, 40),
+    ("every kind once", list(K), 8, 40),
     ("in-job faults only", [K.NAN, K.SPIKE, K.CORRUPT], 9, 40),
     ("process faults only", list(SOAK.PROCESS), 8, 20),
 ]

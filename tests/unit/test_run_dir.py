@@ -133,19 +133,20 @@ def test_metrics_without_a_config_are_an_unknown_runs_records(tmp_path):
     assert problem is not None and "unknown run" in problem
 
 
-# (reason, step, max_steps, fatal)
+# (reason, step, max_steps, abandoned, fatal)
 SAVE_FAILURES = [
-    (SaveReason.SCHEDULED, 5, 10, False),  # periodic, mid-run: warn and go on
-    (SaveReason.SCHEDULED, 10, 10, True),  # periodic save of the last step: the last chance
-    (SaveReason.FINAL, 10, 10, True),
-    (SaveReason.FINAL, 7, 10, True),  # data exhausted early
-    (SaveReason.EMERGENCY, 5, 10, True),
+    (SaveReason.SCHEDULED, 5, 10, False, False),  # periodic, mid-run: warn and go on
+    (SaveReason.SCHEDULED, 10, 10, False, True),  # periodic save of the last step: the last chance
+    (SaveReason.FINAL, 10, 10, False, True),
+    (SaveReason.FINAL, 7, 10, False, True),  # data exhausted early
+    (SaveReason.EMERGENCY, 5, 10, False, True),
+    (SaveReason.SCHEDULED, 5, 10, True, True),  # its write still runs: the run ends
 ]
 
 
-@pytest.mark.parametrize("reason,step,max_steps,fatal", SAVE_FAILURES)
-def test_save_failure_is_fatal(reason, step, max_steps, fatal):
-    assert save_failure_is_fatal(reason, step, max_steps) is fatal
+@pytest.mark.parametrize("reason,step,max_steps,abandoned,fatal", SAVE_FAILURES)
+def test_save_failure_is_fatal(reason, step, max_steps, abandoned, fatal):
+    assert save_failure_is_fatal(reason, step, max_steps, abandoned) is fatal
 
 
 def test_an_already_complete_run_says_how_to_extend_it():

@@ -175,7 +175,7 @@ class CheckpointEffects:
 
     def _save_failed(self, exc: CheckpointSaveError) -> None:
         reason = self._save_reasons.pop(exc.step, SaveReason.SCHEDULED)
-        if save_failure_is_fatal(reason, exc.step, self.run.config.train.max_steps):
+        if save_failure_is_fatal(reason, exc.step, self.run.config.train.max_steps, exc.abandoned):
             raise exc
         if self.dist.is_main:
             print(f"[forge] warning: {exc}; training goes on", file=sys.stderr, flush=True)
@@ -199,7 +199,7 @@ class CheckpointEffects:
         if self.run.config.checkpoint.async_mode is AsyncMode.ASYNC_PROCESS:
             stop_checkpoint_process()
         self.checkpointer.stager.close()
-        self.checkpointer.stop_threads()
+        self.checkpointer.stop_threads(wait=False)
 
     def close(self) -> None:
         """Commit the save in flight and stop the checkpointer's threads and process."""

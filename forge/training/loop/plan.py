@@ -163,12 +163,17 @@ class SaveReason(enum.Enum):
     FINAL = "final"
 
 
-def save_failure_is_fatal(reason: SaveReason, step: int, max_steps: int) -> bool:
+def save_failure_is_fatal(
+    reason: SaveReason, step: int, max_steps: int, abandoned: bool = False
+) -> bool:
     """Whether a failed save ends the run. A periodic save that fails mid-run is reported and
     training goes on (the next one may succeed, as in torchtitan); the final save, an
     emergency save, or any save of the last step is the run's last chance to keep its work,
-    so its failure fails the run."""
-    return reason is not SaveReason.SCHEDULED or step >= max_steps
+    so its failure fails the run. So does a save given up on while its write still runs
+    (``abandoned``: a store that stopped answering): that write cannot be stopped, and its
+    thread would still run DCP's collectives on the checkpoint group, interleaved with the
+    next save's — the run ends, and its relaunch resumes from the last commit."""
+    return abandoned or reason is not SaveReason.SCHEDULED or step >= max_steps
 
 
 @attrs.frozen
