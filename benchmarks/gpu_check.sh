@@ -68,7 +68,7 @@ if [ "$cuda" != 1 ]; then
     # every row's dry run in one interpreter (a process a row would import torch six times),
     # each into the log its run would write
     "$py" - "$out" "${rows[@]}" <<'PY' || status=1
-import contextlib, importlib.util, sys
+import contextlib, importlib.util, sys, traceback
 spec = importlib.util.spec_from_file_location("gpu", "benchmarks/gpu.py")
 gpu = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu)
@@ -78,7 +78,11 @@ for row in sys.argv[2:]:
     with open(f"{sys.argv[1]}/gpu_benchmark_{preset}_{tag}.log", "w") as log:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             argv = ["--dry-run", "--preset", preset, "--tag", tag, *rest]
-            failed += gpu.main(argv) != 0
+            try:  # a row that raises fails alone, its traceback in its own log
+                failed += gpu.main(argv) != 0
+            except BaseException:
+                traceback.print_exc()
+                failed += 1
 sys.exit(1 if failed else 0)
 PY
 fi

@@ -29,9 +29,10 @@ def one_line(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         where = f": {exc.filename}" if exc.filename else ""
         return f"{type(exc).__name__}: {exc.strerror}{where}"
-    text = " ".join(str(exc).split())
-    if not isinstance(exc, UserInputError):  # forge's own lines are whole; others may be long
-        text = text[:300]
+    if isinstance(exc, UserInputError):  # forge's own lines, whole (a long one capped)
+        text = "; ".join(" ".join(line.split()) for line in exc.lines)[:1000]
+    else:
+        text = " ".join(str(exc).split())[:300]
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 

@@ -40,7 +40,8 @@ class ExitCode(enum.IntEnum):
     CONFIG_ERROR = 2  # bad config, data or checkpoint: nothing was trained
     NAN_ABORT = 3  # too many consecutive non-finite steps
     HEALTH_FAILURE = 4  # a rank stalled or died
-    SAVE_FAILED = 5  # a final or emergency save (or the last step's) could not be written
+    SAVE_FAILED = 5  # a final or emergency save (or the last step's) could not be written,
+    # or a save was given up on while its write ran (its store stopped answering)
     REPLAY_MISMATCH = 6  # a rank computes inconsistently: suspect its hardware
     FLOAT8_DRIFT = 7  # FP8 drifted from high precision (train.float8_on_drift = "stop")
     SHUTDOWN = 75  # EX_TEMPFAIL: preempted, "try again later" (requeue and resume)

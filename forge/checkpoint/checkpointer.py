@@ -264,7 +264,10 @@ class Checkpointer:
                 sums = {**shards, **checksums_of(pending.tmp, rest)}
         except (Exception, CheckpointException) as exc:
             error = failure_cause(exc, pending.tmp)
-            gave_up = isinstance(exc, StoreTimeoutError)  # the write goes on, unwaited
+            # given up on while the write still runs (not a bounded call of its own that
+            # timed out: then nothing is left running)
+            running = pending.future is not None and not pending.future.done()
+            gave_up = isinstance(exc, StoreTimeoutError) and running
         # every rank's shards are written and checksummed, or none commits
         checksums, error, gave_up = self._merged(sums, error, gave_up, pending.step)
         if error:

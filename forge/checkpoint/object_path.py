@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import attrs
@@ -101,10 +101,9 @@ def result_while_answering(future: Future[T], where: Any) -> T:
     if timeout_s is None:
         return future.result()
     while True:
-        try:
-            return future.result(timeout=timeout_s)
-        except FutureTimeout:
-            pass
+        done, _ = wait_futures([future], timeout=timeout_s)
+        if done:  # its own outcome, a timeout of its own calls included
+            return future.result()
         try:
             where.exists()
         except StoreTimeoutError:

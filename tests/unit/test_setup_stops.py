@@ -123,6 +123,13 @@ WAITS = [
     ("a store that answers with an error: the write's own end", "s3", refuses, 0.5, 7),
     ("a store that stopped answering: named, not waited for", "s3", hangs, None, "timeout"),
     ("a local folder: waited for plainly", "local", hangs, 0.5, 7),
+    (
+        "a write failing on a timeout of its own: raised, not waited on",
+        "s3",
+        lambda p: True,
+        0.3,
+        "own",
+    ),
 ]
 
 
@@ -138,11 +145,21 @@ def test_a_save_in_flight_is_waited_for_while_its_store_answers(
     write: Future[int] = Future()
     start = time.monotonic()
     if write_s is not None:
-        threading.Timer(write_s, write.set_result, (7,)).start()
+        outcome = (
+            (write.set_exception, TimeoutError("its own"))
+            if expected == "own"
+            else (write.set_result, 7)
+        )
+        threading.Timer(write_s, outcome[0], (outcome[1],)).start()
     if expected == "timeout":
         with pytest.raises(StoreTimeoutError):
             result_while_answering(write, path)
         assert time.monotonic() - start < 1  # two timeouts and the slices between
+    elif expected == "own":
+        with pytest.raises(TimeoutError) as own:
+            result_while_answering(write, path)
+        assert not isinstance(own.value, StoreTimeoutError)
+        assert time.monotonic() - start < 1
     else:
         assert result_while_answering(write, path) == expected
         assert write_s is not None and time.monotonic() - start >= write_s

@@ -21,7 +21,7 @@ from forge.checkpoint.slots import Slots
 from forge.checkpoint.store import apply_retention
 from forge.config.loader import CONVERTER
 from forge.config.sections import AsyncMode
-from forge.errors import CheckpointSaveError
+from forge.errors import CheckpointSaveError, one_line
 from forge.interop.export import export_model, tokenizer_info
 from forge.optim.optimizers import evaluation_weights
 from forge.resilience.stalls import backend_reason
@@ -131,7 +131,11 @@ class CheckpointEffects:
             )
         if self._schedule is not None:
             keep = self.run.config.checkpoint.keep_last_n
-            apply_retention(self.run.checkpoint_dir, keep, self._schedule)
+            try:
+                apply_retention(self.run.checkpoint_dir, keep, self._schedule)
+            except OSError as exc:  # a store that stopped answering: the next commit retries
+                print(f"[forge] warning: retention after step {step}: {one_line(exc)}",
+                      file=sys.stderr)  # fmt: skip
         self.hooks.on_checkpoint_save(step, path)
 
     def export(self) -> None:
