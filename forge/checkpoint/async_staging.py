@@ -160,6 +160,14 @@ def stderr_to(log: pathlib.Path) -> Iterator[None]:
         os.close(saved)
 
 
+def gloo_group() -> dist.ProcessGroup:
+    """A new gloo group of every rank (every rank calls it, in the same order): collectives
+    of their own, beside the training's (DCP's, the ranks' agreements on a save)."""
+    group = dist.new_group(backend="gloo")
+    assert isinstance(group, dist.ProcessGroup)
+    return group
+
+
 def start_checkpoint_process(group: dist.ProcessGroup | None, log: pathlib.Path) -> None:
     """Start torch's checkpoint process now, with its output going to ``log``, in a session
     of its own (``OwnSessionCheckpointProcess``).

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from forge.checkpoint.async_staging import (
     ReusingStager,
+    gloo_group,
     start_checkpoint_process,
     stop_checkpoint_process,
 )
@@ -58,7 +59,6 @@ from forge.checkpoint.store import (
 from forge.config.sections import AsyncMode
 from forge.errors import CheckpointSaveError, one_line
 from forge.model.transformer import canonical_name
-from forge.parallel.mesh import gloo_group
 
 
 @attrs.define

@@ -188,11 +188,3 @@ def host_names(world: WorldInfo) -> tuple[str, ...]:
         return (socket.gethostname(),)
     dist.all_gather_object(names, socket.gethostname())
     return tuple(str(n) for n in names)
-
-
-def gloo_group() -> dist.ProcessGroup:
-    """A new gloo group of every rank (every rank calls it, in the same order): collectives
-    of their own, beside the training's (a checkpoint's, the ranks' agreements on it)."""
-    group = dist.new_group(backend="gloo")
-    assert isinstance(group, dist.ProcessGroup)
-    return group
