@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.distributed.checkpoint.storage import StorageWriter
 from torch.distributed.tensor import DTensor
 
 from forge.checkpoint.async_staging import (
@@ -36,7 +35,7 @@ from forge.checkpoint.async_staging import (
     start_checkpoint_process,
     stop_checkpoint_process,
 )
-from forge.checkpoint.checksum_writer import ChecksummingWriter, hashing_pool
+from forge.checkpoint.checksum_writer import hashing_pool, written_checksums, written_shards
 from forge.checkpoint.costs import SaveCost
 from forge.checkpoint.integrity import checksums_of, own_files
 from forge.checkpoint.object_path import StoreTimeoutError, result_while_answering
@@ -342,23 +341,6 @@ class Checkpointer:
     def in_flight(self) -> int | None:
         """The step being written, if any."""
         return self.pending.step if self.pending else None
-
-
-def written_shards(writer: StorageWriter) -> Callable[[], Mapping[str, list]]:
-    """How to get the checksums a writer took of the shards as it wrote them (none: they
-    are read back with the small files)."""
-    return writer.checksums if isinstance(writer, ChecksummingWriter) else dict
-
-
-def written_checksums(
-    write: Future, tmp: CheckpointPath, rank: int, rng: RngFile | None = None
-) -> dict[str, list]:
-    """After the write ``write`` completes (its error raised here), and the RNG file ``rng``
-    is written when given, this rank's checksums of the files it wrote into ``tmp``."""
-    write.result()
-    if rng is not None:
-        rng.write()
-    return checksums_of(tmp, own_files(tmp, rank))
 
 
 @torch.no_grad()

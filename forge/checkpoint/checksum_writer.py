@@ -5,7 +5,8 @@ write has passed them, in background threads (zlib releases the GIL), so the che
 the rest of the write: a synchronous save waits only for the last piece of each shard instead
 of reading the whole checkpoint back once it is written. The bytes checksummed are the file's,
 not the writer's buffers, as in a read-back. The small files (``.metadata``, the RNG states)
-are still checksummed after the write (``integrity.checksums_of``).
+are still checksummed after the write (``integrity.checksums_of``). Also here: how a save
+gets its shards' checksums, from this writer or read back after an async write.
 """
 
 from __future__ import annotations
@@ -13,13 +14,22 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.storage import StorageWriter
 
-from forge.checkpoint.integrity import PIECE, checksum_threads, crc_of_range
+from forge.checkpoint.integrity import (
+    PIECE,
+    checksum_threads,
+    checksums_of,
+    crc_of_range,
+    own_files,
+)
+from forge.checkpoint.paths import CheckpointPath
+from forge.checkpoint.rng import RngFile
 
 
 class PieceHasher:
@@ -125,3 +135,20 @@ class ChecksummingWriter(FileSystemWriter):
 def hashing_pool() -> ThreadPoolExecutor:
     """The threads that checksum shard pieces during a synchronous save."""
     return ThreadPoolExecutor(max_workers=checksum_threads(), thread_name_prefix="forge-crc")
+
+
+def written_shards(writer: StorageWriter) -> Callable[[], Mapping[str, list]]:
+    """How to get the checksums a writer took of the shards as it wrote them (none: they
+    are read back with the small files)."""
+    return writer.checksums if isinstance(writer, ChecksummingWriter) else dict
+
+
+def written_checksums(
+    write: Future, tmp: CheckpointPath, rank: int, rng: RngFile | None = None
+) -> dict[str, list]:
+    """After the write ``write`` completes (its error raised here), and the RNG file ``rng``
+    is written when given, this rank's checksums of the files it wrote into ``tmp``."""
+    write.result()
+    if rng is not None:
+        rng.write()
+    return checksums_of(tmp, own_files(tmp, rank))
