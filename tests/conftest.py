@@ -27,12 +27,18 @@ def pytest_configure(config: pytest.Config) -> None:
     import atexit
     import os
     import shutil
+    import sys
     import tempfile
 
     # one compute thread per process: the suite runs two workers on two cores, and every
     # run they start inherits this; with two threads each, OpenMP's waiting threads cost
     # more than they compute on models this small (a 12-step run: 10-13 s against 7-9 s)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # bytecode caches written (to __pycache__, ignored by git) even where the machine turns
+    # them off: else every fresh interpreter the tests start (torchrun's ranks, the scripts,
+    # the zygote) compiles forge again, and an -OO start compiles torch too (~5 s each)
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
