@@ -47,6 +47,10 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # the scripts whose imports the zygote makes once (their modules are then dropped: each child
 # runs its script as __main__, its imports found already loaded)
 PRELOAD = ("train", "eval", "generate")
+# what every training process imports later, at its first optimizer (torch.optim's
+# ``add_param_group`` is wrapped by ``torch._disable_dynamo``, which imports it): 0.5-2 s of
+# each forked rank's set-up otherwise
+PRELOAD_LATER = ("torch._dynamo",)
 POLL_S = 0.02
 # variables an interpreter, torch or OpenMP read while starting: a request that sets them
 # differently from the zygote's environment gets a fresh process
@@ -72,6 +76,8 @@ def preload() -> bool:
         for name in PRELOAD:
             importlib.import_module(name)
             del sys.modules[name]
+        for name in PRELOAD_LATER:
+            importlib.import_module(name)
     except Exception:
         return False
     finally:
