@@ -8,7 +8,10 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future
+from typing import TypeVar
 
 import pytest
 
@@ -27,6 +30,8 @@ from forge.resilience.signals import (
     setup_stop_line,
 )
 from forge.types import ExitCode
+
+T = TypeVar("T")
 
 
 @pytest.mark.parametrize(
@@ -116,6 +121,23 @@ def refuses(path: ObjectPath) -> bool:
     raise OSError("ClientError: 503 SlowDown")
 
 
+def bounded(call: Callable[[], T], limit_s: float = 10.0) -> T:
+    """``call()``'s result or exception; a call still waiting after ``limit_s`` fails the
+    test then (a wait that forgot its store would otherwise hang it until pytest's timeout)."""
+    box: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            box.set_result(call())
+        except BaseException as exc:  # handed to the test as it was raised
+            box.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True).start()
+    if not futures.wait([box], timeout=limit_s).done:
+        pytest.fail(f"still waiting after {limit_s} s")
+    return box.result()
+
+
 # (case, where the write goes, how the store answers the loop's question, the write's time,
 # what the wait gives)
 WAITS = [
@@ -151,15 +173,19 @@ def test_a_save_in_flight_is_waited_for_while_its_store_answers(
             else (write.set_result, 7)
         )
         threading.Timer(write_s, outcome[0], (outcome[1],)).start()
+
+    def wait() -> int:
+        return result_while_answering(write, path)
+
     if expected == "timeout":
         with pytest.raises(StoreTimeoutError):
-            result_while_answering(write, path)
+            bounded(wait)
         assert time.monotonic() - start < 1  # two timeouts and the slices between
     elif expected == "own":
         with pytest.raises(TimeoutError) as own:
-            result_while_answering(write, path)
+            bounded(wait)
         assert not isinstance(own.value, StoreTimeoutError)
         assert time.monotonic() - start < 1
     else:
-        assert result_while_answering(write, path) == expected
+        assert bounded(wait) == expected
         assert write_s is not None and time.monotonic() - start >= write_s
