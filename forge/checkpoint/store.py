@@ -37,6 +37,7 @@ from forge.checkpoint.integrity import (
     IntegrityError,
     verify_checkpoint,
 )
+from forge.checkpoint.object_path import ObjectPath
 from forge.checkpoint.paths import CheckpointPath, file_sizes
 from forge.checkpoint.pins import remove_unless_pinned
 from forge.checkpoint.policy import SaveSchedule, retention_plan, step_of
@@ -215,6 +216,8 @@ def check_loadable(
     the shapes the model's. Nothing is loaded into the model before this passes."""
     if not is_complete(path):
         raise CheckpointError(f"{path}: not a complete checkpoint (no .metadata or {TRAIN_STATE})")
+    if (odd := special_file(path)) is not None:  # opening a FIFO would wait for a writer
+        raise CheckpointError(f"{odd}: not a regular file (a FIFO, device or socket)")
     try:
         meta = read_metadata_safely(path)
         _check_shard_sizes(path, meta)
@@ -232,6 +235,14 @@ def check_loadable(
     except (UnreadableCheckpointError, IntegrityError) as exc:
         raise CheckpointError(exc.lines) from None
     _check_shapes(path, model, meta)
+
+
+def special_file(path: CheckpointPath) -> CheckpointPath | None:
+    """The first entry of a local checkpoint folder that is neither a regular file nor a
+    folder (symbolic links followed), or None; an object store holds none."""
+    if isinstance(path, ObjectPath):
+        return None
+    return next((f for f in sorted(path.iterdir()) if not (f.is_file() or f.is_dir())), None)
 
 
 def _check_shard_sizes(path: CheckpointPath, meta: Metadata) -> None:

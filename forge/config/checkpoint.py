@@ -9,6 +9,7 @@ import attrs
 
 from forge.config.ranges import (
     Problem,
+    bounded_wait,
     non_negative,
     not_empty,
     positive,
@@ -119,6 +120,7 @@ class CheckpointConfig:
             )
         positive(p, "checkpoint.interval", self.interval)
         positive(p, "checkpoint.storage_timeout_s", self.storage_timeout_s)
+        bounded_wait(p, "checkpoint.storage_timeout_s", self.storage_timeout_s)
         if self.dyn_ckpt_window is not None:
             p += self.dyn_ckpt_window.problems("checkpoint.dyn_ckpt_window")
         unknown = sorted(set(self.exclude_from_loading) - EXCLUDABLE)

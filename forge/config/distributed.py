@@ -6,7 +6,7 @@ import enum
 
 import attrs
 
-from forge.config.ranges import Problem, positive
+from forge.config.ranges import Problem, bounded_wait, positive
 
 
 class PipelineSchedule(enum.Enum):
@@ -18,6 +18,11 @@ class PipelineSchedule(enum.Enum):
     INTERLEAVED_ZERO_BUBBLE = "interleaved_zero_bubble"
     ZBV = "zbv"
     DUALPIPEV = "dualpipev"
+
+
+# a process group's start-up and its collectives between processes of one machine take
+# this long: a shorter timeout fails healthy runs (0.001 s did, at the rendezvous)
+MIN_TIMEOUT_S = 1.0
 
 
 @attrs.frozen
@@ -52,5 +57,13 @@ class DistributedConfig:
             p.append(
                 ("distributed.dp_shard", f"must be -1 (the rest) or >= 1, got {self.dp_shard}")
             )
-        positive(p, "distributed.timeout_s", self.timeout_s)
+        if not self.timeout_s >= MIN_TIMEOUT_S:  # NaN included
+            p.append(
+                (
+                    "distributed.timeout_s",
+                    f"must be >= {MIN_TIMEOUT_S:g} s, got {self.timeout_s:g}: process-group "
+                    "start-up and every collective must fit in it",
+                )
+            )
+        bounded_wait(p, "distributed.timeout_s", self.timeout_s)
         return p

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import attrs
 
-from forge.config.ranges import Problem, positive
+from forge.config.ranges import Problem, bounded_wait, positive
 
 # torchft's RPCs and the cross-group sums between processes: shorter fails healthy steps
 MIN_TIMEOUT_S = 1.0
@@ -48,6 +48,7 @@ class FaultToleranceConfig:
                         "commit and quorum take that long between processes",
                     )
                 )
+            bounded_wait(p, f"fault_tolerance.{key}", value)
         positive(p, "fault_tolerance.heartbeat_ms", self.heartbeat_ms)
         if self.groups >= 1 and not 0 <= self.group < self.groups:
             p.append(
@@ -70,6 +71,17 @@ class FaultToleranceConfig:
                     f"must be an address like http://host:29510, got {self.lighthouse!r}",
                 )
             )
+        if not self.enabled:  # a group's keys on a plain run would train it as a whole run
+            off = attrs.fields_dict(FaultToleranceConfig)
+            p += [
+                (
+                    f"fault_tolerance.{name}",
+                    "is set, but fault_tolerance.enabled is false, so nothing reads it; set "
+                    "fault_tolerance.enabled = true for replica groups, or remove it",
+                )
+                for name, field in off.items()
+                if name != "enabled" and getattr(self, name) != field.default
+            ]
         return p
 
     @property

@@ -15,12 +15,23 @@ Problem = tuple[str, str]
 # kernel (ENAMETOOLONG) only when first used, deep inside set-up
 NAME_MAX_BYTES = 255
 PATH_MAX_BYTES = 4095
+# the longest wait forge takes: a longer one bounds nothing, and the libraries below overflow
+# on some (threading's TIMEOUT_MAX; gloo's deadline in ms: 1e10 s timed out at once)
+MAX_WAIT_S = 7 * 24 * 3600.0
 
 
 def positive(problems: list[Problem], key: str, value: float) -> None:
     """Add a problem unless ``value > 0``."""
     if value <= 0:
         problems.append((key, f"must be > 0, got {value}"))
+
+
+def bounded_wait(problems: list[Problem], key: str, value: float) -> None:
+    """Add a problem when ``value``, a wait in seconds, is past ``MAX_WAIT_S``."""
+    if value > MAX_WAIT_S:
+        problems.append(
+            (key, f"must be at most {MAX_WAIT_S:g} s (a week), got {value:g}: it bounds nothing")
+        )
 
 
 def non_negative(problems: list[Problem], key: str, value: float) -> None:
@@ -55,11 +66,17 @@ def one_slash_scheme(value: str) -> str | None:
 
 
 def store_url_problem(url: str) -> str | None:
-    """Why fsspec cannot open ``url``: a protocol it does not know, or one whose package is not
-    installed (naming forge's extra that brings it), else None."""
+    """Why fsspec cannot open ``url`` for forge: a protocol it does not know, one whose package
+    is not installed (naming forge's extra that brings it) or one that outlives no process
+    (``memory://``), else None."""
     from fsspec.registry import get_filesystem_class, known_implementations
 
     scheme = url_scheme(url) or ""
+    if scheme == "memory":  # fsspec's own, in this process: accepted, it would keep nothing
+        return (
+            f"'{url}': memory:// keeps its files in this process alone, so every checkpoint "
+            "would be gone when it ends; give a local folder or a durable store (s3://, gs://)"
+        )
     if scheme not in known_implementations:
         return (
             f"'{url}': '{scheme}://' is not a storage protocol fsspec knows (s3://, gs://, "

@@ -7,11 +7,12 @@ import enum
 
 import attrs
 
-from forge.config.ranges import Problem, non_negative, positive
+from forge.config.ranges import Problem, bounded_wait, non_negative, positive
 
 # the control word waits for the slowest rank's step and rank 0's logging: under a second it
 # times out on healthy ranks, and every run ends HEALTH_FAILURE at step 1
 MIN_HEALTH_TIMEOUT_S = 1.0
+MIN_SHUTDOWN_TIMEOUT_S = 1.0
 
 
 class NonFinitePolicy(enum.Enum):
@@ -77,7 +78,16 @@ class ResilienceConfig:
                     "shorter one fails healthy runs; it bounds how long a dead peer goes unnoticed",
                 )
             )
-        positive(p, "resilience.shutdown_timeout_s", self.shutdown_timeout_s)
+        if not self.shutdown_timeout_s >= MIN_SHUTDOWN_TIMEOUT_S:  # NaN included
+            p.append(
+                (
+                    "resilience.shutdown_timeout_s",
+                    f"must be >= {MIN_SHUTDOWN_TIMEOUT_S:g} s, got {self.shutdown_timeout_s:g}: "
+                    "the rest of the step and the emergency save must fit in it",
+                )
+            )
+        for key in ("health_timeout_s", "shutdown_timeout_s"):
+            bounded_wait(p, f"resilience.{key}", getattr(self, key))
         non_negative(p, "resilience.spike_threshold", self.spike_threshold)
         non_negative(p, "resilience.replay_interval", self.replay_interval)
         if not self.straggler_ratio > 1:  # NaN included

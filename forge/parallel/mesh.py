@@ -16,6 +16,7 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from forge.config.sections import DistributedConfig
+from forge.errors import UserInputError
 from forge.parallel.world import MESH_ORDER, MeshDims, WorldInfo
 
 
@@ -41,6 +42,24 @@ def usable_backend(spec: str, cuda: bool) -> str:
     if len(kept) == 1:
         return kept[0].split(":", 1)[1]
     return ",".join(kept)
+
+
+def backend_problem(spec: str, cuda: bool) -> str | None:
+    """Why ``distributed.backend`` cannot start here (a backend this torch lacks, or NCCL
+    without a GPU), or None."""
+    backend = usable_backend(spec, cuda)
+    for name in (e.split(":", 1)[-1].strip() for e in backend.split(",")):
+        if name == "nccl" and not cuda:
+            why = "NCCL needs CUDA devices and this machine has none"
+        elif not dist.is_backend_available(name):
+            why = f"this torch has no {name!r} backend"
+        else:
+            continue
+        return (
+            f"distributed.backend: {spec!r}: {why}; use 'gloo' on CPUs, or the default "
+            "'cpu:gloo,cuda:nccl' (each device takes its own)"
+        )
+    return None
 
 
 def device_for(world: WorldInfo) -> torch.device:
@@ -91,6 +110,8 @@ def init_process_group(
     os.environ.setdefault("MASTER_ADDR", world.master_addr)
     os.environ.setdefault("MASTER_PORT", str(world.master_port))
     if not dist.is_initialized():
+        if (problem := backend_problem(cfg.backend, torch.cuda.is_available())) is not None:
+            raise UserInputError(problem)
         os.environ.update(nccl_environment(os.environ, cfg.timeout_s))
         timeout = datetime.timedelta(seconds=cfg.timeout_s)
         dist.init_process_group(

@@ -136,9 +136,14 @@ class ShutdownFlag:
         return self
 
     def reaches(self) -> bool:
-        """Whether every shutdown signal is handled by this flag now (a guard of the start:
-        a launcher or library may have put its own handler in its place)."""
-        return all(signal.getsignal(sig) == self._handle for sig in SHUTDOWN_SIGNALS)
+        """Whether every shutdown signal is handled by this flag now and not blocked (a guard
+        of the start: a launcher or library may have put its own handler in its place, or a
+        parent process blocked it: a mask survives exec, and each thread inherits it)."""
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        return all(
+            signal.getsignal(sig) == self._handle and sig not in blocked
+            for sig in SHUTDOWN_SIGNALS
+        )
 
     def setup_done(self) -> None:
         """Set-up is over: a signal now asks for a save at the end of a step."""

@@ -5,6 +5,7 @@ are never committed."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
 import struct
@@ -168,6 +169,16 @@ def flip_a_bit_with_no_record(path):
     flip_a_bit(path)
 
 
+def fifo_for(name):
+    """A FIFO in place of ``name``: opened for reading, it would wait for a writer forever."""
+
+    def damage(path):
+        (path / name).unlink()
+        os.mkfifo(path / name)
+
+    return damage
+
+
 def drop(name):
     return lambda files: {k: v for k, v in files.items() if k != name}
 
@@ -186,6 +197,8 @@ DAMAGE = [
     ("step_1's shard copied over step_2's", swap_in_the_older_shard, "checksum mismatch", False),
     ("the train state's step edited", edit_the_step, "train_state.json", True),
     ("a truncated RNG file", truncate_the_rng_file, "rng_rank0.pt", True),
+    ("a FIFO for the RNG file (a read would hang)", fifo_for("rng_rank0.pt"), "rng_rank0.pt: not a regular file", True),
+    ("a FIFO for the train state", fifo_for(TRAIN_STATE), "not a complete checkpoint", True),
 ]  # fmt: skip
 
 

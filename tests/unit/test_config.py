@@ -202,6 +202,49 @@ BAD = [
         "fsspec knows (s3://, gs://, and those of fsspec's registry); fix the URL",
     ),
     (
+        "a checkpoint dir in this process's memory (every checkpoint lost at its exit)",
+        {"checkpoint": {"dir": "memory://bucket/run"}},
+        "checkpoint.dir: 'memory://bucket/run': memory:// keeps its files in this process "
+        "alone, so every checkpoint would be gone when it ends; give a local folder or a "
+        "durable store (s3://, gs://)",
+    ),
+    (
+        "a collective timeout no process group starts in",
+        {"distributed": {"timeout_s": 0.001}},
+        "distributed.timeout_s: must be >= 1 s, got 0.001: process-group start-up and every "
+        "collective must fit in it",
+    ),
+    (
+        "a shutdown timeout no emergency save fits in",
+        {"resilience": {"shutdown_timeout_s": 1e-300}},
+        "resilience.shutdown_timeout_s: must be >= 1 s, got 1e-300: the rest of the step and "
+        "the emergency save must fit in it",
+    ),
+    *(
+        (
+            f"{key} past a week (threading and gloo overflow on such waits)",
+            raw,
+            f"{key}: must be at most 604800 s (a week), got {value:g}: it bounds nothing",
+        )
+        for key, value, raw in [
+            ("distributed.timeout_s", 1e300, {"distributed": {"timeout_s": 1e300}}),
+            ("resilience.health_timeout_s", 1e300, {"resilience": {"health_timeout_s": 1e300}}),
+            ("resilience.shutdown_timeout_s", 1e10, {"resilience": {"shutdown_timeout_s": 1e10}}),
+            ("checkpoint.storage_timeout_s", 1e9, {"checkpoint": {"storage_timeout_s": 1e9}}),
+            (
+                "fault_tolerance.quorum_timeout_s",
+                604801.0,
+                {"fault_tolerance": {"enabled": True, "quorum_timeout_s": 604801.0}},
+            ),
+        ]
+    ),
+    (
+        "a lighthouse on a plain run (it trained as a whole run, unnamed)",
+        {"fault_tolerance": {"lighthouse": "http://127.0.0.1:29510"}},
+        "fault_tolerance.lighthouse: is set, but fault_tolerance.enabled is false, so nothing "
+        "reads it; set fault_tolerance.enabled = true for replica groups, or remove it",
+    ),
+    (
         "a misspelt storage option (dropped silently by fsspec: this one would talk to AWS)",
         {"checkpoint": {"dir": "s3://bucket/prefix", "storage_options": {"endpoint": "x"}}},
         "checkpoint.storage_options: 'endpoint' is not an option of s3:// (S3FileSystem); "

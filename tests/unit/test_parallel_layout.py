@@ -4,7 +4,7 @@ import pytest
 
 from forge.config import structure_config
 from forge.config.sections import DistributedConfig
-from forge.parallel.mesh import coordinates, usable_backend
+from forge.parallel.mesh import backend_problem, coordinates, usable_backend
 from forge.parallel.world import (
     MeshDims,
     WorldInfo,
@@ -209,6 +209,25 @@ def test_coordinates_are_row_major(rank, dims, coords):
 )
 def test_usable_backend(spec, cuda, backend):
     assert usable_backend(spec, cuda) == backend
+
+
+# (case, distributed.backend, a GPU here, what the refusal says: None starts)
+BACKENDS = [
+    ("the default on a CPU", "cpu:gloo,cuda:nccl", False, None),
+    ("gloo", "gloo", False, None),
+    ("NCCL without a GPU", "nccl", False, "NCCL needs CUDA devices and this machine has none"),
+    ("a backend this torch lacks", "mpi", False, "this torch has no 'mpi' backend"),
+    ("a backend no torch has", "cpu:xyz", False, "this torch has no 'xyz' backend"),
+]
+
+
+@pytest.mark.parametrize("spec,cuda,why", [b[1:] for b in BACKENDS], ids=[b[0] for b in BACKENDS])
+def test_a_backend_that_cannot_start_here_is_refused_by_name(spec, cuda, why):
+    problem = backend_problem(spec, cuda)
+    if why is None:
+        assert problem is None
+    else:
+        assert problem is not None and problem.startswith(f"distributed.backend: {spec!r}: {why}")
 
 
 BASE = {

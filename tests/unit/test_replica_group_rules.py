@@ -5,6 +5,7 @@ written."""
 
 from __future__ import annotations
 
+import functools
 import socket
 import sys
 
@@ -123,18 +124,27 @@ def test_the_global_batch_a_checkpoint_records_counts_every_group(tiny_config):
     assert run_identity(plain, 1)[GLOBAL_BATCH] == run_identity(groups, 1)[GLOBAL_BATCH] == 8
 
 
+ON = functools.partial(FaultToleranceConfig, enabled=True)
+
+
 @pytest.mark.parametrize(
     "cfg,keys",
     [
-        (FaultToleranceConfig(group=2, groups=2), ["fault_tolerance.group"]),
-        (FaultToleranceConfig(group=-1, groups=2), ["fault_tolerance.group"]),
-        (FaultToleranceConfig(groups=0), ["fault_tolerance.groups"]),
-        (FaultToleranceConfig(groups=2, min_groups=3), ["fault_tolerance.min_groups"]),
-        (FaultToleranceConfig(lighthouse="vm:29510"), ["fault_tolerance.lighthouse"]),
-        (FaultToleranceConfig(timeout_s=0), ["fault_tolerance.timeout_s"]),
-        (FaultToleranceConfig(timeout_s=0.001), ["fault_tolerance.timeout_s"]),  # below 1 s
-        (FaultToleranceConfig(quorum_timeout_s=float("nan")), ["fault_tolerance.quorum_timeout_s"]),
-        (FaultToleranceConfig(groups=2, group=1, lighthouse="http://vm:29510"), []),
+        (ON(group=2, groups=2), ["fault_tolerance.group"]),
+        (ON(group=-1, groups=2), ["fault_tolerance.group"]),
+        (ON(groups=0), ["fault_tolerance.groups"]),
+        (ON(groups=2, min_groups=3), ["fault_tolerance.min_groups"]),
+        (ON(lighthouse="vm:29510"), ["fault_tolerance.lighthouse"]),
+        (ON(timeout_s=0), ["fault_tolerance.timeout_s"]),
+        (ON(timeout_s=0.001), ["fault_tolerance.timeout_s"]),  # below 1 s
+        (ON(quorum_timeout_s=float("nan")), ["fault_tolerance.quorum_timeout_s"]),
+        (ON(groups=2, group=1, lighthouse="http://vm:29510"), []),
+        # a group's keys with the groups off: each named (the run would train as a whole)
+        (
+            FaultToleranceConfig(groups=2, group=1, lighthouse="http://vm:29510"),
+            ["fault_tolerance.lighthouse", "fault_tolerance.group", "fault_tolerance.groups"],
+        ),
+        (FaultToleranceConfig(), []),
     ],
 )
 def test_fault_tolerance_values_out_of_range_name_their_key(cfg, keys):

@@ -113,6 +113,31 @@ def test_a_signal_stops_set_up_where_it_is_and_asks_for_a_save_once_set_up_is_do
         flag.uninstall()
 
 
+# (case, forge's handler in place, the signals the process blocks, whether they reach it)
+REACH = [
+    ("forge's handler, nothing blocked", True, (), True),
+    ("another handler in its place", False, (), False),
+    ("SIGUSR1 blocked by the process", True, (signal.SIGUSR1,), False),
+    ("SIGTERM blocked by the process", True, (signal.SIGTERM,), False),
+    ("an unrelated signal blocked", True, (signal.SIGHUP,), True),
+]
+
+
+@pytest.mark.parametrize(
+    "handled,blocked,reaches", [r[1:] for r in REACH], ids=[r[0] for r in REACH]
+)
+def test_the_start_knows_whether_shutdown_signals_reach_its_handler(handled, blocked, reaches):
+    flag = ShutdownFlag(setting_up=True).install()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        if not handled:
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
+        assert flag.reaches() is reaches
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        flag.uninstall()
+
+
 def hangs(path: ObjectPath) -> bool:
     return path.answer(threading.Event().wait)
 

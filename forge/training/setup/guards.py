@@ -161,8 +161,9 @@ def guard_report(config: JobConfig, facts: GuardFacts) -> tuple[str, list[Proble
         refused.append(
             (
                 "resilience.shutdown_timeout_s",
-                "SIGTERM or SIGINT does not reach forge's handler: a preemption would end the "
-                "run without its emergency save",
+                "SIGTERM or SIGINT does not reach forge's handler (another handler took its "
+                "place, or the process blocks it): a preemption would end the run without its "
+                "emergency save",
             )
         )
     checkpointing = config.checkpoint.enabled
