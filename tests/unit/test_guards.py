@@ -44,6 +44,8 @@ ROWS = [
     ("two ranks on a CPU", {}, TWO, "nonfinite=skip, replay first step, stragglers(1.5x), health(300 s), hang stacks(600 s), signals, checksums(full)", []),
     ("two ranks on CUDA: no straggler reading", {}, attrs.evolve(TWO, cuda=True), "nonfinite=skip, replay first step, health(300 s), hang stacks(600 s), signals, checksums(full)", []),
     ("a straggler key on CUDA is refused", {"resilience": {"straggler_ratio": 2.0}}, attrs.evolve(TWO, cuda=True), None, ["resilience.straggler_ratio"]),
+    ("a straggler key at one process is refused", {"resilience": {"straggler_logs": 9}}, ONE, None, ["resilience.straggler_ratio"]),
+    ("a straggler key at two ranks is armed", {"resilience": {"straggler_ratio": 3.0}}, TWO, "nonfinite=skip, replay first step, stragglers(3x), health(300 s), hang stacks(600 s), signals, checksums(full)", []),
     ("rollback with its snapshot", {"resilience": ROLL}, attrs.evolve(ONE, snapshots=True), "nonfinite=rollback, replay first step, signals, checksums(full)", []),
     ("rollback without a snapshot", {"resilience": ROLL}, ONE, None, ["resilience.on_nonfinite"]),
     ("spikes measured by the step", {"resilience": SPIKE_SKIP}, attrs.evolve(ONE, spike_threshold=6.0, drops_spikes=True), "nonfinite=skip, spikes=skip(6σ), replay first step, signals, checksums(full)", []),

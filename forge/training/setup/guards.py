@@ -129,6 +129,14 @@ def guard_report(config: JobConfig, facts: GuardFacts) -> tuple[str, list[Proble
                 "does not tell waiting from working: docs/resilience.md#stragglers); remove it",
             )
         )
+    elif facts.world_size == 1 and straggler_keys_set(res):
+        refused.append(
+            (
+                "resilience.straggler_ratio",
+                "is set, but a run of one process has no other rank to be slower than; "
+                "remove it (or launch the run on several ranks)",
+            )
+        )
     if facts.world_size > 1 and not facts.health:
         refused.append(
             (
