@@ -14,6 +14,7 @@ from forge.training.records.run_dir import (
     LOCK_FILE,
     RunDirBusyError,
     foreign_records_problem,
+    groups_switch_problem,
     lock_directories,
     path_problem,
 )
@@ -232,3 +233,31 @@ def test_a_nan_abort_names_the_step_it_could_not_pass(state, words):
     message = outcome_message(LoopOutcome.NAN_ABORT, state, LoopPolicy(max_steps=10), "r")
     assert message is not None
     assert all(w in message for w in words), message
+
+
+# (case, what run.dir holds, fault_tolerance.enabled, the refusal's words; None: it starts)
+SWITCHES = [
+    ("an empty folder, with groups", [], True, None),
+    ("an empty folder, without", [], False, None),
+    ("a plain run, resumed plainly", ["metrics.jsonl"], False, None),
+    ("a plain run, resumed with groups", ["metrics.jsonl"], True, "trained without replica groups"),
+    ("a group's run, resumed with groups", ["group_0/metrics.jsonl"], True, None),
+    ("groups' runs, resumed plainly", ["group_0/metrics.jsonl", "group_1/metrics.jsonl"], False, "(group_0, group_1)"),
+    ("a group folder with no records (a refused start)", ["group_1/config.toml"], False, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "files,enabled,words", [c[1:] for c in SWITCHES], ids=[c[0] for c in SWITCHES]
+)
+def test_a_run_dir_trained_with_or_without_replica_groups_is_not_restarted_the_other_way(
+    tmp_path, files, enabled, words
+):
+    for name in files:
+        make(tmp_path, f"file:{name}")
+    problem = groups_switch_problem(tmp_path, enabled)
+    if words is None:
+        assert problem is None
+    else:
+        assert problem is not None and problem.startswith("fault_tolerance.enabled: ")
+        assert words in problem and str(tmp_path) in problem

@@ -181,6 +181,26 @@ def group_dir(group: int) -> str:
     return f"group_{group}"
 
 
+def groups_switch_problem(base: pathlib.Path, enabled: bool) -> str | None:
+    """Why ``run.dir`` (``base``) cannot take this launch: it holds a run trained the other
+    way (with replica groups, each keeps its records under ``group_<N>/``), which this one
+    would not resume but start afresh beside; None when it does not."""
+    groups = sorted(p.name for p in base.glob("group_*") if (p / "metrics.jsonl").is_file())
+    if enabled and (base / "metrics.jsonl").is_file():
+        return (
+            f"fault_tolerance.enabled: {base} holds a run trained without replica groups; "
+            "with them each group keeps its own records under group_<N>/ and would start "
+            "afresh beside it: resume it without fault_tolerance, or choose a new --run.dir"
+        )
+    if not enabled and groups:
+        return (
+            f"fault_tolerance.enabled: {base} holds the runs of replica groups "
+            f"({', '.join(groups)}); a launch without them would start afresh beside them: "
+            "set fault_tolerance.enabled = true (with its group), or choose a new --run.dir"
+        )
+    return None
+
+
 def load_path_of(config: JobConfig) -> CheckpointPath | None:
     """``checkpoint.load_path`` (a local path or an object-store URL), if set."""
     cfg = config.checkpoint

@@ -4,9 +4,8 @@ one by one and inspect what each built.
 Order: ``load_and_validate_config`` → ``setup_distributed`` → ``build_model_and_optim`` →
 ``setup_data`` → ``claim_run_dir`` → ``setup_checkpointing`` → ``prepare_run_dir``; then the
 step (``forge.training.steps``), the loop and ``conclude`` (``forge.training.loop.loop``) and
-``teardown``. Nothing is written to disk before ``claim_run_dir`` (which
-creates and locks the run directory, and removes it again if set-up then fails), so bad
-input of any kind leaves no run directory behind.
+``teardown``. Nothing is written to disk before ``claim_run_dir`` (which creates and locks
+the run directory, removed again if set-up then fails): bad input leaves no run directory.
 """
 
 from __future__ import annotations
@@ -72,6 +71,7 @@ from forge.training.records.run_dir import (
     RunDirBusyError,
     RunDirLock,
     foreign_records_problem,
+    groups_switch_problem,
     load_path_of,
     lock_directories,
     path_problem,
@@ -155,10 +155,10 @@ def run_dir_problems(run: RunContext) -> list[str]:
     """Why a directory the run writes cannot be one (the first only: the checkpoint
     directory usually lies inside the run directory)."""
     for key, folder in run_directories(run):
-        problem = path_problem(key, folder)
-        if problem is not None:
+        if (problem := path_problem(key, folder)) is not None:
             return [problem]
-    return []
+    base, ft = pathlib.Path(str(run.config.run.dir)), run.config.fault_tolerance
+    return [p] if (p := groups_switch_problem(base, ft.enabled)) is not None else []
 
 
 def run_directories(run: RunContext) -> list[tuple[str, CheckpointPath]]:
