@@ -96,6 +96,9 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         dist = setup_distributed(run)
         model = build_model_and_optim(run, dist)
         data = setup_data(run, dist)
+        channel = ControlChannel(dist.world_size, run.config.resilience.health_timeout_s)
+        # refused before a checkpoint is loaded (and before the run dir is claimed)
+        guards = armed_guards(run, dist, model, flag, channel)
         lock = claim_run_dir(run, dist)
         pause_if_asked(os.environ, "checkpoint")  # tests only: a signal in a known phase
         load_start = time.time()
@@ -113,8 +116,6 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
                 FaultHooks(faults, dist.rank),
             ]
         )
-        channel = ControlChannel(dist.world_size, run.config.resilience.health_timeout_s)
-        guards = armed_guards(run, dist, model, flag, channel)  # refused before any write
         prepare_run_dir(run, dist, ckpt)  # last: a set-up that fails writes no records
         if dist.is_main:
             print(f"[forge] {guards}", file=sys.stderr)
