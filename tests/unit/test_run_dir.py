@@ -8,6 +8,7 @@ import pathlib
 import pytest
 
 from forge.config import dumps_toml, structure_config, unstructure_config
+from forge.config.sections import NonFinitePolicy
 from forge.training.loop.outcome import outcome_message
 from forge.training.loop.plan import LoopPolicy, SaveReason, save_failure_is_fatal
 from forge.training.records.run_dir import (
@@ -148,6 +149,23 @@ SAVE_FAILURES = [
 @pytest.mark.parametrize("reason,step,max_steps,abandoned,fatal", SAVE_FAILURES)
 def test_save_failure_is_fatal(reason, step, max_steps, abandoned, fatal):
     assert save_failure_is_fatal(reason, step, max_steps, abandoned) is fatal
+
+
+# (case, the policy, the streak of dropped steps, words of the ending's sentence)
+ABORTS = [
+    ("abort at the first non-finite step", NonFinitePolicy.ABORT, 1, "resilience.on_nonfinite = 'abort' ends the run at the first"),
+    ("abort: spikes skipped up to the limit", NonFinitePolicy.ABORT, 3, "resilience.max_consecutive_nonfinite=3"),
+    ("skip: a streak up to the limit", NonFinitePolicy.SKIP, 3, "3 steps dropped (non-finite or spiking)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("policy,streak,words", [a[1:] for a in ABORTS], ids=[a[0] for a in ABORTS])
+def test_a_non_finite_ending_names_the_rule_that_ended_it(policy, streak, words):
+    state = LoopState(step=7, nonfinite_streak=streak)
+    message = outcome_message(
+        LoopOutcome.NAN_ABORT, state, LoopPolicy(max_steps=10, nonfinite_policy=policy), "r"
+    )
+    assert message is not None and words in message and "step 7" in message
 
 
 def test_an_already_complete_run_says_how_to_extend_it():

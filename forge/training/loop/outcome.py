@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pathlib
 
+from forge.config.sections import NonFinitePolicy
 from forge.resilience.stacks import every_rank
 from forge.training.loop.plan import LoopPolicy
 from forge.types import ExitCode, LoopOutcome, LoopState
@@ -33,6 +34,14 @@ def outcome_message(
     step, max_steps = state.step, policy.max_steps
     if outcome is LoopOutcome.NAN_ABORT:
         failed = state.step if state.failed_at is None else state.failed_at
+        if policy.nonfinite_policy is NonFinitePolicy.ABORT and (
+            state.nonfinite_streak < policy.nonfinite_limit  # the first, not a streak
+        ):
+            return (
+                f"step {failed} was not finite and resilience.on_nonfinite = 'abort' ends the "
+                "run at the first such step: look at that step's data or lower the LR, then "
+                "resume from the last checkpoint (or set on_nonfinite to 'skip' or 'rollback')"
+            )
         recurred = any(first <= failed <= last for first, last in state.skipped_ranges)
         again = ", failing again each time the run rolled back and came to it" if recurred else ""
         return (
