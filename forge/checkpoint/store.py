@@ -214,10 +214,10 @@ def check_loadable(
     state a JSON object, every rank's RNG file a tensor file, its bytes those recorded at
     commit (``verify_checkpoint``: lengths, and checksums under ``Verification.FULL``), and
     the shapes the model's. Nothing is loaded into the model before this passes."""
-    if not is_complete(path):
-        raise CheckpointError(f"{path}: not a complete checkpoint (no .metadata or {TRAIN_STATE})")
     if (odd := special_file(path)) is not None:  # opening a FIFO would wait for a writer
         raise CheckpointError(f"{odd}: not a regular file (a FIFO, device or socket)")
+    if not is_complete(path):
+        raise CheckpointError(f"{path}: not a complete checkpoint (no .metadata or {TRAIN_STATE})")
     try:
         meta = read_metadata_safely(path)
         _check_shard_sizes(path, meta)
@@ -242,7 +242,11 @@ def special_file(path: CheckpointPath) -> CheckpointPath | None:
     folder (symbolic links followed), or None; an object store holds none."""
     if isinstance(path, ObjectPath):
         return None
-    return next((f for f in sorted(path.iterdir()) if not (f.is_file() or f.is_dir())), None)
+    try:
+        entries = sorted(path.iterdir())
+    except OSError:  # gone (retention raced the reader) or unreadable: the reads name it
+        return None
+    return next((f for f in entries if not (f.is_file() or f.is_dir())), None)
 
 
 def _check_shard_sizes(path: CheckpointPath, meta: Metadata) -> None:

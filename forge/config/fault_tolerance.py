@@ -71,18 +71,23 @@ class FaultToleranceConfig:
                     f"must be an address like http://host:29510, got {self.lighthouse!r}",
                 )
             )
-        if not self.enabled:  # a group's keys on a plain run would train it as a whole run
-            off = attrs.fields_dict(FaultToleranceConfig)
-            p += [
-                (
-                    f"fault_tolerance.{name}",
-                    "is set, but fault_tolerance.enabled is false, so nothing reads it; set "
-                    "fault_tolerance.enabled = true for replica groups, or remove it",
-                )
-                for name, field in off.items()
-                if name != "enabled" and getattr(self, name) != field.default
-            ]
         return p
+
+    def unread_keys(self) -> list[Problem]:
+        """The keys set off their defaults while ``enabled`` is false: refused at a launch (a
+        group's keys on a plain run would train it as a whole run), not when a saved run's
+        config is read back (eval, export)."""
+        if self.enabled:
+            return []
+        return [
+            (
+                f"fault_tolerance.{name}",
+                "is set, but fault_tolerance.enabled is false, so nothing reads it; set "
+                "fault_tolerance.enabled = true for replica groups, or remove it",
+            )
+            for name, field in attrs.fields_dict(FaultToleranceConfig).items()
+            if name != "enabled" and getattr(self, name) != field.default
+        ]
 
     @property
     def active_groups(self) -> int:

@@ -48,8 +48,10 @@ def backend_problem(spec: str, cuda: bool) -> str | None:
     """Why ``distributed.backend`` cannot start here (a backend this torch lacks, or NCCL
     without a GPU), or None."""
     backend = usable_backend(spec, cuda)
-    for name in (e.split(":", 1)[-1].strip() for e in backend.split(",")):
-        if name == "nccl" and not cuda:
+    for name in (e.split(":", 1)[-1].strip().lower() for e in backend.split(",")):
+        if not name:
+            why = f"it names no backend for this machine's devices ({'cuda' if cuda else 'cpu'})"
+        elif name == "nccl" and not cuda:
             why = "NCCL needs CUDA devices and this machine has none"
         elif not dist.is_backend_available(name):
             why = f"this torch has no {name!r} backend"

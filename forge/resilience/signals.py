@@ -141,8 +141,7 @@ class ShutdownFlag:
         parent process blocked it: a mask survives exec, and each thread inherits it)."""
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
         return all(
-            signal.getsignal(sig) == self._handle and sig not in blocked
-            for sig in SHUTDOWN_SIGNALS
+            signal.getsignal(sig) == self._handle and sig not in blocked for sig in SHUTDOWN_SIGNALS
         )
 
     def setup_done(self) -> None:

@@ -198,7 +198,7 @@ DAMAGE = [
     ("the train state's step edited", edit_the_step, "train_state.json", True),
     ("a truncated RNG file", truncate_the_rng_file, "rng_rank0.pt", True),
     ("a FIFO for the RNG file (a read would hang)", fifo_for("rng_rank0.pt"), "rng_rank0.pt: not a regular file", True),
-    ("a FIFO for the train state", fifo_for(TRAIN_STATE), "not a complete checkpoint", True),
+    ("a FIFO for the train state", fifo_for(TRAIN_STATE), "train_state.json: not a regular file", True),
 ]  # fmt: skip
 
 
@@ -319,3 +319,10 @@ def test_a_reader_racing_retention_reads_the_newest_again(ckpt, monkeypatch):
     removed = f"{ckpt / 'step_1'} was removed while it was read (retention of a newer one)"
     assert resume.load_newest_weights(ckpt, None, model, said.append) == ckpt / "step_2"
     assert [line for line in said if "latest" not in line] == [removed]
+
+
+def test_a_folder_removed_before_it_is_checked_is_a_checkpoint_error_not_a_crash(tmp_path):
+    """Retention may remove a step between a reader's listing and its check: the reader's
+    fallback takes a ``CheckpointError`` (and says the step was removed), not an ``OSError``."""
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        check_loadable(tmp_path / "step_4", Transformer(CFG))

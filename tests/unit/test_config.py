@@ -239,12 +239,6 @@ BAD = [
         ]
     ),
     (
-        "a lighthouse on a plain run (it trained as a whole run, unnamed)",
-        {"fault_tolerance": {"lighthouse": "http://127.0.0.1:29510"}},
-        "fault_tolerance.lighthouse: is set, but fault_tolerance.enabled is false, so nothing "
-        "reads it; set fault_tolerance.enabled = true for replica groups, or remove it",
-    ),
-    (
         "a misspelt storage option (dropped silently by fsspec: this one would talk to AWS)",
         {"checkpoint": {"dir": "s3://bucket/prefix", "storage_options": {"endpoint": "x"}}},
         "checkpoint.storage_options: 'endpoint' is not an option of s3:// (S3FileSystem); "

@@ -218,6 +218,13 @@ BACKENDS = [
     ("NCCL without a GPU", "nccl", False, "NCCL needs CUDA devices and this machine has none"),
     ("a backend this torch lacks", "mpi", False, "this torch has no 'mpi' backend"),
     ("a backend no torch has", "cpu:xyz", False, "this torch has no 'xyz' backend"),
+    ("NCCL in capitals", "NCCL", False, "NCCL needs CUDA devices"),
+    (
+        "a GPU's entry alone on a CPU",
+        "cuda:nccl",
+        False,
+        "it names no backend for this machine's devices (cpu)",
+    ),
 ]
 
 

@@ -139,12 +139,6 @@ ON = functools.partial(FaultToleranceConfig, enabled=True)
         (ON(timeout_s=0.001), ["fault_tolerance.timeout_s"]),  # below 1 s
         (ON(quorum_timeout_s=float("nan")), ["fault_tolerance.quorum_timeout_s"]),
         (ON(groups=2, group=1, lighthouse="http://vm:29510"), []),
-        # a group's keys with the groups off: each named (the run would train as a whole)
-        (
-            FaultToleranceConfig(groups=2, group=1, lighthouse="http://vm:29510"),
-            ["fault_tolerance.lighthouse", "fault_tolerance.group", "fault_tolerance.groups"],
-        ),
-        (FaultToleranceConfig(), []),
     ],
 )
 def test_fault_tolerance_values_out_of_range_name_their_key(cfg, keys):
@@ -462,3 +456,31 @@ def test_a_logger_every_two_steps_reports_the_step_one_group_ran_alone_between_i
     first, second = ({k: v for k, v in r.items() if k.startswith("ft/")} for r in sink.records)
     assert first == {"ft/participants": 1, "ft/failed_attempts": 1}
     assert second == {"ft/participants": 2, "ft/failed_attempts": 0, "ft/heal_s": 0.5}
+
+
+# (case, the section, the keys a launch refuses)
+UNREAD = [
+    ("off, nothing set", FaultToleranceConfig(), []),
+    ("on: every key read", ON(groups=2, group=1, lighthouse="http://vm:29510"), []),
+    (
+        "off, a group's keys set: each named (the run would train as a whole)",
+        FaultToleranceConfig(groups=2, group=1, lighthouse="http://vm:29510"),
+        ["fault_tolerance.lighthouse", "fault_tolerance.group", "fault_tolerance.groups"],
+    ),
+]
+
+
+@pytest.mark.parametrize("cfg,keys", [u[1:] for u in UNREAD], ids=[u[0] for u in UNREAD])
+def test_a_replica_groups_key_set_with_the_groups_off_is_named(cfg, keys):
+    assert [key for key, _ in cfg.unread_keys()] == keys
+
+
+def test_a_launch_refuses_the_keys_a_saved_runs_config_may_keep(tiny_config):
+    from forge.training.setup.problems import replica_group_problems
+
+    argv = [str(tiny_config), "--fault_tolerance.lighthouse=http://127.0.0.1:29510"]
+    config = load_config(argv).config  # a reader (eval, export) loads it as it is
+    assert replica_group_problems(config, {}) == [
+        "fault_tolerance.lighthouse: is set, but fault_tolerance.enabled is false, so nothing "
+        "reads it; set fault_tolerance.enabled = true for replica groups, or remove it"
+    ]

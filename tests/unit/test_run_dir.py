@@ -261,7 +261,8 @@ SWITCHES = [
     ("a plain run, resumed with groups", ["metrics.jsonl"], True, "trained without replica groups"),
     ("a group's run, resumed with groups", ["group_0/metrics.jsonl"], True, None),
     ("groups' runs, resumed plainly", ["group_0/metrics.jsonl", "group_1/metrics.jsonl"], False, "(group_0, group_1)"),
-    ("a group folder with no records (a refused start)", ["group_1/config.toml"], False, None),
+    ("a plain run that logs no metrics, resumed with groups", ["config.toml"], True, "trained without replica groups"),
+    ("a group folder with no run in it", ["group_1/notes.txt"], False, None),
 ]  # fmt: skip
 
 

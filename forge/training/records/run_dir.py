@@ -27,7 +27,7 @@ from forge.config.sections import JobConfig
 from forge.errors import UserInputError
 from forge.training.records.resume_rules import changes
 from forge.training.records.run_record import predated_model_defaults, run_identity
-from forge.training.records.run_records import config_in_force
+from forge.training.records.run_records import CONFIG_FILE, config_in_force
 from forge.training.setup.store_claim import Claim, StoreClaimError, claim_prefix, store_problem
 
 LOCK_FILE = ".forge.lock"
@@ -185,8 +185,8 @@ def groups_switch_problem(base: pathlib.Path, enabled: bool) -> str | None:
     """Why ``run.dir`` (``base``) cannot take this launch: it holds a run trained the other
     way (with replica groups, each keeps its records under ``group_<N>/``), which this one
     would not resume but start afresh beside; None when it does not."""
-    groups = sorted(p.name for p in base.glob("group_*") if (p / "metrics.jsonl").is_file())
-    if enabled and (base / "metrics.jsonl").is_file():
+    groups = sorted(p.name for p in base.glob("group_*") if holds_a_run(p))
+    if enabled and holds_a_run(base):
         return (
             f"fault_tolerance.enabled: {base} holds a run trained without replica groups; "
             "with them each group keeps its own records under group_<N>/ and would start "
@@ -199,6 +199,12 @@ def groups_switch_problem(base: pathlib.Path, enabled: bool) -> str | None:
             "set fault_tolerance.enabled = true (with its group), or choose a new --run.dir"
         )
     return None
+
+
+def holds_a_run(folder: pathlib.Path) -> bool:
+    """Whether a run has started in ``folder``: its config is written first, before its
+    records (a set-up that fails leaves no folder at all)."""
+    return any((folder / name).is_file() for name in (CONFIG_FILE, "metrics.jsonl"))
 
 
 def load_path_of(config: JobConfig) -> CheckpointPath | None:

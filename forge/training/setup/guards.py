@@ -68,7 +68,7 @@ class GuardFacts:
     replay: ReplayRule  # the steps the step computes twice
     replica_layout: int  # dp_replicate × tp: > 1 promises replicas to compare
     replicated: int  # parameters held bit for bit by other ranks (what replicas compare)
-    signals: bool  # SIGTERM and SIGINT reach forge's shutdown flag
+    signals: bool  # SIGTERM, SIGUSR1 and SIGINT reach forge's shutdown flag, unblocked
     health: bool = True  # the control word has a group of its own (several ranks)
     straggler_clock: bool = True  # the step reports its own time
     hang_watch: bool = True  # the watchdog writes a rank's stacks when no step ends in time
@@ -169,9 +169,9 @@ def guard_report(config: JobConfig, facts: GuardFacts) -> tuple[str, list[Proble
         refused.append(
             (
                 "resilience.shutdown_timeout_s",
-                "SIGTERM or SIGINT does not reach forge's handler (another handler took its "
-                "place, or the process blocks it): a preemption would end the run without its "
-                "emergency save",
+                "SIGTERM, SIGUSR1 or SIGINT does not reach forge's handler (another handler "
+                "took its place, or the process blocks it): a preemption would end the run "
+                "without its emergency save",
             )
         )
     checkpointing = config.checkpoint.enabled

@@ -122,7 +122,7 @@ WORLD_CHECKS: tuple[tuple[frozenset[str], WorldCheck], ...] = (
         frozenset({"metrics"}),
         lambda run, world: sink_problems(run.config, os.environ) if world.rank == 0 else [],
     ),
-    (frozenset({"run", "checkpoint"}), lambda run, world: run_dir_problems(run)),
+    (frozenset({"run", "checkpoint", "fault_tolerance"}), lambda run, w: run_dir_problems(run)),
     (
         frozenset({"fault_tolerance"}),
         lambda run, world: replica_group_problems(run.config, os.environ),
@@ -153,7 +153,7 @@ def load_and_validate_config(argv: Sequence[str]) -> RunContext:
 
 def run_dir_problems(run: RunContext) -> list[str]:
     """Why a directory the run writes cannot be one (the first only: the checkpoint
-    directory usually lies inside the run directory)."""
+    directory usually lies inside the run directory), or holds a run of the other kind."""
     for key, folder in run_directories(run):
         if (problem := path_problem(key, folder)) is not None:
             return [problem]

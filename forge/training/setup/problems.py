@@ -89,9 +89,10 @@ def data_problems(config: JobConfig) -> list[str]:
 
 def replica_group_problems(config: JobConfig, env: Mapping[str, str]) -> list[str]:
     """``[fault_tolerance]`` against the machine: torchft installed, a lighthouse named and
-    answering (every rank of the group asks: each talks to it or to its group's manager)."""
+    answering (every rank of the group asks: each talks to it or to its group's manager);
+    with it off, none of its keys set (``unread_keys``)."""
     if not config.fault_tolerance.enabled:
-        return []
+        return [f"{key}: {message}" for key, message in config.fault_tolerance.unread_keys()]
     if (problem := torchft_problem()) is not None:
         return [problem]
     try:
