@@ -9,11 +9,11 @@ import attrs
 
 from forge.config.ranges import (
     Problem,
-    bounded_wait,
     non_negative,
     not_empty,
     positive,
     store_options_problem,
+    timeout_range,
     url_scheme,
     usable_location,
 )
@@ -119,8 +119,7 @@ class CheckpointConfig:
                 )
             )
         positive(p, "checkpoint.interval", self.interval)
-        positive(p, "checkpoint.storage_timeout_s", self.storage_timeout_s)
-        bounded_wait(p, "checkpoint.storage_timeout_s", self.storage_timeout_s)
+        timeout_range(p, "checkpoint.storage_timeout_s", self.storage_timeout_s)
         if self.dyn_ckpt_window is not None:
             p += self.dyn_ckpt_window.problems("checkpoint.dyn_ckpt_window")
         unknown = sorted(set(self.exclude_from_loading) - EXCLUDABLE)

@@ -6,7 +6,7 @@ import enum
 
 import attrs
 
-from forge.config.ranges import Problem, bounded_wait, positive
+from forge.config.ranges import Problem, positive, timeout_range
 
 
 class PipelineSchedule(enum.Enum):
@@ -57,13 +57,6 @@ class DistributedConfig:
             p.append(
                 ("distributed.dp_shard", f"must be -1 (the rest) or >= 1, got {self.dp_shard}")
             )
-        if not self.timeout_s >= MIN_TIMEOUT_S:  # NaN included
-            p.append(
-                (
-                    "distributed.timeout_s",
-                    f"must be >= {MIN_TIMEOUT_S:g} s, got {self.timeout_s:g}: process-group "
-                    "start-up and every collective must fit in it",
-                )
-            )
-        bounded_wait(p, "distributed.timeout_s", self.timeout_s)
+        why = "process-group start-up and every collective must fit in it"
+        timeout_range(p, "distributed.timeout_s", self.timeout_s, MIN_TIMEOUT_S, why)
         return p

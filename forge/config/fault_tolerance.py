@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import attrs
 
-from forge.config.ranges import Problem, bounded_wait, positive
+from forge.config.ranges import Problem, positive, timeout_range
 
 # torchft's RPCs and the cross-group sums between processes: shorter fails healthy steps
 MIN_TIMEOUT_S = 1.0
@@ -38,17 +38,9 @@ class FaultToleranceConfig:
         p: list[Problem] = []
         positive(p, "fault_tolerance.groups", self.groups)
         positive(p, "fault_tolerance.min_groups", self.min_groups)
+        why = "a healthy step's sums, commit and quorum take that long between processes"
         for key in ("timeout_s", "quorum_timeout_s"):
-            value = getattr(self, key)
-            if not value >= MIN_TIMEOUT_S:  # NaN included
-                p.append(
-                    (
-                        f"fault_tolerance.{key}",
-                        f"must be >= {MIN_TIMEOUT_S:g} s, got {value:g}: a healthy step's sums, "
-                        "commit and quorum take that long between processes",
-                    )
-                )
-            bounded_wait(p, f"fault_tolerance.{key}", value)
+            timeout_range(p, f"fault_tolerance.{key}", getattr(self, key), MIN_TIMEOUT_S, why)
         positive(p, "fault_tolerance.heartbeat_ms", self.heartbeat_ms)
         if self.groups >= 1 and not 0 <= self.group < self.groups:
             p.append(

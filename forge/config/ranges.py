@@ -26,9 +26,16 @@ def positive(problems: list[Problem], key: str, value: float) -> None:
         problems.append((key, f"must be > 0, got {value}"))
 
 
-def bounded_wait(problems: list[Problem], key: str, value: float) -> None:
-    """Add a problem when ``value``, a wait in seconds, is past ``MAX_WAIT_S``."""
-    if value > MAX_WAIT_S:
+def timeout_range(
+    problems: list[Problem], key: str, value: float, at_least: float = 0.0, why: str = ""
+) -> None:
+    """Add a problem unless ``value``, a wait in seconds, is one forge can take: at least
+    ``at_least`` (``why``: what a shorter one breaks), else just > 0; at most ``MAX_WAIT_S``."""
+    if at_least > 0 and not value >= at_least:  # NaN included
+        problems.append((key, f"must be >= {at_least:g} s, got {value:g}: {why}"))
+    elif not value > 0:
+        problems.append((key, f"must be > 0, got {value}"))
+    elif value > MAX_WAIT_S:
         problems.append(
             (key, f"must be at most {MAX_WAIT_S:g} s (a week), got {value:g}: it bounds nothing")
         )

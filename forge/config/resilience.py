@@ -7,7 +7,7 @@ import enum
 
 import attrs
 
-from forge.config.ranges import Problem, bounded_wait, non_negative, positive
+from forge.config.ranges import Problem, non_negative, positive, timeout_range
 
 # the control word waits for the slowest rank's step and rank 0's logging: under a second it
 # times out on healthy ranks, and every run ends HEALTH_FAILURE at step 1
@@ -69,25 +69,15 @@ class ResilienceConfig:
         positive(p, "resilience.max_consecutive_nonfinite", self.max_consecutive_nonfinite)
         positive(p, "resilience.snapshot_interval", self.snapshot_interval)
         non_negative(p, "resilience.health_check_interval", self.health_check_interval)
-        if not self.health_timeout_s >= MIN_HEALTH_TIMEOUT_S:
-            p.append(
-                (
-                    "resilience.health_timeout_s",
-                    f"must be >= {MIN_HEALTH_TIMEOUT_S:g} s, got {self.health_timeout_s:g}: the "
-                    "per-step control word waits that long for the slowest rank's step, so a "
-                    "shorter one fails healthy runs; it bounds how long a dead peer goes unnoticed",
-                )
-            )
-        if not self.shutdown_timeout_s >= MIN_SHUTDOWN_TIMEOUT_S:  # NaN included
-            p.append(
-                (
-                    "resilience.shutdown_timeout_s",
-                    f"must be >= {MIN_SHUTDOWN_TIMEOUT_S:g} s, got {self.shutdown_timeout_s:g}: "
-                    "the rest of the step and the emergency save must fit in it",
-                )
-            )
-        for key in ("health_timeout_s", "shutdown_timeout_s"):
-            bounded_wait(p, f"resilience.{key}", getattr(self, key))
+        timeout_range(
+            p, "resilience.health_timeout_s", self.health_timeout_s, MIN_HEALTH_TIMEOUT_S,
+            "the per-step control word waits that long for the slowest rank's step, so a "
+            "shorter one fails healthy runs; it bounds how long a dead peer goes unnoticed",
+        )  # fmt: skip
+        timeout_range(
+            p, "resilience.shutdown_timeout_s", self.shutdown_timeout_s, MIN_SHUTDOWN_TIMEOUT_S,
+            "the rest of the step and the emergency save must fit in it",
+        )  # fmt: skip
         non_negative(p, "resilience.spike_threshold", self.spike_threshold)
         non_negative(p, "resilience.replay_interval", self.replay_interval)
         if not self.straggler_ratio > 1:  # NaN included
