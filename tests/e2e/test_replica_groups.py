@@ -226,7 +226,9 @@ def test_losing_every_group_at_once_resumes_from_the_checkpoints_as_without_them
     launched again: they resume from their own checkpoints and end with the uninterrupted
     run's weights (the reference of the module's fixture, its NaN at step 55 included)."""
     config, tmp, _ = killed_and_healed
-    lighthouse, address = start_lighthouse()
+    # a quorum of both: else the group that starts first (its start-up 1 s ahead of the other's
+    # on a loaded machine, the lighthouse's join timeout) trains a step alone, as documented
+    lighthouse, address = start_lighthouse("--min-groups=2")
     run_dir = tmp / "all_lost"
     try:
         stopped = [
