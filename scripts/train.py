@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
         data = setup_data(run, dist)
         channel = ControlChannel(dist.world_size, run.config.resilience.health_timeout_s)
         # refused before a checkpoint is loaded (and before the run dir is claimed)
-        guards = armed_guards(run, dist, model, flag, channel)
+        guards = armed_guards(run, dist, model, data, flag, channel)
         lock = claim_run_dir(run, dist)
         pause_if_asked(os.environ, "checkpoint")  # tests only: a signal in a known phase
         load_start = time.time()

@@ -344,6 +344,45 @@ def test_a_guard_made_inert_at_two_ranks_is_refused_at_start(
     assert not (tmp_path / "run" / "config.toml").exists()
 
 
+def test_an_operation_without_a_deterministic_kernel_on_one_stage_refuses_replays_on_both(
+    tmp_path, small_corpus
+):
+    """The kernel probe runs each rank's first computation through the pipeline (``pp=2``);
+    the ranks agree: the stage that runs the operation names it, the other names that rank,
+    and neither waits for the other or writes anything."""
+    config = write_config(tmp_path, small_corpus)
+    argv = [str(REPO / "tests" / "distributed" / "inert_guard.py"), "kernels", str(config),
+            f"--run.dir={tmp_path / 'run'}", *COMMON, "--distributed.pp=2",
+            "--train.grad_accum_steps=2"]  # fmt: skip
+    out = run_ranks(2, argv, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = sorted(x for x in out.stderr.splitlines() if x.startswith("error:"))
+    key = "error: resilience.replay_interval: replays compare a step's computations bit for bit"
+    assert [e.startswith(key) for e in errors] == [True, True], errors
+    assert ["rank 1's step runs some" in errors[0], "this rank's step runs put_" in errors[1]] == [
+        True,
+        True,
+    ], errors
+    assert not (tmp_path / "run" / "config.toml").exists()
+
+
+def test_a_probed_pipeline_start_trains_as_an_unprobed_one(tmp_path, small_corpus):
+    """The probe's computation through both stages leaves nothing behind: each step's loss
+    and grad norm equal a start without it (replays every 2 steps, the first not replayed)."""
+    config = write_config(tmp_path, small_corpus)
+    args = ["--distributed.pp=2", "--train.grad_accum_steps=2", "--train.max_steps=3",
+            "--resilience.replay_interval=2", "--resilience.replay_first_step=false"]  # fmt: skip
+    plain, _ = two_ranks(config, tmp_path / "plain", *args)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    argv = [str(REPO / "tests" / "distributed" / "inert_guard.py"), "probe", str(config),
+            f"--run.dir={tmp_path / 'probed'}", *COMMON, *args]  # fmt: skip
+    probed = run_ranks(2, argv, timeout=120)
+    assert probed.returncode == 0, probed.stderr[-3000:]
+    steps = [[(r["step"], r["loss"], r["grad_norm"]) for r in records(tmp_path / name)]
+             for name in ("plain", "probed")]  # fmt: skip
+    assert steps[0] == steps[1] and len(steps[0]) == 3
+
+
 def test_the_guards_of_an_intact_two_rank_run_are_armed(tmp_path, small_corpus):
     config = write_config(tmp_path, small_corpus)
     replicas = ["--distributed.dp_replicate=2", "--distributed.dp_shard=1"]

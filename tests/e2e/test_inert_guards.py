@@ -3,12 +3,17 @@ exit 2, nothing written. The same start with the mechanism intact says the guard
 
 from __future__ import annotations
 
-import pytest
+import json
 
+import pytest
+import torch
+
+from forge.model.transformer import TransformerBlock
 from forge.resilience.signals import ShutdownFlag
 from forge.training.loop import plan
+from forge.training.setup import guards
 from forge.training.steps import spec
-from tests.e2e.sandbox import train_here
+from tests.e2e.sandbox import make_run, train_here
 
 
 def no_snapshots(monkeypatch):
@@ -54,3 +59,64 @@ def test_an_intact_guard_is_armed_and_said_once(sandbox, args, words):
     assert result.code == 0, result.stderr
     lines = [x for x in result.stderr.splitlines() if x.startswith("[forge] guards: ")]
     assert len(lines) == 1 and words in lines[0], result.stderr
+
+
+def kernels_checked(monkeypatch):
+    """The start's kernel probe on, as on CUDA (``checks_kernels``)."""
+    monkeypatch.setattr(guards, "checks_kernels", lambda device: True)
+
+
+def put_in_every_block(monkeypatch):
+    """Every transformer block also runs ``put_``, which torch names as having no
+    deterministic kernel on any device (as ``index_add_`` on CUDA)."""
+    forward = TransformerBlock.forward
+
+    def with_put(self, *args, **kwargs):
+        torch.zeros(2).put_(torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(TransformerBlock, "forward", with_put)
+
+
+def test_a_replay_of_a_step_without_deterministic_kernels_is_refused_at_start(sandbox, monkeypatch):
+    """The probe runs the first step's computation once before anything is written: an
+    operation without a deterministic kernel is named there, not at the first replayed
+    step after the run dir is claimed."""
+    kernels_checked(monkeypatch)
+    put_in_every_block(monkeypatch)
+    result = train_here(sandbox)
+    assert result.code == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    (error,) = result.errors
+    assert error.startswith("error: resilience.replay_interval: ") and "runs put_" in error
+    assert not sandbox.dir.exists() or not (sandbox.dir / "config.toml").exists()
+    off = train_here(
+        sandbox, "--resilience.replay_first_step=false", "--train.max_steps=2",
+        "--scheduler.warmup_steps=1",
+    )  # fmt: skip
+    assert off.code == 0, off.stderr  # without replays the operation is no guard's concern
+
+
+def test_a_probed_start_trains_exactly_as_an_unprobed_one(tmp_path, small_corpus, monkeypatch):
+    """The probe's computation leaves no gradient and no loader position behind: every
+    step's loss and grad norm equal a start without it (replays every 3 steps, the first
+    not replayed: nothing of the probe is washed out by a replay's reset)."""
+    args = (
+        "--train.max_steps=4", "--scheduler.warmup_steps=1",
+        "--resilience.replay_interval=3", "--resilience.replay_first_step=false",
+    )  # fmt: skip
+    for name in ("plain", "probed"):
+        (tmp_path / name).mkdir()
+    plain = make_run(tmp_path / "plain", small_corpus)
+    assert train_here(plain, *args).code == 0
+    kernels_checked(monkeypatch)
+    probed = make_run(tmp_path / "probed", small_corpus)
+    result = train_here(probed, *args)
+    assert result.code == 0, result.stderr
+    assert "replay every 3" in result.stderr
+    assert losses(probed) == losses(plain) and len(losses(plain)) == 4
+
+
+def losses(run) -> list[tuple[int, float, float]]:
+    rows = [json.loads(x) for x in (run.dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r]

@@ -17,9 +17,9 @@ from forge.optim import build_optimizer, resolve_schedule
 from forge.resilience.faults import flip_bit, gradient_faults, parse_faults
 from forge.resilience.reports import FaultReport
 from forge.training.loop.plan import ReplayRule, observed
-from forge.training.steps.replay import tensor_digest
+from forge.training.steps.replay import tensor_digest, unverifiable_operations
 from forge.training.steps.spec import StepSpec
-from forge.training.steps.text import make_text_step
+from forge.training.steps.text import make_text_step, text_computation
 from forge.types import LoopState, LossStats, PendingStep, ReplayVerdict, StepResult
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, max_seq_len=16)
@@ -230,3 +230,34 @@ def test_an_operation_without_a_deterministic_kernel_turns_replays_off_with_one_
         )  # type: ignore[arg-type]
     lines = [x for x in capsys.readouterr().err.splitlines() if "could not be replayed" in x]
     assert len(lines) == 1 and "step 1" in lines[0] and "index_add_cuda_" in lines[0]
+
+
+def put_step(tokens, **kwargs):
+    """``put_``: an operation torch names as having no deterministic kernel on any device."""
+    torch.zeros(2).put_(torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("extra,named", [(None, ()), (put_step, ("put_",))])
+def test_the_kernel_probe_names_what_torch_names_and_leaves_no_trace(extra, named):
+    """One computation under torch's deterministic mode: the operations it warns of, by
+    name; afterwards no gradient, the RNG streams where they were (the model draws from
+    them) and torch's own settings as before."""
+    model, _ = noisy_setup(ReplayRule())
+    inner = model.forward
+
+    def forward(tokens, **kwargs):
+        if extra is not None:
+            extra(tokens)
+        return inner(tokens, **kwargs)
+
+    model.forward = forward  # type: ignore[method-assign]
+    spec = StepSpec(model, build_optimizer(model, OptimizerConfig(lr=1e-2)), None, 1e-2)  # type: ignore[arg-type]
+    compute = text_computation(spec)((batch(0), batch(1)), 1)
+    torch.manual_seed(3)
+    expected = torch.rand(3)
+    torch.manual_seed(3)
+    reset = lambda: spec.optimizer.zero_grad(set_to_none=True)  # noqa: E731
+    assert unverifiable_operations(compute, reset, torch.device("cpu")) == named
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.rand(3), expected)
+    assert not torch.are_deterministic_algorithms_enabled()

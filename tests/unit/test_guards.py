@@ -53,6 +53,9 @@ ROWS = [
     ("on_spike without a threshold does nothing", {"resilience": {"on_spike": "rollback"}}, ONE, None, ["resilience.on_spike"]),
     ("replays every 50 with replicas", {"resilience": {"replay_interval": 50}}, attrs.evolve(REPLICAS, replay=ReplayRule(50, True)), "nonfinite=skip, replay every 50 + first step (2 replicas), stragglers(1.5x), health(300 s), hang stacks(600 s), signals, checksums(full)", []),
     ("replays the step does not make", {"resilience": {"replay_interval": 50}}, ONE, None, ["resilience.replay_interval"]),
+    ("replays of a step with an operation without a deterministic kernel", {}, attrs.evolve(ONE, cuda=True, unverifiable=("put_",), unverifiable_ranks=(0,)), None, ["resilience.replay_interval"]),
+    ("another rank's step runs one: every rank refuses", {}, attrs.evolve(TWO, cuda=True, unverifiable_ranks=(1,)), None, ["resilience.replay_interval"]),
+    ("every operation with a deterministic kernel: armed", {}, attrs.evolve(TWO, cuda=True), "nonfinite=skip, replay first step, health(300 s), hang stacks(600 s), signals, checksums(full)", []),
     ("no replay at all: nothing to say of it", {"resilience": {"replay_first_step": False}}, attrs.evolve(ONE, replay=ReplayRule()), "nonfinite=skip, signals, checksums(full)", []),
     ("replicas promised, none replicated", {"distributed": {"dp_replicate": 2}}, attrs.evolve(REPLICAS, replicated=0), None, ["distributed.dp_replicate"]),
     ("replicas without a replay: nothing compares them", {"distributed": {"dp_replicate": 2}, "resilience": {"replay_first_step": False}}, attrs.evolve(REPLICAS, replicated=0, replay=ReplayRule()), "nonfinite=skip, stragglers(1.5x), health(300 s), hang stacks(600 s), signals, checksums(full)", []),
@@ -78,3 +81,18 @@ def test_guard_report(sections, facts, line, refused):
     assert [key for key, _ in problems] == refused
     if line is not None:
         assert words == line
+
+
+@pytest.mark.parametrize(
+    "facts,words",
+    [
+        (attrs.evolve(ONE, unverifiable=("index_add_cuda_", "put_"), unverifiable_ranks=(0,)), "this rank's step runs index_add_cuda_, put_ without a deterministic kernel"),
+        (attrs.evolve(TWO, unverifiable_ranks=(1,)), "rank 1's step runs some (named in its line) without a deterministic kernel"),
+    ],
+)  # fmt: skip
+def test_an_unverifiable_replay_names_the_operations_or_the_rank_and_the_way_out(facts, words):
+    _, problems = guard_report(config(), facts)
+    ((key, message),) = problems
+    assert key == "resilience.replay_interval"
+    assert words in message
+    assert "replay_interval = 0 and resilience.replay_first_step = false" in message

@@ -11,6 +11,7 @@ refusals, one per guard that cannot act, before anything is written.
 from __future__ import annotations
 
 import enum
+import functools
 import pathlib
 import tempfile
 import time
@@ -26,11 +27,17 @@ from forge.resilience import stragglers
 from forge.resilience.control import ControlChannel
 from forge.resilience.signals import ShutdownFlag
 from forge.resilience.stacks import StackWatch, stacks_path
-from forge.training.context import DistContext, ModelContext, RunContext
+from forge.training.context import DataContext, DistContext, ModelContext, RunContext
 from forge.training.loop.plan import LoopPolicy, ReplayRule
 from forge.training.steps.float8_check import Float8CheckRule
 from forge.training.steps.float8_check import float8_layers as fp8_layers
-from forge.training.steps.replay import replicated_along
+from forge.training.steps.replay import (
+    checks_kernels,
+    ranks_where,
+    replicated_along,
+    unverifiable_operations,
+)
+from forge.training.steps.select import computation_for
 from forge.training.steps.spec import StepSpec, step_spec
 from forge.types import LoopState, StepResult
 
@@ -74,6 +81,10 @@ class GuardFacts:
     hang_watch: bool = True  # the watchdog writes a rank's stacks when no step ends in time
     float8_check: Float8CheckRule = attrs.Factory(Float8CheckRule)  # the step's drift guard
     float8_layers: int = 0  # the model's layers that compute in FP8
+    # operations the step runs without a deterministic kernel: this rank's, and the ranks
+    # (agreed) where the start-up's probe found any (``kernel_probe``)
+    unverifiable: tuple[str, ...] = ()
+    unverifiable_ranks: tuple[int, ...] = ()
 
 
 def guard_report(config: JobConfig, facts: GuardFacts) -> tuple[str, list[Problem]]:
@@ -112,6 +123,8 @@ def guard_report(config: JobConfig, facts: GuardFacts) -> tuple[str, list[Proble
                 ("resilience.replay_interval", "replays are on, but the step replays nothing")
             )
         armed.append(replay_words(wanted, facts))
+        if facts.unverifiable_ranks:
+            refused.append(("resilience.replay_interval", unverifiable_words(facts)))
         if facts.replica_layout > 1 and facts.replicated == 0:
             refused.append(
                 (
@@ -211,6 +224,22 @@ def replay_words(rule: ReplayRule, facts: GuardFacts) -> str:
     return f"{Guard.REPLAY.value} {' + '.join(when)}{replicas}"
 
 
+def unverifiable_words(facts: GuardFacts) -> str:
+    """Why replays cannot act where the step runs operations without a deterministic kernel:
+    this rank's operations, or the ranks that run some."""
+    if facts.unverifiable:
+        where = f"this rank's step runs {', '.join(facts.unverifiable)}"
+    else:
+        ranks = ", ".join(str(r) for r in facts.unverifiable_ranks)
+        where = f"rank {ranks}'s step runs some (named in its line)"
+    return (
+        f"replays compare a step's computations bit for bit, but {where} without a "
+        "deterministic kernel: two computations may differ on healthy hardware, and a fault "
+        "could not be told from noise; set resilience.replay_interval = 0 and "
+        "resilience.replay_first_step = false (docs/resilience.md#replayed-steps)"
+    )
+
+
 def straggler_keys_set(res: ResilienceConfig) -> bool:
     """Whether the config changes the straggler reading from its defaults."""
     return (res.straggler_ratio, res.straggler_logs) != (
@@ -227,8 +256,10 @@ def guard_facts(
     world_size: int,
     signals: bool,
     health: bool = True,
+    unverifiable: tuple[tuple[str, ...], tuple[int, ...]] = ((), ()),
 ) -> GuardFacts:
-    """What each guard can do in the run built from ``config``."""
+    """What each guard can do in the run built from ``config`` (``unverifiable``: the kernel
+    probe's operations on this rank, and the ranks where it found any)."""
     dims = config.distributed
     return GuardFacts(
         world_size=world_size,
@@ -245,6 +276,8 @@ def guard_facts(
         hang_watch=world_size == 1 or dumps_stacks(),
         float8_check=spec.float8_check,
         float8_layers=len(fp8_layers(spec.model)) if spec.float8_check.interval else 0,
+        unverifiable=unverifiable[0],
+        unverifiable_ranks=unverifiable[1],
     )
 
 
@@ -279,10 +312,33 @@ def dumps_stacks() -> bool:
             watch.close()
 
 
+def kernel_probe(
+    run: RunContext, dist: DistContext, model: ModelContext, data: DataContext
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Where replays are configured on a device whose kernels a replay checks
+    (``checks_kernels``): the operations without a deterministic kernel that the first
+    step's computation runs on this rank (its own micro-batches, read without moving the
+    loader), and the ranks that run any, agreed by every rank. Nothing elsewhere."""
+    res = run.config.resilience
+    replays = ReplayRule(res.replay_interval, res.replay_first_step) != ReplayRule()
+    if not replays or not checks_kernels(dist.device):
+        return (), ()
+    first = data.train_loader.step_share(range(run.config.train.grad_accum_steps))
+    if first is None:  # no step to run (refused at set-up: the data holds one at least)
+        return (), ()
+    spec = step_spec(run, dist, model, data)
+    spec.model.train()
+    reset = functools.partial(model.optimizer.zero_grad, set_to_none=True)
+    mine = unverifiable_operations(computation_for(spec, model)(first[0], 1), reset, dist.device)
+    (ranks,) = ranks_where([bool(mine)], dist.world_size, dist.rank, dist.device)
+    return mine, ranks
+
+
 def armed_guards(
     run: RunContext,
     dist: DistContext,
     model: ModelContext,
+    data: DataContext,
     flag: ShutdownFlag,
     channel: ControlChannel | None = None,
 ) -> str:
@@ -296,6 +352,7 @@ def armed_guards(
         dist.world_size,
         flag.reaches(),
         health=channel is None or dist.world_size == 1 or channel.group is not None,
+        unverifiable=kernel_probe(run, dist, model, data),
     )
     return armed_line(run.config, facts)
 

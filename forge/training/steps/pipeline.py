@@ -32,7 +32,7 @@ from forge.training.steps.common import (
     with_depth_counts,
 )
 from forge.training.steps.float8_check import Float8Check
-from forge.training.steps.replay import Replayer
+from forge.training.steps.replay import Computation, Replayer, StepComputation
 from forge.training.steps.spec import StepFunction, StepSpec
 from forge.types import LoopState, StepResult
 
@@ -111,8 +111,7 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
     stages (the tied weight counted once), so every rank takes the same finite/skip branch.
     """
     stage = spec.model
-    with_z = spec.loss.z_weight > 0
-
+    computation = pipeline_computation(spec, pipeline)
     replayer = Replayer(
         spec.replay,
         lambda: spec.optimizer.zero_grad(set_to_none=True),
@@ -126,7 +125,36 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
         lambda: spec.optimizer.zero_grad(set_to_none=True),
         spec.world_size,
     )
+    replicas = spec.replicas
+    norm_of = functools.partial(stage_norm, pipeline)
 
+    def pipeline_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
+        lr = set_lr(spec.optimizer, step_lr(spec, state, batches))
+        stage.train()
+        step = state.step + 1
+        compute = computation(batches, step)
+        reference = float8_check.reference(step, compute)  # in high precision, where checked
+        totals, verdict = replayer(step, compute)
+        drift = float8_check.verdict(reference, totals)
+        if replicas is not None:  # this group's step, checked; now the whole step's
+            totals = over_groups(totals, replicas, fails_alone(verdict, drift), norm_of)
+        return finish_step(spec, totals, step, lr, state.loss_stats, verdict, drift)
+
+    return pipeline_step
+
+
+def stage_norm(pipeline: PipelineContext, params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The grad norm across stages, an embedding tied across pipeline ranks counted once."""
+    tied = pipeline.tied
+    counted = [p for p in params if tied is None or tied.in_norm or p is not tied.weight]
+    return global_grad_norm(counted, pipeline.group)
+
+
+def pipeline_computation(spec: StepSpec, pipeline: PipelineContext) -> StepComputation:
+    """One computation of a step's gradients through the pipeline (``run_stage``), which a
+    replay repeats and the start-up's kernel probe runs once."""
+    stage = spec.model
+    with_z = spec.loss.z_weight > 0
     replicas = spec.replicas
 
     def label_weights(batches: tuple[Batch, ...]) -> torch.Tensor:
@@ -136,12 +164,6 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
         counts = with_depth_counts(label_counts(batches), batches, pipeline.loss.depth, stage)
         across = None if replicas is None else replicas.labels
         return step_label_weight(counts, spec.token_slices, spec.world_size, across)
-
-    def norm_of(params: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The grad norm across stages, an embedding tied across pipeline ranks counted once."""
-        tied = pipeline.tied
-        counted = [p for p in params if tied is None or tied.in_norm or p is not tied.weight]
-        return global_grad_norm(counted, pipeline.group)
 
     def gradients(
         batches: tuple[Batch, ...], weight: torch.Tensor, step: int, computation: int
@@ -166,7 +188,7 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
             loss = spec.fault(step, computation, params, loss)
         return StepTotals(
             loss=loss,
-            grad_norm=norm_of(params),
+            grad_norm=stage_norm(pipeline, params),
             params=params,
             tokens=sum(b.num_tokens for b in batches) * spec.token_slices,
             micro_batches=n,
@@ -176,19 +198,10 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
             mtp=measured.mtp,
         )
 
-    def pipeline_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
-        lr = set_lr(spec.optimizer, step_lr(spec, state, batches))
-        stage.train()
-        step = state.step + 1
-        compute = functools.partial(gradients, batches, label_weights(batches), step)
-        reference = float8_check.reference(step, compute)  # in high precision, where checked
-        totals, verdict = replayer(step, compute)
-        drift = float8_check.verdict(reference, totals)
-        if replicas is not None:  # this group's step, checked; now the whole step's
-            totals = over_groups(totals, replicas, fails_alone(verdict, drift), norm_of)
-        return finish_step(spec, totals, step, lr, state.loss_stats, verdict, drift)
+    def for_step(batches: tuple[Batch, ...], step: int) -> Computation:
+        return functools.partial(gradients, batches, label_weights(batches), step)
 
-    return pipeline_step
+    return for_step
 
 
 @attrs.frozen

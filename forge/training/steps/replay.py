@@ -21,11 +21,14 @@ import torch
 import torch.distributed as torch_dist
 from torch.distributed.tensor import DTensor
 
+from forge.data.batch import Batch
 from forge.training.loop.plan import ReplayRule
 from forge.training.steps.common import StepTotals
 from forge.types import ReplayVerdict
 
 Computation = Callable[[int], StepTotals]  # the computation's index (0, 1, 2) -> its totals
+# a step's micro-batches and number -> its computation (``text_computation``, ...)
+StepComputation = Callable[[tuple[Batch, ...], int], Computation]
 
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -128,29 +131,66 @@ def diverges_from_replicas(params: Sequence[torch.Tensor]) -> bool:
 NONDETERMINISTIC = "does not have a deterministic implementation"  # torch's warning
 
 
+def checks_kernels(device: torch.device) -> bool:
+    """Whether a replay on ``device`` asks torch which operations ran without a
+    deterministic kernel: on CUDA. A CPU's kernels are deterministic already (forge's step
+    runs none of the few that torch names there), so a CPU run pays nothing for the question."""
+    return device.type == "cuda"
+
+
 @contextlib.contextmanager
 def deterministic_kernels(device: torch.device) -> Iterator[list[str]]:
-    """On CUDA, deterministic kernels for the computations compared (cuBLAS also needs
-    ``CUBLAS_WORKSPACE_CONFIG``, set before CUDA starts: ``cuda_determinism_env``); yields
-    the operations that ran without one (torch warns of each): their results may differ
-    between computations on healthy hardware. CPU kernels are deterministic already."""
-    unverifiable: list[str] = []
-    if device.type != "cuda":
-        yield unverifiable
+    """On CUDA (``checks_kernels``), deterministic kernels for the computations compared
+    (cuBLAS also needs ``CUBLAS_WORKSPACE_CONFIG``, set before CUDA starts:
+    ``cuda_determinism_env``); yields the operations that ran without one (torch warns of
+    each): their results may differ between computations on healthy hardware."""
+    if not checks_kernels(device):
+        yield []
         return
+    with kernels_named() as unverifiable:
+        yield unverifiable
+
+
+@contextlib.contextmanager
+def kernels_named() -> Iterator[list[str]]:
+    """Deterministic kernels where torch has them, on any device; yields the operations
+    that ran without one, as torch names them (filled on the way out)."""
+    unverifiable: list[str] = []
     before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             yield unverifiable
     finally:
-        torch.use_deterministic_algorithms(before)
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
     for w in caught:
         if NONDETERMINISTIC in str(w.message):
             unverifiable.append(str(w.message).split(" does not")[0])
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def unverifiable_operations(
+    compute: Computation, reset: Callable[[], None], device: torch.device
+) -> tuple[str, ...]:
+    """The operations that one run of ``compute`` (a step's first computation) runs without a
+    deterministic kernel, as torch names them, checked once at start-up where replays are
+    configured: a replay of such a step could not tell a fault from noise. Afterwards the
+    gradients are dropped (``reset``) and the RNG streams are where they were, so a probed
+    launch trains exactly as an unprobed one."""
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        with kernels_named() as unverifiable:
+            compute(0)
+    finally:
+        reset()
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+    return tuple(sorted(set(unverifiable)))
 
 
 def cuda_determinism_env(env: MutableMapping[str, str]) -> None:

@@ -11,7 +11,8 @@ from forge.data.batch import Batch
 from forge.optim.freezing import Freezer
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
 from forge.training.loop.hooks import Hooks
-from forge.training.steps.pipeline import make_pipeline_step
+from forge.training.steps.pipeline import make_pipeline_step, pipeline_computation
+from forge.training.steps.replay import StepComputation
 from forge.training.steps.spec import (
     GradientFault,
     ReplicaSums,
@@ -19,7 +20,7 @@ from forge.training.steps.spec import (
     StepSpec,
     step_spec,
 )
-from forge.training.steps.text import make_text_step, make_vlm_step
+from forge.training.steps.text import make_text_step, make_vlm_step, text_computation
 from forge.types import LoopState, StepResult
 
 
@@ -50,6 +51,14 @@ def step_for(spec: StepSpec, model: ModelContext) -> StepFunction:
     if model.pipeline is not None:
         return make_pipeline_step(spec, model.pipeline)
     return make_text_step(spec)
+
+
+def computation_for(spec: StepSpec, model: ModelContext) -> StepComputation:
+    """One computation of the gradients of the step ``step_for`` chooses (a vision-language
+    step computes as the text step, its batches carrying the images)."""
+    if spec.vlm is None and model.pipeline is not None:
+        return pipeline_computation(spec, model.pipeline)
+    return text_computation(spec)
 
 
 def freezing_step(

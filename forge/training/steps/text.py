@@ -28,7 +28,7 @@ from forge.training.steps.common import (
     with_depth_counts,
 )
 from forge.training.steps.float8_check import Float8Check
-from forge.training.steps.replay import Replayer
+from forge.training.steps.replay import Computation, Replayer, StepComputation
 from forge.training.steps.spec import StepFunction, StepSpec
 from forge.types import LoopState, StepResult
 
@@ -44,18 +44,9 @@ def make_text_step(spec: StepSpec) -> StepFunction:
     per-source sums and a MoE model's statistics are summed over micro-batches and reported.
     A replayed step (``spec.replay``) computes the gradients again and compares them
     (``forge.training.steps.replay``) before anything is applied.
-    Every labelled token of the step weighs the same wherever it sits (``label_weight``):
-    packed rows, masked labels and captions of unequal length give a loss and gradient that
-    do not depend on how the batch is split into micro-batches and data-parallel ranks.
     """
-    model, optimizer, loss_spec = spec.model, spec.optimizer, spec.loss
-    depth = mtp_depth_of(model)
-    autocast = (
-        contextlib.nullcontext
-        if spec.fsdp_mixed_precision
-        else autocast_for(spec.precision, device_type_of(model))
-    )
-
+    model, optimizer = spec.model, spec.optimizer
+    computation = text_computation(spec)
     replayer = Replayer(
         spec.replay,
         lambda: optimizer.zero_grad(set_to_none=True),
@@ -66,7 +57,37 @@ def make_text_step(spec: StepSpec) -> StepFunction:
     float8_check = Float8Check(
         spec.float8_check, model, lambda: optimizer.zero_grad(set_to_none=True), spec.world_size
     )
+    replicas = spec.replicas
 
+    def text_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
+        lr = set_lr(optimizer, step_lr(spec, state, batches))
+        model.train()
+        step = state.step + 1
+        compute = computation(batches, step)
+        reference = float8_check.reference(step, compute)  # in high precision, where checked
+        totals, verdict = replayer(step, compute)
+        drift = float8_check.verdict(reference, totals)
+        if replicas is not None:  # this group's step, checked; now the whole step's
+            totals = over_groups(totals, replicas, fails_alone(verdict, drift))
+        return finish_step(spec, totals, step, lr, state.loss_stats, verdict, drift)
+
+    return text_step
+
+
+def text_computation(spec: StepSpec) -> StepComputation:
+    """One computation of a step's gradients (forward and backward of every micro-batch),
+    which a replay repeats and the start-up's kernel probe runs once.
+    Every labelled token of the step weighs the same wherever it sits (``label_weight``):
+    packed rows, masked labels and captions of unequal length give a loss and gradient that
+    do not depend on how the batch is split into micro-batches and data-parallel ranks.
+    """
+    model, loss_spec = spec.model, spec.loss
+    depth = mtp_depth_of(model)
+    autocast = (
+        contextlib.nullcontext
+        if spec.fsdp_mixed_precision
+        else autocast_for(spec.precision, device_type_of(model))
+    )
     replicas = spec.replicas
 
     def label_weights(batches: tuple[Batch, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,19 +144,10 @@ def make_text_step(spec: StepSpec) -> StepFunction:
             mtp=mtp,
         )
 
-    def text_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
-        lr = set_lr(optimizer, step_lr(spec, state, batches))
-        model.train()
-        step = state.step + 1
-        compute = functools.partial(gradients, batches, label_weights(batches), step)
-        reference = float8_check.reference(step, compute)  # in high precision, where checked
-        totals, verdict = replayer(step, compute)
-        drift = float8_check.verdict(reference, totals)
-        if replicas is not None:  # this group's step, checked; now the whole step's
-            totals = over_groups(totals, replicas, fails_alone(verdict, drift))
-        return finish_step(spec, totals, step, lr, state.loss_stats, verdict, drift)
+    def for_step(batches: tuple[Batch, ...], step: int) -> Computation:
+        return functools.partial(gradients, batches, label_weights(batches), step)
 
-    return text_step
+    return for_step
 
 
 def make_vlm_step(spec: StepSpec) -> StepFunction:
