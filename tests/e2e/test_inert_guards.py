@@ -120,3 +120,20 @@ def test_a_probed_start_trains_exactly_as_an_unprobed_one(tmp_path, small_corpus
 def losses(run) -> list[tuple[int, float, float]]:
     rows = [json.loads(x) for x in (run.dir / "metrics.jsonl").read_text().splitlines()]
     return [(r["step"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
+
+
+# (a key that only acts among several ranks, set at one process): refused by its own name
+ONE_PROCESS = [
+    "--resilience.straggler_logs=9",
+    "--resilience.health_timeout_s=30",
+    "--resilience.health_check_interval=10",
+]
+
+
+@pytest.mark.parametrize("arg", ONE_PROCESS)
+def test_a_key_of_several_ranks_set_at_one_process_is_refused_by_name(sandbox, arg):
+    result = train_here(sandbox, arg)
+    assert result.code == 2, result.stderr
+    key = arg.removeprefix("--").split("=")[0]
+    assert [e.split(":")[1].strip() for e in result.errors] == [key], result.stderr
+    assert not sandbox.dir.exists() or not (sandbox.dir / "config.toml").exists()

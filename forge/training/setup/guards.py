@@ -134,20 +134,28 @@ def guard_report(config: JobConfig, facts: GuardFacts) -> tuple[str, list[Proble
                     "replayed steps would compare nothing",
                 )
             )
-    if facts.cuda and straggler_keys_set(res):
+    if (straggler_key := changed_key(res, STRAGGLER_KEYS)) is not None and facts.cuda:
         refused.append(
             (
-                "resilience.straggler_ratio",
+                straggler_key,
                 "is set, but stragglers are read on the CPU only (on CUDA a rank's CPU time "
                 "does not tell waiting from working: docs/resilience.md#stragglers); remove it",
             )
         )
-    elif facts.world_size == 1 and straggler_keys_set(res):
+    elif straggler_key is not None and facts.world_size == 1:
         refused.append(
             (
-                "resilience.straggler_ratio",
+                straggler_key,
                 "is set, but a run of one process has no other rank to be slower than; "
                 "remove it (or launch the run on several ranks)",
+            )
+        )
+    if (health_key := changed_key(res, HEALTH_KEYS)) is not None and facts.world_size == 1:
+        refused.append(
+            (
+                health_key,
+                "is set, but a run of one process has no peer whose death or stall the "
+                "control word could find; remove it (or launch the run on several ranks)",
             )
         )
     if facts.world_size > 1 and not facts.health:
@@ -240,12 +248,17 @@ def unverifiable_words(facts: GuardFacts) -> str:
     )
 
 
-def straggler_keys_set(res: ResilienceConfig) -> bool:
-    """Whether the config changes the straggler reading from its defaults."""
-    return (res.straggler_ratio, res.straggler_logs) != (
-        DEFAULTS.straggler_ratio,
-        DEFAULTS.straggler_logs,
-    )
+STRAGGLER_KEYS = ("straggler_ratio", "straggler_logs")  # the straggler reading's
+HEALTH_KEYS = ("health_timeout_s", "health_check_interval")  # the control word's checks
+
+
+def changed_key(res: ResilienceConfig, names: Sequence[str]) -> str | None:
+    """The first of ``names`` (``[resilience]`` keys) that the config changes from its
+    default, as a config spells it; None when it changes none."""
+    for name in names:
+        if getattr(res, name) != getattr(DEFAULTS, name):
+            return f"resilience.{name}"
+    return None
 
 
 def guard_facts(
