@@ -6,6 +6,7 @@ import datetime
 import os
 import socket
 from collections.abc import Mapping
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from forge.config.sections import DistributedConfig
 from forge.errors import UserInputError
 from forge.parallel.world import MESH_ORDER, MeshDims, WorldInfo
+
+T = TypeVar("T")
 
 
 def coordinates(rank: int, dims: MeshDims) -> dict[str, int]:
@@ -203,11 +206,16 @@ def broadcast_from_main(value: object, world_size: int) -> object:
     return box[0]
 
 
+def every_rank(value: T, world_size: int) -> list[T]:
+    """Every rank's ``value`` (picklable), in rank order; ``[value]`` for one process."""
+    if world_size == 1:
+        return [value]
+    gathered: list[T | None] = [None] * world_size
+    dist.all_gather_object(gathered, value)
+    return gathered  # type: ignore[return-value]
+
+
 def host_names(world: WorldInfo) -> tuple[str, ...]:
     """Every rank's host name in rank order, gathered once at set-up (the warnings and errors
     that name a rank name its host too)."""
-    names: list[str | None] = [None] * world.world_size
-    if world.world_size == 1:
-        return (socket.gethostname(),)
-    dist.all_gather_object(names, socket.gethostname())
-    return tuple(str(n) for n in names)
+    return tuple(str(n) for n in every_rank(socket.gethostname(), world.world_size))

@@ -7,6 +7,8 @@ argument), for the guard check that must then refuse to start:
 - ``stacks``: the hang watchdog is never armed;
 - ``kernels``: the kernel probe runs (as on CUDA), and rank 1's blocks run ``put_``, an
   operation torch names as having no deterministic kernel;
+- ``signals_on_one``: rank 1 alone installs no shutdown handler (as a blocked signal mask
+  inherited on one node would leave it);
 - ``probe``: the kernel probe runs (as on CUDA), nothing else changed (not a mutant: the
   probed start must train as an unprobed one).
 """
@@ -22,6 +24,7 @@ import torch
 
 from forge.model.transformer import TransformerBlock
 from forge.resilience import control, stacks, stragglers
+from forge.resilience.signals import ShutdownFlag
 from forge.training.setup import guards
 from forge.training.steps import replay
 
@@ -45,12 +48,18 @@ def put_on_rank_one() -> None:
     TransformerBlock.forward = with_put
 
 
+def no_handler_on_rank_one() -> None:
+    if os.environ["RANK"] == "1":
+        ShutdownFlag.install = lambda self: self  # type: ignore[method-assign]
+
+
 MUTANTS = {
     "replicas": lambda: setattr(replay, "REPLICATED_DIMS", ()),
     "health": lambda: setattr(control.ControlChannel, "__init__", no_group),
     "stragglers": lambda: setattr(stragglers, "timed", lambda step, *args: step),
     "stacks": lambda: setattr(stacks.StackWatch, "arm", lambda self: None),
     "kernels": put_on_rank_one,
+    "signals_on_one": no_handler_on_rank_one,
     "probe": lambda: setattr(guards, "checks_kernels", lambda device: True),
 }
 

@@ -348,22 +348,35 @@ def test_an_operation_without_a_deterministic_kernel_on_one_stage_refuses_replay
     tmp_path, small_corpus
 ):
     """The kernel probe runs each rank's first computation through the pipeline (``pp=2``);
-    the ranks agree: the stage that runs the operation names it, the other names that rank,
-    and neither waits for the other or writes anything."""
+    the ranks agree: both name the operation and the rank that runs it, and neither waits
+    for the other or writes anything."""
     config = write_config(tmp_path, small_corpus)
     argv = [str(REPO / "tests" / "distributed" / "inert_guard.py"), "kernels", str(config),
             f"--run.dir={tmp_path / 'run'}", *COMMON, "--distributed.pp=2",
             "--train.grad_accum_steps=2"]  # fmt: skip
     out = run_ranks(2, argv, timeout=120)
     assert out.returncode == 2, out.stderr[-3000:]
-    errors = sorted(x for x in out.stderr.splitlines() if x.startswith("error:"))
+    errors = [x for x in out.stderr.splitlines() if x.startswith("error:")]
     key = "error: resilience.replay_interval: replays compare a step's computations bit for bit"
-    assert [e.startswith(key) for e in errors] == [True, True], errors
-    assert ["rank 1's step runs some" in errors[0], "this rank's step runs put_" in errors[1]] == [
-        True,
-        True,
-    ], errors
+    assert len(errors) == 2 and len(set(errors)) == 1, errors
+    assert errors[0].startswith(key) and "the step runs put_" in errors[0], errors
+    assert errors[0].endswith("(on rank 1)"), errors
     assert not (tmp_path / "run" / "config.toml").exists()
+
+
+def test_a_guard_refused_on_one_rank_is_refused_on_every_rank_at_once(tmp_path, small_corpus):
+    """Rank 1 alone cannot act on a shutdown signal: both ranks refuse with its line, naming
+    rank 1, instead of rank 0 claiming the run directory and waiting for a peer gone."""
+    config = write_config(tmp_path, small_corpus)
+    argv = [str(REPO / "tests" / "distributed" / "inert_guard.py"), "signals_on_one",
+            str(config), f"--run.dir={tmp_path / 'run'}", *COMMON]  # fmt: skip
+    out = run_ranks(2, argv, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [x for x in out.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 2 and len(set(errors)) == 1, errors
+    assert errors[0].startswith("error: resilience.shutdown_timeout_s: SIGTERM, SIGUSR1 or SIGINT")
+    assert errors[0].endswith("(on rank 1)"), errors
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_probed_pipeline_start_trains_as_an_unprobed_one(tmp_path, small_corpus):

@@ -8,7 +8,7 @@ import pytest
 from forge.config.loader import structure_config
 from forge.config.sections import JobConfig
 from forge.training.loop.plan import ReplayRule
-from forge.training.setup.guards import GuardFacts, guard_report
+from forge.training.setup.guards import GuardFacts, agreed_refusals, guard_report, rank_span
 from forge.training.steps.float8_check import Float8CheckRule
 from forge.types import Float8Drift
 
@@ -58,8 +58,8 @@ ROWS = [
     ("on_spike without a threshold does nothing", {"resilience": {"on_spike": "rollback"}}, ONE, None, ["resilience.on_spike"]),
     ("replays every 50 with replicas", {"resilience": {"replay_interval": 50}}, attrs.evolve(REPLICAS, replay=ReplayRule(50, True)), "nonfinite=skip, replay every 50 + first step (2 replicas), stragglers(1.5x), health(300 s), hang stacks(600 s), signals, checksums(full)", []),
     ("replays the step does not make", {"resilience": {"replay_interval": 50}}, ONE, None, ["resilience.replay_interval"]),
-    ("replays of a step with an operation without a deterministic kernel", {}, attrs.evolve(ONE, cuda=True, unverifiable=("put_",), unverifiable_ranks=(0,)), None, ["resilience.replay_interval"]),
-    ("another rank's step runs one: every rank refuses", {}, attrs.evolve(TWO, cuda=True, unverifiable_ranks=(1,)), None, ["resilience.replay_interval"]),
+    ("replays of a step with an operation without a deterministic kernel", {}, attrs.evolve(ONE, cuda=True, unverifiable=("put_",)), None, ["resilience.replay_interval"]),
+    ("no replay: the probe found nothing to refuse", {"resilience": {"replay_first_step": False}}, attrs.evolve(ONE, replay=ReplayRule()), "nonfinite=skip, signals, checksums(full)", []),
     ("every operation with a deterministic kernel: armed", {}, attrs.evolve(TWO, cuda=True), "nonfinite=skip, replay first step, health(300 s), hang stacks(600 s), signals, checksums(full)", []),
     ("no replay at all: nothing to say of it", {"resilience": {"replay_first_step": False}}, attrs.evolve(ONE, replay=ReplayRule()), "nonfinite=skip, signals, checksums(full)", []),
     ("replicas promised, none replicated", {"distributed": {"dp_replicate": 2}}, attrs.evolve(REPLICAS, replicated=0), None, ["distributed.dp_replicate"]),
@@ -88,16 +88,37 @@ def test_guard_report(sections, facts, line, refused):
         assert words == line
 
 
-@pytest.mark.parametrize(
-    "facts,words",
-    [
-        (attrs.evolve(ONE, unverifiable=("index_add_cuda_", "put_"), unverifiable_ranks=(0,)), "this rank's step runs index_add_cuda_, put_ without a deterministic kernel"),
-        (attrs.evolve(TWO, unverifiable_ranks=(1,)), "rank 1's step runs some (named in its line) without a deterministic kernel"),
-    ],
-)  # fmt: skip
-def test_an_unverifiable_replay_names_the_operations_or_the_rank_and_the_way_out(facts, words):
-    _, problems = guard_report(config(), facts)
+def test_an_unverifiable_replay_names_the_operations_and_the_way_out():
+    _, problems = guard_report(
+        config(), attrs.evolve(ONE, unverifiable=("index_add_cuda_", "put_"))
+    )
     ((key, message),) = problems
     assert key == "resilience.replay_interval"
-    assert words in message
+    assert "the step runs index_add_cuda_, put_ without a deterministic kernel" in message
     assert "replay_interval = 0 and resilience.replay_first_step = false" in message
+
+
+A, B = ("resilience.shutdown_timeout_s", "blocked"), ("resilience.replay_interval", "put_")
+
+# (case, each rank's refusals, what every rank refuses with)
+AGREED = [
+    ("none anywhere", [[], []], []),
+    ("one process", [[A]], [A]),
+    ("every rank alike: as is", [[A], [A]], [A]),
+    ("one rank alone: named", [[], [A]], [(A[0], "blocked (on rank 1)")]),
+    ("some ranks: a span", [[B], [B], [], [A], [B]], [(B[0], "put_ (on ranks 0-1, 4)"), (A[0], "blocked (on rank 3)")]),
+    ("each once, in the order first found", [[B, A], [A]], [(B[0], "put_ (on rank 0)"), A]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("per_rank,agreed", [r[1:] for r in AGREED], ids=[r[0] for r in AGREED])
+def test_every_rank_refuses_with_every_ranks_refusals(per_rank, agreed):
+    assert agreed_refusals(per_rank) == agreed
+
+
+@pytest.mark.parametrize(
+    "ranks,words",
+    [([3], "rank 3"), ([1, 3], "ranks 1, 3"), ([8, 9, 10, 11, 20], "ranks 8-11, 20"), ([5, 4], "ranks 4-5")],
+)  # fmt: skip
+def test_rank_span(ranks, words):
+    assert rank_span(ranks) == words

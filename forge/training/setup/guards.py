@@ -23,6 +23,7 @@ import torch
 from forge.config.ranges import Problem
 from forge.config.sections import JobConfig, NonFinitePolicy, ResilienceConfig, SpikePolicy
 from forge.errors import UserInputError
+from forge.parallel.mesh import every_rank
 from forge.resilience import stragglers
 from forge.resilience.control import ControlChannel
 from forge.resilience.signals import ShutdownFlag
@@ -33,7 +34,6 @@ from forge.training.steps.float8_check import Float8CheckRule
 from forge.training.steps.float8_check import float8_layers as fp8_layers
 from forge.training.steps.replay import (
     checks_kernels,
-    ranks_where,
     replicated_along,
     unverifiable_operations,
 )
@@ -81,10 +81,8 @@ class GuardFacts:
     hang_watch: bool = True  # the watchdog writes a rank's stacks when no step ends in time
     float8_check: Float8CheckRule = attrs.Factory(Float8CheckRule)  # the step's drift guard
     float8_layers: int = 0  # the model's layers that compute in FP8
-    # operations the step runs without a deterministic kernel: this rank's, and the ranks
-    # (agreed) where the start-up's probe found any (``kernel_probe``)
+    # operations this rank's step runs without a deterministic kernel (``kernel_probe``)
     unverifiable: tuple[str, ...] = ()
-    unverifiable_ranks: tuple[int, ...] = ()
 
 
 def guard_report(config: JobConfig, facts: GuardFacts) -> tuple[str, list[Problem]]:
@@ -123,7 +121,7 @@ def guard_report(config: JobConfig, facts: GuardFacts) -> tuple[str, list[Proble
                 ("resilience.replay_interval", "replays are on, but the step replays nothing")
             )
         armed.append(replay_words(wanted, facts))
-        if facts.unverifiable_ranks:
+        if facts.unverifiable:
             refused.append(("resilience.replay_interval", unverifiable_words(facts)))
         if facts.replica_layout > 1 and facts.replicated == 0:
             refused.append(
@@ -233,19 +231,42 @@ def replay_words(rule: ReplayRule, facts: GuardFacts) -> str:
 
 
 def unverifiable_words(facts: GuardFacts) -> str:
-    """Why replays cannot act where the step runs operations without a deterministic kernel:
-    this rank's operations, or the ranks that run some."""
-    if facts.unverifiable:
-        where = f"this rank's step runs {', '.join(facts.unverifiable)}"
-    else:
-        ranks = ", ".join(str(r) for r in facts.unverifiable_ranks)
-        where = f"rank {ranks}'s step runs some (named in its line)"
+    """Why replays cannot act where the step runs operations without a deterministic kernel."""
     return (
-        f"replays compare a step's computations bit for bit, but {where} without a "
-        "deterministic kernel: two computations may differ on healthy hardware, and a fault "
-        "could not be told from noise; set resilience.replay_interval = 0 and "
-        "resilience.replay_first_step = false (docs/resilience.md#replayed-steps)"
+        f"replays compare a step's computations bit for bit, but the step runs "
+        f"{', '.join(facts.unverifiable)} without a deterministic kernel: two computations may "
+        "differ on healthy hardware, and a fault could not be told from noise; set "
+        "resilience.replay_interval = 0 and resilience.replay_first_step = false "
+        "(docs/resilience.md#replayed-steps)"
     )
+
+
+def agreed_refusals(per_rank: Sequence[Sequence[Problem]]) -> list[Problem]:
+    """Every rank's refusals (``per_rank[r]``: rank ``r``'s), each once, in the order first
+    found: one that some ranks only found names them (a blocked signal or a kernel can differ
+    per node), one found on every rank reads as is. Every rank then refuses alike, and none
+    waits for a peer that has stopped."""
+    found: dict[Problem, list[int]] = {}
+    for rank, problems in enumerate(per_rank):
+        for problem in problems:
+            found.setdefault(problem, []).append(rank)
+    everywhere = len(per_rank)
+    return [
+        (key, message if len(ranks) == everywhere else f"{message} (on {rank_span(ranks)})")
+        for (key, message), ranks in found.items()
+    ]
+
+
+def rank_span(ranks: Sequence[int]) -> str:
+    """``rank 3``, ``ranks 1, 3`` or ``ranks 8-15, 20``: runs of consecutive ranks kept short."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    words = [str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs]
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(words)
 
 
 STRAGGLER_KEYS = ("straggler_ratio", "straggler_logs")  # the straggler reading's
@@ -269,10 +290,10 @@ def guard_facts(
     world_size: int,
     signals: bool,
     health: bool = True,
-    unverifiable: tuple[tuple[str, ...], tuple[int, ...]] = ((), ()),
+    unverifiable: tuple[str, ...] = (),
 ) -> GuardFacts:
-    """What each guard can do in the run built from ``config`` (``unverifiable``: the kernel
-    probe's operations on this rank, and the ranks where it found any)."""
+    """What each guard can do in the run built from ``config`` (``unverifiable``: what the
+    kernel probe named on this rank)."""
     dims = config.distributed
     return GuardFacts(
         world_size=world_size,
@@ -289,8 +310,7 @@ def guard_facts(
         hang_watch=world_size == 1 or dumps_stacks(),
         float8_check=spec.float8_check,
         float8_layers=len(fp8_layers(spec.model)) if spec.float8_check.interval else 0,
-        unverifiable=unverifiable[0],
-        unverifiable_ranks=unverifiable[1],
+        unverifiable=unverifiable,
     )
 
 
@@ -327,24 +347,22 @@ def dumps_stacks() -> bool:
 
 def kernel_probe(
     run: RunContext, dist: DistContext, model: ModelContext, data: DataContext
-) -> tuple[tuple[str, ...], tuple[int, ...]]:
+) -> tuple[str, ...]:
     """Where replays are configured on a device whose kernels a replay checks
     (``checks_kernels``): the operations without a deterministic kernel that the first
     step's computation runs on this rank (its own micro-batches, read without moving the
-    loader), and the ranks that run any, agreed by every rank. Nothing elsewhere."""
+    loader). Nothing elsewhere."""
     res = run.config.resilience
     replays = ReplayRule(res.replay_interval, res.replay_first_step) != ReplayRule()
     if not replays or not checks_kernels(dist.device):
-        return (), ()
+        return ()
     first = data.train_loader.step_share(range(run.config.train.grad_accum_steps))
     if first is None:  # no step to run (refused at set-up: the data holds one at least)
-        return (), ()
+        return ()
     spec = step_spec(run, dist, model, data)
     spec.model.train()
     reset = functools.partial(model.optimizer.zero_grad, set_to_none=True)
-    mine = unverifiable_operations(computation_for(spec, model)(first[0], 1), reset, dist.device)
-    (ranks,) = ranks_where([bool(mine)], dist.world_size, dist.rank, dist.device)
-    return mine, ranks
+    return unverifiable_operations(computation_for(spec, model)(first[0], 1), reset, dist.device)
 
 
 def armed_guards(
@@ -356,7 +374,8 @@ def armed_guards(
     channel: ControlChannel | None = None,
 ) -> str:
     """The start's line of its guards, read off the built run; ``GuardRefused`` naming each
-    guard the config turns on that cannot act here (before anything is written)."""
+    guard the config turns on that cannot act here, on any rank (before anything is
+    written)."""
     facts = guard_facts(
         run.config,
         run.policy,
@@ -367,12 +386,8 @@ def armed_guards(
         health=channel is None or dist.world_size == 1 or channel.group is not None,
         unverifiable=kernel_probe(run, dist, model, data),
     )
-    return armed_line(run.config, facts)
-
-
-def armed_line(config: JobConfig, facts: GuardFacts) -> str:
-    """The start's one line of its guards; ``GuardRefused`` naming each one that cannot act."""
-    words, refused = guard_report(config, facts)
+    words, refused = guard_report(run.config, facts)
+    refused = agreed_refusals(every_rank(refused, dist.world_size))
     if refused:
         raise GuardRefused([f"{key}: {message}" for key, message in refused])
     return f"guards: {words}"
