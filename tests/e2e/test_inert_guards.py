@@ -55,7 +55,8 @@ def test_a_guard_made_inert_is_refused_at_start(sandbox, monkeypatch, args, muta
 
 @pytest.mark.parametrize("args,words", [(m[1], m[4]) for m in MUTANTS], ids=[m[0] for m in MUTANTS])
 def test_an_intact_guard_is_armed_and_said_once(sandbox, args, words):
-    result = train_here(sandbox, *args, "--train.max_steps=6", "--scheduler.warmup_steps=1")
+    # 11 steps: the spike rule judges step 11 first (its warm-up); a shorter run is refused
+    result = train_here(sandbox, *args, "--train.max_steps=11", "--scheduler.warmup_steps=1")
     assert result.code == 0, result.stderr
     lines = [x for x in result.stderr.splitlines() if x.startswith("[forge] guards: ")]
     assert len(lines) == 1 and words in lines[0], result.stderr
@@ -137,3 +138,18 @@ def test_a_key_of_several_ranks_set_at_one_process_is_refused_by_name(sandbox, a
     key = arg.removeprefix("--").split("=")[0]
     assert [e.split(":")[1].strip() for e in result.errors] == [key], result.stderr
     assert not sandbox.dir.exists() or not (sandbox.dir / "config.toml").exists()
+
+
+# (a guard whose first action comes after the run's last step): refused by name
+TOO_SHORT = [
+    ("spikes", ["--resilience.spike_threshold=6", "--train.max_steps=8"], "resilience.spike_threshold"),
+    ("replays", ["--resilience.replay_interval=9", "--resilience.replay_first_step=false", "--train.max_steps=8"], "resilience.replay_interval"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("args,key", [r[1:] for r in TOO_SHORT], ids=[r[0] for r in TOO_SHORT])
+def test_a_guard_that_could_not_act_before_the_run_ends_is_refused(sandbox, args, key):
+    result = train_here(sandbox, *args, "--scheduler.warmup_steps=1")
+    assert result.code == 2, result.stderr
+    assert [e.split(":")[1].strip() for e in result.errors] == [key], result.stderr
+    assert "train.max_steps" in result.errors[0]

@@ -8,7 +8,7 @@ import pytest
 from forge.config.loader import structure_config
 from forge.config.sections import JobConfig
 from forge.training.loop.plan import ReplayRule
-from forge.training.setup.guards import GuardFacts, agreed_refusals, guard_report, rank_span
+from forge.training.setup.guard_rules import GuardFacts, agreed_refusals, guard_report, rank_span
 from forge.training.steps.float8_check import Float8CheckRule
 from forge.types import Float8Drift
 
@@ -74,6 +74,13 @@ ROWS = [
     ("an FP8 drift check on FP8 layers", {"train": FP8_CHECK}, attrs.evolve(ONE, float8_check=CHECK, float8_layers=14), "nonfinite=skip, replay first step, signals, checksums(full), float8 check every 10 (5% loss, 50% grad norm: stop)", []),
     ("a tolerance under 1% keeps its digits", {"train": {**FP8_CHECK, "float8_check_tolerance": 0.005, "float8_check_grad_tolerance": 0.125}}, attrs.evolve(ONE, float8_check=attrs.evolve(CHECK, tolerance=0.005, grad_tolerance=0.125), float8_layers=14), "nonfinite=skip, replay first step, signals, checksums(full), float8 check every 10 (0.5% loss, 12.5% grad norm: stop)", []),
     ("an FP8 drift check the step does not make", {"train": FP8_CHECK}, attrs.evolve(ONE, float8_layers=14), None, ["train.float8_check"]),
+    ("a spike rule in a run shorter than its warm-up", {"resilience": SPIKE_SKIP, "train": {"max_steps": 10}, "scheduler": {"warmup_steps": 1}}, attrs.evolve(ONE, spike_threshold=6.0, drops_spikes=True), None, ["resilience.spike_threshold"]),
+    ("a spike rule with one step past its warm-up", {"resilience": SPIKE_SKIP, "train": {"max_steps": 11}, "scheduler": {"warmup_steps": 1}}, attrs.evolve(ONE, spike_threshold=6.0, drops_spikes=True), "nonfinite=skip, spikes=skip(6σ), replay first step, signals, checksums(full)", []),
+    ("an interval past the run's end, nothing else replayed", {"resilience": {"replay_interval": 9, "replay_first_step": False}, "train": {"max_steps": 8}, "scheduler": {"warmup_steps": 1}}, attrs.evolve(ONE, replay=ReplayRule(9, False)), None, ["resilience.replay_interval"]),
+    ("an interval at the run's end", {"resilience": {"replay_interval": 8, "replay_first_step": False}, "train": {"max_steps": 8}, "scheduler": {"warmup_steps": 1}}, attrs.evolve(ONE, replay=ReplayRule(8, False)), "nonfinite=skip, replay every 8, signals, checksums(full)", []),
+    ("an interval past the end beside the first step's replay", {"resilience": {"replay_interval": 9}, "train": {"max_steps": 8}, "scheduler": {"warmup_steps": 1}}, attrs.evolve(ONE, replay=ReplayRule(9, True)), "nonfinite=skip, replay every 9 + first step, signals, checksums(full)", []),
+    ("an FP8 check past the run's end", {"train": {**FP8_CHECK, "max_steps": 9}, "scheduler": {"warmup_steps": 1}}, attrs.evolve(ONE, float8_check=CHECK, float8_layers=14), None, ["train.float8_check"]),
+    ("an FP8 check at the run's end", {"train": {**FP8_CHECK, "max_steps": 10}, "scheduler": {"warmup_steps": 1}}, attrs.evolve(ONE, float8_check=CHECK, float8_layers=14), "nonfinite=skip, replay first step, signals, checksums(full), float8 check every 10 (5% loss, 50% grad norm: stop)", []),
     ("an FP8 drift check with no FP8 layer", {"train": FP8_CHECK}, attrs.evolve(ONE, float8_check=CHECK), None, ["train.float8_check"]),
 ]  # fmt: skip
 
