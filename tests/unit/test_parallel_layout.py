@@ -367,3 +367,23 @@ def test_fsdp_policy_follows_the_two_precision_keys(compute, params, param_dtype
     policy = fsdp_policy(Precision(compute), Precision(params))
     assert policy.param_dtype == (getattr(torch, param_dtype) if param_dtype else None)
     assert policy.reduce_dtype == getattr(torch, reduce_dtype)
+
+
+@pytest.mark.parametrize("world_size,refused", [(1, False), (2, True)])
+def test_a_backend_that_cannot_start_is_named_with_the_config_s_other_problems(
+    tiny_config, monkeypatch, world_size, refused
+):
+    """Checked with the config (``WORLD_CHECKS``), in the same pass as every other problem,
+    before any process group starts; one process starts none, so names nothing."""
+    from forge.config.loader import ConfigError
+    from forge.training.setup.phases import load_and_validate_config
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    args = [str(tiny_config), "--distributed.backend=nccl", "--hooks.bogus=1"]
+    with pytest.raises(ConfigError) as caught:
+        load_and_validate_config(args)
+    backend = [x for x in caught.value.lines if x.startswith("distributed.backend: 'nccl'")]
+    assert len(backend) == int(refused), caught.value.lines
+    assert any(x.startswith("hooks") for x in caught.value.lines), caught.value.lines

@@ -15,20 +15,17 @@ import pathlib
 import random
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from forge.checkpoint.paths import CheckpointPath
 from forge.checkpoint.resume import ResumeSource, resolve_resume
 from forge.checkpoint.store import load_checkpoint, read_train_state, remove_stale_temporaries
 from forge.config.loader import ConfigError, load_config_checked, unstructure_config
 from forge.config.sections import Precision
 from forge.config.toml_writer import dumps_toml
 from forge.data.shards import dataset_fingerprint, read_manifest
-from forge.harness.tasks import downstream_problems
-from forge.metrics.backends import sink_problems
 from forge.model.chunked_loss import loss_spec_of
 from forge.model.transformer import num_parameters
 from forge.model.vlm import build_model
@@ -49,9 +46,7 @@ from forge.parallel.parallelize import parallelize
 from forge.parallel.pipeline import rank_model
 from forge.parallel.stages import splits_backward
 from forge.parallel.world import (
-    WorldInfo,
     local_gpu_problem,
-    parallel_problems,
     resolve_dims,
     shared_store_problem,
     world_info,
@@ -63,7 +58,6 @@ from forge.training.context import (
     ModelContext,
     RunContext,
 )
-from forge.training.loop.hooks import hook_problems
 from forge.training.loop.plan import starting_outcome
 from forge.training.records.resume import RunMismatchError, records_ahead, resume_run
 from forge.training.records.resume_rules import changes
@@ -71,64 +65,25 @@ from forge.training.records.run_dir import (
     RunDirBusyError,
     RunDirLock,
     foreign_records_problem,
-    groups_switch_problem,
     load_path_of,
     lock_directories,
-    path_problem,
 )
 from forge.training.records.run_record import predated_model_defaults, run_identity
 from forge.training.records.run_records import RunRecordsError, write_run_records
 from forge.training.setup.loaders import image_caption_loaders, text_loaders
 from forge.training.setup.pipeline_setup import pipeline_of, pipeline_parts
 from forge.training.setup.problems import (
-    attention_problems,
     cpu_flags,
-    data_problems,
-    export_final_problems,
-    freeze_problems,
     memory_problems,
     precision_warning,
-    replica_group_problems,
 )
-from forge.training.setup.vlm import vlm_problems
+from forge.training.setup.world_checks import WORLD_CHECKS, run_directories
 from forge.training.steps.replay import (
     cuda_determinism_env,
     deterministic_line,
     use_deterministic_kernels,
 )
 from forge.types import LoopState
-
-WorldCheck = Callable[[RunContext, WorldInfo], list[str]]
-
-# (the sections a check reads, the check): every check runs in the same pass, except one that
-# reads a section with a problem of its own (its values would mislead it)
-WORLD_CHECKS: tuple[tuple[frozenset[str], WorldCheck], ...] = (
-    (frozenset({"model", "checkpoint"}), lambda run, world: export_final_problems(run.config)),
-    (
-        frozenset({"distributed", "model", "train", "checkpoint", "eval"}),
-        lambda run, world: [
-            f"{k}: {m}" for k, m in parallel_problems(run.config, world.world_size)
-        ],
-    ),
-    (frozenset({"data", "model"}), lambda run, world: data_problems(run.config)),
-    (frozenset({"model", "train"}), lambda run, world: attention_problems(run.config)),
-    (frozenset({"hooks"}), lambda run, world: hook_problems(run.config.hooks)),
-    (frozenset({"model", "freeze"}), lambda run, world: freeze_problems(run.config)),
-    (
-        frozenset({"model", "train", "data", "checkpoint"}),
-        lambda run, world: vlm_problems(run.config),
-    ),
-    (  # rank 0 alone logs: another node's packages and credentials do not matter
-        frozenset({"metrics"}),
-        lambda run, world: sink_problems(run.config, os.environ) if world.rank == 0 else [],
-    ),
-    (frozenset({"run", "checkpoint", "fault_tolerance"}), lambda run, w: run_dir_problems(run)),
-    (
-        frozenset({"fault_tolerance"}),
-        lambda run, world: replica_group_problems(run.config, os.environ),
-    ),
-    (frozenset({"eval", "model", "distributed"}), lambda run, w: downstream_problems(run.config)),
-)
 
 
 def load_and_validate_config(argv: Sequence[str]) -> RunContext:
@@ -149,25 +104,6 @@ def load_and_validate_config(argv: Sequence[str]) -> RunContext:
     if problems:
         raise ConfigError(problems)
     return run
-
-
-def run_dir_problems(run: RunContext) -> list[str]:
-    """Why a directory the run writes cannot be one (the first only: the checkpoint
-    directory usually lies inside the run directory), or holds a run of the other kind."""
-    for key, folder in run_directories(run):
-        if (problem := path_problem(key, folder)) is not None:
-            return [problem]
-    base, ft = pathlib.Path(str(run.config.run.dir)), run.config.fault_tolerance
-    return [p] if (p := groups_switch_problem(base, ft.enabled)) is not None else []
-
-
-def run_directories(run: RunContext) -> list[tuple[str, CheckpointPath]]:
-    """The directories a run writes, with the config key that names each: the run directory
-    and, when checkpointing is on or it holds checkpoints, the checkpoint directory."""
-    dirs: list[tuple[str, CheckpointPath]] = [("run.dir", run.run_dir)]
-    if run.config.checkpoint.enabled or run.checkpoint_dir.exists():
-        dirs.append(("checkpoint.dir", run.checkpoint_dir))
-    return dirs
 
 
 def setup_distributed(run: RunContext) -> DistContext:
