@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
-from concurrent.futures import Future
 from typing import TypeVar
 
 import pytest
@@ -149,7 +148,7 @@ def refuses(path: ObjectPath) -> bool:
 def bounded(call: Callable[[], T], limit_s: float = 10.0) -> T:
     """``call()``'s result or exception; a call still waiting after ``limit_s`` fails the
     test then (a wait that forgot its store would otherwise hang it until pytest's timeout)."""
-    box: Future[T] = Future()
+    box: futures.Future[T] = futures.Future()
 
     def run() -> None:
         try:
@@ -189,7 +188,7 @@ def test_a_save_in_flight_is_waited_for_while_its_store_answers(
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.setattr(ObjectPath, "exists", answers)
     path = object_path("s3://bucket/run", timeout_s=0.1) if where == "s3" else tmp_path
-    write: Future[int] = Future()
+    write: futures.Future[int] = futures.Future()
     start = time.monotonic()
     if write_s is not None:
         outcome = (
