@@ -4,6 +4,7 @@ in a file, in a session of its own, and stopped explicitly."""
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing
 import os
 import pathlib
@@ -160,10 +161,12 @@ def stderr_to(log: pathlib.Path) -> Iterator[None]:
         os.close(saved)
 
 
-def gloo_group() -> dist.ProcessGroup:
+def gloo_group(timeout_s: float) -> dist.ProcessGroup:
     """A new gloo group of every rank (every rank calls it, in the same order): collectives
-    of their own, beside the training's (DCP's, the ranks' agreements on a save)."""
-    group = dist.new_group(backend="gloo")
+    of their own, beside the training's (DCP's, the ranks' agreements on a save), each
+    bounded by ``timeout_s`` (``distributed.timeout_s``: a group made without one waits 30
+    minutes for a stalled peer, whatever the default group's timeout)."""
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     assert isinstance(group, dist.ProcessGroup)
     return group
 

@@ -84,6 +84,7 @@ class Checkpointer:
         world_size: int,
         on_commit: Callable[[int, CheckpointPath], None] = lambda step, path: None,
         daemon_log: pathlib.Path | None = None,  # async_process: the checkpoint process's log
+        timeout_s: float | None = None,  # several ranks: their collectives' (distributed.timeout_s)
     ) -> None:
         self.root = root
         self.storage = storage_of(root)
@@ -95,7 +96,9 @@ class Checkpointer:
         self.group: dist.ProcessGroup | None = None
         self.agreement: dist.ProcessGroup | None = None
         if world_size > 1:
-            self.group, self.agreement = gloo_group(), gloo_group()
+            if timeout_s is None:
+                raise ValueError("a Checkpointer of several ranks needs timeout_s")
+            self.group, self.agreement = gloo_group(timeout_s), gloo_group(timeout_s)
         self.pending: PendingSave | None = None
         # once known (rank 0 lists root at the first save, then follows its commits): the
         # newest step in root, complete or not (for ``prepare``), and the newest committed,

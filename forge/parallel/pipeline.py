@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import datetime
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -210,12 +211,14 @@ def tied_weight(
     pp_group: ProcessGroup,
     pp_rank: int,
     last_rank: int,
+    timeout_s: float,
 ) -> TiedWeight | None:
     """This rank's ``TiedWeight`` when the embedding is also needed on the last stage (tied
     to the head, or embedding the tokens of multi-token depths) and its two ends lie on
     different pipeline ranks (pipeline rank 0, whose first stage holds the embedding, and
     ``last_rank``, whose last stage holds the head or the depths' copy); None elsewhere.
-    Every rank takes part in creating the groups of every pair."""
+    Every rank takes part in creating the groups of every pair, each bounded by
+    ``timeout_s`` (``distributed.timeout_s``), as the mesh's own groups are."""
     cfg = stages[0].cfg
     if not (cfg.tie_embeddings or cfg.mtp_depth > 0) or last_rank == 0:
         return None
@@ -223,7 +226,7 @@ def tied_weight(
     if torch_dist.get_world_size(pp_group) > 2:
         me = torch_dist.get_rank()
         for pair in end_pairs(mesh, last_rank):  # every rank creates every group, in order
-            made = torch_dist.new_group(pair)
+            made = torch_dist.new_group(pair, timeout=datetime.timedelta(seconds=timeout_s))
             if me in pair:
                 assert isinstance(made, ProcessGroup)
                 group = made

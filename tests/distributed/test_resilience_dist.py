@@ -275,7 +275,7 @@ if rank == 1:  # this rank's disk fails while its shard is read back for the che
     checksum_writer.crc_of_range = broken
 model = torch.nn.Linear(8, 8)
 opt = torch.optim.AdamW(model.parameters())
-saver = Checkpointer(pathlib.Path(sys.argv[1]), AsyncMode.DISABLED, rank, 2)
+saver = Checkpointer(pathlib.Path(sys.argv[1]), AsyncMode.DISABLED, rank, 2, timeout_s=60)
 try:
     saver.save(1, model, opt, {"step": 1})
     print(f"rank {rank}: committed", flush=True)
@@ -284,6 +284,41 @@ except CheckpointSaveError as exc:
 saver.close()
 dist.destroy_process_group()
 """
+
+
+A_PEER_STALLED_IN_AN_AGREEMENT = """
+import os, pathlib, sys, time
+import torch.distributed as dist
+from forge.checkpoint.checkpointer import Checkpointer, PeerLostError
+from forge.config.sections import AsyncMode
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+saver = Checkpointer(pathlib.Path(sys.argv[1]), AsyncMode.DISABLED, rank, 2, timeout_s=2)
+if rank == 1:  # stalled, not gone: its connections stay open while rank 0 waits
+    time.sleep(6)
+    os._exit(0)
+start = time.monotonic()
+try:
+    saver._gather("ready", 1)
+except PeerLostError as exc:
+    print(f"lost after {time.monotonic() - start:.0f} s: {exc}", flush=True)
+os._exit(3)
+"""
+
+
+def test_a_save_s_own_groups_give_up_on_a_stalled_peer_within_the_timeout(tmp_path):
+    """The checkpointer's gloo groups (DCP's and its agreements) are bounded by
+    ``distributed.timeout_s``: a group made without a timeout waits 30 minutes for a peer
+    that stalls (SIGSTOP, a hung disk) whatever the default group's timeout. Rank 0 gives
+    up on its own timeout while rank 1 still sleeps (the error is gloo's timeout, not a
+    connection closed by a peer that exited)."""
+    script = tmp_path / "agree.py"
+    script.write_text(A_PEER_STALLED_IN_AN_AGREEMENT)
+    out = run_ranks(2, [str(script), str(tmp_path / "ckpt")], env={"PYTHONPATH": str(REPO)},
+                    timeout=120)  # fmt: skip
+    assert out.returncode == 3, out.stdout + out.stderr[-3000:]
+    assert "lost after" in out.stdout and "Timed out" in out.stdout, out.stdout
 
 
 def test_a_checksum_that_fails_on_one_rank_fails_the_save_on_both(tmp_path):

@@ -68,6 +68,7 @@ class CheckpointEffects:
             dist.world_size,
             on_commit=self._committed,
             daemon_log=run.run_dir / f"checkpoint_process_rank{dist.rank}.log",
+            timeout_s=run.config.distributed.timeout_s,
         )
         # a save found a peer stalled or dead: no later save can complete, and the run ends
         # HEALTH_FAILURE (``outcome_after_saves``)

@@ -55,6 +55,7 @@ def pipeline_of(
     )
     assert dist.mesh is not None
     last_rank = stage_rank(kind, d.pp, per_rank, d.n_stages - 1)
-    tied = tied_weight(stages, dist.mesh, group, rank, last_rank)
+    timeout_s = cfg.distributed.timeout_s
+    tied = tied_weight(stages, dist.mesh, group, rank, last_rank, timeout_s)
     accum = cfg.train.grad_accum_steps
     return PipelineContext(schedule, group, indices, d.n_stages, accum, stage_loss, tied)
