@@ -89,7 +89,7 @@ def test_a_replay_of_a_step_without_deterministic_kernels_is_refused_at_start(sa
     assert result.code == 2, result.stderr
     assert "Traceback" not in result.stderr
     (error,) = result.errors
-    assert error.startswith("error: resilience.replay_interval: ") and "runs put_" in error
+    assert error.startswith("error: resilience.replay_first_step: ") and "runs put_" in error
     assert not sandbox.dir.exists() or not (sandbox.dir / "config.toml").exists()
     off = train_here(
         sandbox, "--resilience.replay_first_step=false", "--train.max_steps=2",

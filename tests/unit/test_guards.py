@@ -8,7 +8,13 @@ import pytest
 from forge.config.loader import structure_config
 from forge.config.sections import JobConfig
 from forge.training.loop.plan import ReplayRule
-from forge.training.setup.guard_rules import GuardFacts, agreed_refusals, guard_report, rank_span
+from forge.training.setup.guard_rules import (
+    GuardFacts,
+    agreed_refusals,
+    guard_report,
+    operations_by_rank,
+    rank_span,
+)
 from forge.training.steps.float8_check import Float8CheckRule
 from forge.types import Float8Drift
 
@@ -49,6 +55,9 @@ ROWS = [
     ("a health key at one process is refused", {"resilience": {"health_timeout_s": 30.0}}, ONE, None, ["resilience.health_timeout_s"]),
     ("a health interval at one process is refused", {"resilience": {"health_check_interval": 10}}, ONE, None, ["resilience.health_check_interval"]),
     ("a health key at two ranks is armed", {"resilience": {"health_timeout_s": 30.0}}, TWO, "nonfinite=skip, replay first step, stragglers(1.5x), health(30 s), hang stacks(600 s), signals, checksums(full)", []),
+    ("health checks turned off at one process: nothing turned on", {"resilience": {"health_check_interval": 0}}, ONE, "nonfinite=skip, replay first step, signals, checksums(full)", []),
+    ("the straggler clock broken, straggler_logs set: that key named", {"resilience": {"straggler_logs": 5}}, attrs.evolve(TWO, straggler_clock=False), None, ["resilience.straggler_logs"]),
+    ("the control word's group missing, its interval set: that key named", {"resilience": {"health_check_interval": 5}}, attrs.evolve(TWO, health=False), None, ["resilience.health_check_interval"]),
     ("health keys at their defaults at one process: nothing to refuse", {"resilience": {"health_timeout_s": 300.0, "health_check_interval": 100}}, ONE, "nonfinite=skip, replay first step, signals, checksums(full)", []),
     ("a straggler key at two ranks is armed", {"resilience": {"straggler_ratio": 3.0}}, TWO, "nonfinite=skip, replay first step, stragglers(3x), health(300 s), hang stacks(600 s), signals, checksums(full)", []),
     ("rollback with its snapshot", {"resilience": ROLL}, attrs.evolve(ONE, snapshots=True), "nonfinite=rollback, replay first step, signals, checksums(full)", []),
@@ -58,7 +67,9 @@ ROWS = [
     ("on_spike without a threshold does nothing", {"resilience": {"on_spike": "rollback"}}, ONE, None, ["resilience.on_spike"]),
     ("replays every 50 with replicas", {"resilience": {"replay_interval": 50}}, attrs.evolve(REPLICAS, replay=ReplayRule(50, True)), "nonfinite=skip, replay every 50 + first step (2 replicas), stragglers(1.5x), health(300 s), hang stacks(600 s), signals, checksums(full)", []),
     ("replays the step does not make", {"resilience": {"replay_interval": 50}}, ONE, None, ["resilience.replay_interval"]),
-    ("replays of a step with an operation without a deterministic kernel", {}, attrs.evolve(ONE, cuda=True, unverifiable=("put_",)), None, ["resilience.replay_interval"]),
+    ("the first step's replay over an operation without a deterministic kernel: its key", {}, attrs.evolve(ONE, cuda=True, unverifiable=(("put_", (0,)),)), None, ["resilience.replay_first_step"]),
+    ("an interval's replays over one: the interval named", {"resilience": {"replay_interval": 50}}, attrs.evolve(ONE, cuda=True, replay=ReplayRule(50, True), unverifiable=(("put_", (0,)),)), None, ["resilience.replay_interval"]),
+    ("the first step's replays the step does not make: its key", {}, attrs.evolve(ONE, replay=ReplayRule()), None, ["resilience.replay_first_step"]),
     ("no replay: the probe found nothing to refuse", {"resilience": {"replay_first_step": False}}, attrs.evolve(ONE, replay=ReplayRule()), "nonfinite=skip, signals, checksums(full)", []),
     ("every operation with a deterministic kernel: armed", {}, attrs.evolve(TWO, cuda=True), "nonfinite=skip, replay first step, health(300 s), hang stacks(600 s), signals, checksums(full)", []),
     ("no replay at all: nothing to say of it", {"resilience": {"replay_first_step": False}}, attrs.evolve(ONE, replay=ReplayRule()), "nonfinite=skip, signals, checksums(full)", []),
@@ -95,13 +106,24 @@ def test_guard_report(sections, facts, line, refused):
         assert words == line
 
 
-def test_an_unverifiable_replay_names_the_operations_and_the_way_out():
-    _, problems = guard_report(
-        config(), attrs.evolve(ONE, unverifiable=("index_add_cuda_", "put_"))
-    )
+# (case, each rank's operations, the words naming them)
+OPERATIONS = [
+    ("one process", [["put_"]], "runs put_ without"),
+    ("every rank alike: no rank named", [["put_"], ["put_"]], "runs put_ without"),
+    ("each by name, a rank's own named", [["put_"], ["put_", "index_add_cuda_"]], "runs index_add_cuda_ (on rank 1), put_ without"),
+    ("a span of ranks", [["put_"], ["put_"], [], ["put_"]], "runs put_ (on ranks 0-1, 3) without"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "per_rank,words", [r[1:] for r in OPERATIONS], ids=[r[0] for r in OPERATIONS]
+)
+def test_an_unverifiable_replay_names_each_operation_its_ranks_and_the_way_out(per_rank, words):
+    facts = attrs.evolve(ONE, world_size=len(per_rank), unverifiable=operations_by_rank(per_rank))
+    problems = [p for p in guard_report(config(), facts)[1] if "deterministic" in p[1]]
     ((key, message),) = problems
-    assert key == "resilience.replay_interval"
-    assert "the step runs index_add_cuda_, put_ without a deterministic kernel" in message
+    assert key == "resilience.replay_first_step"
+    assert words in message
     assert "replay_interval = 0 and resilience.replay_first_step = false" in message
 
 

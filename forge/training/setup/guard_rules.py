@@ -21,6 +21,7 @@ from forge.training.steps.float8_check import Float8CheckRule
 DEFAULTS = ResilienceConfig()
 STRAGGLER_KEYS = ("straggler_ratio", "straggler_logs")  # the straggler reading's
 HEALTH_KEYS = ("health_timeout_s", "health_check_interval")  # the control word's checks
+OFF_VALUES = {"health_check_interval": 0}  # a key set to its off value turns nothing on
 
 
 class Guard(enum.Enum):
@@ -56,8 +57,9 @@ class GuardFacts:
     hang_watch: bool = True  # the watchdog writes a rank's stacks when no step ends in time
     float8_check: Float8CheckRule = attrs.Factory(Float8CheckRule)  # the step's drift guard
     float8_layers: int = 0  # the model's layers that compute in FP8
-    # operations this rank's step runs without a deterministic kernel (the kernel probe)
-    unverifiable: tuple[str, ...] = ()
+    # operations the step runs without a deterministic kernel, each with the ranks that run
+    # it (the kernel probe's, gathered from every rank: ``operations_by_rank``)
+    unverifiable: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 # a guard's armed words (none when the config leaves it off) and its refusals
@@ -114,10 +116,10 @@ def replay_rule(config: JobConfig, facts: GuardFacts) -> Verdict:
     if wanted == ReplayRule():
         return [], []
     refused = []
+    # the key that turns replays on: the interval where set, else the first step's (default)
+    key = "resilience.replay_interval" if wanted.interval else "resilience.replay_first_step"
     if facts.replay != wanted:
-        refused.append(
-            ("resilience.replay_interval", "replays are on, but the step replays nothing")
-        )
+        refused.append((key, "replays are on, but the step replays nothing"))
     if not wanted.first_step and wanted.interval > end:
         refused.append(
             (
@@ -128,7 +130,7 @@ def replay_rule(config: JobConfig, facts: GuardFacts) -> Verdict:
             )
         )
     if facts.unverifiable:
-        refused.append(("resilience.replay_interval", unverifiable_words(facts.unverifiable)))
+        refused.append((key, unverifiable_words(facts.unverifiable, facts.world_size)))
     if facts.replica_layout > 1 and facts.replicated == 0:
         refused.append(
             (
@@ -168,7 +170,7 @@ def straggler_rule(config: JobConfig, facts: GuardFacts) -> Verdict:
     if not facts.straggler_clock:
         refused.append(
             (
-                "resilience.straggler_ratio",
+                changed_key(res, STRAGGLER_KEYS) or "resilience.straggler_ratio",
                 "the step does not report its own time: a straggler would never be named",
             )
         )
@@ -192,7 +194,7 @@ def health_rule(config: JobConfig, facts: GuardFacts) -> Verdict:
     if not facts.health:
         refused.append(
             (
-                "resilience.health_timeout_s",
+                changed_key(res, HEALTH_KEYS) or "resilience.health_timeout_s",
                 "the control word has no group of its own: a rank that died or stalled would "
                 "go unnoticed until a collective's timeout, and no rank would agree to stop",
             )
@@ -298,12 +300,28 @@ def replay_words(rule: ReplayRule, facts: GuardFacts) -> str:
     return f"{Guard.REPLAY.value} {' + '.join(when)}{replicas}"
 
 
-def unverifiable_words(operations: Sequence[str]) -> str:
+def operations_by_rank(
+    per_rank: Sequence[Sequence[str]],
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Each operation some rank's step runs without a deterministic kernel (``per_rank[r]``:
+    rank ``r``'s, as the kernel probe names them), with the ranks that run it, by name."""
+    ranks: dict[str, list[int]] = {}
+    for rank, operations in enumerate(per_rank):
+        for operation in operations:
+            ranks.setdefault(operation, []).append(rank)
+    return tuple((op, tuple(ranks[op])) for op in sorted(ranks))
+
+
+def unverifiable_words(operations: Sequence[tuple[str, tuple[int, ...]]], world_size: int) -> str:
     """Why replays cannot act where the step runs ``operations`` without a deterministic
-    kernel."""
+    kernel: each named, with the ranks that run it unless every rank does."""
+    named = [
+        op if len(ranks) == world_size else f"{op} (on {rank_span(ranks)})"
+        for op, ranks in operations
+    ]
     return (
         f"replays compare a step's computations bit for bit, but the step runs "
-        f"{', '.join(operations)} without a deterministic kernel: two computations may "
+        f"{', '.join(named)} without a deterministic kernel: two computations may "
         "differ on healthy hardware, and a fault could not be told from noise; set "
         "resilience.replay_interval = 0 and resilience.replay_first_step = false "
         "(docs/resilience.md#replayed-steps)"
@@ -312,9 +330,11 @@ def unverifiable_words(operations: Sequence[str]) -> str:
 
 def changed_key(res: ResilienceConfig, names: Sequence[str]) -> str | None:
     """The first of ``names`` (``[resilience]`` keys) that the config changes from its
-    default, as a config spells it; None when it changes none."""
+    default to another value than its off value (``OFF_VALUES``), as a config spells it;
+    None when it changes none."""
     for name in names:
-        if getattr(res, name) != getattr(DEFAULTS, name):
+        value = getattr(res, name)
+        if value != getattr(DEFAULTS, name) and value != OFF_VALUES.get(name):
             return f"resilience.{name}"
     return None
 

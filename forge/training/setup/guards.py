@@ -28,7 +28,12 @@ from forge.resilience.signals import ShutdownFlag
 from forge.resilience.stacks import StackWatch, stacks_path
 from forge.training.context import DataContext, DistContext, ModelContext, RunContext
 from forge.training.loop.plan import LoopPolicy, ReplayRule
-from forge.training.setup.guard_rules import GuardFacts, agreed_refusals, guard_report
+from forge.training.setup.guard_rules import (
+    GuardFacts,
+    agreed_refusals,
+    guard_report,
+    operations_by_rank,
+)
 from forge.training.steps.float8_check import float8_layers as fp8_layers
 from forge.training.steps.replay import (
     checks_kernels,
@@ -52,10 +57,10 @@ def guard_facts(
     world_size: int,
     signals: bool,
     health: bool = True,
-    unverifiable: tuple[str, ...] = (),
+    unverifiable: tuple[tuple[str, tuple[int, ...]], ...] = (),
 ) -> GuardFacts:
     """What each guard can do in the run built from ``config`` (``unverifiable``: what the
-    kernel probe named on this rank)."""
+    kernel probe named, by the ranks that run it)."""
     dims = config.distributed
     return GuardFacts(
         world_size=world_size,
@@ -109,11 +114,12 @@ def dumps_stacks() -> bool:
 
 def kernel_probe(
     run: RunContext, dist: DistContext, model: ModelContext, data: DataContext
-) -> tuple[str, ...]:
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """Where replays are configured on a device whose kernels a replay checks
     (``checks_kernels``): the operations without a deterministic kernel that the first
-    step's computation runs on this rank (its own micro-batches, read without moving the
-    loader). Nothing elsewhere."""
+    step's computation runs (each rank its own micro-batches, read without moving the
+    loader), each with the ranks that run it, gathered from every rank. Nothing elsewhere
+    (every rank knows alike whether it probes: the config and the device type)."""
     res = run.config.resilience
     replays = ReplayRule(res.replay_interval, res.replay_first_step) != ReplayRule()
     if not replays or not checks_kernels(dist.device):
@@ -124,7 +130,9 @@ def kernel_probe(
     spec = step_spec(run, dist, model, data)
     spec.model.train()
     reset = functools.partial(model.optimizer.zero_grad, set_to_none=True)
-    return unverifiable_operations(computation_for(spec, model)(first[0], 1), reset, dist.device)
+    compute = computation_for(spec, model)(first[0], 1)
+    mine = unverifiable_operations(compute, reset, dist.device)
+    return operations_by_rank(every_rank(mine, dist.world_size))
 
 
 def armed_guards(
