@@ -81,8 +81,9 @@ def store_url_problem(url: str) -> str | None:
     scheme = url_scheme(url) or ""
     if scheme == "memory":  # fsspec's own, in this process: accepted, it would keep nothing
         return (
-            f"'{url}': memory:// keeps its files in this process alone, so every checkpoint "
-            "would be gone when it ends; give a local folder or a durable store (s3://, gs://)"
+            f"'{url}': memory:// keeps its files in this process alone: a checkpoint saved "
+            "there is gone when the process ends, and none saved by another could be read; "
+            "give a local folder or a durable store (s3://, gs://)"
         )
     if scheme not in known_implementations:
         return (

@@ -205,8 +205,15 @@ BAD = [
         "a checkpoint dir in this process's memory (every checkpoint lost at its exit)",
         {"checkpoint": {"dir": "memory://bucket/run"}},
         "checkpoint.dir: 'memory://bucket/run': memory:// keeps its files in this process "
-        "alone, so every checkpoint would be gone when it ends; give a local folder or a "
-        "durable store (s3://, gs://)",
+        "alone: a checkpoint saved there is gone when the process ends, and none saved by "
+        "another could be read; give a local folder or a durable store (s3://, gs://)",
+    ),
+    (
+        "a checkpoint to load from this process's memory (none saved by another run)",
+        {"checkpoint": {"load_path": "memory://bucket/run/step_4"}},
+        "checkpoint.load_path: 'memory://bucket/run/step_4': memory:// keeps its files in this "
+        "process alone: a checkpoint saved there is gone when the process ends, and none saved "
+        "by another could be read; give a local folder or a durable store (s3://, gs://)",
     ),
     (
         "a collective timeout no process group starts in",
