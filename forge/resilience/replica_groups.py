@@ -147,7 +147,8 @@ class ReplicaGroups:
 
         env = dict(os.environ) if env is None else env
         self.cfg = cfg
-        self.fingerprint = fingerprint % (1 << FINGERPRINT_BITS)
+        self.fingerprint = fingerprint % (1 << FINGERPRINT_BITS)  # what a heal compares
+        self.layout = self.fingerprint  # what every step's sums compare (``settle``)
         self._store = None
         if "MASTER_PORT" in env:
             addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"])
@@ -236,17 +237,22 @@ class ReplicaGroups:
                 p.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
 
+    def settle(self, fingerprint: int) -> None:
+        """From here, every step's sums compare ``fingerprint`` (the layout's, with what the
+        set-up settled: the LR schedule in force), not the one a heal compares."""
+        self.layout = fingerprint % (1 << FINGERPRINT_BITS)
+
     def agreed_layout(self, sums: torch.Tensor) -> bool:
         """Whether every group of the quorum has this one's fingerprint, from the summed
         ``[1, f, f²]`` of ``layout_terms``: the sums are ``p·f`` and ``p·f²`` only when every
         ``f`` is the same (Cauchy–Schwarz)."""
         count, first, second = (float(v) for v in sums.tolist())
-        f = float(self.fingerprint)
+        f = float(self.layout)
         return first == count * f and second == count * f * f
 
     def layout_terms(self, device: torch.device) -> torch.Tensor:
         """``[1, f, f²]`` of this group's fingerprint, in float64 (exact sums)."""
-        f = float(self.fingerprint)
+        f = float(self.layout)
         return torch.tensor([1.0, f, f * f], dtype=torch.float64, device=device)
 
     def failed(self) -> bool:

@@ -273,10 +273,48 @@ def test_a_group_with_another_layout_is_refused_and_the_others_go_on(tmp_path, s
         lighthouse.wait(timeout=10)
     lines = [line for line in log.splitlines() if line.startswith("error:")]
     assert code == 2 and len(lines) == 1, log[-3000:]
-    assert "layout, model or batch is not the other groups'" in lines[0]
+    assert "layout, model, batch or LR schedule in force is not the other groups'" in lines[0]
     assert "Traceback" not in log
     assert not (tmp_path / "run" / "group_1").exists()  # nothing written
     assert outcome[0] == 75, outcome[1][-3000:]  # alive until told to stop: it saved and left
+
+
+def test_groups_resumed_under_different_lr_schedules_stop_at_their_first_step(
+    tmp_path, small_corpus
+):
+    """Both groups trained to step 4, then launched again to step 6: group 0 keeps its
+    checkpoint's LR schedule (``checkpoint.schedule_from``, each group's own), group 1 takes
+    the config's. Neither is behind, so no heal settles it: the first step's sums compare the
+    schedule in force and both stop, exit 2, instead of applying other learning rates to one
+    model (each saves nothing past step 4)."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY.format(data=small_corpus))
+    lighthouse, address = start_lighthouse("--min-groups=2")
+    run_dir = tmp_path / "run"
+    short = ["--train.max_steps=4", "--scheduler.warmup_steps=1"]
+    try:
+        for code, log in map(
+            finished, [launch(config, run_dir, g, address, "", *short) for g in (0, 1)]
+        ):
+            assert code == 0, log[-3000:]
+        longer = ["--train.max_steps=6", "--scheduler.warmup_steps=1"]
+        again = [
+            launch(
+                config, run_dir, 0, address, "", *longer, "--checkpoint.schedule_from=checkpoint"
+            ),
+            launch(config, run_dir, 1, address, "", *longer, "--checkpoint.schedule_from=config"),
+        ]
+        outcomes = [finished(proc) for proc in again]
+    finally:
+        lighthouse.send_signal(signal.SIGTERM)
+        lighthouse.wait(timeout=10)
+    for code, log in outcomes:
+        errors = [line for line in log.splitlines() if line.startswith("error:")]
+        assert code == 2 and len(errors) == 1, log[-3000:]
+        assert "LR schedule in force is not the other groups'" in errors[0]
+    for group in ("group_0", "group_1"):
+        assert max(records(run_dir / group)) == 4
+        assert not (run_dir / group / "checkpoints" / "step_5").exists()
 
 
 def until_alone(run_dir: pathlib.Path, after: int, timeout: float = 120) -> None:

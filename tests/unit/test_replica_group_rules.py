@@ -276,7 +276,7 @@ def test_groups_agree_on_a_layout_only_when_every_fingerprint_is_the_same(mine, 
     from forge.resilience.replica_groups import ReplicaGroups
 
     groups = ReplicaGroups.__new__(ReplicaGroups)  # the arithmetic needs no manager
-    groups.fingerprint = mine
+    groups.settle(mine)  # what the steps compare, once set-up has settled it
     sums = groups.layout_terms(torch.device("cpu"))
     for f in others:
         sums += torch.tensor([1.0, f, f * f], dtype=torch.float64)

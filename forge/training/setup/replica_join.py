@@ -59,11 +59,14 @@ def join_replica_groups(
         f"replica group {ft.group} of {ft.groups}: {quorum.participants} taking part (a step's "
         f"{slots} micro-batches shared among them)"
     )
-    if replicas.rebase is None:
-        return replicas, ckpt
-    healed, replicas.rebase = replicas.rebase, None
-    dist.say(heal_line(healed.step, quorum))
-    schedule, peak_lr = replicas.schedule or (None, None)  # the peer's, in force from here
-    ckpt = attrs.evolve(ckpt, initial_state=healed, schedule=schedule, peak_lr=peak_lr)
-    replicas.model = ckpt.applied_to(model)
+    if replicas.rebase is not None:
+        healed, replicas.rebase = replicas.rebase, None
+        dist.say(heal_line(healed.step, quorum))
+        schedule, peak_lr = replicas.schedule or (None, None)  # the peer's, in force from here
+        ckpt = attrs.evolve(ckpt, initial_state=healed, schedule=schedule, peak_lr=peak_lr)
+        replicas.model = ckpt.applied_to(model)
+    # every step's sums compare the LR schedule in force too: groups that resumed their own
+    # checkpoints at one step under different schedules stop at the first, never train apart
+    in_force = (replicas.model.schedule, replicas.model.peak_lr)
+    replicas.groups.settle(layout_fingerprint(run, dist, in_force))
     return replicas, ckpt

@@ -41,17 +41,21 @@ class LayoutMismatchError(UserInputError):
 OWN_SECTIONS = ("run", "eval", "checkpoint", "metrics", "hooks", "profiler")
 
 
-def layout_fingerprint(run: RunContext, dist: DistContext) -> int:
+def layout_fingerprint(
+    run: RunContext, dist: DistContext, schedule: tuple[Schedule, float | None] | None = None
+) -> int:
     """What every replica group must share, in one number: its ranks and mesh, and every
     config section a step reads (the model, the batch, the optimizer and schedule, the
     freeze schedule, the guards' policies, the data) — a group that differs would sum other
     tensors, read other rows or apply another update. Logging, evaluation, checkpointing,
-    the hooks and this group's index and address stay its own."""
+    the hooks and this group's index and address stay its own. ``schedule``: the LR schedule
+    in force and its peak, once set-up has settled it (``checkpoint.schedule_from``, each
+    group's own, may keep a checkpoint's instead of the config's)."""
     cfg = run.config
     shared = {name: value for name, value in attrs.asdict(cfg).items() if name not in OWN_SECTIONS}
     ft = cfg.fault_tolerance
     shared["fault_tolerance"] = (ft.groups, ft.min_groups)
-    return zlib.crc32(repr((dist.world_size, repr(dist.dims), shared)).encode())
+    return zlib.crc32(repr((dist.world_size, repr(dist.dims), shared, schedule)).encode())
 
 
 class StepReplicas:
@@ -168,8 +172,9 @@ class StepReplicas:
 
 def mismatch_line() -> str:
     return (
-        "fault_tolerance: this replica group's layout, model or batch is not the other groups' "
-        "(every group runs the same config on as many ranks); launch it with theirs"
+        "fault_tolerance: this replica group's layout, model, batch or LR schedule in force is "
+        "not the other groups' (every group runs the same config on as many ranks, and resumes "
+        "with the same checkpoint.schedule_from); launch it with theirs"
     )
 
 
