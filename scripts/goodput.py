@@ -18,20 +18,31 @@ from forge.cli import summary
 from forge.errors import print_errors
 from forge.interrupts import exits_on_interrupt
 from forge.metrics.goodput import LEDGER_FILE, Bucket, read_ledger, run_totals, summary_line
+from forge.training.records.run_dir import trainer_running
 from forge.types import ExitCode
 
 
 def launch_rows(run_dir: pathlib.Path) -> list[str]:
-    """One line per launch, then the run's buckets, then its summary line."""
+    """One line per launch, then the run's buckets, then its summary line. While a trainer
+    holds the run, its launch (the last, not ended) is running: its steps past its last
+    save are not lost yet."""
     launches = read_ledger(run_dir / LEDGER_FILE)
+    running = None
+    if launches and not launches[-1].ended and trainer_running(run_dir):
+        running = launches[-1]
     lines = []
     for i, r in enumerate(launches, 1):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started))
-        how = "ended" if r.ended else f"killed ({r.uncommitted:.1f} s past its last save lost)"
+        if r is running:
+            how = "running"
+        elif r.ended:
+            how = "ended"
+        else:
+            how = f"killed ({r.uncommitted:.1f} s past its last save lost)"
         top = sorted(r.seconds.items(), key=lambda kv: -kv[1])[:3]
         spent = ", ".join(f"{name} {s:.1f} s" for name, s in top)
         lines.append(f"launch {i}  {when}  to step {r.step:<6} {r.wall:8.1f} s  {how}: {spent}")
-    totals = run_totals(launches)
+    totals = run_totals(launches[:-1], running) if running else run_totals(launches)
     wall = sum(totals.values())
     lines.append("")
     for bucket in Bucket:
@@ -49,7 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("run", type=pathlib.Path, help="a run directory")
     args = parser.parse_args(argv)
-    if not (args.run / LEDGER_FILE).is_file():
+    ledger = args.run / LEDGER_FILE
+    if ledger.exists() and not ledger.is_file():
+        print_errors([f"{ledger}: not a regular file (a folder, a FIFO or a device); no ledger"])
+        return ExitCode.CONFIG_ERROR
+    if not ledger.is_file():
         print_errors(
             [
                 f"{args.run}: no {LEDGER_FILE} (a run directory trained by this forge keeps "

@@ -14,7 +14,7 @@ from typing import Any
 
 from forge.config.help import help_text
 from forge.errors import CheckpointSaveError, UserInputError, print_errors
-from forge.metrics.goodput import Bucket, read_ledger, run_totals, summary_line
+from forge.metrics.goodput import Bucket, run_totals, summary_line
 from forge.metrics.profiler import profiler_hooks
 from forge.resilience import stragglers
 from forge.resilience.control import ControlChannel, StepMonitor
@@ -212,7 +212,7 @@ def train(
     )
     effects.begin(ckpt.initial_state, ckpt.resume_cost)
     clock.loop_begins(ckpt.initial_state.step)
-    timed_effects = LedgerEffects(effects, clock, effects.logger.measured)
+    timed_effects = LedgerEffects(effects, clock, effects.logger.measured, effects.committed_step)
     try:
         outcome, state = run_training_loop(
             ckpt.initial_state,
@@ -262,8 +262,8 @@ def train(
         return exit_code(outcome)  # a run already complete changes nothing on disk
     clock.add(Bucket.SHUTDOWN, time.time() - ending)
     clock.write(ended=True)
-    if dist.is_main:
-        launches = read_ledger(clock.path)
+    if dist.is_main:  # this launch from memory: its last line counts whether or not written
+        launches = clock.launches()
         print(f"[forge] {summary_line(run_totals(launches), len(launches))}", file=sys.stderr)
     return exit_code(outcome)
 

@@ -162,6 +162,12 @@ class Checkpointer:
         remains = self._gather(remains, step)[0]
         return CheckpointSaveError(str(self.root), step, error, remains, abandoned)
 
+    @property
+    def committed(self) -> int | None:
+        """The newest committed checkpoint's step, the one ``latest`` names, once known (at
+        the first save, then at each commit); None before."""
+        return self._committed
+
     def _past_every_commit(self, step: int) -> bool:
         """Whether ``step`` is newer than every checkpoint in ``root`` (listed at the first
         save, then followed): no earlier save of it can exist."""

@@ -22,6 +22,7 @@ import enum
 import json
 import math
 import pathlib
+import time
 from collections.abc import Iterable, Mapping
 
 import attrs
@@ -69,40 +70,68 @@ def launch_line(record: LaunchRecord) -> str:
     return json.dumps(attrs.asdict(record)) + "\n"
 
 
-def read_ledger(path: pathlib.Path) -> list[LaunchRecord]:
+def read_ledger(path: pathlib.Path, now: float | None = None) -> list[LaunchRecord]:
     """Every launch's last record, in the order the launches started; a torn or damaged line
-    is passed over (the launch's previous line stands)."""
+    is passed over (the launch's previous line stands), and so is a line that ends more than
+    ``FUTURE_SLACK_S`` after ``now`` (default: the time of reading). Only a regular file is
+    read (a FIFO would block the reader)."""
     last: dict[str, LaunchRecord] = {}
     try:
-        raw = path.read_bytes()
+        raw = path.read_bytes() if path.is_file() else b""
     except OSError:
         return []
+    limit = (time.time() if now is None else now) + FUTURE_SLACK_S
     for line in raw.splitlines():
         try:
             record = LaunchRecord(**json.loads(line))
         except (ValueError, TypeError):
             continue
-        if well_formed(record):
+        if well_formed(record) and record.started + record.wall <= limit:
             last[record.launch] = record
     return sorted(last.values(), key=lambda r: r.started)
+
+
+# a line that ends later than this past the time it is read was not written by a launch (the
+# clocks of a run's hosts differ by far less): its gap would count as the run's down time
+FUTURE_SLACK_S = 3600.0
 
 
 BUCKETS = frozenset(b.value for b in Bucket)
 
 
 def well_formed(record: LaunchRecord) -> bool:
-    """Whether a parsed line is one a launch writes: finite numbers, known buckets (a damaged
-    or hand-edited line is passed over like a torn one, never added up)."""
+    """Whether a parsed line is one a launch writes: finite, non-negative numbers (a
+    launch's lost work no more than its productive time), known buckets, booleans where
+    they belong (a damaged or hand-edited line is passed over like a torn one, never added
+    up)."""
     if not isinstance(record.seconds, dict):
         return False
     numbers = [record.started, record.wall, record.uncommitted, *record.seconds.values()]
+    productive = record.seconds.get(Bucket.PRODUCTIVE.value, 0.0)
     return (
         isinstance(record.launch, str)
         and type(record.step) is int
+        and record.step >= 0
+        and type(record.ended) is bool
         and type(record.replicated) is bool
         and set(record.seconds) <= BUCKETS
-        and all(type(x) in (int, float) and math.isfinite(x) for x in numbers)
+        and all(seconds_value(x) for x in numbers)
+        and record.uncommitted <= productive + ROUNDING_S
     )
+
+
+ROUNDING_S = 0.01  # each value is written to the millisecond
+
+
+def seconds_value(x: object) -> bool:
+    """Whether ``x`` is a number of seconds a launch writes: finite, not negative (an
+    integer too large for a float is not one)."""
+    if type(x) not in (int, float):
+        return False
+    try:
+        return math.isfinite(float(x)) and float(x) >= 0  # type: ignore[arg-type]
+    except OverflowError:
+        return False
 
 
 def run_totals(

@@ -48,3 +48,36 @@ def test_a_run_with_two_restarts_accounts_for_its_wall_time(sandbox):
     rows = report.stdout.splitlines()
     assert [r.split()[1] for r in rows[:3]] == ["1", "2", "3"] and "killed" in rows[0]
     assert rows[-1] == summary[0].removeprefix("[forge] ")
+
+
+def test_the_reader_calls_a_launch_that_holds_the_run_running_not_killed(tmp_path):
+    """A trainer holds the run's lock: its last line (not ended) is a launch still running,
+    whose steps past its last save are not lost yet; once the lock is gone, it was killed."""
+    import fcntl
+    import time
+
+    from forge.metrics.goodput import LaunchRecord, launch_line
+    from forge.training.records.run_dir import LOCK_FILE
+
+    now = time.time()
+    done = LaunchRecord("a", now - 100, 50, 10, 0.0, True, {"productive": 40, "setup": 10})
+    live = LaunchRecord("b", now - 40, 30, 14, 5.0, False, {"productive": 25, "setup": 5})
+    (tmp_path / "goodput.jsonl").write_text(launch_line(done) + launch_line(live))
+    with (tmp_path / LOCK_FILE).open("w") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        held = run_main(GOODPUT.main, [str(tmp_path)])
+    after = run_main(GOODPUT.main, [str(tmp_path)])
+    assert held.returncode == after.returncode == 0
+    assert "running:" in held.stdout.splitlines()[1] and "killed" not in held.stdout
+    assert "killed (5.0 s past its last save lost)" in after.stdout.splitlines()[1]
+    recomputed = [line for line in held.stdout.splitlines() if line.startswith("recomputed")]
+    assert recomputed[0].split()[1] == "0.0", held.stdout  # not lost while it runs
+
+
+def test_the_reader_refuses_a_ledger_that_is_no_regular_file(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "goodput.jsonl")
+    out = run_main(GOODPUT.main, [str(tmp_path)])
+    assert out.returncode == 2
+    assert out.stderr.startswith(f"error: {tmp_path / 'goodput.jsonl'}: not a regular file")

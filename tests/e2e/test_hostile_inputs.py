@@ -179,6 +179,23 @@ def another_runs_records(run: Run, trained: Run) -> list[str]:
     return [f"--checkpoint.dir={run.root / 'elsewhere'}", "--train.max_steps=12"]
 
 
+def ledger_replaced_by(kind: str) -> Callable[[Run, Run], list[str]]:
+    """The trained run's goodput.jsonl replaced by a FIFO (a launch opening it would wait for
+    a reader for good) or a folder."""
+
+    def setup(run: Run, trained: Run) -> list[str]:
+        copy_trained(trained, run)
+        ledger = run.dir / "goodput.jsonl"
+        ledger.unlink()
+        if kind == "fifo":
+            os.mkfifo(ledger)
+        else:
+            ledger.mkdir()
+        return ["--train.max_steps=12"]
+
+    return setup
+
+
 def another_model_before_its_first_checkpoint(run: Run, trained: Run) -> list[str]:
     copy_trained(trained, run)
     shutil.rmtree(run.ckpt)  # a run that crashed before its first checkpoint...
@@ -276,6 +293,8 @@ CHECKPOINT_CASES = [
     ("no checkpoint loads", every_checkpoint_truncated, 2, "no checkpoint there loads", lambda run: None),
     ("a fresh start over another run's records", another_runs_records, 2, "run.dir: ", checkpoints_intact),
     ("another model over a crashed run's records", another_model_before_its_first_checkpoint, 2, "model.dim", lambda run: None),
+    ("a FIFO for the goodput ledger", ledger_replaced_by("fifo"), 2, "goodput.jsonl is not a regular file", checkpoints_intact),
+    ("a folder for the goodput ledger", ledger_replaced_by("folder"), 2, "goodput.jsonl is not a regular file", checkpoints_intact),
 ]  # fmt: skip
 
 

@@ -94,6 +94,13 @@ DAMAGED = [
     ("a missing field", '{"launch": "c", "started": 20, "wall": 1, "step": 1, "ended": true, "seconds": {}}'),
     ("seconds that are a list", '{"launch": "c", "started": 20, "wall": 1, "step": 1, "uncommitted": 0, "ended": true, "seconds": [1]}'),
     ("a JSON value that is no object", "[1, 2]"),
+    ("an integer too large for a float", '{"launch": "c", "started": 20, "wall": 1, "step": 1, "uncommitted": 0, "ended": true, "seconds": {"productive": 10000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000000}}'),
+    ("negative seconds", '{"launch": "c", "started": 20, "wall": 1, "step": 1, "uncommitted": 0, "ended": true, "seconds": {"productive": -500}}'),
+    ("a negative wall", '{"launch": "c", "started": 20, "wall": -5000, "step": 1, "uncommitted": 0, "ended": true, "seconds": {}}'),
+    ("more lost than trained", '{"launch": "c", "started": 20, "wall": 1, "step": 1, "uncommitted": 50, "ended": true, "seconds": {"productive": 1}}'),
+    ("a string for ended", '{"launch": "c", "started": 20, "wall": 1, "step": 1, "uncommitted": 0, "ended": "no", "seconds": {}}'),
+    ("a negative step", '{"launch": "c", "started": 20, "wall": 1, "step": -1, "uncommitted": 0, "ended": true, "seconds": {}}'),
+    ("a line that ends a day after it is read", '{"launch": "c", "started": 86420, "wall": 1, "step": 1, "uncommitted": 0, "ended": true, "seconds": {}}'),
 ]  # fmt: skip
 
 
@@ -102,5 +109,12 @@ def test_a_damaged_line_is_passed_over_and_the_rest_added_up(tmp_path, line):
     path = tmp_path / "goodput.jsonl"
     good = launch(0, 10, {P: 8, S: 2}, name="a")
     path.write_text(launch_line(good) + line + "\n")
-    assert read_ledger(path) == [good]
-    assert sum(run_totals(read_ledger(path)).values()) == 10
+    assert read_ledger(path, now=30) == [good]
+    assert sum(run_totals(read_ledger(path, now=30)).values()) == 10
+
+
+def test_a_ledger_that_is_no_regular_file_reads_as_empty_without_blocking(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "goodput.jsonl")  # opened for reading, it would wait for a writer
+    assert read_ledger(tmp_path / "goodput.jsonl") == []

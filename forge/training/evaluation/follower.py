@@ -11,7 +11,6 @@ forward, no standard errors, under the optimizer's evaluation weights and the ru
 
 from __future__ import annotations
 
-import fcntl
 import pathlib
 import time
 from collections.abc import Callable
@@ -47,7 +46,7 @@ from forge.training.evaluation.follow import (
     task_record,
 )
 from forge.training.evaluation.inference import LoadedModel, run_tokenizer
-from forge.training.records.run_dir import LOCK_FILE as RUN_LOCK
+from forge.training.records.run_dir import trainer_running
 from forge.training.records.run_records import COMMITS_FILE
 from forge.training.setup.loaders import held_out_sampling
 
@@ -88,24 +87,6 @@ def damaged(root: CheckpointPath, step: int) -> bool:
     removed: retention marks a step retiring before it takes its commit marker, and takes the
     mark back only once the folder is gone, so the mark is read first, then the folder."""
     return not has_marker(root, step, RETIRING) and (root / f"step_{step}").is_dir()
-
-
-def trainer_running(run_dir: pathlib.Path) -> bool:
-    """Whether a trainer holds ``run_dir`` (its lock, ``forge.training.records.run_dir``): a
-    shared lock tried and given back at once. A trainer starting in that instant waits for it
-    (the run lock is retried for a moment) rather than being refused."""
-    path = run_dir / RUN_LOCK
-    try:
-        f = path.open("rb")
-    except OSError:
-        return False
-    with f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-    return False
 
 
 def trainer_dp(config: JobConfig, checkpoint: CheckpointPath) -> int:

@@ -78,6 +78,10 @@ class TrainingEffects:
         word tells the loop when every rank has)."""
         return self.checkpoints.save_status()
 
+    def committed_step(self) -> int | None:
+        """The newest committed checkpoint's step (None: none known yet)."""
+        return self.checkpoints.checkpointer.committed
+
     def carry_save_costs(self) -> None:
         """The latest committed save's costs, for the next logged record."""
         for cost in self.checkpoints.take_costs():

@@ -61,11 +61,14 @@ class LaunchClock:
         self.launch = f"{started:.3f}-{os.getpid()}"
         self.seconds = dict.fromkeys(Bucket, 0.0)
         self.step = 0
-        self.uncommitted = 0.0  # productive seconds since the last save began
+        # (step, productive seconds) of the steps no committed checkpoint holds yet: what a
+        # death loses (a save that fails or is still in flight commits none of them)
+        self.unsaved: list[tuple[int, float]] = []
         self.since_snapshot = 0.0  # productive seconds a rollback would train again
         self.last_step: tuple[Bucket, float] | None = None
         self.earlier = read_ledger(self.path) if is_main else []  # the run's other launches
         self.replicated = False  # a replica group's launch: a death loses no step
+        self.unwritable = False  # the ledger refused a line: said once, not at every step
 
     def started_up(self, entered: float, load_s: float, verify_s: float) -> None:
         """Before the loop: the imports (process start to ``main``, at ``entered``), the
@@ -92,16 +95,21 @@ class LaunchClock:
         finally:
             self.add(bucket, self.clock() - start)
 
-    def step_done(self, result: StepResult, seconds: float) -> None:
-        """A step's seconds: productive, dropped (not applied) or a hang (its collectives
-        failed: the time until that was detected)."""
+    @property
+    def uncommitted(self) -> float:
+        """Productive seconds no committed checkpoint holds (lost if the launch died now)."""
+        return sum(seconds for _, seconds in self.unsaved)
+
+    def step_done(self, result: StepResult, seconds: float, step: int) -> None:
+        """Step ``step``'s seconds: productive, dropped (not applied) or a hang (its
+        collectives failed: the time until that was detected)."""
         if result.collective_failed:
             bucket = Bucket.HANG
         elif not (result.finite and result.applied):
             bucket = Bucket.DROPPED
         else:
             bucket = Bucket.PRODUCTIVE
-            self.uncommitted += seconds
+            self.unsaved.append((step, seconds))
             self.since_snapshot += seconds
         self.add(bucket, seconds)
         self.last_step = (bucket, seconds)
@@ -111,9 +119,23 @@ class LaunchClock:
         if self.last_step is not None and self.last_step[0] is Bucket.PRODUCTIVE:
             seconds = self.last_step[1]
             self.move(Bucket.PRODUCTIVE, Bucket.DROPPED, seconds)
-            self.uncommitted -= seconds
+            self.unsaved.pop()
             self.since_snapshot -= seconds
             self.last_step = (Bucket.DROPPED, seconds)
+
+    def committed(self, step: int | None) -> bool:
+        """A checkpoint of ``step`` is committed (None: none known): the steps up to it are
+        no longer lost with the launch. Whether that changed what a death would lose."""
+        kept = [(s, seconds) for s, seconds in self.unsaved if step is None or s > step]
+        changed, self.unsaved = len(kept) != len(self.unsaved), kept
+        return changed
+
+    def rolled_back(self, step: int) -> None:
+        """A rollback to ``step``: the productive seconds since its snapshot are recomputed,
+        and the steps after it are trained again (their seconds counted once, then)."""
+        self.move(Bucket.PRODUCTIVE, Bucket.RECOMPUTED, self.since_snapshot)
+        self.since_snapshot = 0.0
+        self.unsaved = [(s, seconds) for s, seconds in self.unsaved if s <= step]
 
     def move(self, source: Bucket, target: Bucket, seconds: float) -> None:
         self.seconds[source] -= seconds
@@ -137,7 +159,7 @@ class LaunchClock:
 
     def write(self, ended: bool = False) -> None:
         """Append this launch's totals (rank 0); a disk that cannot take them loses this line
-        only (the ledger is a record, never the reason a run stops)."""
+        only (the ledger is a record, never the reason a run stops: said once a launch)."""
         if not self.is_main:
             return
         try:
@@ -146,7 +168,18 @@ class LaunchClock:
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as exc:
-            print(f"[forge] warning: goodput ledger {self.path}: {exc}", file=sys.stderr)
+            if not self.unwritable:
+                print(
+                    f"[forge] warning: goodput ledger {self.path}: {exc}; the run goes on, "
+                    "its lines lost until it takes them again",
+                    file=sys.stderr,
+                )
+            self.unwritable = True
+
+    def launches(self) -> list[LaunchRecord]:
+        """The run's launches as this one ends: the others' last lines (read at its start)
+        and its own, from memory (whether or not the disk took it)."""
+        return [*self.earlier, self.record(ended=True)]
 
 
 def timed_batches(batches: Iterator[BatchT], clock: LaunchClock) -> Iterator[BatchT]:
@@ -168,7 +201,7 @@ def timed_step(
     def timed(batch: BatchT, state: LoopState) -> StepResult:
         start = clock.clock()
         result = step(batch, state)
-        clock.step_done(result, clock.clock() - start)
+        clock.step_done(result, clock.clock() - start, state.step + 1)
         return result
 
     return timed
@@ -199,19 +232,29 @@ class LedgerEffects:
         effects: Effects,
         clock: LaunchClock,
         carry: Callable[[dict[str, Any]], None] = lambda record: None,
+        committed: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.effects = effects
         self.clock = clock
         self.carry = carry  # values for the next logged record: the run's goodput so far
+        self.committed = committed  # the newest committed checkpoint's step (None: none)
 
     def save(self, state: LoopState, reason: SaveReason) -> None:
         with self.clock.timing(Bucket.CHECKPOINT):
             self.effects.save(state, reason)
-        self.clock.uncommitted = 0.0
+        self.settle()
 
     def wait(self) -> None:
         with self.clock.timing(Bucket.CHECKPOINT):
             self.effects.wait()
+        self.settle()
+
+    def settle(self) -> None:
+        """After a save or its wait: what a commit took out of the lost work, written at
+        once (a kill between a commit and the next logged step must not count the steps it
+        holds as lost)."""
+        if self.clock.committed(self.committed()):
+            self.clock.write()
 
     def log(self, state: LoopState, result: StepResult) -> None:
         with self.clock.timing(Bucket.LOGGING):
@@ -237,10 +280,7 @@ class LedgerEffects:
 
     def restore(self, state: LoopState) -> None:
         """A rollback: the steps since the snapshot are trained again."""
-        redone = self.clock.since_snapshot
-        self.clock.move(Bucket.PRODUCTIVE, Bucket.RECOMPUTED, redone)
-        self.clock.uncommitted = max(0.0, self.clock.uncommitted - redone)
-        self.clock.since_snapshot = 0.0
+        self.clock.rolled_back(state.step)
         with self.clock.timing(Bucket.RECOMPUTED):
             self.effects.restore(state)
 

@@ -25,9 +25,10 @@ from forge.checkpoint.paths import CheckpointPath, location
 from forge.config.loader import ConfigError, load_config
 from forge.config.sections import JobConfig
 from forge.errors import UserInputError
+from forge.metrics.goodput import LEDGER_FILE
 from forge.training.records.resume_rules import changes
 from forge.training.records.run_record import predated_model_defaults, run_identity
-from forge.training.records.run_records import CONFIG_FILE, config_in_force
+from forge.training.records.run_records import COMMITS_FILE, CONFIG_FILE, config_in_force
 from forge.training.setup.store_claim import Claim, StoreClaimError, claim_prefix, store_problem
 
 LOCK_FILE = ".forge.lock"
@@ -54,6 +55,24 @@ def path_problem(key: str, path: CheckpointPath) -> str | None:
         return f"{key}: {path} lies below the file {ancestor}; choose another {key}"
     if not os.access(ancestor, os.W_OK | os.X_OK):
         return f"{key}: {ancestor} is not writable; choose another {key}"
+    return None
+
+
+# the files a launch reads and appends in run.dir (the config history's others are config.*)
+RECORD_FILES = (CONFIG_FILE, "metrics.jsonl", "metrics.superseded.jsonl", COMMITS_FILE, LEDGER_FILE)
+
+
+def record_file_problem(run_dir: pathlib.Path) -> str | None:
+    """Why a file forge keeps its records in cannot be one: it is there and is no regular file
+    (a FIFO would block the launch that opens it, for good; a folder or a device takes no
+    lines), or None."""
+    for name in RECORD_FILES:
+        path = run_dir / name
+        if path.exists() and not path.is_file():
+            return (
+                f"run.dir: {path} is not a regular file (a folder, a FIFO or a device): forge "
+                "keeps its records there; remove it, or choose a new --run.dir"
+            )
     return None
 
 
@@ -101,6 +120,24 @@ def _make_dirs(key: str, folder: pathlib.Path, lock: RunDirLock) -> None:
             f"{key}: cannot create {folder} ({exc.strerror}); choose another {key}"
         ) from None
     lock.created += reversed(missing)
+
+
+def trainer_running(run_dir: pathlib.Path) -> bool:
+    """Whether a trainer holds ``run_dir`` (its lock, ``forge.training.records.run_dir``): a
+    shared lock tried and given back at once. A trainer starting in that instant waits for it
+    (the run lock is retried for a moment) rather than being refused."""
+    path = run_dir / LOCK_FILE
+    try:
+        f = path.open("rb")
+    except OSError:
+        return False
+    with f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    return False
 
 
 def take_lock(f: Any, patience_s: float = 1.0) -> bool:

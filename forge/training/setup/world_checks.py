@@ -20,7 +20,11 @@ from forge.parallel.mesh import backend_problem
 from forge.parallel.world import WorldInfo, parallel_problems
 from forge.training.context import RunContext
 from forge.training.loop.hooks import hook_problems
-from forge.training.records.run_dir import groups_switch_problem, path_problem
+from forge.training.records.run_dir import (
+    groups_switch_problem,
+    path_problem,
+    record_file_problem,
+)
 from forge.training.setup.problems import (
     attention_problems,
     data_problems,
@@ -33,10 +37,13 @@ from forge.training.setup.vlm import vlm_problems
 
 def run_dir_problems(run: RunContext) -> list[str]:
     """Why a directory the run writes cannot be one (the first only: the checkpoint
-    directory usually lies inside the run directory), or holds a run of the other kind."""
+    directory usually lies inside the run directory), a record file in it is none, or it
+    holds a run of the other kind."""
     for key, folder in run_directories(run):
         if (problem := path_problem(key, folder)) is not None:
             return [problem]
+    if (problem := record_file_problem(run.run_dir)) is not None:
+        return [problem]
     base, ft = pathlib.Path(str(run.config.run.dir)), run.config.fault_tolerance
     return [p] if (p := groups_switch_problem(base, ft.enabled)) is not None else []
 
