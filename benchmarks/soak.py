@@ -51,7 +51,12 @@ sys.path.insert(0, str(REPO))  # run as a file: forge from this checkout
 from forge.cli import summary  # noqa: E402
 from forge.errors import print_errors  # noqa: E402
 from forge.metrics.goodput import goodput, read_ledger, run_totals  # noqa: E402
-from forge.outputs import file_output_problem, replace_file  # noqa: E402
+from forge.outputs import (  # noqa: E402
+    enclosing_dataset,
+    enclosing_run,
+    file_output_problem,
+    replace_file,
+)
 
 INTERVAL = 5  # steps between checkpoints
 LAUNCH_LIMIT = 300.0  # seconds a launch may take before the soak gives up on it
@@ -121,6 +126,12 @@ def plan_faults(seed: int, count: int, steps: int, kinds: Sequence[Kind]) -> lis
         else:
             choices = range(2, steps)
         free = [s for s in choices if kind in PROCESS or s not in taken]
+        if not free:
+            raise ValueError(
+                f"--faults {count} --steps {steps}: no step left for a {kind.value} fault "
+                f"(in-job faults take a step each; {kind.value} needs a step in "
+                f"{choices.start}..{steps - 1}); raise --steps or lower --faults"
+            )
         step = rng.choice(free)
         if kind not in PROCESS:
             taken.add(step)
@@ -416,12 +427,43 @@ def flatten(value: object, prefix: str = ""):
         yield prefix, value
 
 
+REPORT_KEYS = frozenset({"faults", "kinds", "launches", "recovered", "bit_identical", "recovery"})
+
+
 def is_report(path: pathlib.Path) -> bool:
-    """Whether ``path`` holds a report this script wrote (it may be written over)."""
+    """Whether ``path`` holds a report this script wrote (it may be written over): a JSON
+    object with every key of one."""
     try:
-        return "bit_identical" in json.loads(path.read_text())
+        report = json.loads(path.read_text())
     except (OSError, ValueError, TypeError):
         return False
+    return isinstance(report, dict) and report.keys() >= REPORT_KEYS
+
+
+def kinds_of(text: str) -> list[Kind] | str:
+    """The fault kinds ``--kinds`` names, or why it names none that exist."""
+    names = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [n for n in names if n not in {k.value for k in Kind}]
+    if unknown or not names:
+        known = ", ".join(k.value for k in Kind)
+        wrong = ", ".join(unknown) or "no kind"
+        return f"--kinds {text!r}: {wrong} is no fault kind; name some of {known}"
+    return [Kind(n) for n in names]
+
+
+# the job's own rule: a spike rule (spike_threshold) first judges step 11
+MIN_STEPS = 11
+
+
+def steps_problem(steps: int, faults: int) -> str | None:
+    """Why the job cannot run ``steps`` steps with ``faults`` faults, or None."""
+    if steps < MIN_STEPS:
+        return (
+            f"--steps {steps}: the soak's job needs {MIN_STEPS} at least (its spike rule's warm-up)"
+        )
+    if faults < 0:
+        return f"--faults {faults}: must be 0 or more"
+    return None
 
 
 def out_problem(out: pathlib.Path | None) -> str | None:
@@ -432,9 +474,14 @@ def out_problem(out: pathlib.Path | None) -> str | None:
 def work_problem(work: pathlib.Path | None) -> str | None:
     """The soak trains in ``--work``: a folder of its own, absent or empty (a run already
     there would be resumed, and the soak's figures with it)."""
-    if work is None or not work.exists():
+    if work is None:
         return None
-    if not work.is_dir() or any(work.iterdir()):
+    resolved = work.resolve()
+    if (run := enclosing_run(resolved)) is not None:
+        return f"--work {work}: lies in the run or checkpoint directory {run}; name a new folder"
+    if (dataset := enclosing_dataset(resolved)) is not None:
+        return f"--work {work}: lies inside the dataset {dataset}; name a new folder"
+    if work.exists() and (not work.is_dir() or any(work.iterdir())):
         return f"--work {work}: exists and is not an empty folder; name a new one"
     return None
 
@@ -462,21 +509,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--work", type=pathlib.Path, help="keep the runs here (default: temp)")
     parser.add_argument("--out", type=pathlib.Path, help="also write the report as JSON")
     args = parser.parse_args(argv)
-    problems = [p for p in (out_problem(args.out), work_problem(args.work)) if p]
+    kinds = kinds_of(args.kinds)
+    checks = (
+        out_problem(args.out),
+        work_problem(args.work),
+        steps_problem(args.steps, args.faults),
+    )
+    problems = [p for p in (*checks, kinds if isinstance(kinds, str) else None) if p]
     if problems:
         print_errors(problems)
         return 2
-    kinds = [Kind(k) for k in args.kinds.split(",")]
+    assert not isinstance(kinds, str)
     if Kind.STORE_STALL in kinds and importlib.util.find_spec("moto") is None:
         print_errors(["--kinds store_stall: needs moto's S3 server: pip install -e '.[dev]'"])
         return 2
-    faults = plan_faults(args.seed, args.faults, args.steps, kinds)
+    try:
+        faults = plan_faults(args.seed, args.faults, args.steps, kinds)
+    except ValueError as exc:
+        print_errors([str(exc)])
+        return 2
     print(f"{len(faults)} faults: " + ", ".join(f"{f.kind.value}@{f.step}" for f in faults))
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         work = args.work or pathlib.Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         store = stack.enter_context(moto_store()) if Kind.STORE_STALL in kinds else None
-        report = soak(work, args.data, args.steps, faults, store)
+        try:
+            report = soak(work, args.data, args.steps, faults, store)
+        except RuntimeError as exc:  # the job did not complete: its logs are in work
+            keep = "" if args.work else " (a temporary folder, now removed: pass --work to keep it)"
+            print_errors([f"{exc}{keep}"])
+            return 1
     print(json.dumps(report, indent=2))
     if args.out is not None:
         replace_file(args.out, json.dumps(report, indent=2) + "\n")

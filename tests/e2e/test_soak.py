@@ -75,3 +75,37 @@ def test_the_soak_writes_over_no_file_or_folder_it_did_not_make(tmp_path, capsys
     assert (tmp_path / "notes.json").read_text() == '{"mine": 1}'
     assert (tmp_path / "work" / "kept.txt").read_text() == "mine"
     assert SOAK.is_report(tmp_path / "notes.json") is False
+
+
+# (case, arguments, the start of the one error line)
+REFUSED = [
+    ("an unknown kind", ["--kinds", "bogus"], "--kinds 'bogus': bogus is no fault kind"),
+    ("no kind", ["--kinds", ","], "--kinds ',': no kind is no fault kind"),
+    ("a job shorter than its spike rule's warm-up", ["--steps", "5"], "--steps 5: the soak's job needs 11"),
+    ("more in-job faults than steps for them", ["--steps", "11", "--faults", "40", "--kinds", "nan"], "--faults 40 --steps 11: no step left for a nan fault"),
+    ("a spike with no step past the warm-up", ["--steps", "12", "--faults", "1", "--kinds", "spike"], "--faults 1 --steps 12: no step left for a spike fault"),
+    ("a negative count", ["--faults", "-1"], "--faults -1: must be 0 or more"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv,line", [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED])
+def test_the_soak_refuses_what_it_cannot_run_in_one_line(argv, line, capsys):
+    assert SOAK.main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {line}"), err
+
+
+def test_the_soak_keeps_its_work_out_of_runs_and_datasets(tmp_path, small_corpus, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.toml").write_text("")
+    for work, words in [(run / "checkpoints" / "soak", "lies in the run"), (small_corpus / "soak", "lies inside the dataset")]:  # fmt: skip
+        assert SOAK.main(["--work", str(work)]) == 2
+        assert words in capsys.readouterr().err
+        assert not work.exists()
+
+
+@pytest.mark.parametrize("text", ['"my notes: not bit_identical"', '{"bit_identical": true}'])
+def test_only_a_whole_report_counts_as_the_soak_s_own_file(tmp_path, text):
+    (tmp_path / "notes.json").write_text(text)
+    assert SOAK.is_report(tmp_path / "notes.json") is False
