@@ -261,6 +261,7 @@ def train(
     if outcome is LoopOutcome.ALREADY_COMPLETE:
         return exit_code(outcome)  # a run already complete changes nothing on disk
     clock.add(Bucket.SHUTDOWN, time.time() - ending)
+    clock.completed = outcome is LoopOutcome.COMPLETED  # what follows is not the run's time
     clock.write(ended=True)
     if dist.is_main:  # this launch from memory: its last line counts whether or not written
         launches = clock.launches()

@@ -10,7 +10,9 @@ never an earlier launch. ``run_totals`` reads every launch's last line and adds 
   its node lost, or ended without a final save): the next launch trains those steps again —
   unless it was a replica group's (``[fault_tolerance]``), whose peers kept them;
 - ``down``: the time between one launch's last line and the next launch's start (a process
-  killed, the scheduler's relaunch), which no launch could measure.
+  killed, the scheduler's relaunch), which no launch could measure — unless that launch
+  completed the run: the time until a later launch extends it (a longer ``train.max_steps``)
+  is not the run's, neither down nor wall.
 
 So the buckets add up to the run's wall time, from its first launch's start to its last
 line, up to what each launch did not time; ``goodput`` = productive / wall.
@@ -63,6 +65,7 @@ class LaunchRecord:
     # a replica group's launch ([fault_tolerance]): its peers kept the steps past its last
     # save, so a death loses none of them
     replicated: bool = False
+    completed: bool = False  # it ended with the run complete (to its train.max_steps)
 
 
 def launch_line(record: LaunchRecord) -> str:
@@ -114,6 +117,7 @@ def well_formed(record: LaunchRecord) -> bool:
         and record.step >= 0
         and type(record.ended) is bool
         and type(record.replicated) is bool
+        and type(record.completed) is bool
         and set(record.seconds) <= BUCKETS
         and all(seconds_value(x) for x in numbers)
         and record.uncommitted <= productive + ROUNDING_S
@@ -150,7 +154,7 @@ def run_totals(
             totals[Bucket.RECOMPUTED] += record.uncommitted
         if previous_end is not None:
             totals[Bucket.DOWN] += max(0.0, record.started - previous_end)
-        previous_end = record.started + record.wall
+        previous_end = None if record.completed else record.started + record.wall
     return totals
 
 
@@ -161,10 +165,17 @@ def goodput(totals: Mapping[Bucket, float]) -> float:
 
 
 def run_wall(launches: list[LaunchRecord]) -> float:
-    """Seconds from the first launch's start to the last launch's last line."""
-    if not launches:
-        return 0.0
-    return max(r.started + r.wall for r in launches) - launches[0].started
+    """Seconds from the first launch's start to the last launch's last line, less the time
+    between a launch that completed the run and the next (the run was done)."""
+    wall, start, end = 0.0, None, 0.0
+    for record in launches:
+        if start is None:
+            start, end = record.started, record.started + record.wall
+        else:
+            end = max(end, record.started + record.wall)
+        if record.completed:
+            wall, start = wall + end - start, None
+    return wall + (end - start if start is not None else 0.0)
 
 
 def summary_line(totals: Mapping[Bucket, float], launches: int) -> str:

@@ -16,10 +16,14 @@ from forge.metrics.goodput import (
 )
 
 
-def launch(started, wall, seconds, uncommitted=0.0, ended=True, name=None, replicated=False):
+def launch(
+    started, wall, seconds, uncommitted=0.0, ended=True, name=None, replicated=False,
+    completed=False,
+):  # fmt: skip
     return LaunchRecord(
         launch=name or f"{started}", started=started, wall=wall, step=10,
         uncommitted=uncommitted, ended=ended, seconds=seconds, replicated=replicated,
+        completed=completed,
     )  # fmt: skip
 
 
@@ -44,6 +48,16 @@ ROWS = [
         {Bucket.PRODUCTIVE: 12, Bucket.RECOMPUTED: 0, Bucket.DOWN: 0.5},
     ),
     (
+        "a completed run extended a week later: the week is not the run's",
+        [launch(0, 10, {P: 10}, completed=True), launch(604800, 5, {S: 1, P: 4})],
+        {Bucket.DOWN: 0, Bucket.PRODUCTIVE: 14},
+    ),
+    (
+        "a run stopped (not complete) and relaunched later: the wait is down",
+        [launch(0, 10, {P: 10}), launch(100, 5, {S: 1, P: 4})],
+        {Bucket.DOWN: 90},
+    ),
+    (
         "overlapping launches (a clock step back) add no negative gap",
         [launch(0, 10, {P: 10}), launch(9, 5, {P: 5})],
         {Bucket.DOWN: 0},
@@ -58,9 +72,20 @@ def test_run_totals(launches, expected):
         assert totals[bucket] == pytest.approx(seconds), bucket
 
 
-def test_the_buckets_of_fully_timed_launches_add_up_to_the_run_wall():
+@pytest.mark.parametrize(
+    "launches,wall",
+    [
+        ([launch(0, 10, {S: 2, P: 8}, 3, False), launch(12, 10, {S: 2, P: 8})], 22),
+        ([launch(0, 10, {S: 2, P: 8}, completed=True), launch(500, 10, {S: 2, P: 8}), launch(515, 5, {P: 5})], 30),
+    ],
+    ids=["killed, then relaunched", "completed, extended later, then stopped and relaunched"],
+)  # fmt: skip
+def test_the_buckets_of_fully_timed_launches_add_up_to_the_run_wall(launches, wall):
+    assert sum(run_totals(launches).values()) == pytest.approx(run_wall(launches)) == wall
+
+
+def test_goodput_is_productive_over_the_wall():
     launches = [launch(0, 10, {S: 2, P: 8}, 3, False), launch(12, 10, {S: 2, P: 8})]
-    assert sum(run_totals(launches).values()) == pytest.approx(run_wall(launches)) == 22
     assert goodput(run_totals(launches)) == pytest.approx(13 / 22)
 
 
@@ -90,6 +115,7 @@ DAMAGED = [
     ("a NaN", '{"launch": "c", "started": 20, "wall": NaN, "step": 1, "uncommitted": 0, "ended": true, "seconds": {}}'),
     ("an infinity in a bucket", '{"launch": "c", "started": 20, "wall": 1, "step": 1, "uncommitted": 0, "ended": true, "seconds": {"setup": Infinity}}'),
     ("a string for a number", '{"launch": "c", "started": "20", "wall": 1, "step": 1, "uncommitted": 0, "ended": true, "seconds": {}}'),
+    ("a string for completed", '{"launch": "c", "started": 20, "wall": 1, "step": 1, "uncommitted": 0, "ended": true, "seconds": {}, "completed": 1}'),
     ("a string for replicated", '{"launch": "c", "started": 20, "wall": 1, "step": 1, "uncommitted": 0, "ended": true, "seconds": {}, "replicated": "yes"}'),
     ("a missing field", '{"launch": "c", "started": 20, "wall": 1, "step": 1, "ended": true, "seconds": {}}'),
     ("seconds that are a list", '{"launch": "c", "started": 20, "wall": 1, "step": 1, "uncommitted": 0, "ended": true, "seconds": [1]}'),

@@ -69,6 +69,7 @@ class LaunchClock:
         self.earlier = read_ledger(self.path) if is_main else []  # the run's other launches
         self.replicated = False  # a replica group's launch: a death loses no step
         self.unwritable = False  # the ledger refused a line: said once, not at every step
+        self.completed = False  # the launch ends with the run complete
 
     def started_up(self, entered: float, load_s: float, verify_s: float) -> None:
         """Before the loop: the imports (process start to ``main``, at ``entered``), the
@@ -79,10 +80,12 @@ class LaunchClock:
 
     def loop_begins(self, step: int) -> None:
         """Set-up is the rest of the time before the loop (config, process group, model,
-        data, guards)."""
+        data, guards); written at once, so a launch killed before its first logged step
+        still counts as one, its start-up in its buckets."""
         self.step = step
         before = sum(self.seconds[b] for b in (Bucket.IMPORTS, Bucket.LOAD, Bucket.VERIFY))
         self.add(Bucket.SETUP, self.clock() - self.started - before)
+        self.write()
 
     def add(self, bucket: Bucket, seconds: float) -> None:
         self.seconds[bucket] += seconds
@@ -151,6 +154,7 @@ class LaunchClock:
             ended=ended,
             seconds={b.value: round(s, 3) for b, s in self.seconds.items() if s},
             replicated=self.replicated,
+            completed=self.completed,
         )
 
     def run_metrics(self) -> dict[str, float]:
