@@ -57,6 +57,7 @@ from forge.outputs import (  # noqa: E402
     file_output_problem,
     replace_file,
 )
+from forge.training.loop.plan import SPIKE_WARMUP  # noqa: E402
 
 INTERVAL = 5  # steps between checkpoints
 LAUNCH_LIMIT = 300.0  # seconds a launch may take before the soak gives up on it
@@ -451,8 +452,8 @@ def kinds_of(text: str) -> list[Kind] | str:
     return [Kind(n) for n in names]
 
 
-# the job's own rule: a spike rule (spike_threshold) first judges step 11
-MIN_STEPS = 11
+# the job's own rule: its spike rule (spike_threshold) first judges the step after its warm-up
+MIN_STEPS = SPIKE_WARMUP + 1
 
 
 def steps_problem(steps: int, faults: int) -> str | None:

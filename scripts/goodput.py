@@ -18,18 +18,21 @@ from forge.cli import summary
 from forge.errors import print_errors
 from forge.interrupts import exits_on_interrupt
 from forge.metrics.goodput import LEDGER_FILE, Bucket, read_ledger, run_totals, summary_line
-from forge.training.records.run_dir import trainer_running
+from forge.training.records.run_dir import holder_pid, trainer_running
 from forge.types import ExitCode
 
 
 def launch_rows(run_dir: pathlib.Path) -> list[str]:
     """One line per launch, then the run's buckets, then its summary line. While a trainer
-    holds the run, its launch (the last, not ended) is running: its steps past its last
-    save are not lost yet."""
+    holds the run, its launch (the last line, when its own) is running: its steps past its
+    last save are not lost yet."""
     launches = read_ledger(run_dir / LEDGER_FILE)
     running = None
     if launches and not launches[-1].ended and trainer_running(run_dir):
-        running = launches[-1]
+        # the last line is the running launch's only once it wrote one: its id ends with
+        # rank 0's pid, which the lock names (before, it loads: the last line is a dead one's)
+        pid = holder_pid(run_dir)
+        running = launches[-1] if launches[-1].launch.endswith(f"-{pid}") else None
     lines = []
     for i, r in enumerate(launches, 1):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started))

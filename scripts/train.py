@@ -50,6 +50,7 @@ from forge.training.loop.ledger import (
 )
 from forge.training.loop.loop import conclude, run_training_loop
 from forge.training.loop.outcome import exit_code, log_failure_line, outcome_message
+from forge.training.loop.plan import starting_outcome
 from forge.training.setup.guards import armed_guards
 from forge.training.setup.loaders import train_batches
 from forge.training.setup.phases import (
@@ -211,7 +212,9 @@ def train(
         effects.save_status,
     )
     effects.begin(ckpt.initial_state, ckpt.resume_cost)
-    clock.loop_begins(ckpt.initial_state.step)
+    clock.loop_begins(
+        ckpt.initial_state.step, steps_left=starting_outcome(ckpt.initial_state, policy) is None
+    )
     timed_effects = LedgerEffects(effects, clock, effects.logger.measured, effects.committed_step)
     try:
         outcome, state = run_training_loop(
@@ -261,7 +264,8 @@ def train(
     if outcome is LoopOutcome.ALREADY_COMPLETE:
         return exit_code(outcome)  # a run already complete changes nothing on disk
     clock.add(Bucket.SHUTDOWN, time.time() - ending)
-    clock.completed = outcome is LoopOutcome.COMPLETED  # what follows is not the run's time
+    # a finished run (its steps, or its data): what follows it is not the run's time
+    clock.completed = outcome in (LoopOutcome.COMPLETED, LoopOutcome.DATA_EXHAUSTED)
     clock.write(ended=True)
     if dist.is_main:  # this launch from memory: its last line counts whether or not written
         launches = clock.launches()

@@ -149,7 +149,8 @@ def run_totals(
     for record in [*launches, *([running] if running is not None else [])]:
         for name, seconds in record.seconds.items():
             totals[Bucket(name)] += seconds
-        if record is not running and not record.replicated:  # trained again: lost with it
+        # trained again: lost with it (not after a finished run, saved or not: it was done)
+        if record is not running and not record.replicated and not record.completed:
             totals[Bucket.PRODUCTIVE] -= record.uncommitted
             totals[Bucket.RECOMPUTED] += record.uncommitted
         if previous_end is not None:

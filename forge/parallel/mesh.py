@@ -206,7 +206,7 @@ def broadcast_from_main(value: object, world_size: int) -> object:
     return box[0]
 
 
-def every_rank(value: T, world_size: int) -> list[T]:
+def from_every_rank(value: T, world_size: int) -> list[T]:
     """Every rank's ``value`` (picklable), in rank order; ``[value]`` for one process."""
     if world_size == 1:
         return [value]
@@ -218,4 +218,4 @@ def every_rank(value: T, world_size: int) -> list[T]:
 def host_names(world: WorldInfo) -> tuple[str, ...]:
     """Every rank's host name in rank order, gathered once at set-up (the warnings and errors
     that name a rank name its host too)."""
-    return tuple(str(n) for n in every_rank(socket.gethostname(), world.world_size))
+    return tuple(str(n) for n in from_every_rank(socket.gethostname(), world.world_size))

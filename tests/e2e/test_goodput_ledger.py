@@ -61,14 +61,22 @@ def test_the_reader_calls_a_launch_that_holds_the_run_running_not_killed(tmp_pat
 
     now = time.time()
     done = LaunchRecord("a", now - 100, 50, 10, 0.0, True, {"productive": 40, "setup": 10})
-    live = LaunchRecord("b", now - 40, 30, 14, 5.0, False, {"productive": 25, "setup": 5})
+    live = LaunchRecord("b-4242", now - 40, 30, 14, 5.0, False, {"productive": 25, "setup": 5})
     (tmp_path / "goodput.jsonl").write_text(launch_line(done) + launch_line(live))
     with (tmp_path / LOCK_FILE).open("w") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        lock.write("pid 4242 on host h\n")
+        lock.flush()
         held = run_main(GOODPUT.main, [str(tmp_path)])
+        lock.seek(0)
+        lock.truncate()
+        lock.write("pid 5151 on host h\n")  # a launch still loading: the last line is not its
+        lock.flush()
+        loading = run_main(GOODPUT.main, [str(tmp_path)])
     after = run_main(GOODPUT.main, [str(tmp_path)])
-    assert held.returncode == after.returncode == 0
+    assert held.returncode == after.returncode == loading.returncode == 0
     assert "running:" in held.stdout.splitlines()[1] and "killed" not in held.stdout
+    assert "killed" in loading.stdout.splitlines()[1]
     assert "killed (5.0 s past its last save lost)" in after.stdout.splitlines()[1]
     recomputed = [line for line in held.stdout.splitlines() if line.startswith("recomputed")]
     assert recomputed[0].split()[1] == "0.0", held.stdout  # not lost while it runs

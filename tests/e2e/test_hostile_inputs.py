@@ -293,8 +293,8 @@ CHECKPOINT_CASES = [
     ("no checkpoint loads", every_checkpoint_truncated, 2, "no checkpoint there loads", lambda run: None),
     ("a fresh start over another run's records", another_runs_records, 2, "run.dir: ", checkpoints_intact),
     ("another model over a crashed run's records", another_model_before_its_first_checkpoint, 2, "model.dim", lambda run: None),
-    ("a FIFO for the goodput ledger", ledger_replaced_by("fifo"), 2, "goodput.jsonl is not a regular file", checkpoints_intact),
-    ("a folder for the goodput ledger", ledger_replaced_by("folder"), 2, "goodput.jsonl is not a regular file", checkpoints_intact),
+    ("a FIFO for the goodput ledger", ledger_replaced_by("fifo"), 2, "goodput.jsonl is a FIFO, not a file", checkpoints_intact),
+    ("a folder for the goodput ledger", ledger_replaced_by("folder"), 2, "goodput.jsonl is a folder, not a file", checkpoints_intact),
 ]  # fmt: skip
 
 

@@ -24,8 +24,16 @@ def spikes_not_dropped(monkeypatch):
     monkeypatch.setattr(plan.LoopPolicy, "drops_spikes", property(lambda self: False))
 
 
+class ReplaysNothing:
+    """The step's replay rule whatever the config asks: none."""
+
+    @staticmethod
+    def configured(config):
+        return plan.ReplayRule()
+
+
 def no_replays(monkeypatch):
-    monkeypatch.setattr(spec, "ReplayRule", lambda *args: plan.ReplayRule())
+    monkeypatch.setattr(spec, "ReplayRule", ReplaysNothing)
 
 
 def signals_not_installed(monkeypatch):

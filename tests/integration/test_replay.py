@@ -261,3 +261,17 @@ def test_the_kernel_probe_names_what_torch_names_and_leaves_no_trace(extra, name
     assert all(p.grad is None for p in model.parameters())
     assert torch.equal(torch.rand(3), expected)
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+@pytest.mark.parametrize(
+    "message,named",
+    [
+        ("put_ does not have a deterministic implementation, but you set 'torch.use_determ...", "put_"),
+        ("Memory Efficient attention defaults to a non-deterministic algorithm. To explicitly enable determinism call ...", "Memory Efficient attention"),
+        ("a warning of something else", None),
+    ],
+)  # fmt: skip
+def test_torch_s_words_for_an_operation_without_a_deterministic_kernel(message, named):
+    from forge.training.steps.replay import nondeterministic_operation
+
+    assert nondeterministic_operation(message) == named

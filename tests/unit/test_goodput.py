@@ -53,6 +53,11 @@ ROWS = [
         {Bucket.DOWN: 0, Bucket.PRODUCTIVE: 14},
     ),
     (
+        "a finished run that saved nothing (checkpointing off) lost nothing",
+        [launch(0, 10, {S: 2, P: 8}, uncommitted=8, completed=True)],
+        {Bucket.PRODUCTIVE: 8, Bucket.RECOMPUTED: 0},
+    ),
+    (
         "a run stopped (not complete) and relaunched later: the wait is down",
         [launch(0, 10, {P: 10}), launch(100, 5, {S: 1, P: 4})],
         {Bucket.DOWN: 90},

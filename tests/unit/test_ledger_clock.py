@@ -106,10 +106,12 @@ def test_a_rollback_moves_the_snapshot_s_steps_to_recomputed_and_counts_the_redo
 
 def test_a_launch_is_in_the_ledger_from_its_loop_s_start(tmp_path):
     """Killed before its first logged step, a launch still counts as one, its start-up in
-    its buckets (not all of it down time)."""
-    clock = LaunchClock(tmp_path, True, 0.0, clock=lambda: 7.0)
-    clock.started_up(entered=3.0, load_s=1.0, verify_s=0.5)
-    clock.loop_begins(step=10)
+    its buckets (not all of it down time); one that finds the run complete writes nothing."""
+    for steps_left in (False, True):
+        clock = LaunchClock(tmp_path, True, 0.0, clock=lambda: 7.0)
+        clock.started_up(entered=3.0, load_s=1.0, verify_s=0.5)
+        clock.loop_begins(step=10, steps_left=steps_left)
+        assert (tmp_path / "goodput.jsonl").exists() is steps_left
     (line,) = read_ledger(tmp_path / "goodput.jsonl", now=1e9)
     assert (line.step, line.wall, line.ended) == (10, 7.0, False)
     assert line.seconds == {"imports": 3.0, "load": 0.5, "verify": 0.5, "setup": 3.0}

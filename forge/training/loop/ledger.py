@@ -78,14 +78,16 @@ class LaunchClock:
         self.add(Bucket.LOAD, load_s - verify_s)
         self.add(Bucket.VERIFY, verify_s)
 
-    def loop_begins(self, step: int) -> None:
+    def loop_begins(self, step: int, steps_left: bool = True) -> None:
         """Set-up is the rest of the time before the loop (config, process group, model,
-        data, guards); written at once, so a launch killed before its first logged step
-        still counts as one, its start-up in its buckets."""
+        data, guards); written at once where the loop has steps to run (``steps_left``), so
+        a launch killed before its first logged step still counts as one, its start-up in
+        its buckets. A launch that finds the run complete writes nothing."""
         self.step = step
         before = sum(self.seconds[b] for b in (Bucket.IMPORTS, Bucket.LOAD, Bucket.VERIFY))
         self.add(Bucket.SETUP, self.clock() - self.started - before)
-        self.write()
+        if steps_left:
+            self.write()
 
     def add(self, bucket: Bucket, seconds: float) -> None:
         self.seconds[bucket] += seconds

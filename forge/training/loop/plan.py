@@ -156,6 +156,12 @@ class ReplayRule:
             self.first_step and first_of_launch
         )
 
+    @classmethod
+    def configured(cls, config: JobConfig) -> ReplayRule:
+        """The replays ``[resilience]`` asks for (``ReplayRule()``: none)."""
+        res = config.resilience
+        return cls(res.replay_interval, res.replay_first_step)
+
 
 class SaveReason(enum.Enum):
     SCHEDULED = "scheduled"

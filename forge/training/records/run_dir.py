@@ -14,6 +14,7 @@ import fcntl
 import os
 import pathlib
 import socket
+import stat
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +27,7 @@ from forge.config.loader import ConfigError, load_config
 from forge.config.sections import JobConfig
 from forge.errors import UserInputError
 from forge.metrics.goodput import LEDGER_FILE
+from forge.metrics.sinks import superseded_path
 from forge.training.records.resume_rules import changes
 from forge.training.records.run_record import predated_model_defaults, run_identity
 from forge.training.records.run_records import COMMITS_FILE, CONFIG_FILE, config_in_force
@@ -59,19 +61,35 @@ def path_problem(key: str, path: CheckpointPath) -> str | None:
 
 
 # the files a launch reads and appends in run.dir (the config history's others are config.*)
-RECORD_FILES = (CONFIG_FILE, "metrics.jsonl", "metrics.superseded.jsonl", COMMITS_FILE, LEDGER_FILE)
+RECORD_FILES = (
+    CONFIG_FILE,
+    "metrics.jsonl",
+    superseded_path(pathlib.Path("metrics.jsonl")).name,
+    COMMITS_FILE,
+    LEDGER_FILE,
+)
 
 
 def record_file_problem(run_dir: pathlib.Path) -> str | None:
-    """Why a file forge keeps its records in cannot be one: it is there and is no regular file
-    (a FIFO would block the launch that opens it, for good; a folder or a device takes no
-    lines), or None."""
+    """Why a file forge keeps its records in cannot be one, or None: it is a folder (it
+    takes no lines), a FIFO or a socket (opened, it would block the launch for good). A
+    device takes lines, or fails each with its own error (``/dev/full``: the disk full)."""
     for name in RECORD_FILES:
         path = run_dir / name
-        if path.exists() and not path.is_file():
+        try:
+            mode = path.stat().st_mode
+        except OSError:  # absent (or a broken link): the launch creates it, or names why not
+            continue
+        kind = (
+            "a folder" if stat.S_ISDIR(mode)
+            else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode)
+            else None
+        )  # fmt: skip
+        if kind is not None:
             return (
-                f"run.dir: {path} is not a regular file (a folder, a FIFO or a device): forge "
-                "keeps its records there; remove it, or choose a new --run.dir"
+                f"run.dir: {path} is {kind}, not a file: forge keeps its records there; "
+                "remove it, or choose a new --run.dir"
             )
     return None
 
@@ -82,6 +100,13 @@ def _holder(lock_file: pathlib.Path) -> str:
     except OSError:
         return "another process"
     return text or "another process"
+
+
+def holder_pid(run_dir: pathlib.Path) -> int | None:
+    """The pid the run's lock file names (``pid N on host H``, written by the trainer that
+    took it: rank 0), or None."""
+    words = _holder(run_dir / LOCK_FILE).split()
+    return int(words[1]) if len(words) > 1 and words[0] == "pid" and words[1].isdigit() else None
 
 
 @attrs.define

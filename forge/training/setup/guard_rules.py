@@ -111,8 +111,8 @@ def spike_rule(config: JobConfig, facts: GuardFacts) -> Verdict:
 
 
 def replay_rule(config: JobConfig, facts: GuardFacts) -> Verdict:
-    res, end = config.resilience, config.train.max_steps
-    wanted = ReplayRule(res.replay_interval, res.replay_first_step)
+    end = config.train.max_steps
+    wanted = ReplayRule.configured(config)
     if wanted == ReplayRule():
         return [], []
     refused = []

@@ -21,7 +21,7 @@ import torch
 
 from forge.config.sections import JobConfig
 from forge.errors import UserInputError
-from forge.parallel.mesh import every_rank
+from forge.parallel.mesh import from_every_rank
 from forge.resilience import stragglers
 from forge.resilience.control import ControlChannel
 from forge.resilience.signals import ShutdownFlag
@@ -116,23 +116,23 @@ def kernel_probe(
     run: RunContext, dist: DistContext, model: ModelContext, data: DataContext
 ) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """Where replays are configured on a device whose kernels a replay checks
-    (``checks_kernels``): the operations without a deterministic kernel that the first
-    step's computation runs (each rank its own micro-batches, read without moving the
-    loader), each with the ranks that run it, gathered from every rank. Nothing elsewhere
-    (every rank knows alike whether it probes: the config and the device type)."""
-    res = run.config.resilience
-    replays = ReplayRule(res.replay_interval, res.replay_first_step) != ReplayRule()
-    if not replays or not checks_kernels(dist.device):
+    (``checks_kernels``): the operations without a deterministic kernel that a step's
+    computation runs (each rank its own first rows of the data, read without moving the
+    loader: one micro-batch, or a pipeline's whole step, which its schedule needs), each
+    with the ranks that run it, gathered from every rank. Nothing elsewhere (every rank
+    knows alike whether it probes: the config and the device type)."""
+    if ReplayRule.configured(run.config) == ReplayRule() or not checks_kernels(dist.device):
         return ()
-    first = data.train_loader.step_share(range(run.config.train.grad_accum_steps))
-    if first is None:  # no step to run (refused at set-up: the data holds one at least)
-        return ()
-    spec = step_spec(run, dist, model, data)
-    spec.model.train()
-    reset = functools.partial(model.optimizer.zero_grad, set_to_none=True)
-    compute = computation_for(spec, model)(first[0], 1)
-    mine = unverifiable_operations(compute, reset, dist.device)
-    return operations_by_rank(every_rank(mine, dist.world_size))
+    micro = run.config.train.grad_accum_steps if model.pipeline is not None else 1
+    first = data.train_loader.step_share(range(micro))
+    mine: tuple[str, ...] = ()
+    if first is not None:  # else no step to run (refused at set-up: the data holds one)
+        spec = step_spec(run, dist, model, data)
+        spec.model.train()
+        reset = functools.partial(model.optimizer.zero_grad, set_to_none=True)
+        compute = computation_for(spec, model)(first[0], 1)
+        mine = unverifiable_operations(compute, reset, dist.device)
+    return operations_by_rank(from_every_rank(mine, dist.world_size))
 
 
 def armed_guards(
@@ -157,7 +157,7 @@ def armed_guards(
         unverifiable=kernel_probe(run, dist, model, data),
     )
     words, refused = guard_report(run.config, facts)
-    refused = agreed_refusals(every_rank(refused, dist.world_size))
+    refused = agreed_refusals(from_every_rank(refused, dist.world_size))
     if refused:
         raise GuardRefused([f"{key}: {message}" for key, message in refused])
     return f"guards: {words}"

@@ -140,7 +140,7 @@ def step_spec(
         vlm=cfg.model.vlm,
         spike_threshold=cfg.resilience.spike_threshold,
         drops_spike=run.policy.drops_spikes,
-        replay=ReplayRule(cfg.resilience.replay_interval, cfg.resilience.replay_first_step),
+        replay=ReplayRule.configured(cfg),
         float8_check=Float8CheckRule(
             cfg.train.float8_check,
             cfg.train.float8_check_tolerance,
