@@ -19,22 +19,16 @@ from forge.parallel.grad_norm import global_grad_norm
 from forge.parallel.pipeline import head_kwargs
 from forge.parallel.pipeline_loss import source_sums, stage_sums, with_sources
 from forge.training.context import PipelineContext
+from forge.training.steps.checked import checked_step
 from forge.training.steps.common import (
     StepTotals,
-    fails_alone,
-    finish_step,
     label_counts,
-    over_groups,
-    set_lr,
     step_label_weight,
-    step_lr,
     trainable_parameters,
     with_depth_counts,
 )
-from forge.training.steps.float8_check import Float8Check
-from forge.training.steps.replay import Computation, Replayer, StepComputation
+from forge.training.steps.replay import Computation, StepComputation
 from forge.training.steps.spec import StepFunction, StepSpec
-from forge.types import LoopState, StepResult
 
 
 class Pass(enum.Enum):
@@ -110,37 +104,8 @@ def make_pipeline_step(spec: StepSpec, pipeline: PipelineContext) -> StepFunctio
     across pipeline ranks sums its two gradients first. The grad norm is global across
     stages (the tied weight counted once), so every rank takes the same finite/skip branch.
     """
-    stage = spec.model
     computation = pipeline_computation(spec, pipeline)
-    replayer = Replayer(
-        spec.replay,
-        lambda: spec.optimizer.zero_grad(set_to_none=True),
-        spec.world_size,
-        spec.rank,
-        next(stage.parameters()).device,
-    )
-    float8_check = Float8Check(
-        spec.float8_check,
-        stage,
-        lambda: spec.optimizer.zero_grad(set_to_none=True),
-        spec.world_size,
-    )
-    replicas = spec.replicas
-    norm_of = functools.partial(stage_norm, pipeline)
-
-    def pipeline_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
-        lr = set_lr(spec.optimizer, step_lr(spec, state, batches))
-        stage.train()
-        step = state.step + 1
-        compute = computation(batches, step)
-        reference = float8_check.reference(step, compute)  # in high precision, where checked
-        totals, verdict = replayer(step, compute)
-        drift = float8_check.verdict(reference, totals)
-        if replicas is not None:  # this group's step, checked; now the whole step's
-            totals = over_groups(totals, replicas, fails_alone(verdict, drift), norm_of)
-        return finish_step(spec, totals, step, lr, state.loss_stats, verdict, drift)
-
-    return pipeline_step
+    return checked_step(spec, computation, functools.partial(stage_norm, pipeline))
 
 
 def stage_norm(pipeline: PipelineContext, params: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -12,23 +12,18 @@ from forge.data.batch import Batch
 from forge.metrics.sources import SourceStats
 from forge.model.precision import autocast_for, device_type_of
 from forge.parallel.grad_norm import global_grad_norm
+from forge.training.steps.checked import checked_step
 from forge.training.steps.common import (
     StepTotals,
-    fails_alone,
-    finish_step,
     label_counts,
     micro_batch_loss,
     mtp_depth_of,
-    over_groups,
     set_gradient_sync,
-    set_lr,
     step_label_weight,
-    step_lr,
     trainable_parameters,
     with_depth_counts,
 )
-from forge.training.steps.float8_check import Float8Check
-from forge.training.steps.replay import Computation, Replayer, StepComputation
+from forge.training.steps.replay import Computation, StepComputation
 from forge.training.steps.spec import StepFunction, StepSpec
 from forge.types import LoopState, StepResult
 
@@ -45,33 +40,7 @@ def make_text_step(spec: StepSpec) -> StepFunction:
     A replayed step (``spec.replay``) computes the gradients again and compares them
     (``forge.training.steps.replay``) before anything is applied.
     """
-    model, optimizer = spec.model, spec.optimizer
-    computation = text_computation(spec)
-    replayer = Replayer(
-        spec.replay,
-        lambda: optimizer.zero_grad(set_to_none=True),
-        spec.world_size,
-        spec.rank,
-        next(model.parameters()).device,
-    )
-    float8_check = Float8Check(
-        spec.float8_check, model, lambda: optimizer.zero_grad(set_to_none=True), spec.world_size
-    )
-    replicas = spec.replicas
-
-    def text_step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:
-        lr = set_lr(optimizer, step_lr(spec, state, batches))
-        model.train()
-        step = state.step + 1
-        compute = computation(batches, step)
-        reference = float8_check.reference(step, compute)  # in high precision, where checked
-        totals, verdict = replayer(step, compute)
-        drift = float8_check.verdict(reference, totals)
-        if replicas is not None:  # this group's step, checked; now the whole step's
-            totals = over_groups(totals, replicas, fails_alone(verdict, drift))
-        return finish_step(spec, totals, step, lr, state.loss_stats, verdict, drift)
-
-    return text_step
+    return checked_step(spec, text_computation(spec))
 
 
 def text_computation(spec: StepSpec) -> StepComputation:
