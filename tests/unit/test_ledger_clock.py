@@ -115,3 +115,11 @@ def test_a_launch_is_in_the_ledger_from_its_loop_s_start(tmp_path):
     (line,) = read_ledger(tmp_path / "goodput.jsonl", now=1e9)
     assert (line.step, line.wall, line.ended) == (10, 7.0, False)
     assert line.seconds == {"imports": 3.0, "load": 0.5, "verify": 0.5, "setup": 3.0}
+
+
+def test_the_unsaved_steps_are_kept_by_save_and_snapshot_not_by_step(tmp_path):
+    """A run without checkpoints trains for days: what a death would lose stays one entry
+    between two saves or snapshots, however many steps."""
+    clock = trained(tmp_path, "failed", "s" * 1000 + "S" + "s" * 1000 + "P" + "s" * 10)
+    assert len(clock.unsaved) == 3
+    assert clock.uncommitted == pytest.approx(2010.0)

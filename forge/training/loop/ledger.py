@@ -64,6 +64,10 @@ class LaunchClock:
         # (step, productive seconds) of the steps no committed checkpoint holds yet: what a
         # death loses (a save that fails or is still in flight commits none of them)
         self.unsaved: list[tuple[int, float]] = []
+        # the last step a save or a snapshot was taken at: a commit or a rollback splits the
+        # unsaved steps there only, so the steps past it are one entry (bounded by saves and
+        # snapshots, not by steps: a run without checkpoints trains for days)
+        self.boundary = -1
         self.since_snapshot = 0.0  # productive seconds a rollback would train again
         self.last_step: tuple[Bucket, float] | None = None
         self.earlier = read_ledger(self.path) if is_main else []  # the run's other launches
@@ -114,7 +118,10 @@ class LaunchClock:
             bucket = Bucket.DROPPED
         else:
             bucket = Bucket.PRODUCTIVE
-            self.unsaved.append((step, seconds))
+            if self.unsaved and self.unsaved[-1][0] > self.boundary:
+                self.unsaved[-1] = (step, self.unsaved[-1][1] + seconds)
+            else:
+                self.unsaved.append((step, seconds))
             self.since_snapshot += seconds
         self.add(bucket, seconds)
         self.last_step = (bucket, seconds)
@@ -124,7 +131,9 @@ class LaunchClock:
         if self.last_step is not None and self.last_step[0] is Bucket.PRODUCTIVE:
             seconds = self.last_step[1]
             self.move(Bucket.PRODUCTIVE, Bucket.DROPPED, seconds)
-            self.unsaved.pop()
+            step, total = self.unsaved.pop()
+            if total - seconds > 0:  # the earlier steps of the same entry stay unsaved
+                self.unsaved.append((step - 1, total - seconds))
             self.since_snapshot -= seconds
             self.last_step = (Bucket.DROPPED, seconds)
 
@@ -248,6 +257,7 @@ class LedgerEffects:
     def save(self, state: LoopState, reason: SaveReason) -> None:
         with self.clock.timing(Bucket.CHECKPOINT):
             self.effects.save(state, reason)
+        self.clock.boundary = state.step  # a later commit of it splits the unsaved steps here
         self.settle()
 
     def wait(self) -> None:
@@ -283,6 +293,7 @@ class LedgerEffects:
         with self.clock.timing(Bucket.CHECKPOINT):
             self.effects.snapshot(state)
         self.clock.since_snapshot = 0.0
+        self.clock.boundary = state.step  # a rollback to it splits the unsaved steps here
 
     def restore(self, state: LoopState) -> None:
         """A rollback: the steps since the snapshot are trained again."""
