@@ -87,11 +87,13 @@ def write_mark(path: CheckpointPath, data: bytes) -> None:
     """A pin or marker written whole, its folder made first (retention removes the folder
     when it is left empty: made again if that happened in between)."""
     for attempt in range(3):
-        path.parent.mkdir(parents=True, exist_ok=True)
         try:
+            # ``mkdir(exist_ok=True)`` raises FileExistsError when the folder it found is
+            # removed before it checks that it is a folder: retention's ``tidy`` in between
+            path.parent.mkdir(parents=True, exist_ok=True)
             write_atomically(path, data)
             return
-        except FileNotFoundError:
+        except (FileNotFoundError, FileExistsError):
             if attempt == 2:
                 raise
         except OSError as exc:  # a full disk: nothing half-written left, the file named

@@ -207,8 +207,10 @@ def test_a_slow_rank_is_named_in_every_record_and_in_one_warning(tmp_path, unint
     recs = records(tmp_path / "run")
     assert [r["straggler/slowest_rank"] for r in recs] == [1] * 6
     # 0.4 s more CPU time than a step's own (about 0.4 s here, twice that in the replayed
-    # first step): a ratio near 2, 1.5 at step 1; the waits of rank 0 count for nothing
-    assert all(r["straggler/ratio"] > 1.3 for r in recs), [r["straggler/ratio"] for r in recs]
+    # first step): a ratio near 2, 1.5 at step 1 (1.28 seen on a loaded machine, whose step
+    # took longer); the waits of rank 0 count for nothing
+    ratios = {r["step"]: r["straggler/ratio"] for r in recs}
+    assert ratios[1] > 1.1 and all(ratios[s] > 1.3 for s in range(2, 7)), ratios
     warned = [x for x in out.stderr.splitlines() if "is a straggler" in x]
     assert len(warned) == 1 and warned[0].startswith("[forge] warning: rank 1 (host "), warned
 

@@ -5,10 +5,12 @@ while held."""
 
 from __future__ import annotations
 
+import pathlib
 import time
 
 import pytest
 
+from forge.checkpoint import pins as forge_pins
 from forge.checkpoint.paths import location, write_atomically
 from forge.checkpoint.pins import (
     DEFERRED,
@@ -144,3 +146,48 @@ def test_a_full_disk_leaves_no_half_written_pin(tmp_path, monkeypatch):
         write_pin(root, 2, "reader", NOW)
     assert err.value.filename == str(pin_path(root, 2, "reader"))
     assert list((root / "pins").iterdir()) == []
+
+
+
+def tidied_while_checked(monkeypatch, folder):
+    """``mkdir(exist_ok=True)`` finds ``folder`` and, before it checks that it is a folder,
+    retention's ``tidy`` removes it: FileExistsError."""
+    folder.mkdir(parents=True)
+    is_dir = pathlib.Path.is_dir
+    raced = []
+
+    def removed_first(path):
+        if path == folder and not raced:
+            raced.append(path)
+            folder.rmdir()
+            return False
+        return is_dir(path)
+
+    monkeypatch.setattr(pathlib.Path, "is_dir", removed_first)
+
+
+def tidied_before_written(monkeypatch, folder):
+    """The folder is made, then removed before the pin is written in it."""
+    write = forge_pins.write_atomically
+    raced = []
+
+    def removed_first(path, data):
+        if not raced:
+            raced.append(path)
+            folder.rmdir()
+        write(path, data)
+
+    monkeypatch.setattr("forge.checkpoint.pins.write_atomically", removed_first)
+
+
+@pytest.mark.parametrize("race", [tidied_while_checked, tidied_before_written])
+def test_a_pin_is_written_when_retention_removes_the_empty_folder_meanwhile(
+    tmp_path, monkeypatch, race
+):
+    """Retention's ``tidy`` removes the pins folder when it is empty; a reader making it at
+    that moment tries again (seen: ``pins: cannot be written (File exists)`` ended an
+    evaluation follower beside a run keeping one checkpoint)."""
+    root = tmp_path / "checkpoints"
+    race(monkeypatch, root / "pins")
+    write_pin(root, 2, "reader", NOW)
+    assert [p.holder for p in pins_of(root, 2)] == ["reader"]
