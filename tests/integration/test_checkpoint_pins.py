@@ -148,7 +148,6 @@ def test_a_full_disk_leaves_no_half_written_pin(tmp_path, monkeypatch):
     assert list((root / "pins").iterdir()) == []
 
 
-
 def tidied_while_checked(monkeypatch, folder):
     """``mkdir(exist_ok=True)`` finds ``folder`` and, before it checks that it is a folder,
     retention's ``tidy`` removes it: FileExistsError."""
