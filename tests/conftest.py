@@ -48,6 +48,25 @@ def pytest_configure(config: pytest.Config) -> None:
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
 
 
+# tests that cost minutes of this machine's two cores: run with FORGE_SLOW_TESTS=1
+OPT_IN = (
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.environ.get("FORGE_SLOW_TESTS") != "1", reason="opt-in: FORGE_SLOW_TESTS=1 (minutes)"
+    ),
+)
+
+
+def layout_params(layouts: list[tuple[str, list[str]]], by_default: set[str]) -> list:
+    """A layout table's ``(name, args)`` rows as pytest params named for the layout: the rows
+    named in ``by_default`` run in default CI, the others are opt-in (``OPT_IN``)."""
+    assert by_default <= {name for name, _ in layouts}, by_default
+    return [
+        pytest.param(args, id=name, marks=() if name in by_default else OPT_IN)
+        for name, args in layouts
+    ]
+
+
 def once_per_session(
     factory: pytest.TempPathFactory, name: str, compute: Callable[[pathlib.Path], T]
 ) -> T:

@@ -1,5 +1,6 @@
 """FP8 (``train.float8``, torchao's emulation on a CPU) at real ranks (torchrun, gloo) in
-every layout of the composition table at 4 ranks, in each parallelism alone at 2 (rowwise),
+every layout of the composition table at 4 ranks (FSDP × TP in default CI, the others opt-in:
+``FORGE_SLOW_TESTS=1``), in each parallelism alone at 2 (rowwise),
 and on a mixture of experts under FSDP2 × expert parallelism at 2, against the same config without FP8 at one rank; every step also
 checked against its high-precision recomputation (``train.float8_check = 1``: the drift
 guard through each layout, the pipeline's schedule included), and none drifting.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import REPO, layout_params
 from tests.distributed.test_compositions import (
     LAYOUTS,
     ONE_RANK,
@@ -52,7 +53,9 @@ def high_precision(tmp_path_factory, small_corpus, second_corpus):
     return config, tmp / "one"
 
 
-@pytest.mark.parametrize("args", [c[1] for c in LAYOUTS], ids=[c[0] for c in LAYOUTS])
+# default CI: FSDP2 × TP, the layout FP8 training runs in (each parallelism alone runs at 2
+# ranks below); the rest opt-in
+@pytest.mark.parametrize("args", layout_params(LAYOUTS, {"fsdp x tp"}))
 def test_fp8_in_each_composition_at_four_ranks_is_within_tolerance_of_high_precision(
     high_precision, tmp_path, args
 ):

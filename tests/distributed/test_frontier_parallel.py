@@ -1,13 +1,15 @@
 """The frontier recipes at real ranks (torchrun, gloo, CPU, fp32) against one rank.
 
 Multi-token prediction (``model.mtp_depth = 2``, packed documents): in every layout of the
-composition table at 4 ranks (tied embeddings, two sources, the chunked loss; every logged
+composition table at 4 ranks (PP × FSDP and PP × CP in default CI, the others opt-in:
+``FORGE_SLOW_TESTS=1``; tied embeddings, two sources, the chunked loss; every logged
 metric and weight within 1e-5, a resume at the same layout bit for bit, a reshard to one
 rank: ``tests/distributed/test_compositions.py``'s ``assert_composition``); under TP, CP and
 PP at 2 ranks with the plain and the chunked loss; on a mixture of experts under FSDP2 ×
 expert parallelism at 2, and with the depths' blocks mixtures of experts
 (``model.mtp_moe``) under PP × FSDP2 × EP at 4 and TP at 2. Latent attention
-(``[model.mla]``): in every layout of the table without CP at 4 ranks (CP is refused), under
+(``[model.mla]``): in every layout of the table without CP at 4 ranks (CP is refused; PP × TP
+in default CI, the others opt-in), under
 TP and PP at 2 with and without the query bottleneck, and with MTP on a mixture of experts
 under FSDP2 × EP at 2.
 """
@@ -18,6 +20,7 @@ import pathlib
 
 import pytest
 
+from tests.conftest import layout_params
 from tests.distributed.test_compositions import (
     LAYOUTS,
     ONE_RANK,
@@ -120,7 +123,9 @@ def mtp_mixture(tmp_path_factory, small_corpus, second_corpus):
     return config, tmp / "one"
 
 
-@pytest.mark.parametrize("args", [c[1] for c in LAYOUTS], ids=[c[0] for c in LAYOUTS])
+# default CI: the two layouts that put the depths on a pipeline's last stage beside FSDP2 and
+# context parallelism (each parallelism's own MTP case runs at 2 ranks above); the rest opt-in
+@pytest.mark.parametrize("args", layout_params(LAYOUTS, {"pp x fsdp", "pp x cp"}))
 def test_mtp_in_each_composition_at_four_ranks_trains_resumes_and_reshards_as_one_rank(
     mtp_mixture, tmp_path, args
 ):
@@ -140,7 +145,8 @@ def latent_mixture(tmp_path_factory, small_corpus, second_corpus):
 WITHOUT_CP = [c for c in LAYOUTS if "cp" not in c[0]]
 
 
-@pytest.mark.parametrize("args", [c[1] for c in WITHOUT_CP], ids=[c[0] for c in WITHOUT_CP])
+# default CI: tensor parallelism (the heads split) in a pipeline; the rest opt-in
+@pytest.mark.parametrize("args", layout_params(WITHOUT_CP, {"pp x tp"}))
 def test_latent_attention_in_each_composition_without_cp_at_four_ranks_as_one_rank(
     latent_mixture, tmp_path, args
 ):

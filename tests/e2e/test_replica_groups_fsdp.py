@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO, TINY
+from tests.conftest import OPT_IN, REPO, TINY
 from tests.e2e.test_replica_groups import (
     finished,
     records,
@@ -29,12 +29,7 @@ from tests.e2e.test_train_script import TRAIN
 from tests.in_process import run_main
 
 pytest.importorskip("torchft")
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        os.environ.get("FORGE_SLOW_TESTS") != "1", reason="opt-in: FORGE_SLOW_TESTS=1 (minutes)"
-    ),
-]
+pytestmark = list(OPT_IN)
 
 STEPS = 40
 RUN = [f"--train.max_steps={STEPS}", "--data.verify_checksum=false", "--checkpoint.interval=20",
