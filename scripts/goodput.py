@@ -17,7 +17,14 @@ from collections.abc import Sequence
 from forge.cli import summary
 from forge.errors import print_errors
 from forge.interrupts import exits_on_interrupt
-from forge.metrics.goodput import LEDGER_FILE, Bucket, read_ledger, run_totals, summary_line
+from forge.metrics.goodput import (
+    LEDGER_FILE,
+    Bucket,
+    launched_by,
+    read_ledger,
+    run_totals,
+    summary_line,
+)
 from forge.training.records.run_dir import holder_pid, trainer_running
 from forge.types import ExitCode
 
@@ -31,8 +38,7 @@ def launch_rows(run_dir: pathlib.Path) -> list[str]:
     if launches and not launches[-1].ended and trainer_running(run_dir):
         # the last line is the running launch's only once it wrote one: its id ends with
         # rank 0's pid, which the lock names (before, it loads: the last line is a dead one's)
-        pid = holder_pid(run_dir)
-        running = launches[-1] if launches[-1].launch.endswith(f"-{pid}") else None
+        running = launches[-1] if launched_by(launches[-1], holder_pid(run_dir)) else None
     lines = []
     for i, r in enumerate(launches, 1):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started))

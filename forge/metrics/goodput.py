@@ -68,6 +68,16 @@ class LaunchRecord:
     completed: bool = False  # it ended with the run complete (to its train.max_steps)
 
 
+def launch_id(started: float, pid: int) -> str:
+    """A launch's id: its start time and rank 0's pid."""
+    return f"{started:.3f}-{pid}"
+
+
+def launched_by(record: LaunchRecord, pid: int | None) -> bool:
+    """Whether ``record`` is the launch whose rank 0 has ``pid``."""
+    return pid is not None and record.launch.endswith(f"-{pid}")
+
+
 def launch_line(record: LaunchRecord) -> str:
     """The JSON line ``record`` is appended as."""
     return json.dumps(attrs.asdict(record)) + "\n"

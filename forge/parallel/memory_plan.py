@@ -231,6 +231,12 @@ def float8_bytes(config: JobConfig, tokens: int, tp: int) -> int:
     return max(casts, default=0) // tp
 
 
+def root_parameters(m: ModelConfig) -> int:
+    """The parameters FSDP2's root unit holds: the embedding, the output head (unless tied)
+    and the final norm."""
+    return m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim
+
+
 def gathered_block_bytes(config: JobConfig, compute_bytes: int, in_float8: bool) -> int:
     """The largest block's weights as FSDP2 gathers them: in the compute dtype, its FP8
     layers' at a byte each where they are gathered in FP8 (``in_float8``)."""
@@ -287,7 +293,7 @@ def memory_plan(
         # the root's own weights (embedding, head, final norm) stay gathered from forward to
         # backward (FSDP2 does not reshard the root after forward), and their whole gradients
         # wait for the last reduce-scatter
-        root = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim
+        root = root_parameters(m)
         gathered += 2 * root * compute_bytes // dims.tp
     tokens = t.batch_size * (t.seq_len // dims.cp + vision.decoder_tokens)
     layers = -(-m.n_layers // dims.pp)

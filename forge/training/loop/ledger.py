@@ -20,6 +20,7 @@ from forge.metrics.goodput import (
     LEDGER_FILE,
     Bucket,
     LaunchRecord,
+    launch_id,
     launch_line,
     ledger_metrics,
     read_ledger,
@@ -58,7 +59,7 @@ class LaunchClock:
         self.is_main = is_main
         self.started = started
         self.clock = clock
-        self.launch = f"{started:.3f}-{os.getpid()}"
+        self.launch = launch_id(started, os.getpid())
         self.seconds = dict.fromkeys(Bucket, 0.0)
         self.step = 0
         # (step, productive seconds) of the steps no committed checkpoint holds yet: what a
