@@ -45,8 +45,8 @@ class Bucket(enum.Enum):
     CHECKPOINT = "checkpoint"  # the loop blocked on saves, snapshots and their wait
     EVALUATION = "evaluation"
     LOADER = "loader"  # waiting for the next batch
-    HANG = "hang"  # a step that ended in a failed collective: the time to detect it
-    LOGGING = "logging"  # records, the per-step control word, hooks
+    HANG = "hang"  # a failed collective or a stalled peer: the time to detect it
+    LOGGING = "logging"  # records, the per-step control word (all answered), hooks
     SHUTDOWN = "shutdown"  # after the loop: the final wait, closing, teardown
     DOWN = "down"  # between launches: no process of the run was timing
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from forge.metrics.goodput import Bucket, read_ledger
-from forge.training.loop.ledger import LaunchClock, LedgerEffects
+from forge.training.loop.ledger import LaunchClock, LedgerEffects, timed_poll
 from forge.training.loop.plan import SaveReason
-from forge.types import LoopState, StepResult
+from forge.types import LoopState, Signals, StepResult
 
 OK = StepResult(loss=1.0, grad_norm=1.0, tokens=1, lr=0.1)
 
@@ -123,3 +123,33 @@ def test_the_unsaved_steps_are_kept_by_save_and_snapshot_not_by_step(tmp_path):
     clock = trained(tmp_path, "failed", "s" * 1000 + "S" + "s" * 1000 + "P" + "s" * 10)
     assert len(clock.unsaved) == 3
     assert clock.uncommitted == pytest.approx(2010.0)
+
+
+# (case, the control word a 5-second poll returns, the bucket its wait lands in, this rank's
+# step's bucket after it)
+POLLS = [
+    ("every rank well: records", Signals(), Bucket.LOGGING, Bucket.PRODUCTIVE),
+    ("a peer stalled or died: the time to detect it", Signals(health_failed=True), Bucket.HANG, Bucket.PRODUCTIVE),
+    ("a peer's step not finite: this step dropped too", Signals(nonfinite=True), Bucket.LOGGING, Bucket.DROPPED),
+    ("a shutdown asked for: records", Signals(shutdown_requested=True), Bucket.LOGGING, Bucket.PRODUCTIVE),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "signals,waited_in,step_in", [p[1:] for p in POLLS], ids=[p[0] for p in POLLS]
+)
+def test_the_control_word_s_wait_lands_in_the_bucket_its_word_says(
+    tmp_path, signals, waited_in, step_in
+):
+    now = [0.0]
+    clock = LaunchClock(tmp_path, True, 0.0, clock=lambda: now[0])
+    clock.step_done(OK, 1.0, 1)
+
+    def poll(result: StepResult) -> Signals:
+        now[0] += 5.0
+        return signals
+
+    assert timed_poll(poll, clock)(OK) is signals
+    assert clock.seconds[waited_in] == pytest.approx(5.0)
+    assert clock.seconds[step_in] == pytest.approx(1.0)
+    assert sum(clock.seconds.values()) == pytest.approx(6.0)

@@ -226,12 +226,14 @@ def timed_step(
 def timed_poll(
     poll: Callable[[StepResult], Signals], clock: LaunchClock
 ) -> Callable[[StepResult], Signals]:
-    """``poll`` (the control word), in the logging bucket; a peer's non-finite step makes
-    this rank's step a dropped one."""
+    """``poll`` (the control word), in the logging bucket — or, when it found a peer stalled
+    or dead, in the hang bucket (its wait was the time to detect that); a peer's non-finite
+    step makes this rank's step a dropped one."""
 
     def timed(result: StepResult) -> Signals:
-        with clock.timing(Bucket.LOGGING):
-            signals = poll(result)
+        start = clock.clock()
+        signals = poll(result)
+        clock.add(Bucket.HANG if signals.health_failed else Bucket.LOGGING, clock.clock() - start)
         if signals.nonfinite:
             clock.dropped_elsewhere()
         return signals
