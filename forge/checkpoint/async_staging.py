@@ -130,8 +130,13 @@ class ReusingStager(AsyncStager):
         self._buffers.clear()
 
 
-def stop_checkpoint_process() -> None:
-    """Stop torch's checkpoint daemon process, if one was started.
+TERMINATED_S = 5.0  # a terminated checkpoint process's exit, waited for (it is not written to)
+
+
+def stop_checkpoint_process(grace_s: float = 30.0) -> None:
+    """Stop torch's checkpoint daemon process, if one was started: asked to end, given
+    ``grace_s`` to finish what it writes, then terminated (``grace_s=0``: a save given up on,
+    whose write — into a store that stopped answering, say — nothing waits for).
 
     torch keeps it in a module global and stops it only in ``__del__``, which never runs when
     the script ends with ``os._exit``; the daemon would then die on a broken pipe, noisily.
@@ -140,9 +145,10 @@ def stop_checkpoint_process() -> None:
     _async_process_executor._CHECKPOINT_PROCESS = None
     if process is not None and process._save_process.is_alive():
         process._send(_async_process_executor._CheckpointSaveProcessControlOpts.TERMINATE)
-        process._save_process.join(timeout=30)
+        process._save_process.join(timeout=grace_s)
         if process._save_process.is_alive():
             process._save_process.terminate()
+            process._save_process.join(timeout=TERMINATED_S)
 
 
 @contextmanager

@@ -200,9 +200,10 @@ class CheckpointEffects:
             print(f"[forge] rolled back to step {state.step}", file=sys.stderr)
 
     def abandon(self) -> None:
-        """After a fatal save failure: stop the checkpoint process, without waiting."""
+        """After a fatal save failure: stop the checkpoint process, without waiting for
+        its write."""
         if self.run.config.checkpoint.async_mode is AsyncMode.ASYNC_PROCESS:
-            stop_checkpoint_process()
+            stop_checkpoint_process(grace_s=0.0)
         self.checkpointer.stager.close()
         self.checkpointer.stop_threads(wait=False)
 
