@@ -10,6 +10,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any, Protocol, TextIO
 
+from forge.jsonl import open_byte_lines, open_lines
 from forge.outputs import replace_file
 from forge.types import LoopState, StepResult
 
@@ -116,7 +117,7 @@ class JsonlSink:
     def __init__(self, path: pathlib.Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self.file = path.open("a")
+        self.file = open_lines(path)
 
     def write(self, record: Mapping[str, Any]) -> None:
         self.file.write(json.dumps(dict(record)) + "\n")
@@ -155,7 +156,7 @@ def trim_records_after(path: pathlib.Path, step: int) -> int:
         else:
             kept.append(line)
     if dropped:
-        with superseded_path(path).open("ab") as archive:
+        with open_byte_lines(superseded_path(path)) as archive:
             archive.write(b"".join(raw + b"\n" for raw in dropped))
             archive.flush()
             os.fsync(archive.fileno())

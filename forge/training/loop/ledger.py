@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from forge.jsonl import open_lines
 from forge.metrics.goodput import (
     LEDGER_FILE,
     Bucket,
@@ -179,7 +180,7 @@ class LaunchClock:
         if not self.is_main:
             return
         try:
-            with self.path.open("a", encoding="utf-8") as f:
+            with open_lines(self.path) as f:
                 f.write(launch_line(self.record(ended)))
                 f.flush()
                 os.fsync(f.fileno())

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import attrs
 
 from forge.errors import UserInputError
+from forge.jsonl import open_lines
 from forge.metrics.sinks import trim_records_after
 from forge.outputs import replace_file
 
@@ -141,7 +142,7 @@ def record_commit(run_dir: pathlib.Path, step: int, rewound_from: int | None = N
     entry: dict[str, object] = {"step": step, "time": round(time.time(), 3)}
     if rewound_from is not None:
         entry["rewound_from"] = rewound_from
-    with (run_dir / COMMITS_FILE).open("a", encoding="utf-8") as f:
+    with open_lines(run_dir / COMMITS_FILE) as f:
         f.write(json.dumps(entry) + "\n")
         f.flush()
         os.fsync(f.fileno())
