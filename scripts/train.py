@@ -12,6 +12,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+if __name__ == "__main__":  # first: a signal during the imports below ends it in one line
+    from forge.resilience.signals import stop_while_starting
+
+    stop_while_starting()
+
 from forge.config.help import help_text
 from forge.errors import CheckpointSaveError, UserInputError, print_errors
 from forge.metrics.goodput import Bucket, run_totals, summary_line

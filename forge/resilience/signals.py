@@ -35,6 +35,22 @@ def setup_stop_line(signum: int) -> str:
     return f"interrupted ({name}) during set-up: stopped before training; nothing was written"
 
 
+def stopped_at_once(signum: int, _frame: FrameType | None) -> None:
+    """A shutdown signal before set-up's handlers are in place (the script's imports: torch's
+    take 1-2 s): the process ends at once with set-up's line and exit code. Nothing was
+    written yet; raised inside an import, an exception would end it in a traceback instead
+    (SIGINT), and SIGTERM's default in none at all."""
+    os.write(2, f"[forge] {setup_stop_line(signum)}\n".encode())
+    os._exit(setup_exit_code(signum))
+
+
+def stop_while_starting() -> None:
+    """``stopped_at_once`` for every shutdown signal, until ``ShutdownFlag.install`` (the
+    train script's first statement)."""
+    for sig in SHUTDOWN_SIGNALS:
+        signal.signal(sig, stopped_at_once)
+
+
 class SetupInterrupted(BaseException):
     """A shutdown signal during set-up, raised on the main thread by the handler: set-up stops
     where it is and unwinds (the run directory released and discarded). A ``BaseException``,

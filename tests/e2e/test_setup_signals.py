@@ -8,8 +8,10 @@ line, with no run directory left and no save promised."""
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -141,3 +143,39 @@ def test_sigterm_while_a_rendezvous_waits_for_a_peer_ends_the_process(sandbox):
 def listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def importing_torch(pid: int) -> bool:
+    """Whether process ``pid`` has begun importing torch (its library is mapped): the second
+    or so of imports that follows runs before set-up's own handlers exist."""
+    try:
+        return "libtorch_cpu.so" in pathlib.Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig,code", STOPS, ids=[s.name for s, _ in STOPS])
+def test_a_signal_during_the_scripts_imports_ends_it_in_one_line(sandbox, sig, code):
+    """A fresh process (the zygote's have torch imported already), signalled while it imports
+    torch: the script's first statement handles it (SIGTERM's default ends it with no word,
+    and SIGINT's in a traceback from inside an import)."""
+    err = sandbox.root / "stderr"
+    with err.open("wb") as f:
+        proc = subprocess.Popen([*TRAIN, str(sandbox.config)], stdout=subprocess.DEVNULL,
+                                stderr=f, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not importing_torch(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-2000:]
+            time.sleep(0.002)
+        os.killpg(proc.pid, sig)
+        got = proc.wait(SOON_S)
+    finally:
+        end_group(proc)
+    text = err.read_text()
+    assert got == code, text[-3000:]
+    assert (
+        text
+        == f"[forge] interrupted ({sig.name}) during set-up: stopped before training; nothing was written\n"
+    )
+    assert not sandbox.dir.exists()

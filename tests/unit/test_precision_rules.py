@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import attrs
 import pytest
+import torch
 
 from forge.config.fault_tolerance import FaultToleranceConfig
 from forge.config.sections import Float8Recipe, JobConfig
 from forge.parallel.float8 import gathers_in_float8
-from forge.training.steps.replay import cuda_determinism_env, deterministic_line
+from forge.training.steps.replay import (
+    cuda_determinism_env,
+    deterministic_line,
+    kernel_modes_kept,
+    use_deterministic_kernels,
+)
 
 TENSORWISE = JobConfig(train=attrs.evolve(JobConfig().train, float8=Float8Recipe.TENSORWISE))
 
@@ -59,3 +65,29 @@ def test_the_deterministic_modes_start_line_says_what_it_does_on_the_device(devi
 def test_the_deterministic_mode_gives_cublas_a_workspace_unless_one_is_set(env, after):
     cuda_determinism_env(env)
     assert env == after
+
+
+# (case, whether the run set the modes, the calls that set them on the way out)
+KEPT = [
+    # a signal that ends set-up inside an import of torch._inductor leaves it half-initialised:
+    # a call then fails (it imports torch._inductor.config), so none is made
+    ("set-up ended before the modes changed: none", False, []),
+    ("the run made kernels deterministic: set back", True, [(False, False)]),
+]
+
+
+@pytest.mark.parametrize("changed,calls", [k[1:] for k in KEPT], ids=[k[0] for k in KEPT])
+def test_the_kernel_modes_are_set_back_only_when_the_run_changed_them(monkeypatch, changed, calls):
+    real, made = torch.use_deterministic_algorithms, []
+
+    def recorded(mode: bool, warn_only: bool = False) -> None:
+        made.append((mode, warn_only))
+        real(mode, warn_only=warn_only)
+
+    with kernel_modes_kept():
+        if changed:
+            use_deterministic_kernels()
+        monkeypatch.setattr(torch, "use_deterministic_algorithms", recorded)
+    assert made == calls
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert not torch.backends.cudnn.deterministic

@@ -215,17 +215,26 @@ def kernel_modes_kept() -> Iterator[None]:
     """torch's deterministic-kernel settings put back on the way out: a run inside a running
     process (a test, a notebook) changes them for itself only (``use_deterministic_kernels``).
     A decorator of the train script's ``main``."""
-    saved = (
+    saved = kernel_modes()
+    try:
+        yield
+    finally:
+        # only when changed: a signal that ends set-up inside an import of torch._inductor
+        # leaves it half-initialised, and setting the modes imports its config
+        if kernel_modes()[:2] != saved[:2]:
+            torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2:]
+
+
+def kernel_modes() -> tuple[bool, bool, bool, bool]:
+    """torch's deterministic-kernel settings: deterministic algorithms, warn only, cuDNN's
+    deterministic and benchmark flags."""
+    return (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
         torch.backends.cudnn.deterministic,
         torch.backends.cudnn.benchmark,
     )
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2:]
 
 
 def use_deterministic_kernels() -> None:
