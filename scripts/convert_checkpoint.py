@@ -28,6 +28,7 @@ from forge.cli import DeviceRequest, add_device_options, summary
 from forge.config import JobConfig, ModelConfig
 from forge.config.loader import CONVERTER
 from forge.config.toml_writer import dumps_toml
+from forge.console import console_may_close
 from forge.data.shards import MANIFEST, read_manifest
 from forge.errors import UserInputError, one_line, print_errors
 from forge.interop.export import (
@@ -151,6 +152,7 @@ def import_(folder: pathlib.Path, out: pathlib.Path, overwrite: bool) -> None:
 OVERWRITE_HELP = "replace an earlier output of this command in --out (nothing else is replaced)"
 
 
+@console_may_close()
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     defaults = argparse.ArgumentDefaultsHelpFormatter

@@ -25,6 +25,7 @@ import attrs
 import torch
 
 from forge.cli import add_device_options, summary
+from forge.console import console_may_close
 from forge.data.batch import Batch
 from forge.data.dataset import open_windows
 from forge.data.image_text import ImageCaptions, open_image_captions
@@ -71,6 +72,7 @@ def report(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+@console_may_close()
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(

@@ -33,6 +33,7 @@ from forge.checkpoint.paths import CheckpointPath
 from forge.checkpoint.pins import finish_all_deferred, reclaim_pins
 from forge.cli import add_device_options, summary
 from forge.config.data import EvalTask
+from forge.console import console_may_close
 from forge.errors import UserInputError, one_line, print_errors
 from forge.interrupts import exits_on_interrupt
 from forge.metrics.backends import TensorBoardSink, WandbSink
@@ -97,6 +98,7 @@ def parser_of() -> argparse.ArgumentParser:
     return parser
 
 
+@console_may_close()
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     return run_on_chosen_device(parser_of().parse_args(argv), follow)

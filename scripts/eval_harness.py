@@ -23,6 +23,7 @@ from typing import Any
 from forge.checkpoint.paths import CheckpointPath
 from forge.cli import add_device_options, summary
 from forge.config.data import EvalTask
+from forge.console import console_may_close
 from forge.errors import UserInputError, one_line, print_errors
 from forge.harness.tasks import (
     include_paths,
@@ -86,6 +87,7 @@ def output_path(args: argparse.Namespace, run_dir: pathlib.Path, checkpoint: Che
     return run_dir / "eval_harness" / f"{checkpoint.name}.json"
 
 
+@console_may_close()
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     """The script: options, the device, then ``evaluate``; the exit code."""

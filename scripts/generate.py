@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from forge.cli import add_device_options, summary
 from forge.config import JobConfig
+from forge.console import console_may_close
 from forge.data.image_text import load_image
 from forge.data.tokenizer import ByteTokenizer, Tokenizer
 from forge.errors import UserInputError, print_errors
@@ -155,6 +156,7 @@ def report(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+@console_may_close()
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(

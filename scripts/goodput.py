@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 
 from forge.cli import summary
+from forge.console import console_may_close
 from forge.errors import print_errors
 from forge.interrupts import exits_on_interrupt
 from forge.metrics.goodput import (
@@ -62,6 +63,7 @@ def launch_rows(run_dir: pathlib.Path) -> list[str]:
     return lines
 
 
+@console_may_close()
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Sequence
 
 from forge.cli import summary
+from forge.console import console_may_close
 from forge.errors import print_errors
 from forge.interrupts import exits_on_interrupt
 from forge.resilience.replica_groups import quiet_torchft, torchft_problem
@@ -62,6 +63,7 @@ def option_problems(args: argparse.Namespace) -> list[str]:
     return problems
 
 
+@console_may_close()
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)

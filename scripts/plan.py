@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from forge.cli import summary
 from forge.config import JobConfig, load_config
 from forge.config.distributed import PipelineSchedule
+from forge.console import console_may_close
 from forge.errors import UserInputError, print_errors
 from forge.interrupts import exits_on_interrupt
 from forge.metrics.flops import flops_per_token, non_embedding_parameters
@@ -104,6 +105,7 @@ def pipeline_lines(config: JobConfig, pp: int, sharded: bool = False) -> list[st
     return lines
 
 
+@console_may_close()
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(

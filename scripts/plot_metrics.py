@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from forge.cli import summary
+from forge.console import console_may_close
 from forge.errors import UserInputError, print_errors
 from forge.interrupts import exits_on_interrupt
 from forge.types import ExitCode
@@ -214,6 +215,7 @@ def plot(runs: dict[pathlib.Path, Records], out: pathlib.Path) -> None:
         plt.close(fig)
 
 
+@console_may_close()
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from forge.cli import summary
+from forge.console import console_may_close
 from forge.data.corpus import stdlib_root
 from forge.data.hf_datasets import hf_source
 from forge.data.prepare import PrepareReport, plural, prepare
@@ -211,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@console_may_close()
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)

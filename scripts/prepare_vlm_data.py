@@ -23,6 +23,7 @@ import zlib
 from collections.abc import Sequence
 
 from forge.cli import summary
+from forge.console import console_may_close
 from forge.data.image_text import load_image, write_image_text_dataset
 from forge.data.scenes import procedural_pairs
 from forge.data.tokenizer import ByteTokenizer
@@ -88,6 +89,7 @@ def listed_pairs(path: pathlib.Path) -> list[tuple[pathlib.Path, str, str]]:
     return pairs
 
 
+@console_may_close()
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(

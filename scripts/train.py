@@ -18,6 +18,7 @@ if __name__ == "__main__":  # first: a signal during the imports below ends it i
     stop_while_starting()
 
 from forge.config.help import help_text
+from forge.console import console_may_close
 from forge.errors import CheckpointSaveError, UserInputError, print_errors
 from forge.metrics.goodput import Bucket, run_totals, summary_line
 from forge.metrics.profiler import profiler_hooks
@@ -80,6 +81,7 @@ from forge.training.steps.select import make_step_fn
 from forge.types import ExitCode, LoopOutcome, LoopState, StepResult
 
 
+@console_may_close()  # a console that goes away is dropped: the run and its files go on
 @kernel_modes_kept()  # train.deterministic changes them for this run only
 def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
     """Run the phases in order; returns the process exit code of the loop's outcome."""

@@ -16,6 +16,7 @@ FLOORS = {
     "errors": 0,
     "outputs": 0,  # the rules for output folders that scripts write
     "jsonl": 0,  # the rule for the JSON-lines records a run appends to
+    "console": 0,  # a script's console that goes away
     "interrupts": 1,  # how a script ends at Ctrl-C or SIGTERM (reads ExitCode)
     "cli": 1,  # the scripts' shared command-line options (--device, --dtype)
     "config": 1,
