@@ -94,6 +94,15 @@ def not_a_folder(checkpoint_dir: CheckpointPath, steps: Sequence[int]) -> Checkp
     return None
 
 
+def latest_in_the_way(checkpoint_dir: CheckpointPath) -> CheckpointPath | None:
+    """``latest`` when it is a folder on a disk: every commit renames a new link onto it,
+    which a folder refuses (an object store's ``latest`` is an object, written over)."""
+    if not isinstance(checkpoint_dir, pathlib.Path):
+        return None
+    latest = checkpoint_dir / LATEST
+    return latest if latest.is_dir() and not latest.is_symlink() else None
+
+
 def older_latest_note(checkpoint_dir: CheckpointPath, found: CheckpointPath) -> str | None:
     """The line for a ``latest`` that names a complete checkpoint older than ``found``."""
     latest = latest_step(checkpoint_dir)
@@ -116,6 +125,13 @@ def resolve_resume(checkpoint_dir: CheckpointPath, load_path: CheckpointPath | N
         raise CheckpointError(
             f"{blocked}: not a checkpoint folder, and in the way of this run's save of "
             f"{blocked.name}; move it out of "
+            f"{checkpoint_dir}, then run again"
+        )
+    latest_folder = latest_in_the_way(checkpoint_dir)
+    if latest_folder is not None:
+        raise CheckpointError(
+            f"{latest_folder}: a folder where each commit of this run writes its link to the "
+            f"newest checkpoint, and in the way of its first save; move it out of "
             f"{checkpoint_dir}, then run again"
         )
     found = newest_complete(checkpoint_dir)

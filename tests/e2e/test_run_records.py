@@ -133,15 +133,25 @@ def test_records_past_the_newest_checkpoint_are_refused_and_kept(
     assert train_here(sandbox, "--train.max_steps=12").code == 0
 
 
-def test_a_file_at_a_step_path_is_refused_before_training(sandbox):
+# (case, what is in the way, the refusal's words)
+IN_THE_WAY = [
+    ("a file at the final save's step path", "step_12", "step_12: not a checkpoint folder, and in the way of this run's save"),
+    ("a folder at latest", "latest/", "latest: a folder where each commit of this run writes its link"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("entry,words", [w[1:] for w in IN_THE_WAY], ids=[w[0] for w in IN_THE_WAY])
+def test_a_path_a_save_needs_is_refused_before_training(sandbox, entry, words):
     """A file at ``checkpoints/step_12`` (the final save's path) used to read as an incomplete
-    checkpoint: steps 1-12 trained, then the final save failed, at every launch."""
+    checkpoint, a folder at ``latest`` as no link: steps trained, then a save failed, at every
+    launch."""
     sandbox.ckpt.mkdir(parents=True)
-    (sandbox.ckpt / "step_12").write_text("notes\n")
+    if entry.endswith("/"):
+        (sandbox.ckpt / entry).mkdir()
+    else:
+        (sandbox.ckpt / entry).write_text("notes\n")
     result = train_here(sandbox)
     assert result.code == 2, result.stderr
     assert len(result.errors) == 1, result.stderr
-    assert (
-        "step_12: not a checkpoint folder, and in the way of this run's save" in (result.errors[0])
-    )
+    assert words in result.errors[0]
     assert not (sandbox.dir / "metrics.jsonl").exists()

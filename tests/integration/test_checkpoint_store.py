@@ -235,17 +235,30 @@ def test_a_latest_moved_back_is_named_and_the_newer_checkpoint_kept(tmp_path):
     assert "--checkpoint.allow_rewind=true" in plan.latest_note
 
 
-@pytest.mark.parametrize("kind", ["file", "link to a file"])
-def test_a_step_path_that_is_not_a_folder_is_refused_at_start(tmp_path, kind):
-    """A file at ``step_12`` used to read as an incomplete checkpoint: the run trained to
-    step 12 and failed at its final save, every launch again."""
+# (case, what is put in the checkpoint directory beside a complete step_4, the refusal)
+IN_THE_WAY = [
+    ("a file at a step path", {"step_12": "file"}, r"step_12: not a checkpoint folder, and in the way"),
+    ("a link to a file at a step path", {"notes": "file", "step_12": "link to notes"}, r"step_12: not a checkpoint folder, and in the way"),
+    ("a folder at latest", {"latest": "folder"}, r"latest: a folder where each commit of this run writes its link"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "entries,refusal", [w[1:] for w in IN_THE_WAY], ids=[w[0] for w in IN_THE_WAY]
+)
+def test_a_path_a_save_needs_that_is_in_its_way_is_refused_at_start(tmp_path, entries, refusal):
+    """A file at ``step_12`` used to read as an incomplete checkpoint, a folder at
+    ``latest`` as no link: the run trained to its first save, which failed, every launch
+    again."""
     fake_ckpt(tmp_path, 4)
-    if kind == "file":
-        (tmp_path / "step_12").write_text("notes")
-    else:
-        (tmp_path / "notes").write_text("notes")
-        (tmp_path / "step_12").symlink_to("notes")
-    with pytest.raises(CheckpointError, match=r"step_12: not a checkpoint folder, and in the way"):
+    for name, kind in entries.items():
+        if kind == "file":
+            (tmp_path / name).write_text("notes")
+        elif kind == "folder":
+            (tmp_path / name).mkdir()
+        else:
+            (tmp_path / name).symlink_to(kind.removeprefix("link to "))
+    with pytest.raises(CheckpointError, match=refusal):
         resolve_resume(tmp_path, None)
 
 
