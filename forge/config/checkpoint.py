@@ -118,6 +118,14 @@ class CheckpointConfig:
                     "(s3://...); remove it or give the URL",
                 )
             )
+        if self.export_final and not self.enabled:  # an output asked for, never written
+            p.append(
+                (
+                    "checkpoint.export_final",
+                    "writes the export with the final save, and checkpoint.enabled is false; "
+                    "set checkpoint.enabled = true, or remove it",
+                )
+            )
         positive(p, "checkpoint.interval", self.interval)
         timeout_range(p, "checkpoint.storage_timeout_s", self.storage_timeout_s)
         if self.dyn_ckpt_window is not None:

@@ -264,6 +264,12 @@ BAD = [
         "checkpoint.load_path is a URL (s3://...); remove it or give the URL",
     ),
     (
+        "an export asked of a run that saves nothing (it would end with none)",
+        {"checkpoint": {"enabled": False, "export_final": True}},
+        "checkpoint.export_final: writes the export with the final save, and "
+        "checkpoint.enabled is false; set checkpoint.enabled = true, or remove it",
+    ),
+    (
         "a URL as the run dir",
         {"run": {"dir": "gs://bucket/run"}},
         "run.dir: 'gs://bucket/run' is a URL (gs://), and this key takes a local (or mounted) "
