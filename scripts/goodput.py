@@ -21,8 +21,9 @@ from forge.interrupts import exits_on_interrupt
 from forge.metrics.goodput import (
     LEDGER_FILE,
     Bucket,
+    LaunchRecord,
     launched_by,
-    read_ledger,
+    ledger_lines,
     run_totals,
     summary_line,
 )
@@ -30,11 +31,10 @@ from forge.training.records.run_dir import holder_pid, trainer_running
 from forge.types import ExitCode
 
 
-def launch_rows(run_dir: pathlib.Path) -> list[str]:
+def launch_rows(run_dir: pathlib.Path, launches: list[LaunchRecord]) -> list[str]:
     """One line per launch, then the run's buckets, then its summary line. While a trainer
     holds the run, its launch (the last line, when its own) is running: its steps past its
     last save are not lost yet."""
-    launches = read_ledger(run_dir / LEDGER_FILE)
     running = None
     if launches and not launches[-1].ended and trainer_running(run_dir):
         # the last line is the running launch's only once it wrote one: its id ends with
@@ -83,7 +83,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             ]
         )
         return ExitCode.CONFIG_ERROR
-    print("\n".join(launch_rows(args.run)))
+    launches, passed_over = ledger_lines(ledger)
+    if not launches:
+        print_errors(
+            [
+                f"{ledger}: no line of it is a launch's record (every launch that trains writes "
+                "one; this file is empty or damaged), so it tells nothing of the run"
+            ]
+        )
+        return ExitCode.CONFIG_ERROR
+    print("\n".join(launch_rows(args.run, launches)))
+    if passed_over:
+        print(
+            f"({passed_over} line{'s' if passed_over > 1 else ''} of {ledger} passed over: cut "
+            "short by a crash, or damaged; the launches above are read from the others)"
+        )
     return ExitCode.OK
 
 

@@ -88,20 +88,29 @@ def read_ledger(path: pathlib.Path, now: float | None = None) -> list[LaunchReco
     is passed over (the launch's previous line stands), and so is a line that ends more than
     ``FUTURE_SLACK_S`` after ``now`` (default: the time of reading). Only a regular file is
     read (a FIFO would block the reader)."""
+    return ledger_lines(path, now)[0]
+
+
+def ledger_lines(path: pathlib.Path, now: float | None = None) -> tuple[list[LaunchRecord], int]:
+    """``read_ledger``'s launches, and how many of the file's lines it passed over."""
     last: dict[str, LaunchRecord] = {}
     try:
         raw = path.read_bytes() if path.is_file() else b""
     except OSError:
-        return []
+        return [], 0
     limit = (time.time() if now is None else now) + FUTURE_SLACK_S
+    passed_over = 0
     for line in raw.splitlines():
         try:
             record = LaunchRecord(**json.loads(line))
         except (ValueError, TypeError):
+            passed_over += 1
             continue
         if well_formed(record) and record.started + record.wall <= limit:
             last[record.launch] = record
-    return sorted(last.values(), key=lambda r: r.started)
+        else:
+            passed_over += 1
+    return sorted(last.values(), key=lambda r: r.started), passed_over
 
 
 # a line that ends later than this past the time it is read was not written by a launch (the

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import pathlib
+
+import pytest
 
 from forge.metrics.goodput import Bucket, read_ledger, run_totals, run_wall
 from tests.e2e.sandbox import train
@@ -82,10 +86,33 @@ def test_the_reader_calls_a_launch_that_holds_the_run_running_not_killed(tmp_pat
     assert recomputed[0].split()[1] == "0.0", held.stdout  # not lost while it runs
 
 
-def test_the_reader_refuses_a_ledger_that_is_no_regular_file(tmp_path):
-    import os
+def fifo(path: pathlib.Path) -> None:
+    os.mkfifo(path)
 
-    os.mkfifo(tmp_path / "goodput.jsonl")
+
+# (case, how the ledger is made, the error's words after its path)
+UNREADABLE = [
+    ("no regular file", fifo, "not a regular file"),
+    ("empty", lambda path: path.write_bytes(b""), "no line of it is a launch's record"),
+    ("nothing but damage", lambda path: path.write_bytes(bytes(range(256)) * 2), "no line of it is a launch's record"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("make,words", [u[1:] for u in UNREADABLE], ids=[u[0] for u in UNREADABLE])
+def test_the_reader_refuses_a_ledger_that_holds_no_record(tmp_path, make, words):
+    """Read as no launch, it used to say `goodput 0.00 over 0 launches`, exit 0."""
+    make(tmp_path / "goodput.jsonl")
     out = run_main(GOODPUT.main, [str(tmp_path)])
     assert out.returncode == 2
-    assert out.stderr.startswith(f"error: {tmp_path / 'goodput.jsonl'}: not a regular file")
+    assert out.stderr.startswith(f"error: {tmp_path / 'goodput.jsonl'}: {words}")
+
+
+def test_the_reader_says_how_many_lines_it_passed_over(tmp_path):
+    from forge.metrics.goodput import LaunchRecord, launch_line
+
+    done = LaunchRecord("a", 100.0, 50, 10, 0.0, True, {"productive": 40, "setup": 10})
+    (tmp_path / "goodput.jsonl").write_text(launch_line(done) + "{torn\n" + "[]\n")
+    out = run_main(GOODPUT.main, [str(tmp_path)])
+    assert out.returncode == 0
+    assert "over 1 launch" in out.stdout
+    assert out.stdout.splitlines()[-1].startswith("(2 lines of ")
