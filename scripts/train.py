@@ -10,12 +10,13 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
-if __name__ == "__main__":  # first: a signal during the imports below ends it in one line
-    from forge.resilience.signals import stop_while_starting
+if __name__ == "__main__":  # first: a signal waits for the imports and the config's checks
+    from forge.resilience.signals import hold_shutdown_signals
 
-    stop_while_starting()
+    HELD = hold_shutdown_signals()
 
 from forge.config.help import help_text
 from forge.console import console_may_close
@@ -34,7 +35,12 @@ from forge.resilience.faults import (
 from forge.resilience.health import guard_collectives
 from forge.resilience.replica_groups import GroupsLostError
 from forge.resilience.reports import FaultReport
-from forge.resilience.signals import SetupInterrupted, ShutdownFlag, pause_if_asked
+from forge.resilience.signals import (
+    SetupInterrupted,
+    ShutdownFlag,
+    pause_if_asked,
+    release_shutdown_signals,
+)
 from forge.resilience.stacks import StackWatch, stack_watch
 from forge.training.context import (
     CheckpointContext,
@@ -83,8 +89,14 @@ from forge.types import ExitCode, LoopOutcome, LoopState, StepResult
 
 @console_may_close()  # a console that goes away is dropped: the run and its files go on
 @kernel_modes_kept()  # train.deterministic changes them for this run only
-def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
-    """Run the phases in order; returns the process exit code of the loop's outcome."""
+def main(
+    argv: Sequence[str] | None = None,
+    hooks: Sequence[Hooks] = (),
+    held: AbstractSet[int] | None = None,
+) -> int:
+    """Run the phases in order; returns the process exit code of the loop's outcome.
+    ``held``: the signal mask before the script held the shutdown signals at its start
+    (``hold_shutdown_signals``), put back once the config's own checks are done."""
     # a launch starts with its process (imports included); a call of main in a running
     # process (a notebook, a test) starts its launch at the call
     started = process_started() if argv is None else time.time()
@@ -100,7 +112,10 @@ def main(argv: Sequence[str] | None = None, hooks: Sequence[Hooks] = ()) -> int:
     lock, replicas = None, None
     try:
         flag.install()  # before set-up, so an early signal is not lost
-        run = load_and_validate_config(args)
+        run = load_and_validate_config(
+            args,
+            lambda problems: release_shutdown_signals(held, problems) if held is not None else None,
+        )
         dist = setup_distributed(run)
         model = build_model_and_optim(run, dist)
         data = setup_data(run, dist)
@@ -281,7 +296,7 @@ def train(
 
 
 if __name__ == "__main__":
-    code = main()
+    code = main(held=HELD)
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter finalization: gloo threads kept alive by a device mesh can abort it

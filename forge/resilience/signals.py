@@ -9,10 +9,12 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from types import FrameType
 from typing import NoReturn
 
+from forge.errors import UserInputError
 from forge.types import ExitCode
 
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -35,20 +37,24 @@ def setup_stop_line(signum: int) -> str:
     return f"interrupted ({name}) during set-up: stopped before training; nothing was written"
 
 
-def stopped_at_once(signum: int, _frame: FrameType | None) -> None:
-    """A shutdown signal before set-up's handlers are in place (the script's imports: torch's
-    take 1-2 s): the process ends at once with set-up's line and exit code. Nothing was
-    written yet; raised inside an import, an exception would end it in a traceback instead
-    (SIGINT), and SIGTERM's default in none at all."""
-    os.write(2, f"[forge] {setup_stop_line(signum)}\n".encode())
-    os._exit(setup_exit_code(signum))
+def hold_shutdown_signals() -> AbstractSet[int]:
+    """The train script's first statement: the shutdown signals blocked in its main thread
+    (its threads inherit the mask) while it imports torch (1-2 s) and checks its config, so
+    that one arriving meanwhile waits, pending, for ``release_shutdown_signals``; returns the
+    mask before. Raised inside an import, the signal would end the process in a traceback
+    (SIGINT), or SIGTERM's default in no word at all; and a launcher's SIGTERM to a rank
+    whose peer refused the config would turn that refusal into a retryable 75 here."""
+    return signal.pthread_sigmask(signal.SIG_BLOCK, SHUTDOWN_SIGNALS)
 
 
-def stop_while_starting() -> None:
-    """``stopped_at_once`` for every shutdown signal, until ``ShutdownFlag.install`` (the
-    train script's first statement)."""
-    for sig in SHUTDOWN_SIGNALS:
-        signal.signal(sig, stopped_at_once)
+def release_shutdown_signals(before: AbstractSet[int], problems: Sequence[str]) -> None:
+    """Set the mask back to ``before`` once the config's own checks found ``problems``: a
+    signal held since the start is then handled (set-up stops: 75, or 130 for Ctrl-C) —
+    unless the config is bad, which every rank finds alike: that ends the process first
+    (``UserInputError``, exit 2), whoever sent the signal. Nothing held, nothing to do."""
+    if problems and set(signal.sigpending()) & set(SHUTDOWN_SIGNALS):
+        raise UserInputError(list(problems))
+    signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 class SetupInterrupted(BaseException):

@@ -15,7 +15,7 @@ import pathlib
 import random
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -86,14 +86,19 @@ from forge.training.steps.replay import (
 from forge.types import LoopState
 
 
-def load_and_validate_config(argv: Sequence[str]) -> RunContext:
+def load_and_validate_config(
+    argv: Sequence[str], checked: Callable[[Sequence[str]], None] = lambda problems: None
+) -> RunContext:
     """Parse ``[config.toml, --overrides...]``, validate it against the data on disk.
 
     Raises ``ConfigError`` listing every problem of every stage in one pass (types, ranges,
     combinations, then the world: the export, layout, data, hooks, freeze, vision, sinks,
     directories; the memory estimate once all else holds); reads files but writes none.
+    ``checked`` is called with the config's own problems before the world is asked (the
+    train script handles there the signals it held since its start).
     """
     loaded, problems, broken = load_config_checked(argv)
+    checked(problems)
     run = RunContext.of(loaded.config, loaded.source)
     world = world_info(os.environ)
     for reads, check in WORLD_CHECKS:
