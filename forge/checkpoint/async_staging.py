@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -221,16 +221,48 @@ class OwnSessionCheckpointProcess(_async_process_executor._AsyncCheckpointProces
 
     @staticmethod
     def _checkpointing_subprocess(pg_init_info: Any, parent_conn: Any) -> None:
-        leave_the_process_group()
-        _async_process_executor._AsyncCheckpointProcess._checkpointing_subprocess(
-            pg_init_info, parent_conn
+        rank = leave_the_process_group()
+        quiet_when_orphaned(
+            lambda: _async_process_executor._AsyncCheckpointProcess._checkpointing_subprocess(
+                pg_init_info, parent_conn
+            ),
+            rank,
         )
 
 
-def leave_the_process_group() -> None:
+def quiet_when_orphaned(serve: Callable[[], None], rank: int) -> None:
+    """``serve()``, which reads its rank's requests through a pipe: when the rank dies, the
+    pipe breaks in the middle of a read (a request's tensors half sent) — one line for the
+    process's log then, not a traceback; an error while the rank lives is raised."""
+    try:
+        serve()
+    except (EOFError, OSError) as exc:
+        if not orphaned(rank):
+            raise
+        print(
+            f"[forge] checkpoint process {os.getpid()}: its rank process {rank} is gone "
+            f"({type(exc).__name__} on its pipe); exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def orphaned(rank: int, wait_s: float = 1.0) -> bool:
+    """Whether this process's parent ``rank`` has died (it is reparented), waiting up to
+    ``wait_s``: a dying process closes its pipes before its children are reparented."""
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == rank:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def leave_the_process_group() -> int:
     """In the checkpoint process, before anything else of its own: a session of its own, the
     signals its rank blocked while starting it dropped (they were meant for the rank) and
-    their usual handling back, and a thread that ends this process once its rank is gone."""
+    their usual handling back, and a thread that ends this process once its rank is gone.
+    Returns the rank's pid."""
     os.setsid()
     for sig in SURVIVED:  # ignoring a blocked signal discards it if pending
         signal.signal(sig, signal.SIG_IGN)
@@ -246,6 +278,7 @@ def leave_the_process_group() -> None:
     watch = threading.Thread(target=exit_after, args=(rank,), name="forge-rank-watch")
     watch.daemon = True
     watch.start()
+    return rank
 
 
 def exit_after(parent: int) -> None:
