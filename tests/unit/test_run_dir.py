@@ -168,13 +168,29 @@ def test_a_non_finite_ending_names_the_rule_that_ended_it(policy, streak, words)
     assert message is not None and words in message and "step 7" in message
 
 
-def test_an_already_complete_run_says_how_to_extend_it():
+# (case, the step reached, train.max_steps, what the line says of it)
+COMPLETE = [
+    ("at its max_steps: complete", 100, 100, "is already complete at step 100 (train.max_steps=100)"),
+    ("past a lowered max_steps: not called complete", 400, 100, "is at step 400, past train.max_steps=100: nothing to train"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "step,max_steps,words", [c[1:] for c in COMPLETE], ids=[c[0] for c in COMPLETE]
+)
+def test_an_already_complete_run_says_how_to_extend_it(step, max_steps, words):
     message = outcome_message(
-        LoopOutcome.ALREADY_COMPLETE, LoopState(step=400), LoopPolicy(max_steps=100), "runs/debug"
+        LoopOutcome.ALREADY_COMPLETE,
+        LoopState(step=step),
+        LoopPolicy(max_steps=max_steps),
+        "runs/debug",
     )
     assert message is not None
-    assert "complete at step 400" in message and "--train.max_steps above 400" in message
-    assert "--run.dir" in message
+    assert f"the run in runs/debug {words}; " in message
+    assert f"--train.max_steps above {step}" in message and "--run.dir" in message
+
+
+def test_only_the_outcomes_that_need_a_word_have_one():
     explained = {
         LoopOutcome.ALREADY_COMPLETE,
         LoopOutcome.HEALTH_FAILURE,

@@ -51,9 +51,14 @@ def outcome_message(
             "from the last checkpoint"
         )
     if outcome is LoopOutcome.ALREADY_COMPLETE:
+        where = (
+            f"is already complete at step {step} (train.max_steps={max_steps})"
+            if step == max_steps
+            else f"is at step {step}, past train.max_steps={max_steps}: nothing to train"
+        )
         return (
-            f"the run in {run_dir} is already complete at step {step} (train.max_steps="
-            f"{max_steps}); to train it further raise --train.max_steps above {step} (where "
+            f"the run in {run_dir} {where}; to train it further raise --train.max_steps "
+            f"above {step} (where "
             "the LR decay depends on it, add --checkpoint.schedule_from=checkpoint to keep the "
             "schedule as it ran or =config to follow the longer one), or choose a new "
             "--run.dir to start a new run"
