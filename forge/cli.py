@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import enum
+import pathlib
+import re
 from collections.abc import Callable
 
 
@@ -34,6 +36,18 @@ class DtypeRequest(enum.Enum):
 
     def __str__(self) -> str:  # as --help shows the default
         return self.value
+
+
+def run_path(text: str) -> pathlib.Path:
+    """argparse's type for a script's run directory (or one of its checkpoints): a local
+    path. A URL is refused as it was typed — as a ``pathlib.Path`` it would be ``s3:/…``, a
+    local folder that does not exist (a follower waited for it for minutes)."""
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a URL; give the run directory (its config.toml names the "
+            "checkpoint.dir, which may be a URL: its checkpoints are read from there)"
+        )
+    return pathlib.Path(text)
 
 
 def summary(doc: str | None) -> str:

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from forge.checkpoint.store import save_model_only
-from forge.cli import DeviceRequest, add_device_options, summary
+from forge.cli import DeviceRequest, add_device_options, run_path, summary
 from forge.config import JobConfig, ModelConfig
 from forge.config.loader import CONVERTER
 from forge.config.toml_writer import dumps_toml
@@ -162,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "export", help="forge run -> safetensors + config.json", formatter_class=defaults
     )
     ex.add_argument(
-        "run_dir", type=pathlib.Path, help="a run directory or one checkpoint (step_N folder)"
+        "run_dir", type=run_path, help="a run directory or one checkpoint (step_N folder)"
     )
     ex.add_argument("--out", type=pathlib.Path, required=True, help="folder to write")
     ex.add_argument(

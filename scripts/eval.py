@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from forge.cli import add_device_options, summary
+from forge.cli import add_device_options, run_path, summary
 from forge.console import console_may_close
 from forge.data.batch import Batch
 from forge.data.dataset import open_windows
@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("path", type=pathlib.Path, help="a run directory or one checkpoint")
+    parser.add_argument("path", type=run_path, help="a run directory or one checkpoint")
     parser.add_argument("--data", type=pathlib.Path, default=None, help="a prepared dataset")
     parser.add_argument("--split", default="validation", help="which split of --data")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward")

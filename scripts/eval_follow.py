@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from forge.checkpoint.paths import CheckpointPath
 from forge.checkpoint.pins import finish_all_deferred, reclaim_pins
-from forge.cli import add_device_options, summary
+from forge.cli import add_device_options, run_path, summary
 from forge.config.data import EvalTask
 from forge.console import console_may_close
 from forge.errors import UserInputError, one_line, print_errors
@@ -75,7 +75,7 @@ def parser_of() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("run", type=pathlib.Path, help="the run directory to follow")
+    parser.add_argument("run", type=run_path, help="the run directory to follow")
     parser.add_argument(
         "--every", type=int, default=None,
         help="evaluate steps that are multiples of this (and the last); default: the run's "

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from forge.checkpoint.paths import CheckpointPath
-from forge.cli import add_device_options, summary
+from forge.cli import add_device_options, run_path, summary
 from forge.config.data import EvalTask
 from forge.console import console_may_close
 from forge.errors import UserInputError, one_line, print_errors
@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("path", type=pathlib.Path, help="a run directory or one checkpoint")
+    parser.add_argument("path", type=run_path, help="a run directory or one checkpoint")
     parser.add_argument("--tasks", type=task_names, required=True, help="lm-eval tasks, a,b")
     parser.add_argument("--limit", type=int, default=None, help="documents per task (all)")
     parser.add_argument(

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from forge.cli import add_device_options, summary
+from forge.cli import add_device_options, run_path, summary
 from forge.config import JobConfig
 from forge.console import console_may_close
 from forge.data.image_text import load_image
@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument(
-        "run_dir", type=pathlib.Path, help="a run directory or one checkpoint (step_N folder)"
+        "run_dir", type=run_path, help="a run directory or one checkpoint (step_N folder)"
     )
     parser.add_argument(
         "--prompt",

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from forge.cli import summary
+from forge.cli import run_path, summary
 from forge.console import console_may_close
 from forge.errors import print_errors
 from forge.interrupts import exits_on_interrupt
@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("run", type=pathlib.Path, help="a run directory")
+    parser.add_argument("run", type=run_path, help="a run directory")
     args = parser.parse_args(argv)
     ledger = args.run / LEDGER_FILE
     if ledger.exists() and not ledger.is_file():

@@ -38,3 +38,26 @@ def test_a_scripts_help_describes_it_from_its_docstring():
     assert out.returncode == 0, out.stderr.decode()[-2000:]
     first = script.read_text().split('"""')[1].strip().splitlines()[0]
     assert first in out.stdout.decode()
+
+
+# (script, the arguments before its run directory) of every script that reads a run
+READERS = [
+    ("eval", []),
+    ("eval_follow", []),
+    ("eval_harness", []),
+    ("generate", []),
+    ("goodput", []),
+    ("convert_checkpoint", ["export", "--out", "/nonexistent/out"]),
+]
+
+
+@pytest.mark.parametrize("name,before", READERS, ids=[r[0] for r in READERS])
+def test_a_url_given_as_the_run_directory_is_refused_as_typed(name, before):
+    """As a ``pathlib.Path``, ``s3://bucket/run`` was ``s3:/bucket/run``: quoted so in the
+    refusal, and a follower waited ten minutes for that local folder to appear."""
+    from tests.e2e.test_train_script import load_script
+    from tests.in_process import run_main
+
+    out = run_main(load_script(name).main, [*before, "s3://bucket/run"])
+    assert out.returncode == 2
+    assert "'s3://bucket/run' is a URL; give the run directory" in out.stderr
