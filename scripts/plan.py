@@ -118,6 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         problems = option_problems(args)
         if problems:
             raise UserInputError(problems)
+        if not rest or rest[0].startswith("--"):  # load_config's words name train.py
+            raise UserInputError(
+                "missing config file: usage: plan.py CONFIG.toml [--nproc N] "
+                "[--section.key=value ...] (--help lists plan.py's own options)"
+            )
         config = load_config(rest).config
         problems = [f"{k}: {m}" for k, m in parallel_problems(config, args.nproc)]
         if problems:

@@ -383,3 +383,14 @@ def test_a_pipelines_depth_stage_counts_its_copy_of_the_embedding():
     depth = stage_parameters(cfg, 1)[0] - stage_parameters(without, 1)[0]
     embedding = 128256 * 4096
     assert stage_parameters(cfg, 4)[0] - stage_parameters(without, 4)[0] == depth + embedding
+
+
+@pytest.mark.parametrize("args", [[], ["--nproc", "2"]], ids=["nothing", "its options only"])
+def test_plan_script_without_a_config_names_its_own_usage(args):
+    """The config loader's words named train.py's usage."""
+    done = run_main(PLAN_SCRIPT.main, args)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "error: missing config file: usage: plan.py CONFIG.toml [--nproc N] "
+        "[--section.key=value ...] (--help lists plan.py's own options)"
+    ]
