@@ -73,6 +73,7 @@ class LoopState:
     skipped_ranges: tuple[tuple[int, int], ...] = ()  # (first, last) steps rolled back over
     loss_stats: LossStats = attrs.Factory(LossStats)  # resilience.spike_threshold's reference
     spikes: int = 0  # steps whose loss was a spike, since the run began
+    nonfinite_steps: int = 0  # steps not finite on some rank (update dropped), since it began
     replay_mismatches: int = 0  # replayed steps whose computations disagreed, since it began
 
 

@@ -135,7 +135,12 @@ def main(
                 *hooks,
                 *configured_hooks(run.config.hooks),
                 *profiler_hooks(run.config.profiler, run.run_dir, dist.rank),
-                FaultReport(dist.is_main, dist.hosts, run.config.resilience.on_spike),
+                FaultReport(
+                    dist.is_main,
+                    dist.hosts,
+                    run.config.resilience.on_spike,
+                    nonfinite_policy=run.config.resilience.on_nonfinite,
+                ),
                 FaultHooks(faults, dist.rank),
             ]
         )

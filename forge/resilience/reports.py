@@ -9,8 +9,16 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
-from forge.config.resilience import SpikePolicy
-from forge.types import Float8Drift, Float8Verdict, Hooks, PendingStep, ReplayVerdict, StepResult
+from forge.config.resilience import NonFinitePolicy, SpikePolicy
+from forge.types import (
+    Float8Drift,
+    Float8Verdict,
+    Hooks,
+    LoopState,
+    PendingStep,
+    ReplayVerdict,
+    StepResult,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -22,6 +30,14 @@ SPIKE_HANDLING = {
     SpikePolicy.SKIP: 'its update was dropped (resilience.on_spike = "skip")',
     SpikePolicy.ROLLBACK: "its update was dropped and the model goes back to the last snapshot "
     '(resilience.on_spike = "rollback"), unless the run stops',
+}
+
+
+# what happens to a non-finite step under each ``resilience.on_nonfinite`` (abort: its error)
+NONFINITE_HANDLING = {
+    NonFinitePolicy.SKIP: 'its update was dropped (resilience.on_nonfinite = "skip")',
+    NonFinitePolicy.ROLLBACK: "its update was dropped and the model goes back to the last "
+    'snapshot (resilience.on_nonfinite = "rollback")',
 }
 
 
@@ -37,6 +53,15 @@ def spike_line(step: int, loss: float, policy: SpikePolicy) -> str:
         f"step {step}'s loss {loss:.6g} is a spike (above resilience.spike_threshold "
         f"deviations over its running mean): {SPIKE_HANDLING[policy]}"
     )
+
+
+def nonfinite_line(step: int, policy: NonFinitePolicy) -> str | None:
+    """The warning for a step not finite on some rank (None under abort: the run's error
+    names it)."""
+    handling = NONFINITE_HANDLING.get(policy)
+    if handling is None:
+        return None
+    return f"step {step} was not finite (loss or gradient norm) on some rank: {handling}"
 
 
 def outvoted_line(step: int, verdict: ReplayVerdict, hosts: Sequence[str]) -> str:
@@ -104,7 +129,9 @@ def drift_line(step: int, verdict: Float8Verdict) -> str:
 
 class FaultReport(Hooks):
     """Prints the spike, replay and FP8 drift lines of each step on rank 0 (every rank knows
-    them: the spike rule reads the loss over every rank, the verdicts are agreed)."""
+    them: the spike rule reads the loss over every rank, the verdicts are agreed), and the
+    line of a step not finite on some rank (the control word's agreed verdict, counted in the
+    loop state)."""
 
     def __init__(
         self,
@@ -112,11 +139,28 @@ class FaultReport(Hooks):
         hosts: Sequence[str],
         spike_policy: SpikePolicy,
         stream: TextIO | None = None,
+        nonfinite_policy: NonFinitePolicy = NonFinitePolicy.SKIP,
     ) -> None:
         self.is_main = is_main
         self.hosts = tuple(hosts)
         self.spike_policy = spike_policy
         self.stream = stream
+        self.nonfinite_policy = nonfinite_policy
+        self.nonfinite_seen = 0  # the run's count of non-finite steps at the last step's end
+
+    def on_train_begin(self, state: LoopState) -> None:
+        self.nonfinite_seen = state.nonfinite_steps
+
+    def on_step_end(self, state: LoopState, result: StepResult) -> None:
+        """A step dropped as not finite: its line (``failed_at`` is its number, also after
+        a rollback has taken the step counter back)."""
+        dropped = state.nonfinite_steps > self.nonfinite_seen
+        self.nonfinite_seen = state.nonfinite_steps
+        if not (dropped and self.is_main and state.failed_at is not None):
+            return
+        line = nonfinite_line(state.failed_at, self.nonfinite_policy)
+        if line is not None:
+            print(f"[forge] warning: {line}", file=self.stream or sys.stderr, flush=True)
 
     def lines(self, step: int, result: StepResult) -> list[str]:
         """What step ``step`` revealed, as ``[forge]`` lines."""

@@ -23,12 +23,21 @@ def train_state(config, step):
     )
 
 
-def test_skipped_step_keeps_the_documented_bookkeeping(tiny_config, monkeypatch):
-    """NaN at step 5 (a checkpoint step): the update is dropped; step, LR, tokens and data
-    position advance; the checkpoint gate still saves step 5."""
+def warnings_of(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "was not finite" in line]
+
+
+def test_skipped_step_keeps_the_documented_bookkeeping(tiny_config, monkeypatch, capsys):
+    """NaN at step 5 (a checkpoint step): the update is dropped, in one line and a count;
+    step, LR, tokens and data position advance; the checkpoint gate still saves step 5."""
     monkeypatch.setenv("FORGE_FAULTS", "nan:step=5")
     assert TRAIN.main([str(tiny_config)]) == 0
+    assert warnings_of(capsys.readouterr().err) == [
+        "[forge] warning: step 5 was not finite (loss or gradient norm) on some rank: its "
+        'update was dropped (resilience.on_nonfinite = "skip")'
+    ]
     recs = records(tiny_config)
+    assert [r.get("resilience/nonfinite_steps", 0) for r in recs] == [0] * 4 + [1] * 8
     assert [r["step"] for r in recs] == list(range(1, 13))
     assert math.isnan(recs[4]["loss"])
     assert all(math.isfinite(r["loss"]) for i, r in enumerate(recs) if i != 4)
@@ -55,7 +64,7 @@ def loader_after(cfg, steps):
     return {"rows": rows, "steps": steps, "step_rows": 0, "cursors": [rows]}
 
 
-def test_rollback_restores_the_slot_skips_the_window_and_finishes(tiny_config, monkeypatch):
+def test_rollback_restores_the_slot_skips_the_window_and_finishes(tiny_config, monkeypatch, capsys):
     """NaN at step 8 with snapshots every 3 steps: back to step 6, batches 7-8 skipped."""
     monkeypatch.setenv("FORGE_FAULTS", "nan:step=8")
     args = [
@@ -64,6 +73,9 @@ def test_rollback_restores_the_slot_skips_the_window_and_finishes(tiny_config, m
         "--resilience.snapshot_interval=3",
     ]
     assert TRAIN.main(args) == 0
+    (line,) = warnings_of(capsys.readouterr().err)  # named by its own number, not the snapshot's
+    assert line.startswith("[forge] warning: step 8 was not finite") and "rollback" in line
+    assert records(tiny_config)[-1]["resilience/nonfinite_steps"] == 1
     steps = [r["step"] for r in records(tiny_config)]
     assert steps == [1, 2, 3, 4, 5, 6, 7, 8, 7, 8, 9, 10, 11, 12]
     losses = {i: r["loss"] for i, r in enumerate(records(tiny_config))}

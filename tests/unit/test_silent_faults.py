@@ -37,6 +37,7 @@ from forge.training.loop.plan import (
     nonfinite_action,
     observed,
     plan_step,
+    rolled_back,
 )
 from forge.training.loop.step_logger import resilience_record
 from forge.types import (
@@ -368,3 +369,59 @@ def test_the_resilience_counts_are_logged_where_their_checks_are_on():
         "resilience/spikes": 2,
         "resilience/replay_mismatches": 1,
     }
+
+
+# (case, this rank's loss, the control word, the spike flag, non-finite steps counted)
+NONFINITE_COUNTS = [
+    ("a finite step", 2.0, Signals(), False, 0),
+    ("this rank's loss not finite", math.nan, Signals(nonfinite=True), False, 1),
+    ("a peer's step not finite (the control word)", 2.0, Signals(nonfinite=True), False, 1),
+    ("a spike is finite: not counted here", 4501.0, Signals(), True, 0),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "loss,signals,spike,counted",
+    [c[1:] for c in NONFINITE_COUNTS],
+    ids=[c[0] for c in NONFINITE_COUNTS],
+)
+def test_a_step_not_finite_on_any_rank_is_counted_through_a_rollback(loss, signals, spike, counted):
+    policy = LoopPolicy(
+        max_steps=10, nonfinite_policy=NonFinitePolicy.ROLLBACK, spike_threshold=6.0
+    )
+    state = LoopState(step=4, nonfinite_steps=2)
+    plan = plan_step(state, result(loss, spike=spike), signals, policy)
+    assert plan.state.nonfinite_steps == 2 + counted
+    if plan.rollback:  # the run's count, not the snapshot's
+        assert rolled_back(plan.state, LoopState(step=3)).nonfinite_steps == 2 + counted
+
+
+# (case, the policy, whether the step was dropped as not finite, rank 0?, the line)
+NONFINITE_LINES = [
+    ("skip", NonFinitePolicy.SKIP, True, True, 'step 7 was not finite (loss or gradient norm) on some rank: its update was dropped (resilience.on_nonfinite = "skip")'),
+    ("rollback", NonFinitePolicy.ROLLBACK, True, True, 'step 7 was not finite (loss or gradient norm) on some rank: its update was dropped and the model goes back to the last snapshot (resilience.on_nonfinite = "rollback")'),
+    ("abort: the run's error names it", NonFinitePolicy.ABORT, True, True, None),
+    ("a finite step", NonFinitePolicy.SKIP, False, True, None),
+    ("another rank than 0", NonFinitePolicy.SKIP, True, False, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "policy,dropped,is_main,line",
+    [n[1:] for n in NONFINITE_LINES],
+    ids=[n[0] for n in NONFINITE_LINES],
+)
+def test_a_step_dropped_as_not_finite_has_one_line(policy, dropped, is_main, line):
+    out = io.StringIO()
+    report = FaultReport(is_main, ("h",), SKIP, out, nonfinite_policy=policy)
+    report.on_train_begin(LoopState(step=4, nonfinite_steps=1))  # a resumed run's count
+    after = LoopState(step=7, nonfinite_steps=1 + dropped, failed_at=7 if dropped else None)
+    report.on_step_end(after, result())
+    report.on_step_end(after, result())  # the next step, nothing new: no second line
+    assert out.getvalue().splitlines() == ([f"[forge] warning: {line}"] if line else [])
+
+
+def test_the_non_finite_count_is_logged_once_a_step_was():
+    assert "resilience/nonfinite_steps" not in resilience_record(LoopState(), ResilienceConfig())
+    counted = resilience_record(LoopState(nonfinite_steps=3), ResilienceConfig())
+    assert counted["resilience/nonfinite_steps"] == 3

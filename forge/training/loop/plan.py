@@ -219,6 +219,7 @@ def advance(state: LoopState, result: StepResult, finite: bool = True) -> LoopSt
         last_step_finite=applied,
         loss_stats=stats,
         spikes=state.spikes + (ok and result.spike),
+        nonfinite_steps=state.nonfinite_steps + (not ok),
         replay_mismatches=state.replay_mismatches + disagreed,
     )
 
@@ -311,6 +312,7 @@ def rolled_back(current: LoopState, snapshot: LoopState) -> LoopState:
         skipped_ranges=(*current.skipped_ranges, (snapshot.step + 1, current.step)),
         spikes=current.spikes,  # counts of the run, not of the model's state
         replay_mismatches=current.replay_mismatches,
+        nonfinite_steps=current.nonfinite_steps,
     )
 
 

@@ -59,8 +59,11 @@ def step_metrics(
 
 def resilience_record(state: LoopState, config: ResilienceConfig) -> dict[str, int]:
     """The run's counts of spikes and of replayed steps that disagreed, where their checks
-    are on (or, for the replays, once one has disagreed)."""
+    are on (or, for the replays, once one has disagreed), and of non-finite steps once one
+    was."""
     record = {}
+    if state.nonfinite_steps:
+        record["resilience/nonfinite_steps"] = state.nonfinite_steps
     if config.spike_threshold > 0:
         record["resilience/spikes"] = state.spikes
     if config.replay_interval > 0 or state.replay_mismatches:
