@@ -104,6 +104,17 @@ class CheckpointSaveError(RuntimeError):
             f"checkpoint.dir {root}: saving step {step} failed {what}; {remains}{ends}"
         )
 
+    @property
+    def run_ends_line(self) -> str:
+        """The line of a failure that ends the run: what failed, then what to do (a failure
+        given up on says it already)."""
+        if self.abandoned:
+            return str(self)
+        return (
+            f"{self}; the run ends: relaunch it once that is mended (it resumes from the last "
+            "committed checkpoint)"
+        )
+
 
 def print_errors(lines: Sequence[str], stream: TextIO | None = None) -> None:
     """Each line as ``error: <line>``, written whole in one call: several ranks share one

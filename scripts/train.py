@@ -264,7 +264,7 @@ def train(
         return ExitCode.CONFIG_ERROR
     except CheckpointSaveError as exc:  # every rank raises it: they agreed on the failure
         effects.abandon()
-        print_errors([str(exc), *([effects.log_failure] if effects.log_failure else [])])
+        print_errors([exc.run_ends_line, *([effects.log_failure] if effects.log_failure else [])])
         flag.uninstall()
         teardown(dist)
         clock.write(ended=True)

@@ -111,6 +111,10 @@ def test_a_full_disk_fails_the_final_save_in_one_line_and_keeps_the_last_checkpo
     assert len(errors) == 1
     assert f"checkpoint.dir {sandbox.ckpt}: saving step 12 failed" in errors[0]
     assert "File too large" in errors[0]
+    assert errors[0].endswith(  # what to do, once: the periodic warning says training goes on
+        "; the run ends: relaunch it once that is mended (it resumes from the last committed "
+        "checkpoint)"
+    )
     assert os.readlink(sandbox.ckpt / "latest") == "step_10"
     assert sorted(p.name for p in sandbox.ckpt.glob("step_*")) == ["step_10", "step_5"]
     model = Transformer(load_config([str(sandbox.config)]).config.model)
