@@ -141,9 +141,24 @@ def load_runs(runs: Sequence[pathlib.Path]) -> dict[pathlib.Path, Records]:
     return loaded
 
 
+# what marks an image this script wrote (the metadata key each format keeps it under): only
+# such an image is written over, never a file of the user's at --out
+MARK = "forge plot_metrics.py"
+MARK_KEYS = {"png": "Software", "pdf": "Creator", "svg": "Creator"}
+
+
+def written_here(path: pathlib.Path) -> bool:
+    """Whether ``path`` is an image this script wrote (its mark is in its bytes)."""
+    try:
+        return MARK.encode() in path.read_bytes()
+    except OSError:
+        return False
+
+
 def out_problems(out: pathlib.Path) -> list[str]:
-    """A line when ``--out`` names no image format matplotlib writes, is a folder, or lies
-    below a file."""
+    """A line when ``--out`` names no image format matplotlib writes, is a folder, lies below
+    a file, or holds a file this script did not write (only PNG, PDF and SVG carry its
+    mark: another format's file is never written over)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     formats = sorted(FigureCanvasAgg.get_supported_filetypes())
@@ -154,6 +169,11 @@ def out_problems(out: pathlib.Path) -> list[str]:
     above = next((p for p in out.parents if p.exists()), None)
     if above is not None and not above.is_dir():
         return [f"--out {out}: lies below the file {above}; choose another --out"]
+    if out.exists() and not (out.is_file() and written_here(out)):
+        return [
+            f"--out {out}: holds a file plot_metrics.py did not write there; choose a new "
+            "file name (or delete it)"
+        ]
     return []
 
 
@@ -208,7 +228,9 @@ def plot(runs: dict[pathlib.Path, Records], out: pathlib.Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        fig.savefig(tmp, format=out.suffix.lstrip(".").lower())
+        image = out.suffix.lstrip(".").lower()
+        mark = {MARK_KEYS[image]: MARK} if image in MARK_KEYS else None
+        fig.savefig(tmp, format=image, metadata=mark)
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

@@ -92,6 +92,10 @@ def test_plot_metrics_overlays_runs_into_a_png(tmp_path):
     assert done.returncode == 0, done.stderr
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    again = subprocess.run([*PLOT, str(tmp_path / "a"), "--out", str(out)], capture_output=True,
+                           text=True, check=False)  # fmt: skip
+    assert again.returncode == 0, again.stderr  # its own image, marked: written over
+    assert out.read_bytes() != data
 
 
 def test_plot_metrics_of_a_missing_run_is_one_line_exit_2(tmp_path):
@@ -237,6 +241,7 @@ BAD_PLOTS = [
     ("--out without a suffix", out_at("curves"), f"--out {{root}}/curves: name the image format by its suffix, one of {FORMATS}"),
     ("--out a folder", out_at("c.png", lambda p: p.mkdir()), "--out {root}/c.png: is a folder; name the image file to write"),
     ("--out below a file", out_at("f/c.png", lambda p: p.parent.write_text("x")), "--out {root}/f/c.png: lies below the file {root}/f; choose another --out"),
+    ("--out a file of the user's", out_at("mine.png", lambda p: p.write_text("my precious")), "--out {root}/mine.png: holds a file plot_metrics.py did not write there; choose a new file name (or delete it)"),
 ]  # fmt: skip
 
 
