@@ -91,7 +91,8 @@ def test_resumed_at_max_steps_runs_nothing_and_saves_nothing(tiny_config, capsys
     assert written_files(tiny_config) == before  # config.toml and metrics.jsonl untouched
     out = capsys.readouterr().out
     assert "ALREADY_COMPLETE at step 12" in out
-    assert "already complete at step 12" in out and "raise --train.max_steps above 12" in out
+    assert "is at step 12, past train.max_steps=8: nothing to train" in out
+    assert "raise --train.max_steps above 12" in out
 
 
 class SignalAt(Hooks):
