@@ -31,6 +31,7 @@ from forge.cli import summary
 from forge.console import console_may_close
 from forge.errors import UserInputError, print_errors
 from forge.interrupts import exits_on_interrupt
+from forge.outputs import file_output_problem
 from forge.types import ExitCode
 
 Records = list[dict[str, Any]]
@@ -157,8 +158,10 @@ def written_here(path: pathlib.Path) -> bool:
 
 def out_problems(out: pathlib.Path) -> list[str]:
     """A line when ``--out`` names no image format matplotlib writes, is a folder, lies below
-    a file, or holds a file this script did not write (only PNG, PDF and SVG carry its
-    mark: another format's file is never written over)."""
+    a file, or breaks the rule of every file a script writes (``file_output_problem``: never
+    over a file this script did not write — only PNG, PDF and SVG carry its mark, so another
+    format's file is never written over — nor into a run or a dataset but the run's
+    ``plots/``)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     formats = sorted(FigureCanvasAgg.get_supported_filetypes())
@@ -169,12 +172,8 @@ def out_problems(out: pathlib.Path) -> list[str]:
     above = next((p for p in out.parents if p.exists()), None)
     if above is not None and not above.is_dir():
         return [f"--out {out}: lies below the file {above}; choose another --out"]
-    if out.exists() and not (out.is_file() and written_here(out)):
-        return [
-            f"--out {out}: holds a file plot_metrics.py did not write there; choose a new "
-            "file name (or delete it)"
-        ]
-    return []
+    problem = file_output_problem(out, "--out", "plots", written_here)
+    return [problem] if problem is not None else []
 
 
 def downstream_keys(runs: dict[pathlib.Path, Records]) -> list[str]:

@@ -241,7 +241,7 @@ BAD_PLOTS = [
     ("--out without a suffix", out_at("curves"), f"--out {{root}}/curves: name the image format by its suffix, one of {FORMATS}"),
     ("--out a folder", out_at("c.png", lambda p: p.mkdir()), "--out {root}/c.png: is a folder; name the image file to write"),
     ("--out below a file", out_at("f/c.png", lambda p: p.parent.write_text("x")), "--out {root}/f/c.png: lies below the file {root}/f; choose another --out"),
-    ("--out a file of the user's", out_at("mine.png", lambda p: p.write_text("my precious")), "--out {root}/mine.png: holds a file plot_metrics.py did not write there; choose a new file name (or delete it)"),
+    ("--out a file of the user's", out_at("mine.png", lambda p: p.write_text("my precious")), "--out {root}/mine.png: holds a file forge did not write there; choose a new file name"),
 ]  # fmt: skip
 
 
