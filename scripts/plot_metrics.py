@@ -25,7 +25,7 @@ import os
 import pathlib
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from forge.cli import summary
 from forge.console import console_may_close
@@ -35,8 +35,9 @@ from forge.outputs import file_output_problem
 from forge.types import ExitCode
 
 Records = list[dict[str, Any]]
+Panel = tuple[str, list[tuple[str, str]], bool]  # (title, [(metric key, label)], log scale)
 
-PANELS = (  # (title, [(metric key, line style label)], log scale)
+PANELS: tuple[Panel, ...] = (
     ("loss", [("loss", "train"), ("eval/loss", "eval")], False),
     ("learning rate", [("lr", "")], False),
     ("gradient norm", [("grad_norm", "")], True),
@@ -50,21 +51,31 @@ def metrics_file(path: pathlib.Path) -> pathlib.Path:
     return path / "metrics.jsonl" if path.is_dir() else path
 
 
-def read_records(path: pathlib.Path) -> Records:
+class MetricsFile(NamedTuple):
+    """A metrics file's records (JSON objects with a ``step``), and how many of its lines
+    are none: the last line cut short by a crash, or a JSON value of another shape."""
+
+    records: Records
+    passed_over: int
+
+
+def read_records(path: pathlib.Path) -> MetricsFile:
     """Every metric record (a JSON object with a ``step``) of a metrics file; a line that is
     not UTF-8 JSON is a ``UserInputError`` naming the file and line, unless it is the last
-    line torn by a crash (no newline after it), which is skipped."""
+    line torn by a crash (no newline after it), which is passed over and counted."""
     try:
         lines = path.read_bytes().split(b"\n")
     except OSError as exc:
         raise UserInputError(f"{path}: cannot be read ({exc.strerror})") from None
-    records = []
+    records, passed_over = [], 0
     for number, line in enumerate(lines, 1):
         torn = number == len(lines)  # after the last newline: a crash's partial write
         record = parse_line(path, number, line, torn)
         if isinstance(record, dict) and "step" in record:
             records.append(record)
-    return records
+        elif line.strip():
+            passed_over += 1
+    return MetricsFile(records, passed_over)
 
 
 def parse_line(path: pathlib.Path, number: int, line: bytes, torn: bool) -> Any:
@@ -111,17 +122,42 @@ def merge_follow(records: Records, follow: Records) -> Records:
     return sorted(records + list(scores.values()), key=order)  # stable: the run's order kept
 
 
+def plottable(value: Any) -> bool:
+    """Whether a record's step or value is a number to plot (a bool is none; NaN and inf
+    are, drawn as the gaps they are)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    """The steps and values of ``key`` (records without it are skipped)."""
-    pairs = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float)]
+    """The steps and values of ``key`` (records without it, or whose step or value is no
+    number, are skipped: ``unplotted`` counts the latter)."""
+    pairs = [(r["step"], r[key]) for r in records if plottable(r.get(key)) and plottable(r["step"])]
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
-def load_runs(runs: Sequence[pathlib.Path]) -> dict[pathlib.Path, Records]:
+def unplotted(records: Records, keys: Sequence[str]) -> int:
+    """Records that hold one of ``keys`` but that ``series`` skips: a step or a value
+    that is no number."""
+    return sum(
+        1
+        for r in records
+        if any(k in r for k in keys)
+        and not all(plottable(r[k]) and plottable(r["step"]) for k in keys if k in r)
+    )
+
+
+class Loaded(NamedTuple):
+    """Each run's records, and a line for each file with lines that are no metric record."""
+
+    runs: dict[pathlib.Path, Records]
+    notes: list[str]
+
+
+def load_runs(runs: Sequence[pathlib.Path]) -> Loaded:
     """Each run's records, a run directory's ``eval_follow.jsonl`` merged in; a
     ``UserInputError`` with a line for each run whose metrics file is missing, unreadable,
     damaged or holds no records, or whose ``eval_follow.jsonl`` is unreadable or damaged."""
-    loaded, problems = {}, []
+    loaded, problems, notes = {}, [], []
     for run in runs:
         path = metrics_file(run)
         if not path.is_file():
@@ -129,17 +165,44 @@ def load_runs(runs: Sequence[pathlib.Path]) -> dict[pathlib.Path, Records]:
             continue
         follow = run / FOLLOW_FILE
         try:
-            loaded[run] = read_records(path)
+            files = [(path, read_records(path))]
             if run.is_dir() and follow.exists():
-                loaded[run] = merge_follow(loaded[run], read_records(follow))
+                files.append((follow, read_records(follow)))
         except UserInputError as exc:
             problems += exc.lines
             continue
+        loaded[run] = files[0][1].records
+        if len(files) > 1:
+            loaded[run] = merge_follow(loaded[run], files[1][1].records)
+        notes += [passed_over_note(name, file.passed_over) for name, file in files]
         if not loaded[run]:
             problems.append(f"{path}: holds no metric records")
     if problems:
         raise UserInputError(problems)
-    return loaded
+    return Loaded(loaded, [n for n in notes if n])
+
+
+def passed_over_note(path: pathlib.Path, lines: int) -> str:
+    """The line that says how many lines of ``path`` are no metric record ('' for none)."""
+    if not lines:
+        return ""
+    return (
+        f"({lines} line{'s' if lines > 1 else ''} of {path} passed over: cut short by a crash, "
+        "or not a metric record, a JSON object with a step)"
+    )
+
+
+def unplotted_notes(runs: dict[pathlib.Path, Records], panels: list[Panel]) -> list[str]:
+    """A line for each run with records of a plotted key whose step or value is no number."""
+    keys = [key for _, lines, _ in panels for key, _ in lines]
+    notes = []
+    for run, records in runs.items():
+        if n := unplotted(records, keys):
+            notes.append(
+                f"({n} record{'s' if n > 1 else ''} of {run} not plotted: a step or a value "
+                "there is no number)"
+            )
+    return notes
 
 
 # what marks an image this script wrote (the metadata key each format keeps it under): only
@@ -189,7 +252,7 @@ def downstream_keys(runs: dict[pathlib.Path, Records]) -> list[str]:
     )
 
 
-def panels_of(runs: dict[pathlib.Path, Records]) -> list[tuple[str, list[tuple[str, str]], bool]]:
+def panels_of(runs: dict[pathlib.Path, Records]) -> list[Panel]:
     """The four panels, and a fifth of downstream scores when the runs have any."""
     keys = downstream_keys(runs)
     extra = [("downstream tasks", [(k, k.removeprefix("eval/")) for k in keys], False)]
@@ -251,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return ExitCode.CONFIG_ERROR
     try:
-        runs = load_runs(args.runs)
+        runs, notes = load_runs(args.runs)
         problems = out_problems(args.out)
         if problems:
             raise UserInputError(problems)
@@ -262,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         print_errors([f"--out {args.out}: cannot write the plot ({exc.strerror or exc})"])
         return ExitCode.CONFIG_ERROR
-    print(f"wrote {args.out}")
+    print("\n".join([f"wrote {args.out}", *notes, *unplotted_notes(runs, panels_of(runs))]))
     return ExitCode.OK
 
 

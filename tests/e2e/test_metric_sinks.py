@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -158,7 +159,7 @@ def test_plot_metrics_merges_the_followers_scores_by_step(tmp_path, lines, expec
     write_metrics(tmp_path / "a", 1.0)
     if lines is not None:
         (tmp_path / "a" / "eval_follow.jsonl").write_bytes(lines)
-    runs = PLOT_SCRIPT.load_runs([tmp_path / "a"])
+    runs = PLOT_SCRIPT.load_runs([tmp_path / "a"]).runs
     records = runs[tmp_path / "a"]
     for key, (steps, values) in expected.items():
         got = PLOT_SCRIPT.series(records, key)
@@ -170,7 +171,7 @@ def test_plot_metrics_merges_the_followers_scores_by_step(tmp_path, lines, expec
     panels = PLOT_SCRIPT.panels_of(runs)
     assert [k for _, keys, _ in panels[4:] for k, _ in keys] == downstream
     # the metrics file named itself: the run's records only, no follower read
-    alone = PLOT_SCRIPT.load_runs([tmp_path / "a" / "metrics.jsonl"])
+    alone = PLOT_SCRIPT.load_runs([tmp_path / "a" / "metrics.jsonl"]).runs
     assert PLOT_SCRIPT.series(next(iter(alone.values())), "eval/loss")[0] == [20]
 
 
@@ -280,3 +281,56 @@ def test_tensorboard_drops_what_a_crashed_run_logged_past_its_checkpoint(sandbox
     assert [e.step for e in loss] == [r["step"] for r in records] == [1, 2, 4, 6, 8]
     for event, record in zip(loss, records, strict=True):
         assert event.value == pytest.approx(record["loss"], rel=1e-6)
+
+
+def lines_of(*values: object, tail: bytes = b"") -> bytes:
+    return b"".join(json.dumps(v).encode() + b"\n" for v in values) + tail
+
+
+# (case, metrics.jsonl, the loss series plotted (steps, values), lines passed over, records
+# holding a plotted key not plotted)
+ODD_RECORDS = [
+    ("sound records", lines_of({"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.0}), ([1, 2], [2.0, 1.0]), 0, 0),
+    ("a torn last line", lines_of({"step": 1, "loss": 2.0}, tail=b'{"step": 2, "lo'), ([1], [2.0]), 1, 0),
+    ("JSON of another shape", lines_of([1, 2], {"loss": 3.0}, 7, {"step": 1, "loss": 2.0}), ([1], [2.0]), 3, 0),
+    ("a step that is no number", lines_of({"step": "x", "loss": 1.5}, {"step": 2, "loss": 1.0}), ([2], [1.0]), 0, 1),
+    ("a bool, a string, a null", lines_of({"step": 1, "loss": True}, {"step": 2, "loss": "1"}, {"step": 3, "grad_norm": None}, {"step": 4, "loss": 1.0}), ([4], [1.0]), 0, 3),
+    ("NaN and inf are numbers (gaps)", b'{"step": 1, "loss": NaN}\n{"step": 2, "loss": Infinity}\n', ([1, 2], [math.nan, math.inf]), 0, 0),
+    ("a record of other keys only", lines_of({"step": 1, "loss": 2.0}, {"step": 1, "checkpoint/bytes": "x"}), ([1], [2.0]), 0, 0),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "data,loss,passed_over,unplotted", [c[1:] for c in ODD_RECORDS], ids=[c[0] for c in ODD_RECORDS]
+)
+def test_plot_metrics_counts_what_it_does_not_plot(tmp_path, data, loss, passed_over, unplotted):
+    (tmp_path / "metrics.jsonl").write_bytes(data)
+    read = PLOT_SCRIPT.read_records(tmp_path / "metrics.jsonl")
+    assert read.passed_over == passed_over
+    steps, values = PLOT_SCRIPT.series(read.records, "loss")
+    assert steps == loss[0]
+    assert values == pytest.approx(loss[1], nan_ok=True)
+    runs = {tmp_path: read.records}
+    notes = PLOT_SCRIPT.unplotted_notes(runs, PLOT_SCRIPT.panels_of(runs))
+    assert notes == ([f"({unplotted} record{'s' if unplotted > 1 else ''} of {tmp_path} not plotted: a step or a value there is no number)"] if unplotted else [])  # fmt: skip
+
+
+def test_plot_metrics_says_what_it_passed_over(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_bytes(
+        lines_of(
+            {"step": 1, "loss": 2.0}, [1], {"step": "x", "loss": 1.0}, {"step": 3, "loss": 1.0}
+        )
+        + b'{"step": 4'
+    )
+    out = tmp_path / "c.png"
+    done = subprocess.run(
+        [*PLOT, str(tmp_path / "a"), "--out", str(out)], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        f"wrote {out}",
+        f"(2 lines of {tmp_path}/a/metrics.jsonl passed over: cut short by a crash, or not a "
+        "metric record, a JSON object with a step)",
+        f"(1 record of {tmp_path}/a not plotted: a step or a value there is no number)",
+    ]

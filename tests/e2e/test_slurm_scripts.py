@@ -253,7 +253,7 @@ def test_follower_job_evaluates_a_run_and_ends_with_it(trained, tmp_path):
     from tests.e2e.test_train_script import load_script
 
     plot = load_script("plot_metrics")
-    steps, values = plot.series(plot.load_runs([run])[run], "eval/loss")
+    steps, values = plot.series(plot.load_runs([run]).runs[run], "eval/loss")
     assert (steps, values) == ([5, 10], [r["eval/loss"] for r in records])
 
 
