@@ -161,6 +161,29 @@ def test_export_falls_back_like_training(sandbox, trained):
     assert f"exported {sandbox.ckpt / 'step_5'}" in out.stdout
 
 
+def test_export_of_a_named_damaged_checkpoint_names_it_and_falls_back_to_none(sandbox, trained):
+    """The checkpoint named on the command line is the one read: damaged, it is refused by
+    its own path (not as "no checkpoint there loads" with a training key to change), and no
+    older one is exported in its place."""
+    from tests.e2e.test_train_script import REPO
+
+    copy_trained(trained, sandbox)
+    truncate_rng(sandbox.ckpt / "step_10")
+    out = subprocess.run(
+        [TRAIN[0], str(REPO / "scripts" / "convert_checkpoint.py"), "export",
+         str(sandbox.ckpt / "step_10"), "--out", str(sandbox.root / "export")],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 2
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"error: {sandbox.ckpt / 'step_10'}: does not load (")
+    assert "rng_rank0.pt" in line  # the damage, as the checkpoint's reader found it
+    assert line.endswith(
+        "; name another checkpoint of the run, or the run directory to read its newest that loads"
+    )
+    assert not (sandbox.root / "export").exists()
+
+
 def test_allow_config_change_resumes_with_a_warning_listing_the_differences(sandbox, trained):
     copy_trained(trained, sandbox)
     result = train(

@@ -45,7 +45,7 @@ from forge.training.evaluation.follow import (
     rewinds_of,
     task_record,
 )
-from forge.training.evaluation.inference import LoadedModel, run_tokenizer
+from forge.training.evaluation.inference import LoadedModel, NamedCheckpointError, run_tokenizer
 from forge.training.records.run_dir import trainer_running
 from forge.training.records.run_records import COMMITS_FILE
 from forge.training.setup.loaders import held_out_sampling
@@ -242,7 +242,9 @@ def evaluate_step(
             return Evaluated([], state)
         try:
             loaded, dp, problem = load(path), trainer_dp(config, path), None
-        except Exception as exc:  # a damaged checkpoint: recorded, not the follower's end
+        except NamedCheckpointError as exc:  # damaged: recorded, not the follower's end
+            loaded, dp, problem = None, 1, exc.why
+        except Exception as exc:
             loaded, dp, problem = None, 1, one_line(exc)
         sync(True)  # every rank has read it before rank 0 unpins
     if rank == 0:

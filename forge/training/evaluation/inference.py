@@ -12,8 +12,13 @@ import torch
 from torch import nn
 
 from forge.checkpoint.paths import CheckpointPath
-from forge.checkpoint.resume import first_loadable, load_newest_weights
-from forge.checkpoint.store import load_checkpoint
+from forge.checkpoint.resume import load_newest_weights
+from forge.checkpoint.store import (
+    CheckpointError,
+    ShapeMismatchError,
+    is_complete,
+    load_checkpoint,
+)
 from forge.cli import DtypeRequest
 from forge.config import JobConfig, Precision
 from forge.data.shards import MANIFEST, read_manifest
@@ -90,16 +95,32 @@ def load_run_weights(
     loadable checkpoint of the run (then its ``checkpoint.load_path``), as training would
     resume; returns the checkpoint used. Every script that reads a checkpoint loads here, so
     each takes the same forms of path (``run_dir_of``)."""
-    if checkpoint is not None:
-        used, _ = first_loadable(
-            (checkpoint,),
-            lambda p: load_checkpoint(p, model, optimizer, restore_rng_state=False),
-            report,
-        )
-        return used
+    if checkpoint is not None:  # the one named: no other of the run's is looked at
+        try:
+            load_checkpoint(checkpoint, model, optimizer, restore_rng_state=False)
+        except ShapeMismatchError:  # another model's: said as it is
+            raise
+        except CheckpointError as exc:
+            gone = not is_complete(checkpoint)
+            raise NamedCheckpointError(
+                checkpoint, "removed while it was read, by retention" if gone else str(exc)
+            ) from None
+        return checkpoint
     return load_newest_weights(
         checkpoint_dir_of(config, run_dir), load_path_of(config), model, report, optimizer
     )
+
+
+class NamedCheckpointError(CheckpointError):
+    """The checkpoint a reader was given does not load (``why``); its message says what to
+    give the reader instead."""
+
+    def __init__(self, path: CheckpointPath, why: str) -> None:
+        super().__init__(
+            f"{path}: does not load ({why}); name another checkpoint of the run, or the run "
+            "directory to read its newest that loads"
+        )
+        self.why = why
 
 
 def tokenizer_problem(config: JobConfig, run_dir: pathlib.Path) -> str | None:
