@@ -4,6 +4,7 @@ rules for a failed save and for a run that is already complete."""
 from __future__ import annotations
 
 import pathlib
+import socket
 
 import pytest
 
@@ -84,6 +85,27 @@ def test_release_with_discard_removes_only_what_the_lock_created(tmp_path):
     lock.release(discard=True)
     assert (tmp_path / "existing").is_dir() and not (tmp_path / "a").exists()
     assert (tmp_path / "existing" / LOCK_FILE).exists() is False
+
+
+def test_a_checkpoint_directory_is_its_run_directorys_alone(tmp_path):
+    """Another run directory pointed at a run's checkpoint directory, later (no lock held), is
+    refused naming the owner; the owner takes it again; a claim discarded by a run that never
+    started leaves the directory to whoever comes next."""
+    ckpt = tmp_path / "a" / "checkpoints"
+    lock_directories([("run.dir", tmp_path / "a"), ("checkpoint.dir", ckpt)]).release()
+    with pytest.raises(RunDirBusyError) as refused:
+        lock_directories([("run.dir", tmp_path / "b"), ("checkpoint.dir", ckpt)])
+    assert refused.value.lines == [
+        f"checkpoint.dir: {ckpt} holds the checkpoints of another run (run.dir {tmp_path / 'a'} "
+        f"on {socket.gethostname()}); choose another checkpoint.dir (checkpoint.load_path starts "
+        f"a run from another's checkpoint), or delete {ckpt / 'owner.json'} if that run is gone "
+        "for good"
+    ]
+    assert not (tmp_path / "b").exists()  # nothing written for the refused run
+    lock_directories([("run.dir", tmp_path / "a"), ("checkpoint.dir", ckpt)]).release()
+    fresh = tmp_path / "fresh"
+    lock_directories([("run.dir", tmp_path / "c"), ("checkpoint.dir", fresh)]).release(discard=True)
+    lock_directories([("run.dir", tmp_path / "d"), ("checkpoint.dir", fresh)]).release()
 
 
 def write_run(run_dir: pathlib.Path, raw: dict, metrics: bool = True) -> None:

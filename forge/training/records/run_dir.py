@@ -182,19 +182,24 @@ def take_lock(f: Any, patience_s: float = 1.0) -> bool:
 
 def lock_directories(dirs: Sequence[tuple[str, CheckpointPath]]) -> RunDirLock:
     """Create and lock each ``(config key, directory)``; raise ``RunDirBusyError`` naming the
-    directory and the holder if another process holds one (then nothing stays locked). A
-    prefix in an object store is claimed for the run directory (the first entry) instead
-    (``store_claim``)."""
+    directory and the holder if another process holds one (then nothing stays locked). The
+    checkpoint directory (each entry after the first) is also claimed for the run directory
+    (the first entry), and a prefix in an object store is claimed instead of locked
+    (``store_claim``): another run directory's is refused, naming its owner."""
+    run_dir = dirs[0][1]
+    assert isinstance(run_dir, pathlib.Path), "the run directory is local"
     lock = RunDirLock()
+
+    def claim(key: str, folder: CheckpointPath) -> None:
+        try:
+            lock.claims.append(claim_prefix(key, folder, run_dir))
+        except StoreClaimError as exc:
+            raise RunDirBusyError(exc.lines) from None
+
     try:
         for key, folder in dirs:
             if isinstance(folder, ObjectPath):
-                try:
-                    run_dir = dirs[0][1]
-                    assert isinstance(run_dir, pathlib.Path), "the run directory is local"
-                    lock.claims.append(claim_prefix(key, folder, run_dir))
-                except StoreClaimError as exc:
-                    raise RunDirBusyError(exc.lines) from None
+                claim(key, folder)
                 continue
             _make_dirs(key, folder, lock)
             lock_file = folder / LOCK_FILE
@@ -220,6 +225,8 @@ def lock_directories(dirs: Sequence[tuple[str, CheckpointPath]]) -> RunDirLock:
             f.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
             f.flush()
             lock.files.append(f)
+            if folder != run_dir:
+                claim(key, folder)
     except BaseException:
         lock.release(discard=True)
         raise

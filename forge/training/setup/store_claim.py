@@ -1,14 +1,17 @@
-"""One run per object-store prefix: what the run directory's lock is to a local checkpoint
-directory. A prefix holds ``owner.json``, naming the run that writes there (a token kept in
-that run's directory, its path and host); another run directory pointed at the prefix is
-refused, naming the owner. The store is also probed before anything is written: the bucket
-exists, the credentials are accepted, the prefix is writable, and the store answers within
-``checkpoint.storage_timeout_s`` (each call of the probe and the claim waits that long at
-most: ``ObjectPath.answer``).
+"""One run per checkpoint directory: a local one or an object-store prefix holds
+``owner.json``, naming the run that writes there (a token kept in that run's directory, its
+path and host); another run directory pointed at it is refused, naming the owner. The locks
+of ``forge.training.records.run_dir`` keep out a second process at once; the claim keeps out
+another run directory at any later time (a run continued elsewhere starts from
+``checkpoint.load_path``). An object store's prefix is also probed before anything is
+written: the bucket exists, the credentials are accepted, the prefix is writable, and the
+store answers within ``checkpoint.storage_timeout_s`` (each call of the probe and the claim
+waits that long at most: ``ObjectPath.answer``).
 
 Stores offer no lock with a lease, so two runs started at the same instant could both claim
 an empty prefix (the window is one round trip); a run restarted, from any host, with its own
-run directory is always the owner.
+run directory is always the owner. A checkpoint directory written before claims existed is
+claimed by the first run directory that starts with it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import uuid
 import attrs
 
 from forge.checkpoint.object_path import ObjectPath, StoreTimeoutError
+from forge.checkpoint.paths import CheckpointPath
 from forge.errors import UserInputError, one_line
 
 OWNER = "owner.json"  # in the prefix
@@ -72,7 +76,7 @@ class Claim:
     """What a claim wrote (for a run that then never starts to take back): the owner
     object and the token file, each when this claim created it."""
 
-    owner: ObjectPath | None = None
+    owner: CheckpointPath | None = None
     token_file: pathlib.Path | None = None
 
     def withdraw(self) -> None:
@@ -86,10 +90,10 @@ class Claim:
                 self.token_file.unlink(missing_ok=True)
 
 
-def claim_prefix(key: str, prefix: ObjectPath, run_dir: pathlib.Path) -> Claim:
-    """Make ``prefix`` this run's (``run_dir``'s), or raise ``StoreClaimError`` naming its
-    owner or why it cannot be written; nothing is written when it is refused. Returns what
-    it wrote."""
+def claim_prefix(key: str, prefix: CheckpointPath, run_dir: pathlib.Path) -> Claim:
+    """Make ``prefix`` (a checkpoint directory, local or in a store) this run's
+    (``run_dir``'s), or raise ``StoreClaimError`` naming its owner or why it cannot be
+    written; nothing is written when it is refused. Returns what it wrote."""
     token_file = run_dir / OWNER_TOKEN
     token = token_file.read_text().strip() if token_file.is_file() else uuid.uuid4().hex
     owner = prefix / OWNER
@@ -108,7 +112,8 @@ def claim_prefix(key: str, prefix: ObjectPath, run_dir: pathlib.Path) -> Claim:
         raise StoreClaimError(
             f"{key}: {prefix} holds the checkpoints of another run (run.dir "
             f"{holder.get('run_dir', '?')} on {holder.get('host', '?')}); choose another "
-            f"{key}, or delete {owner} if that run is gone for good"
+            f"{key} (checkpoint.load_path starts a run from another's checkpoint), or delete "
+            f"{owner} if that run is gone for good"
         )
     record = {"token": token, "run_dir": str(run_dir.resolve()), "host": socket.gethostname()}
     claim = Claim(owner, None if token_file.is_file() else token_file)
@@ -134,7 +139,7 @@ def claim_prefix(key: str, prefix: ObjectPath, run_dir: pathlib.Path) -> Claim:
     return claim
 
 
-def claim_refusal(key: str, prefix: ObjectPath, exc: OSError, written: bool) -> StoreClaimError:
+def claim_refusal(key: str, prefix: CheckpointPath, exc: OSError, written: bool) -> StoreClaimError:
     """Why a claim failed: the store did not answer, or refused to write the owner, or to
     read it back once ``written``."""
     if isinstance(exc, StoreTimeoutError):
