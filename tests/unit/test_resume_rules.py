@@ -57,6 +57,9 @@ def test_the_table_names_only_real_keys_sections_and_recorded_values():
         ("train.grad_clip_norm", G.NUMERICS),
         ("train.mixed_precision", G.NUMERICS),
         ("model.attention", G.NUMERICS),  # another kernel, the same model
+        ("train.compile", G.NUMERICS),  # measured: step 7's grad norm differs on a CPU
+        ("train.loss_chunk_size", G.NUMERICS),  # measured: a fresh run differs at step 2
+        ("train.activation_checkpointing", G.FREE),  # measured: bit for bit
         ("metrics.log_interval", G.FREE),
         ("eval.interval", G.FREE),
         ("checkpoint.interval", G.FREE),

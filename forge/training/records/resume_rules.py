@@ -14,9 +14,10 @@ the table and every decision are table-tested. What a checkpoint records to comp
 - ``SCHEDULE`` (``optimizer.lr``, ``[scheduler]``, and ``train.max_steps`` where the decay
   depends on it): refused, naming the keys; ``checkpoint.schedule_from = "checkpoint"`` keeps
   the recorded schedule, ``"config"`` switches to the new one at the resume step.
-- ``NUMERICS`` (compute precision, clipping, the z-loss, a kernel; a mixture-of-experts model's
-  tokens per micro-batch): the same state continues under other arithmetic; accepted with a
-  warning (the run is no longer the uninterrupted one bit for bit).
+- ``NUMERICS`` (compute precision, clipping, the z-loss, a kernel, compilation, the loss's
+  chunks; a mixture-of-experts model's tokens per micro-batch): the same state continues
+  under other arithmetic; accepted with a warning (the run is no longer the uninterrupted
+  one bit for bit).
 - ``LAYOUT`` (``train.batch_size`` and ``grad_accum_steps`` at the same global batch, every
   parallel degree, loader workers): free *because* the resume is exact — every split of a step
   reads the same rows (``forge.data.loader``), ``tests/distributed/test_any_layout_resume.py``.
@@ -89,7 +90,7 @@ GROUPS: dict[str, ChangeGroup] = {
     "train.param_dtype": G.OPTIMIZER_STATE,
     "train.num_threads": G.FREE,
     "train.activation_checkpointing": G.FREE,
-    "train.compile": G.FREE,
+    "train.compile": G.NUMERICS,  # inductor's fused kernels round otherwise than eager's
     "train.z_loss_weight": G.NUMERICS,
     "train.mtp_loss_weight": G.NUMERICS,
     "train.float8": G.NUMERICS,  # the checkpoint holds high-precision weights either way
@@ -98,7 +99,7 @@ GROUPS: dict[str, ChangeGroup] = {
     "train.float8_check_tolerance": G.FREE,
     "train.float8_check_grad_tolerance": G.FREE,
     "train.float8_on_drift": G.FREE,
-    "train.loss_chunk_size": G.FREE,
+    "train.loss_chunk_size": G.NUMERICS,  # the loss and its gradient summed in other parts
     "optimizer.name": G.OPTIMIZER_STATE,
     "optimizer.lr": G.SCHEDULE,
     "optimizer.weight_decay": G.OPTIMIZER_STATE,  # the saved param groups carry it
