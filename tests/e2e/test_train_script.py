@@ -678,3 +678,17 @@ def test_training_needs_none_of_the_optional_extras(tiny_config):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "COMPLETED at step 6" in done.stdout + done.stderr
     assert latest(tiny_config) == "step_6"
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_run_that_does_not_verify_its_data_says_what_goes_unseen(tiny_config, capsys, verify):
+    from forge.training.setup.problems import UNVERIFIED_DATA
+
+    args = [
+        str(tiny_config),
+        "--train.max_steps=3",  # past the warm-up
+        f"--data.verify_checksum={str(verify).lower()}",
+    ]
+    assert TRAIN.main(args) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "verify_checksum" in line]
+    assert said == ([] if verify else [f"[forge] {UNVERIFIED_DATA}"])

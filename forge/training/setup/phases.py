@@ -73,6 +73,7 @@ from forge.training.records.run_records import RunRecordsError, write_run_record
 from forge.training.setup.loaders import image_caption_loaders, text_loaders
 from forge.training.setup.pipeline_setup import pipeline_of, pipeline_parts
 from forge.training.setup.problems import (
+    UNVERIFIED_DATA,
     cpu_flags,
     memory_problems,
     precision_warning,
@@ -236,6 +237,8 @@ def setup_data(run: RunContext, dist: DistContext) -> DataContext:
         loaders = text_loaders(cfg, folders, manifests, **place, context=dist.context_split)
     if loaders.warning is not None:
         dist.say(f"warning: {loaders.warning}")
+    if not cfg.data.verify_checksum:
+        dist.say(UNVERIFIED_DATA)
     names = tuple(s.name for s in sources)
     return DataContext(
         fingerprints=tuple(dataset_fingerprint(m) for m in manifests),

@@ -123,6 +123,14 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+# data.verify_checksum = false, said at each launch: what the run then cannot see
+UNVERIFIED_DATA = (
+    "warning: data.verify_checksum = false: the shards' bytes are not compared with their "
+    "manifest's SHA-256, so a shard rewritten in place goes unseen (the run's data identity "
+    "and data/rows_digest follow the manifest and the rows' positions, not their bytes)"
+)
+
+
 def precision_warning(precision: Precision, device: str, flags: frozenset[str]) -> str | None:
     """A warning when bf16 compute would be emulated: on a CPU without AVX-512 BF16 or AMX,
     a bf16 step ran 24x slower than fp32 (benchmarks/precision.py)."""
