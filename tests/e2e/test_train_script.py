@@ -216,11 +216,29 @@ def test_missing_config_file_from_the_command_line(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_checkpoint_from_another_architecture_is_refused(tiny_config, capsys):
+# (the changed [model] keys, what the refusal names): a tensor of another shape, one the
+# checkpoint lacks; allow_config_change cannot load either
+ARCHITECTURES = [
+    (["--model.dim=64"], "model.dim: 32 → 64"),
+    (["--model.n_layers=3"], "model.n_layers: 2 → 3"),
+    (["--model.n_layers=3", "--checkpoint.allow_config_change=true"], "model.n_layers: 2 → 3"),
+]
+
+
+@pytest.mark.parametrize(("change", "named"), ARCHITECTURES)
+def test_checkpoint_from_another_architecture_is_refused_naming_the_keys(
+    tiny_config, capsys, change, named
+):
     assert TRAIN.main([str(tiny_config), "--train.max_steps=5"]) == 0
-    assert TRAIN.main([str(tiny_config), "--model.dim=64"]) == 2
-    err = capsys.readouterr().err
-    assert "has shape [259, 32] in the checkpoint but [259, 64] in the model" in err
+    capsys.readouterr()
+    assert TRAIN.main([str(tiny_config), *change]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    ckpt = tiny_config.parent / "run" / "checkpoints" / "step_5"
+    assert line == (
+        f"error: {ckpt}: written for another model (the checkpoint's → this config's): {named}; "
+        "its tensors do not fit this one (not even with checkpoint.allow_config_change): resume "
+        "with the checkpoint's values, or choose a new run.dir"
+    )
 
 
 def test_generate_prints_text_from_the_trained_run(tiny_config):

@@ -16,6 +16,7 @@ from forge.checkpoint.resume import ResumePlan, first_loadable, newest_committed
 from forge.checkpoint.store import (
     TRAIN_STATE,
     CheckpointError,
+    ShapeMismatchError,
     check_loadable,
     load_checkpoint,
     read_train_state,
@@ -36,6 +37,7 @@ from forge.training.context import (
     RunContext,
 )
 from forge.training.records.resume_rules import (
+    ChangeGroup,
     ChangeOptions,
     ChangeVerdict,
     change_verdict,
@@ -111,6 +113,27 @@ def check_changes(
     return verdict
 
 
+def model_refusal(
+    exc: ShapeMismatchError, path: CheckpointPath, current: dict
+) -> ShapeMismatchError:
+    """``exc`` (a tensor the model lacks or shapes otherwise) said by the ``[model]`` keys that
+    changed, where the checkpoint records them: no setting loads other shapes."""
+    try:
+        recorded = parse_train_state(read_train_state(path), path).identity or {}
+    except (CheckpointError, OSError, ValueError):
+        return exc
+    found = changes(recorded, current, predated_model_defaults())
+    model = [c.describe() for c in found if c.group is ChangeGroup.MODEL]
+    if not model:
+        return exc
+    return ShapeMismatchError(
+        f"{path}: written for another model (the checkpoint's → this config's): "
+        f"{'; '.join(model)}; its tensors do not fit this one (not even with "
+        "checkpoint.allow_config_change): resume with the checkpoint's values, or choose a "
+        "new run.dir"
+    )
+
+
 def loader_position(train_state: TrainState, data: DataContext, path: CheckpointPath) -> None:
     """Check, before any tensor loads, that the train loader can seek to the checkpoint's
     position; a ``CheckpointError`` (damage: the next checkpoint is tried) naming it if not."""
@@ -155,8 +178,11 @@ def resume_run(
     spent = {"load": 0.0, "verify": 0.0}  # every candidate's, one that gave way included
 
     def load(path: CheckpointPath) -> tuple[TrainState, ChangeVerdict]:
-        check_loadable(path, model.model, Verification.METADATA)  # safe reads first: a
-        start = time.perf_counter()  # file carrying code is refused, not skipped
+        try:  # safe reads first: a file carrying code is refused, not skipped
+            check_loadable(path, model.model, Verification.METADATA)
+        except ShapeMismatchError as exc:
+            raise model_refusal(exc, path, current) from None
+        start = time.perf_counter()
         try:
             verified_by_main(path, cfg.verify, dist)
         finally:
