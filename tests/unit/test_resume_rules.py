@@ -274,3 +274,25 @@ def test_a_key_the_optimizer_ignores_is_no_change(optimizer, key, value, changed
         return recorded_settings(config, 3e-4, ScheduleName.COSINE, 100, 900, 0.1, 1000)
 
     assert bool(changes(recorded(), recorded(**{key: value}))) is changed
+
+
+@pytest.mark.parametrize(
+    ("mtp_depth", "changed"),
+    [
+        (0, False),  # measured: a resume with another weight and no depth is bit for bit
+        (1, True),
+    ],
+)
+def test_the_multi_token_weight_is_a_change_only_with_multi_token_depths(mtp_depth, changed):
+    import attrs
+
+    def recorded(weight: float) -> dict:
+        base = JobConfig()
+        config = attrs.evolve(
+            base,
+            model=attrs.evolve(base.model, mtp_depth=mtp_depth),
+            train=attrs.evolve(base.train, mtp_loss_weight=weight),
+        )
+        return recorded_settings(config, 3e-4, ScheduleName.COSINE, 100, 900, 0.1, 1000)
+
+    assert bool(changes(recorded(0.3), recorded(0.5))) is changed

@@ -124,6 +124,14 @@ def schedule_shape(
     return shape
 
 
+def unused_settings(config: JobConfig) -> frozenset[str]:
+    """The settings ``config`` gives no effect, so that a change of one is no change: the
+    optimizer's keys it ignores (``UNUSED_BY``), the multi-token loss's weight without
+    multi-token depths."""
+    unused = UNUSED_BY.get(config.optimizer.name.value, frozenset())
+    return unused | ({"train.mtp_loss_weight"} if config.model.mtp_depth == 0 else frozenset())
+
+
 def recorded_settings(
     config: JobConfig, peak_lr: float, name: ScheduleName, warmup: int, decay: int,
     min_ratio: float, total: int,
@@ -132,7 +140,7 @@ def recorded_settings(
     keys as configured, the schedule as it runs (its peak LR and its resolved shape,
     ``schedule_shape``), and a mixture-of-experts model's tokens per micro-batch (its
     balancing loss and capacity are functions of them)."""
-    unused = UNUSED_BY.get(config.optimizer.name.value, frozenset())
+    unused = unused_settings(config)
     groups = (ChangeGroup.OPTIMIZER_STATE, ChangeGroup.NUMERICS)
     settings = {
         key: plain(getattr(getattr(config, key.split(".")[0]), key.split(".")[1]))
