@@ -31,6 +31,7 @@ from forge.resilience.faults import (
     faults_from_env,
     gradient_faults,
     with_faults,
+    with_slow_data,
 )
 from forge.resilience.health import guard_collectives
 from forge.resilience.replica_groups import GroupsLostError
@@ -228,7 +229,9 @@ def train(
     if replicas is not None:  # each step's rows follow its quorum, read inside the step
         replicas.stop_requested = flag.requested  # a signal ends a step waiting for a quorum
         step, batches = replicated_step(step, replicas, dist.say), replica_batches(replicas)
-    step = stragglers.timed(step)
+    batches = with_slow_data(batches, faults, dist.rank, ckpt.initial_state.step + 1)
+    waits = stragglers.LoaderWaits()  # a rank's wait for its own data is its own time too
+    step, batches = stragglers.timed(step, waits=waits), waits.watch(batches)
     res = run.config.resilience
     if channel is None:
         channel = ControlChannel(dist.world_size, res.health_timeout_s)

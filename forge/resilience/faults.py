@@ -26,7 +26,7 @@ import enum
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -48,6 +48,7 @@ class FaultKind(enum.Enum):
     STALL = "stall"
     CORRUPT = "corrupt"
     SLOW = "slow"
+    SLOW_DATA = "slow_data"
     SPIKE = "spike"
 
 
@@ -162,6 +163,23 @@ def with_faults(
             handle.remove()
 
     return faulty_step
+
+
+def with_slow_data(
+    batches: Iterator[BatchT], faults: tuple[Fault, ...], rank: int, first_step: int
+) -> Iterator[BatchT]:
+    """``batches``, each from a ``slow_data`` fault's step on (the first is ``first_step``'s)
+    handed over ``seconds`` late: the rank sleeps, as one waiting on a slow disk does."""
+    slow = [f for f in faults if f.kind is FaultKind.SLOW_DATA and f.on(rank)]
+    if not slow:
+        return batches
+
+    def late() -> Iterator[BatchT]:
+        for step, batch in enumerate(batches, first_step):
+            time.sleep(sum(f.seconds for f in slow if step >= f.step))
+            yield batch
+
+    return late()
 
 
 def keep_busy(seconds: float) -> None:

@@ -1,20 +1,25 @@
 """Stragglers: each rank's own time per step, compared across ranks at every log.
 
 A rank's own time is the CPU time its process spent in the step (``time.process_time``, every
-thread: the compute threads included). A rank waiting for its peers in a collective blocks
-without spending any, so one slow rank shows as the one with the most, while every rank's
-wall-clock time per step is the same. The times travel in the log step's one reduction (a
-per-rank gather, ``forge.metrics.reduction``); the decisions below are pure and table-tested.
+thread: the compute threads included), plus the wall time it waited for its own next batch
+(``LoaderWaits``: a slow disk or data pipeline on one host, which its peers wait for at the
+step's first collective while their CPU clocks stand still). A rank waiting for its peers in
+a collective blocks without spending any, so one slow rank shows as the one with the most,
+while every rank's wall-clock time per step is the same. The times travel in the log step's
+one reduction (a per-rank gather, ``forge.metrics.reduction``); the decisions below are pure
+and table-tested.
 
-On CUDA the host's CPU time measures the host's side of the step (data, Python, launches),
-not the device's compute: a slow GPU is not seen by it (``docs/resilience.md``).
+Not seen: a rank that is descheduled inside its step (CPU steal, cgroup throttling, a stop
+signal) spends neither CPU time nor loader wait. On CUDA the host's CPU time measures the
+host's side of the step (data, Python, launches), not the device's compute: a slow GPU is not
+seen by it (``docs/resilience.md``).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import attrs
@@ -24,16 +29,43 @@ from forge.types import LoopState, StepResult
 BatchT = TypeVar("BatchT")
 
 
+@attrs.define
+class LoaderWaits:
+    """The wall time this rank waited for its own batches since its last step reported it."""
+
+    clock: Callable[[], float] = time.perf_counter
+    pending: float = 0.0
+
+    def watch(self, batches: Iterator[BatchT]) -> Iterator[BatchT]:
+        """``batches``, the wait for each kept until ``take``."""
+        while True:
+            start = self.clock()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.pending += self.clock() - start
+            yield batch
+
+    def take(self) -> float:
+        """The wait kept since the last call."""
+        waited, self.pending = self.pending, 0.0
+        return waited
+
+
 def timed(
     step_fn: Callable[[BatchT, LoopState], StepResult],
     clock: Callable[[], float] = time.process_time,
+    waits: LoaderWaits | None = None,
 ) -> Callable[[BatchT, LoopState], StepResult]:
-    """``step_fn`` reporting its own time (``StepResult.busy_s``) by ``clock``."""
+    """``step_fn`` reporting its own time (``StepResult.busy_s``): its time by ``clock``, and
+    the rank's wait for the step's batch when ``waits`` kept it."""
 
     def timed_step(batches: BatchT, state: LoopState) -> StepResult:
         start = clock()
         result = step_fn(batches, state)
-        return attrs.evolve(result, busy_s=clock() - start)
+        waited = waits.take() if waits is not None else 0.0
+        return attrs.evolve(result, busy_s=clock() - start + waited)
 
     return timed_step
 

@@ -220,6 +220,22 @@ def test_a_slow_rank_is_named_in_every_record_and_in_one_warning(tmp_path, unint
     assert len(warned) == 1 and warned[0].startswith("[forge] warning: rank 1 (host "), warned
 
 
+def test_a_rank_waiting_on_its_own_data_is_named_a_straggler(tmp_path, uninterrupted):
+    """Rank 1's batches come 0.4 s late (it sleeps, as on a slow disk): its CPU clock sees
+    nothing, rank 0 waits for it in the step's collectives spending none either; its wait
+    for its own data is what names it."""
+    config, _ = uninterrupted
+    args = [*FSDP, "--resilience.straggler_logs=3", "--resilience.straggler_ratio=1.3"]
+    faults = "slow_data:step=2:rank=1:seconds=0.4"
+    out, _ = two_ranks(config, tmp_path / "run", *args, faults=faults)
+    ok(out)
+    ratios = {r["step"]: r["straggler/ratio"] for r in records(tmp_path / "run")}
+    slowest = {r["step"]: r["straggler/slowest_rank"] for r in records(tmp_path / "run")}
+    assert all(slowest[s] == 1 and ratios[s] > 1.3 for s in range(2, 7)), (slowest, ratios)
+    warned = [x for x in out.stderr.splitlines() if "is a straggler" in x]
+    assert len(warned) == 1 and warned[0].startswith("[forge] warning: rank 1 (host "), warned
+
+
 def test_a_held_run_dir_stops_both_ranks_at_start_up(tmp_path, small_corpus):
     """Only rank 0 takes the lock; rank 1 learns of the refusal and never trains alone."""
     from forge.training.records.run_dir import lock_directories

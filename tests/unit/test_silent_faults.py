@@ -296,11 +296,46 @@ def test_a_timed_step_reports_its_clock_time():
     assert step(None, LoopState()).busy_s == 2.5
 
 
+# (the loader's wall clock around each batch and the end, the step's CPU clock around each
+# step, each step's own time): the wait for a step's batch is the rank's own, once
+WAITS = [
+    ("no wait", [0.0, 0.0, 1.0, 1.0, 2.0], [0.0, 2.0, 2.0, 4.0], [2.0, 2.0]),
+    ("a slow batch, then none", [0.0, 3.0, 5.0, 5.0, 6.0], [0.0, 2.0, 2.0, 4.0], [5.0, 2.0]),
+    ("every batch slow", [0.0, 1.5, 2.0, 3.5, 4.0], [0.0, 1.0, 1.0, 2.0], [2.5, 2.5]),
+]
+
+
+@pytest.mark.parametrize("loader,cpu,own", [c[1:] for c in WAITS], ids=[c[0] for c in WAITS])
+def test_a_ranks_wait_for_its_own_batches_is_its_own_time(loader, cpu, own):
+    from forge.resilience.stragglers import LoaderWaits
+
+    waits = LoaderWaits(clock=iter(loader).__next__)
+    cpu_ticks = iter(cpu)
+    step = timed(lambda batch, state: result(), clock=cpu_ticks.__next__, waits=waits)
+    got = [step(batch, LoopState()).busy_s for batch in waits.watch(iter(["a", "b"]))]
+    assert got == own
+    assert waits.take() == 0.0  # each wait reported once
+
+
+def test_slow_data_hands_over_batches_late_from_its_step_on_on_its_rank():
+    import time
+
+    from forge.resilience.faults import with_slow_data
+
+    faults = parse_faults("slow_data:step=3:rank=1:seconds=0.05")
+    other = iter("abc")
+    assert with_slow_data(other, faults, rank=0, first_step=1) is other  # not on rank 0
+    start = time.perf_counter()
+    assert list(with_slow_data(iter("abcd"), faults, rank=1, first_step=2)) == list("abcd")
+    assert time.perf_counter() - start >= 0.15  # steps 3, 4 and 5 each 0.05 s late
+
+
 # (text, faults)
 FAULTS = [
     ("corrupt:step=3:rank=1", (Fault(FaultKind.CORRUPT, 3, 1),)),
     ("corrupt:step=3:rank=1:times=3", (Fault(FaultKind.CORRUPT, 3, 1, times=3),)),
     ("slow:step=1:rank=1:seconds=0.4", (Fault(FaultKind.SLOW, 1, 1, seconds=0.4),)),
+    ("slow_data:step=2:rank=1:seconds=0.4", (Fault(FaultKind.SLOW_DATA, 2, 1, seconds=0.4),)),
     ("spike:step=15:scale=1000", (Fault(FaultKind.SPIKE, 15, None, scale=1000.0),)),
     (
         "corrupt:step=2:rank=1:times=3:sticky=1",
