@@ -19,6 +19,14 @@ class Precision(enum.Enum):
     FP32 = "fp32"
 
 
+# the overrides that resume a run without FP8 (after the drift guard stopped it, or fell back):
+# the guard's keys have no effect without FP8, and a key with no effect is refused
+FLOAT8_OFF = (
+    "--train.float8=off --train.float8_check=0 --train.float8_on_drift=warn (and the "
+    "float8_check tolerances removed, where set)"
+)
+
+
 class Float8Recipe(enum.Enum):
     """``train.float8``: FP8 matrix products through torchao (``forge.parallel.float8``), and
     how their scales are taken: one per tensor, or one per row."""
@@ -98,8 +106,19 @@ class TrainConfig:
                 p.append((f"train.{key}", f"must be a finite number > 0, got {tolerance}"))
         defaults = TrainConfig()
         for key in ("float8_check_tolerance", "float8_check_grad_tolerance", "float8_on_drift"):
-            if self.float8 is Float8Recipe.OFF and getattr(self, key) != getattr(defaults, key):
+            if getattr(self, key) == getattr(defaults, key):
+                continue
+            if self.float8 is Float8Recipe.OFF:
                 p.append((f"train.{key}", "has no effect with train.float8 = 'off'; remove it"))
+            elif self.float8_check == 0:  # a drift policy no step is checked against
+                p.append(
+                    (
+                        f"train.{key}",
+                        "has no effect with train.float8_check = 0 (no step is compared with "
+                        "high precision); set float8_check to the steps between checks, or "
+                        "remove it",
+                    )
+                )
         if self.float8_check > 0 and self.float8 is Float8Recipe.OFF:
             p.append(
                 (

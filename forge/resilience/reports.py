@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from forge.config.resilience import NonFinitePolicy, SpikePolicy
+from forge.config.train import FLOAT8_OFF
 from forge.types import (
     Float8Drift,
     Float8Verdict,
@@ -110,7 +111,7 @@ DRIFT_HANDLING = {
     Float8Drift.WARN: "training on in FP8 (train.float8_on_drift='warn')",
     Float8Drift.FALLBACK: (
         "applied; the rest of this launch computes in high precision "
-        "(train.float8_on_drift='fallback'): pass --train.float8=off when you resume"
+        f"(train.float8_on_drift='fallback'): resume with {FLOAT8_OFF}"
     ),
     Float8Drift.STOP: "not applied; the run ends (train.float8_on_drift='stop')",
 }

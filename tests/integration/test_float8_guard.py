@@ -17,6 +17,7 @@ import math
 
 import pytest
 
+from forge.config.train import FLOAT8_OFF
 from forge.training.loop.finalize import CheckpointView, FinalSaveReason, finalize
 from forge.training.loop.outcome import exit_code
 from forge.training.steps.float8_check import Float8CheckRule, float8_verdict, relative_drift
@@ -32,7 +33,9 @@ INF = math.inf
 @pytest.mark.parametrize(
     ("value", "reference", "drift"),
     [(1.0, 1.0, 0.0), (1.1, 1.0, 0.1), (0.9, 1.0, 0.1), (0.0, 0.0, 0.0), (1.0, 0.0, INF),
-     (math.nan, 1.0, INF), (1.0, INF, INF)],
+     (math.nan, 1.0, INF), (INF, 1.0, INF),
+     # the step fails in high precision too: no drift (the non-finite policy's step)
+     (1.0, INF, 0.0), (math.nan, math.nan, 0.0), (INF, -INF, 0.0)],
 )  # fmt: skip
 def test_relative_drift(value, reference, drift):
     assert relative_drift(value, reference) == pytest.approx(drift)
@@ -129,7 +132,7 @@ def test_fallback_computes_in_high_precision_for_the_rest_of_the_launch(
 ):
     out, records = run(tmp_path, small_corpus, scale_fault, "--train.float8_on_drift=fallback")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert drifted_steps(out.stderr) == [22] and "pass --train.float8=off" in out.stderr
+    assert drifted_steps(out.stderr) == [22] and f"resume with {FLOAT8_OFF}" in out.stderr
     assert [r["step"] for r in records if "float8/loss_drift" in r][-1] == 22  # checks stop
     assert [r["step"] for r in records] == list(range(1, 25))
     casts = scale_fault.casts_after
@@ -142,6 +145,6 @@ def test_stop_applies_nothing_and_ends_the_run_with_exit_7(tmp_path, small_corpu
     out, _ = run(tmp_path, small_corpus, scale_fault, "--train.float8_on_drift=stop")
     assert out.returncode == ExitCode.FLOAT8_DRIFT, out.stderr[-2000:]
     assert drifted_steps(out.stderr) == [22] and "error: step 22 in FP8 drifted" in out.stderr
-    assert "resume from the last checkpoint with --train.float8=off" in out.stdout + out.stderr
+    assert f"resume from the last checkpoint with {FLOAT8_OFF}" in out.stdout + out.stderr
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
     assert saved == ["step_20", "step_21"]  # step 22 was not applied, no final save followed

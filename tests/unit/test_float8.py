@@ -140,9 +140,11 @@ def test_fp8_with_a_vision_language_model_is_refused_by_name(tmp_path):
         ({"float8_check": 10}, "train.float8_check"),  # compares FP8 with nothing: FP8 is off
         ({"float8": "rowwise", "float8_check": -1}, "train.float8_check"),
         ({"float8": "rowwise", "float8_check_tolerance": float("nan")}, "train.float8_check_tolerance"),
-        ({"float8": "rowwise", "float8_check_grad_tolerance": 0.0}, "train.float8_check_grad_tolerance"),
+        ({"float8": "rowwise", "float8_check": 10, "float8_check_grad_tolerance": 0.0}, "train.float8_check_grad_tolerance"),
         ({"float8_on_drift": "stop"}, "train.float8_on_drift"),  # inert with FP8 off
         ({"float8_check_tolerance": 0.1}, "train.float8_check_tolerance"),
+        ({"float8": "rowwise", "float8_on_drift": "stop"}, "train.float8_on_drift"),  # no step checked
+        ({"float8": "rowwise", "float8_check_tolerance": 0.1}, "train.float8_check_tolerance"),
         ({"float8": "rowwise", "float8_check": 10, "float8_on_drift": "stop"}, None),
     ],
 )  # fmt: skip
@@ -171,3 +173,17 @@ def test_the_start_line_says_the_weights_are_gathered_in_fp8():
     line = layers.describe(Float8Recipe.TENSORWISE, emulated=False, gathered=True)
     assert "(their weights gathered in FP8 by FSDP2)" in line
     assert "gathered" not in layers.describe(Float8Recipe.TENSORWISE, emulated=False)
+
+
+def test_the_overrides_forge_gives_to_resume_without_fp8_are_accepted(tmp_path):
+    """What the drift guard's stop and fallback lines say to resume with: on a config whose
+    guard stopped the run, those overrides (on the command line, as typed) load."""
+    from forge.config.loader import load_config
+    from forge.config.train import FLOAT8_OFF
+
+    path = tmp_path / "c.toml"
+    path.write_text('[data]\npath = "x"\n[train]\nfloat8 = "rowwise"\nfloat8_check = 10\n'
+                    'float8_on_drift = "stop"\n')  # fmt: skip
+    overrides = [a for a in FLOAT8_OFF.split() if a.startswith("--")]
+    resumed = load_config([str(path), *overrides]).config.train
+    assert resumed.float8.value == "off" and resumed.float8_check == 0

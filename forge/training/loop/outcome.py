@@ -6,6 +6,7 @@ from __future__ import annotations
 import pathlib
 
 from forge.config.sections import NonFinitePolicy
+from forge.config.train import FLOAT8_OFF
 from forge.resilience.stacks import every_rank
 from forge.training.loop.plan import LoopPolicy
 from forge.types import ExitCode, LoopOutcome, LoopState
@@ -81,7 +82,7 @@ def outcome_message(
             f"step {step} in FP8 drifted from its high-precision recomputation (the line "
             "above gives by how much) and train.float8_on_drift='stop': it was not applied and "
             "no checkpoint of it was saved; resume from the last checkpoint with "
-            "--train.float8=off, or with a wider train.float8_check_tolerance if the drift is "
+            f"{FLOAT8_OFF}, or with a wider train.float8_check_tolerance if the drift is "
             "expected"
         )
     return None

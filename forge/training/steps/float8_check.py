@@ -44,9 +44,12 @@ class Float8CheckRule:
 
 
 def relative_drift(value: float, reference: float) -> float:
-    """``|value - reference| / |reference|``: inf where either is not finite, 0 where both
-    are 0."""
-    if not (math.isfinite(value) and math.isfinite(reference)):
+    """``|value - reference| / |reference|``: 0 where both are 0, and where the reference (the
+    high-precision computation) is not finite — the step fails without FP8 too, and is the
+    non-finite policy's, not the drift guard's; inf where only ``value`` is not finite."""
+    if not math.isfinite(reference):
+        return 0.0
+    if not math.isfinite(value):
         return math.inf
     if value == reference:
         return 0.0
