@@ -156,6 +156,15 @@ class ModelConfig:
                 )
             if self.attention is AttentionBackend.VARLEN:  # its values are narrower than q, k
                 p.append(("model.attention", "'varlen' is not supported with [model.mla]"))
+            for key in ("n_kv_heads", "head_dim"):  # its heads come from its latents
+                if getattr(self, key) is not None:
+                    p.append(
+                        (
+                            f"model.{key}",
+                            "has no effect with [model.mla] (latent attention's keys and values "
+                            "come from its latents, their widths set in [model.mla]); remove it",
+                        )
+                    )
         if self.rope_scaling is not None:
             p += self.rope_scaling.problems()
         for key in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):

@@ -51,7 +51,8 @@ LATENT = "\n[model.mla]\nkv_rank = 16\nq_rank = 8\nnope_dim = 8\nrope_dim = 4\nv
 
 
 def with_latent(path: pathlib.Path) -> pathlib.Path:
-    path.write_text(path.read_text() + LATENT)
+    # latent attention has no key/value heads of its own: the key is refused with it
+    path.write_text(path.read_text().replace("n_kv_heads = 2\n", "", 1) + LATENT)
     return path
 
 

@@ -141,6 +141,9 @@ def test_counts_follow_the_layer():
         (["--model.mla.kv_rank=0"], "model.mla.kv_rank: must be > 0"),
         (["--model.qk_norm=true"], "model.qk_norm: latent attention"),
         (["--model.attention=varlen"], "model.attention: 'varlen' is not supported with"),
+        # measured: the same parameters and losses bit for bit with or without them
+        (["--model.n_kv_heads=2"], "model.n_kv_heads: has no effect with [model.mla]"),
+        (["--model.head_dim=32"], "model.head_dim: has no effect with [model.mla]"),
     ],
 )
 def test_bad_latent_keys_are_refused_by_name(tmp_path, args, fragment):
