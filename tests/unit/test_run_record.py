@@ -232,3 +232,18 @@ SAME_GLOBAL_BATCH = [
 @pytest.mark.parametrize("overrides", SAME_GLOBAL_BATCH)
 def test_a_layout_change_at_the_same_global_batch_is_the_same_run(overrides):
     assert identity_differences(changed_identity({}), changed_identity(overrides)) == []
+
+
+def test_a_latent_attention_run_recorded_with_key_value_heads_resumes_without_them():
+    """[model.mla] refuses n_kv_heads and head_dim (it has no use for them); a run recorded
+    with them before that is the same model without them, not another."""
+    import attrs
+
+    from forge.config.model import LatentConfig
+
+    latent = structure_config({**BASE, "model": {"mla": {"kv_rank": 16}}})
+    assert isinstance(latent.model.mla, LatentConfig)
+    older = attrs.evolve(latent, model=attrs.evolve(latent.model, n_kv_heads=2, head_dim=32))
+    recorded = run_identity(older, 1, ("abc",)) | {"model.n_kv_heads": 2, "model.head_dim": 32}
+    assert identity_differences(recorded, run_identity(latent, 1, ("abc",))) == []
+    assert "model.n_kv_heads" not in run_identity(latent, 1, ("abc",))

@@ -48,10 +48,13 @@ def run_identity(
     a run directory's ``config.toml``.
     """
     train, data = config.train, config.data
+    # latent attention has no key/value heads of its own: a run recorded with them (before
+    # [model.mla] refused them) is the same model without them
+    unused = {"model.n_kv_heads", "model.head_dim"} if config.model.mla is not None else set()
     identity: dict[str, Any] = {
         f"model.{f.name}": plain(getattr(config.model, f.name))
         for f in attrs.fields(type(config.model))
-        if group_of(f"model.{f.name}") in IDENTITY
+        if group_of(f"model.{f.name}") in IDENTITY and f"model.{f.name}" not in unused
     }
     identity |= {
         "train.seq_len": train.seq_len,
