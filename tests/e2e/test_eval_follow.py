@@ -14,7 +14,7 @@ import pathlib
 import re
 import signal
 import subprocess
-import sys
+import threading
 import time
 
 import pytest
@@ -25,6 +25,7 @@ from tests.e2e.sandbox import Run, copy_trained, make_run, train_here
 from tests.e2e.test_downstream_tasks import TASKS
 from tests.e2e.test_train_script import load_script
 from tests.in_process import run_main
+from tests.launched import Launched, launch
 from tests.ranks import run_ranks
 
 FOLLOW = load_script("eval_follow")
@@ -63,14 +64,8 @@ def in_loop(run: Run) -> dict[int, dict]:
     return out
 
 
-def start(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-    )
+def start(argv: list[str], env: dict[str, str] | None = None) -> Launched:
+    return launch(argv, {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def wait_for(predicate, what: str, timeout: float = 120.0, every: float = 0.002) -> None:
@@ -130,9 +125,10 @@ def test_beside_a_retention_of_one_step_nothing_is_read_while_removed(tmp_path, 
     trainer = start([TRAIN, str(run.config)], env=slow)
     wait_for(lambda: (run.dir / "config.toml").is_file(), "the trainer's start")
     follower = start([SCRIPT, str(run.dir), "--poll-s", "0.01"])
-    assert trainer.wait(timeout=240) == 0, trainer.stderr.read()  # type: ignore[union-attr]
-    _, err = follower.communicate(timeout=240)
-    assert follower.returncode == 0, err
+    code, _, err = trainer.finish()
+    assert code == 0, err
+    code, _, err = follower.finish()
+    assert code == 0, err
     mine = once_each(results(run))
     assert sorted(mine) == list(range(1, 41))  # every committed step has its record
     assert not [r for r in mine.values() if "could not be read" in r.get("skipped", "")]
@@ -164,15 +160,15 @@ def test_killed_follower_and_trainer_restarted_record_every_step_once(tmp_path, 
     except AssertionError:
         caught = False
     follower.kill()
-    follower.wait()
     left = [p.name for p in pins.glob("*.pin")]
     follower = start([SCRIPT, str(run.dir), "--poll-s", "0.01"])
-    assert trainer.wait(timeout=240) == -signal.SIGKILL
+    assert trainer.finish()[0] == -signal.SIGKILL
     assert (run.ckpt / "step_20.tmp").is_dir()  # killed with its save in flight
     trainer = start(config, env={"FORGE_FAULTS": slow})  # resumes from the newest committed
-    assert trainer.wait(timeout=240) == 0, trainer.stderr.read()  # type: ignore[union-attr]
-    _, err = follower.communicate(timeout=240)
-    assert follower.returncode == 0, err
+    code, _, err = trainer.finish()
+    assert code == 0, err
+    code, _, err = follower.finish()
+    assert code == 0, err
     mine = once_each(results(run))
     assert sorted(mine) == list(range(2, 41, 2))
     evaluated = {s: r for s, r in mine.items() if "eval/loss" in r}
@@ -206,9 +202,9 @@ def test_a_second_follower_is_refused_and_a_signal_ends_the_first(tmp_path, smal
     assert second.returncode == 2
     assert second.stderr.startswith("error:") and "already followed by pid" in second.stderr
     assert len(second.stderr.strip().splitlines()) == 1
-    first.send_signal(signal.SIGTERM)
-    _, err = first.communicate(timeout=60)
-    assert first.returncode == 130, err
+    first.signal(signal.SIGTERM)
+    code, _, err = first.finish(timeout=60)
+    assert code == 130, err
     assert err.strip().splitlines()[-1].startswith("interrupted (SIGTERM)")
     assert "Traceback" not in err and len(results(run)) == 2
 
@@ -325,24 +321,26 @@ def test_a_run_a_trainer_holds_is_not_done_until_it_lets_go(trained, sandbox):
         assert follower.poll() is None  # every step done, but the trainer may go on
     finally:
         lock.close()
-    _, err = follower.communicate(timeout=60)
-    assert follower.returncode == 0 and "done: the run completed" in err
+    code, _, err = follower.finish(timeout=60)
+    assert code == 0 and "done: the run completed" in err
 
 
 def test_a_failure_of_rank_0_ends_every_follower_rank_in_one_line(trained, sandbox):
     run = copied(trained, sandbox)
     config = run.dir / "config.toml"
     config.write_text(config.read_text().replace("max_steps = 10", "max_steps = 20"))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from tests.ranks import run_ranks; "
-         f"r = run_ranks(2, [{SCRIPT!r}, {str(run.dir)!r}, '--poll-s', '0.05']); "
-         "print(r.returncode); sys.stderr.write(r.stderr)"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    wait_for(lambda: (run.dir / RESULTS_FILE).exists() and len(results(run)) == 2, "2 steps")
-    config.write_text("[model\n")  # the run's config, damaged while it is followed
-    out, err = proc.communicate(timeout=120)
-    assert out.strip() == "2", err
+    followers: list[subprocess.CompletedProcess[str]] = []  # two ranks, beside this thread
+    ranks = threading.Thread(target=lambda: followers.append(
+        run_ranks(2, [SCRIPT, str(run.dir), "--poll-s", "0.05"], timeout=120)))  # fmt: skip
+    ranks.start()
+    try:
+        wait_for(lambda: (run.dir / RESULTS_FILE).exists() and len(results(run)) == 2, "2 steps")
+        config.write_text("[model\n")  # the run's config, damaged while it is followed
+    finally:
+        ranks.join()
+    (done,) = followers
+    err = done.stderr
+    assert done.returncode == 2, err
     assert "error:" in err and "Traceback" not in err
 
 

@@ -14,8 +14,6 @@ import math
 import os
 import pathlib
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -27,6 +25,8 @@ from forge.model.vlm import build_model
 from tests.conftest import REPO, TINY, once_per_session
 from tests.e2e.test_train_script import TRAIN
 from tests.in_process import run_main
+from tests.launched import Launched
+from tests.launched import launch as start
 
 pytest.importorskip("torchft")
 
@@ -42,25 +42,20 @@ RUN = [
 ]
 
 
-def start_lighthouse(*extra: str) -> tuple[subprocess.Popen[str], str]:
+def start_lighthouse(*extra: str) -> tuple[Launched, str]:
     """``scripts/lighthouse.py`` on a free port; its address, read from its first line."""
-    proc = subprocess.Popen(
-        # a group silent for 1 s is left out of the next quorum
-        [
-            sys.executable,
-            str(REPO / "scripts" / "lighthouse.py"),
-            "--port=0",
-            "--heartbeat-timeout-ms=1000",
-            *extra,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
+    # a group silent for 1 s is left out of the next quorum
+    argv = [str(REPO / "scripts" / "lighthouse.py"), "--port=0", "--heartbeat-timeout-ms=1000"]
+    lighthouse = start([*argv, *extra])
+    line = lighthouse.wait_for_output("\n", timeout=60).splitlines()[0]
     assert line.startswith("lighthouse: http://"), line
-    return proc, line.split()[1]
+    return lighthouse, line.split()[1]
+
+
+def stop(lighthouse: Launched) -> None:
+    """SIGTERM, as a user ends it."""
+    lighthouse.signal(signal.SIGTERM)
+    lighthouse.finish(timeout=10)
 
 
 def launch(
@@ -70,9 +65,9 @@ def launch(
     lighthouse: str,
     faults: str = "",
     *extra: str,
-) -> subprocess.Popen[str]:
+    fresh: bool = False,
+) -> Launched:
     args = [
-        sys.executable,
         str(REPO / "scripts" / "train.py"),
         str(config),
         f"--run.dir={run_dir}",
@@ -88,18 +83,13 @@ def launch(
     env = {k: v for k, v in os.environ.items() if k != "FORGE_FAULTS"}
     if faults:
         env["FORGE_FAULTS"] = faults
-    return subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+    return start(args, env, fresh=fresh)
 
 
-def finished(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-    return proc.returncode, out + err
+def finished(launched: Launched, timeout: float = 120) -> tuple[int, str]:
+    """Its exit code (killed at ``timeout``) and its output, stdout then stderr."""
+    code, out, err = launched.finish(timeout)
+    return code, out + err
 
 
 def records(run_dir: pathlib.Path) -> dict[int, dict]:
@@ -142,11 +132,12 @@ def kill_and_heal(
         # relaunched once group 0 has committed a step alone (by events, not a delay: a
         # collective with a peer that died before it connected waits fault_tolerance.timeout_s)
         until_alone(tmp / "run" / "group_0", after=20)
-        second = launch(config, tmp / "run", 1, address)
+        # a fresh interpreter (its own string-hash seed, unlike forks of the warm one): the
+        # heal crosses two interpreters that share nothing
+        second = launch(config, tmp / "run", 1, address, fresh=True)
         outcomes = finished(first), finished(second)
     finally:
-        lighthouse.send_signal(signal.SIGTERM)
-        lighthouse.wait(timeout=10)
+        stop(lighthouse)
     os.environ["FORGE_FAULTS"] = "nan:step=55"
     try:
         out = run_main(
@@ -245,8 +236,7 @@ def test_losing_every_group_at_once_resumes_from_the_checkpoints_as_without_them
             assert code == 0, log[-3000:]
             assert "resumed from" in log
     finally:
-        lighthouse.send_signal(signal.SIGTERM)
-        lighthouse.wait(timeout=10)
+        stop(lighthouse)
     reference = weights(config, tmp / "ref")
     for group in ("group_0", "group_1"):
         trained = weights(config, run_dir / group)
@@ -266,11 +256,10 @@ def test_a_group_with_another_layout_is_refused_and_the_others_go_on(tmp_path, s
         code, log = finished(other)
         reached = max(records(tmp_path / "run" / "group_0"))
         until_step(tmp_path / "run" / "group_0", reached + 2)  # it goes on without the other
-        running.send_signal(signal.SIGTERM)
+        running.signal(signal.SIGTERM)
         outcome = finished(running)
     finally:
-        lighthouse.send_signal(signal.SIGTERM)
-        lighthouse.wait(timeout=10)
+        stop(lighthouse)
     lines = [line for line in log.splitlines() if line.startswith("error:")]
     assert code == 2 and len(lines) == 1, log[-3000:]
     assert "layout, model, batch or LR schedule in force is not the other groups'" in lines[0]
@@ -306,8 +295,7 @@ def test_groups_resumed_under_different_lr_schedules_stop_at_their_first_step(
         ]
         outcomes = [finished(proc) for proc in again]
     finally:
-        lighthouse.send_signal(signal.SIGTERM)
-        lighthouse.wait(timeout=10)
+        stop(lighthouse)
     for code, log in outcomes:
         errors = [line for line in log.splitlines() if line.startswith("error:")]
         assert code == 2 and len(errors) == 1, log[-3000:]
@@ -350,8 +338,7 @@ def test_a_group_that_finds_no_quorum_at_set_up_exits_4_writing_nothing(tmp_path
         )
         code, log = finished(alone)
     finally:
-        lighthouse.send_signal(signal.SIGTERM)
-        lighthouse.wait(timeout=10)
+        stop(lighthouse)
     lines = [line for line in log.splitlines() if line.startswith("error:")]
     assert code == 4 and len(lines) == 1, log[-3000:]
     assert "quorum_timeout_s=2" in lines[0] and "--min-groups" in lines[0]
