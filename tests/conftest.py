@@ -40,8 +40,14 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     sys.dont_write_bytecode = False
     import torch
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # inductor writes its cache folder into os.environ the first time it is asked for it (an
+    # in-process training run asks): set now, so this worker's environment stays the one its
+    # warm interpreter started with; else every script started after such a run differs in
+    # a TORCHINDUCTOR_ variable and gets a fresh interpreter (~5 s of CPU each; tests/zygote.py)
+    cache_dir()
     if not os.environ.get("FORGE_CACHE_DIR"):
         folder = tempfile.mkdtemp(prefix="forge-test-cache-")
         os.environ["FORGE_CACHE_DIR"] = folder

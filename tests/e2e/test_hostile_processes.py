@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import signal
-import subprocess
 import time
 
 import pytest
@@ -18,37 +16,16 @@ from forge.checkpoint.store import load_checkpoint
 from forge.config import load_config
 from forge.model.transformer import Transformer
 from forge.training.records.run_dir import lock_directories
-from tests.e2e.sandbox import TRAIN, Run, copy_trained, train
+from tests.conftest import REPO
+from tests.e2e.sandbox import TRAIN, Result, Run, copy_trained, train
+from tests.launched import Launched, launch
+from tests.zygote import run_script
 
 STALL = "stall:step=2:seconds=60"  # holds the run (and its lock) after step 2
 
 
-def start(run: Run, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [*TRAIN, str(run.config), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **(env or {})},
-    )
-
-
-def wait_for_line(proc: subprocess.Popen, prefix: str, timeout_s: float = 120) -> None:
-    """Read the process's stdout until a line starts with ``prefix``."""
-    deadline = time.monotonic() + timeout_s
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"process ended before printing {prefix!r}")
-        if line.startswith(prefix):
-            return
-    raise AssertionError(f"no line {prefix!r} within {timeout_s} s")
-
-
-def finish(proc: subprocess.Popen) -> tuple[int, str]:
-    _, err = proc.communicate(timeout=120)
-    return proc.returncode, err
+def start(run: Run, *args: str, env: dict[str, str] | None = None) -> Launched:
+    return launch([*TRAIN[1:], str(run.config), *args], {**os.environ, **(env or {})})
 
 
 def steps_logged(run: Run) -> list[int]:
@@ -59,7 +36,7 @@ def steps_logged(run: Run) -> list[int]:
 def test_a_second_process_on_the_same_run_dir_is_refused_naming_the_holder(sandbox):
     first = start(sandbox, "--checkpoint.interval=100", env={"FORGE_FAULTS": STALL})
     try:
-        wait_for_line(first, "step 2 |")
+        first.wait_for_output("step 2 |")
         second = train(sandbox)
         assert second.code == 2 and "Traceback" not in second.stderr
         assert len(second.errors) == 1
@@ -67,7 +44,6 @@ def test_a_second_process_on_the_same_run_dir_is_refused_naming_the_holder(sandb
         assert steps_logged(sandbox) == [1, 2]  # the second process wrote nothing there
     finally:
         first.kill()  # SIGKILL: the OS drops the lock with the process
-        first.wait()
     third = train(sandbox, "--train.max_steps=4")
     assert third.code == 0, third.stderr  # no stale lock
 
@@ -85,26 +61,18 @@ def test_a_checkpoint_dir_shared_by_two_run_dirs_is_refused(sandbox):
     assert not (sandbox.dir / "metrics.jsonl").exists()
 
 
-def file_size_limit(limit_bytes: int):
-    def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
-
-    return apply
-
-
 @pytest.mark.parametrize("mode", ["disabled", "async", "async_process"])
 def test_a_full_disk_fails_the_final_save_in_one_line_and_keeps_the_last_checkpoint(
     sandbox, trained, mode
 ):
     copy_trained(trained, sandbox)
-    proc = subprocess.run(
-        [*TRAIN, str(sandbox.config), "--train.max_steps=12", "--checkpoint.interval=11",
-         f"--checkpoint.async_mode={mode}"],
-        capture_output=True, text=True, timeout=240, check=False,
-        preexec_fn=file_size_limit(100_000),  # a shard of the tiny model is ~0.4 MB
+    proc = train(
+        sandbox, "--train.max_steps=12", "--checkpoint.interval=11",
+        f"--checkpoint.async_mode={mode}",
+        file_size_limit=100_000,  # a shard of the tiny model is ~0.4 MB
     )  # fmt: skip
     assert "Traceback" not in proc.stderr, proc.stderr
-    assert proc.returncode == 5, proc.stderr
+    assert proc.code == 5, proc.stderr
     warnings = [x for x in proc.stderr.splitlines() if "saving step 11 failed" in x]
     assert len(warnings) == 1 and "training goes on" in warnings[0]  # a periodic save
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
@@ -119,6 +87,12 @@ def test_a_full_disk_fails_the_final_save_in_one_line_and_keeps_the_last_checkpo
     assert sorted(p.name for p in sandbox.ckpt.glob("step_*")) == ["step_10", "step_5"]
     model = Transformer(load_config([str(sandbox.config)]).config.model)
     load_checkpoint(sandbox.ckpt / "step_10", model, None)  # still loadable
+
+
+def export(args: list[str]) -> Result:
+    """``scripts/convert_checkpoint.py export args...`` as a process of its own."""
+    done = run_script([str(REPO / "scripts" / "convert_checkpoint.py"), "export", *args])
+    return Result(done.returncode, done.stdout.decode(), done.stderr.decode())
 
 
 def truncate_rng(path):
@@ -147,16 +121,10 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_older_one(sandbox, traine
 
 
 def test_export_falls_back_like_training(sandbox, trained):
-    from tests.e2e.test_train_script import REPO
-
     copy_trained(trained, sandbox)
     truncate_rng(sandbox.ckpt / "step_10")
-    out = subprocess.run(
-        [TRAIN[0], str(REPO / "scripts" / "convert_checkpoint.py"), "export", str(sandbox.dir),
-         "--out", str(sandbox.root / "export"), "--dtype", "float32"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
+    out = export([str(sandbox.dir), "--out", str(sandbox.root / "export"), "--dtype", "float32"])
+    assert out.code == 0, out.stderr
     assert "skipping unloadable checkpoint" in out.stderr
     assert f"exported {sandbox.ckpt / 'step_5'}" in out.stdout
 
@@ -165,16 +133,10 @@ def test_export_of_a_named_damaged_checkpoint_names_it_and_falls_back_to_none(sa
     """The checkpoint named on the command line is the one read: damaged, it is refused by
     its own path (not as "no checkpoint there loads" with a training key to change), and no
     older one is exported in its place."""
-    from tests.e2e.test_train_script import REPO
-
     copy_trained(trained, sandbox)
     truncate_rng(sandbox.ckpt / "step_10")
-    out = subprocess.run(
-        [TRAIN[0], str(REPO / "scripts" / "convert_checkpoint.py"), "export",
-         str(sandbox.ckpt / "step_10"), "--out", str(sandbox.root / "export")],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert out.returncode == 2
+    out = export([str(sandbox.ckpt / "step_10"), "--out", str(sandbox.root / "export")])
+    assert out.code == 2
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith(f"error: {sandbox.ckpt / 'step_10'}: does not load (")
     assert "rng_rank0.pt" in line  # the damage, as the checkpoint's reader found it
@@ -215,9 +177,9 @@ def test_sigusr1_from_outside_saves_and_exits_75(sandbox):
     proc = start(
         sandbox, "--checkpoint.interval=100", env={"FORGE_FAULTS": "stall:step=2:seconds=3"}
     )
-    wait_for_line(proc, "step 2 |")
-    proc.send_signal(signal.SIGUSR1)  # seen at the next step boundary, after the stall
-    code, err = finish(proc)
+    proc.wait_for_output("step 2 |")
+    proc.signal(signal.SIGUSR1)  # seen at the next step boundary, after the stall
+    code, _, err = proc.finish(timeout=120)
     assert code == 75, err
     assert "Traceback" not in err
     state = json.loads((sandbox.ckpt / "step_3" / "train_state.json").read_text())
@@ -226,11 +188,11 @@ def test_sigusr1_from_outside_saves_and_exits_75(sandbox):
 
 def test_two_ctrl_c_abandon_the_save_and_exit_130_with_latest_complete(sandbox):
     proc = start(sandbox, "--checkpoint.interval=2", env={"FORGE_FAULTS": STALL})
-    wait_for_line(proc, "step 2 |")  # step_2 is committed before the stall
-    proc.send_signal(signal.SIGINT)
+    proc.wait_for_output("step 2 |")  # step_2 is committed before the stall
+    proc.signal(signal.SIGINT)
     time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    code, err = finish(proc)
+    proc.signal(signal.SIGINT)
+    code, _, err = proc.finish(timeout=120)
     assert code == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert "second interrupt: abandoning the save in progress" in err

@@ -87,6 +87,18 @@ def test_an_environment_read_at_start_up_gets_a_fresh_process(script):
     assert "first warnings filter error" in out  # read while it started: a fresh interpreter
 
 
+def test_a_training_run_in_this_worker_leaves_later_scripts_forked(tiny_config):
+    """What a run in the test worker's own process writes into its environment (inductor's
+    cache folder, found lazily) must not make every later script a fresh interpreter: that
+    cost ~5 s of CPU per launch, unseen, for the rest of the worker's tests."""
+    from tests.e2e.test_train_script import TRAIN
+
+    warm = zygote()
+    assert warm is not None and warm.fits(dict(os.environ))
+    assert TRAIN.main([str(tiny_config), "--train.max_steps=3"]) == 0
+    assert warm.fits(dict(os.environ))
+
+
 CRASH = """
 import ctypes, os
 def read_address_zero():
