@@ -97,3 +97,17 @@ def log_file(suffix: str) -> pathlib.Path:
     handle, name = tempfile.mkstemp(prefix="launched-", suffix=suffix)
     os.close(handle)
     return pathlib.Path(name)
+
+
+def wait_for_line(proc: subprocess.Popen, prefix: str, timeout_s: float = 120) -> None:
+    """Read ``proc``'s stdout pipe (a process started with ``stdout=PIPE``, a shell script's
+    for one) until a line starts with ``prefix``."""
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"process ended before printing {prefix!r}")
+        if line.startswith(prefix):
+            return
+    raise AssertionError(f"no line {prefix!r} within {timeout_s} s")

@@ -11,8 +11,6 @@ import contextlib
 import os
 import pathlib
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,11 +20,13 @@ from tests.e2e.test_replica_groups import (
     finished,
     records,
     start_lighthouse,
+    stop,
     until_step,
     weights,
 )
 from tests.e2e.test_train_script import TRAIN
 from tests.in_process import run_main
+from tests.launched import Launched, launch
 
 pytest.importorskip("torchft")
 pytestmark = list(OPT_IN)
@@ -43,20 +43,18 @@ def torchrun_group(
     lighthouse: str,
     faults: str = "",
     layout: tuple[str, ...] = (),
-) -> subprocess.Popen[str]:
+) -> Launched:
     env = {k: v for k, v in os.environ.items() if k != "FORGE_FAULTS"}
     if faults:
         env["FORGE_FAULTS"] = faults
     args = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         str(REPO / "scripts" / "train.py"), str(config), f"--run.dir={run_dir}", *RUN,
         "--fault_tolerance.enabled=true", "--fault_tolerance.groups=2",
         f"--fault_tolerance.group={group}", f"--fault_tolerance.lighthouse={lighthouse}",
         "--fault_tolerance.timeout_s=20", *layout,
     ]  # fmt: skip
-    return subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+    return launch(args, env, fresh=True)  # torchrun's agent: a fresh interpreter
 
 
 def process_tree(root: int) -> list[int]:
@@ -102,12 +100,11 @@ def test_groups_heal_a_relaunched_group_and_train_the_one_run_model(
         for pid in process_tree(doomed.pid):  # the group's node lost: agent and ranks at once
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        doomed.communicate()
+        doomed.finish()
         second = torchrun_group(config, run, 1, address, "", layout)
         (code0, log0), (code1, log1) = finished(first, 400), finished(second, 400)
     finally:
-        lighthouse.send_signal(signal.SIGTERM)
-        lighthouse.wait(timeout=10)
+        stop(lighthouse)
     assert code0 == 0, log0[-4000:]
     assert code1 == 0, log1[-4000:]
     assert "healed from a live peer at step" in log1

@@ -24,8 +24,8 @@ import pytest
 
 from tests.conftest import REPO
 from tests.e2e.test_data_e2e import MIXTURE  # two sources, a phase from step 7
-from tests.e2e.test_hostile_processes import wait_for_line
 from tests.e2e.test_train_script import TRAIN
+from tests.launched import wait_for_line
 
 SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
 COMMON = ["--checkpoint.interval=100", "--data.verify_checksum=false",

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import pytest
 
 from tests.conftest import REPO
-from tests.e2e.test_hostile_processes import wait_for_line
+from tests.launched import wait_for_line
 
 SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
 
