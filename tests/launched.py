@@ -44,10 +44,11 @@ class Launched:
         os.kill(self.proc.pid, sig)
 
     def stdout(self) -> str:
-        return self.out.read_text(errors="replace")
+        """What it printed so far ("" once ``finish`` has removed the file)."""
+        return read(self.out)
 
     def stderr(self) -> str:
-        return self.err.read_text(errors="replace")
+        return read(self.err)
 
     def wait_for_output(self, text: str, timeout: float = 120) -> str:
         """Its stdout once ``text`` is in it; fails if it ends first or at ``timeout``."""
@@ -71,9 +72,10 @@ class Launched:
         return self.proc.returncode, *outputs
 
     def kill(self) -> int:
-        """SIGKILL it and what it started; its exit code."""
-        with contextlib.suppress(ProcessLookupError):
-            self.signal(signal.SIGKILL)
+        """SIGKILL it and what it started, if it runs; its exit code."""
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.signal(signal.SIGKILL)
         return self.finish(timeout=60)[0]
 
 
@@ -111,3 +113,10 @@ def wait_for_line(proc: subprocess.Popen, prefix: str, timeout_s: float = 120) -
         if line.startswith(prefix):
             return
     raise AssertionError(f"no line {prefix!r} within {timeout_s} s")
+
+
+def read(path: pathlib.Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""

@@ -81,6 +81,34 @@ def run_ranks(
         return subprocess.CompletedProcess(list(argv), code, read(out), read(err))
 
 
+def every_exit_code(
+    ranks: int,
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 180,
+    file_size_limit: int | None = None,
+) -> tuple[list[int], str, str]:
+    """``python argv...`` as ``ranks`` ranks, started as ``run_ranks`` starts them, each left
+    to end on its own (no rank is ended for another's failure): every rank's exit code, and
+    the ranks' output. ``file_size_limit``: each rank's ``ulimit -f``."""
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        for path in (out, err):
+            open(path, "w").close()
+        envs = [rank_env(base, rank, ranks, store.port) for rank in range(ranks)]
+        procs = [start_script(argv, out, err, env=e, file_size_limit=file_size_limit) for e in envs]
+        try:
+            codes = [p.wait(timeout) for p in procs]
+        finally:
+            for p in procs:
+                end_group(p)
+        return codes, read(out), read(err)
+
+
 def wait_all(procs: Sequence[subprocess.Popen | Forked], timeout: float) -> int | None:
     """The first failure's exit code, 0 when every rank succeeded, None at the timeout."""
     deadline = time.monotonic() + timeout

@@ -1,6 +1,7 @@
 """Resilience at 2 ranks (gloo, CPU): every rank takes the same branch. Real ranks
-(``tests/ranks.py``), and torchrun where what it reports of its workers is checked (a
-signalled rank's exit, a full disk)."""
+(``tests/ranks.py``), each rank's own exit code checked where that is the point (a signalled
+rank's and its peer's, a full disk's); what torchrun makes of its workers' exits:
+tests/e2e/test_save_faults.py and test_torchrun_restart.py."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 import time
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 
 from tests.conftest import OPT_IN, REPO
 from tests.distributed.test_equivalence import records, weights, write_config
-from tests.ranks import run_ranks
+from tests.ranks import every_exit_code, run_ranks
 
 FSDP = ["--distributed.dp_shard=2", "--train.batch_size=2", "--train.grad_accum_steps=2"]
 COMMON = [
@@ -27,15 +26,6 @@ COMMON = [
     "--distributed.timeout_s=60",
     "--resilience.health_timeout_s=30",
 ]
-
-
-def torchrun(config, run_dir, *args, faults="", timeout=240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "scripts" / "train.py"), str(config), f"--run.dir={run_dir}", *COMMON, *args]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FORGE_FAULTS": faults}
-    start = time.monotonic()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
-    return out, time.monotonic() - start
 
 
 def two_ranks(config, run_dir, *args, faults="", timeout=240):
@@ -71,9 +61,11 @@ def test_sigterm_on_one_rank_stops_both_at_the_same_step_and_resume_is_exact(
     config, ref = uninterrupted
     run = tmp_path / "run"
     saves = f"--checkpoint.async_mode={mode}"
-    out, _ = torchrun(config, run, *FSDP, saves, faults="signal:step=3:rank=1")
-    assert out.returncode != 0  # both workers exit 75 (SHUTDOWN); torchrun reports a failure
-    assert "exitcode  : 75" in out.stderr
+    argv = [str(REPO / "scripts" / "train.py"), str(config), f"--run.dir={run}", *COMMON]
+    codes, _, err = every_exit_code(
+        2, [*argv, *FSDP, saves], env={"FORGE_FAULTS": "signal:step=3:rank=1"}, timeout=240
+    )
+    assert codes == [75, 75], err[-3000:]  # both ranks SHUTDOWN, the one signalled and its peer
     # delivered after step 3's control word: both ranks see it at the end of step 4
     step4 = run / "checkpoints" / "step_4"
     assert json.loads((step4 / "train_state.json").read_text())["reason"] == "emergency"
@@ -258,25 +250,17 @@ def test_a_held_run_dir_stops_both_ranks_at_start_up(tmp_path, small_corpus):
 def test_a_full_disk_at_two_ranks_fails_both_alike_and_keeps_the_last_checkpoint(
     tmp_path, small_corpus
 ):
-    import resource
-
     config = write_config(tmp_path, small_corpus)
     run_dir = tmp_path / "run"
     args = [*FSDP, "--checkpoint.interval=3", "--checkpoint.async_mode=async"]
     ok(two_ranks(config, run_dir, *args, "--train.max_steps=3")[0])
 
-    def limit():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "scripts" / "train.py"), str(config), f"--run.dir={run_dir}", *COMMON, *args]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env,
-                         preexec_fn=limit, check=False)  # fmt: skip
-    errors = [x for x in out.stderr.splitlines() if x.startswith("error:")]
-    assert len(errors) == 2 and all("saving step 6 failed" in e for e in errors), out.stderr[-4000:]
-    # torchrun reports the failed children with a traceback of its own; the children's is absent
-    assert "CheckpointException" not in out.stderr and "OSError" in errors[0]
+    argv = [str(REPO / "scripts" / "train.py"), str(config), f"--run.dir={run_dir}", *COMMON]
+    codes, _, stderr = every_exit_code(2, [*argv, *args], timeout=240, file_size_limit=50_000)
+    assert codes == [5, 5], stderr[-4000:]
+    errors = [x for x in stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 2 and all("saving step 6 failed" in e for e in errors), stderr[-4000:]
+    assert "Traceback" not in stderr and "OSError" in errors[0]
     ckpt = run_dir / "checkpoints"
     assert os.readlink(ckpt / "latest") == "step_3"
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_")) == ["step_3"]

@@ -9,8 +9,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -20,7 +18,9 @@ from forge.checkpoint.paths import location
 from forge.checkpoint.resume import ResumeSource, resolve_resume
 from tests.conftest import REPO
 from tests.e2e.test_train_script import TRAIN, load_script, losses, reference_config, run_dir
+from tests.launched import launch
 from tests.object_store import s3
+from tests.zygote import run_script
 
 CONVERT = load_script("convert_checkpoint")
 EVAL = load_script("eval")
@@ -168,13 +168,12 @@ def test_a_url_the_run_cannot_use_is_refused_in_one_line(
 def killed_during_an_upload(fs, bucket: str, argv: list[str]) -> str | None:
     """Run ``train.py argv`` and SIGKILL it as soon as a checkpoint after the first has some
     objects but no marker; that checkpoint's folder name (None: the run ended first)."""
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "scripts" / "train.py"), *argv],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = launch([str(REPO / "scripts" / "train.py"), *argv])
     partial, deadline = None, time.monotonic() + 120
     try:
+        while "step 1 |" not in proc.stdout() and proc.poll() is None:  # no save before it
+            assert time.monotonic() < deadline, proc.stderr()
+            time.sleep(0.01)
         while partial is None and proc.poll() is None and time.monotonic() < deadline:
             found: dict[str, set[str]] = {}  # step folder -> its objects so far
             for name in fs.find(f"{bucket}/run/"):
@@ -185,8 +184,7 @@ def killed_during_an_upload(fs, bucket: str, argv: list[str]) -> str | None:
                 (s for s, f in found.items() if CHECKSUMS not in f and s != "step_1"), None
             )
     finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        proc.kill()
     return partial
 
 
@@ -254,11 +252,11 @@ def test_credentials_the_store_refuses_are_one_line_and_nothing_is_written(
         key, secret = credentials or (guarded["key"], guarded["secret"])
         env |= {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
     url = f"--checkpoint.dir=s3://{guarded['bucket']}/run"
-    cmd = [sys.executable, str(REPO / "scripts" / "train.py"), str(tiny_config), url]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    err = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and err[-1].startswith("error: checkpoint.dir:"), done.stderr
-    assert message in err[-1] and "Traceback" not in done.stderr
+    done = run_script([str(REPO / "scripts" / "train.py"), str(tiny_config), url], env=env)
+    stderr = done.stderr.decode()
+    err = stderr.strip().splitlines()
+    assert done.returncode == 2 and err[-1].startswith("error: checkpoint.dir:"), stderr
+    assert message in err[-1] and "Traceback" not in stderr
     assert not run_dir(tiny_config).exists()
     import s3fs
 
@@ -295,10 +293,8 @@ def test_a_store_that_stops_answering_during_a_save_ends_the_run_by_name_and_it_
         argv = [str(tiny_config), "--train.max_steps=10", "--checkpoint.storage_timeout_s=1",
                 *remote(bucket, "--checkpoint.async_mode=async")]  # fmt: skip
         env = {**os.environ, "FORGE_FAULTS": "slow:step=1:seconds=0.3"}
-        proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "train.py"), *argv],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True)  # fmt: skip
-        stopped = False
+        proc = launch([str(REPO / "scripts" / "train.py"), *argv], env)
+        stopped, code, err = False, None, ""
         try:
             metrics = run_dir(tiny_config) / "metrics.jsonl"
             while not stopped and proc.poll() is None:
@@ -306,12 +302,12 @@ def test_a_store_that_stops_answering_during_a_save_ends_the_run_by_name_and_it_
                     server.send_signal(signal.SIGSTOP)  # as a save is about to start
                     stopped = True
                 time.sleep(0.02)
-            # a loop that waits on the store for ever fails here (stopped at 60 s)
-            _, err = proc.communicate(timeout=60)
+            # a loop that waits on the store for ever fails here (killed at 60 s)
+            code, _, err = proc.finish(timeout=60)
         finally:
             proc.kill()
             server.send_signal(signal.SIGCONT)
-        assert stopped and proc.returncode == 5, err
+        assert stopped and code == 5, err
         last = err.strip().splitlines()[-1]
         assert last.startswith(f"error: checkpoint.dir s3://{bucket}/run: saving step "), err
         assert "did not answer within checkpoint.storage_timeout_s=1 s" in last
@@ -321,8 +317,7 @@ def test_a_store_that_stops_answering_during_a_save_ends_the_run_by_name_and_it_
         assert "Traceback" not in err
         # the store answers again (a process of its own: fsspec keeps, per process, the file
         # system of the first endpoint it was given, this worker's shared server's)
-        again = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), *argv],
-                               capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
-        assert again.returncode == 0, again.stderr[-3000:]
+        again = run_script([str(REPO / "scripts" / "train.py"), *argv], timeout=120)
+        assert again.returncode == 0, again.stderr.decode()[-3000:]
         assert losses(tiny_config) == losses(local_reference)  # exact floats, steps 1-10
         assert s3(endpoint).cat(f"{bucket}/run/latest") == b"step_10"

@@ -18,6 +18,7 @@ from forge.config import load_config
 from forge.model.transformer import Transformer
 from tests.conftest import REPO
 from tests.e2e.sandbox import TRAIN, Run
+from tests.ranks import every_exit_code
 from tests.zygote import end_group, read, start_script
 
 MODES = ["disabled", "async", "async_process"]
@@ -164,7 +165,7 @@ def test_a_peer_killed_during_a_save_ends_health_failure_in_one_line(
     _, where = checkpoints(request, sandbox, store)
     argv = [str(REPO / "scripts" / "train.py"), str(sandbox.config), *TWO_RANKS, steps, *where,
             f"--checkpoint.async_mode={mode}"]  # fmt: skip
-    codes, stdout, stderr = ranks_exit_codes(sandbox.root, argv, {"FORGE_FAULTS": faults})
+    codes, stdout, stderr = every_exit_code(2, argv, env={"FORGE_FAULTS": faults})
     assert codes == [4, -signal.SIGKILL], stderr[-4000:]  # the survivor: HEALTH_FAILURE
     assert "Traceback" not in stderr, stderr[-4000:]
     lines = [x for x in stderr.splitlines() if "error:" in x]
@@ -175,36 +176,6 @@ def test_a_peer_killed_during_a_save_ends_health_failure_in_one_line(
         log = (sandbox.dir / "checkpoint_process_rank1.log").read_text()
         pid = int(log.split("[forge] checkpoint process ")[1].split()[0])
         assert gone_within(pid, 5.0), f"checkpoint process {pid} outlived its rank"
-
-
-def ranks_exit_codes(
-    root: pathlib.Path, argv: list[str], env: dict[str, str], ranks: int = 2, timeout: float = 180
-) -> tuple[list[int], str, str]:
-    """``python argv...`` as ``ranks`` ranks, started as ``tests/ranks.py`` starts them (each
-    in a session of its own, as torchrun's workers): every rank's exit code, and the
-    ranks' output."""
-    import datetime
-
-    from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
-
-    from tests.ranks import rank_env
-
-    base = {**os.environ, "OMP_NUM_THREADS": "1", **env}
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                     timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
-    out, err = root / "ranks.stdout", root / "ranks.stderr"
-    out.touch()
-    err.touch()
-    procs = [
-        start_script(argv, str(out), str(err), env=rank_env(base, rank, ranks, store.port))
-        for rank in range(ranks)
-    ]
-    try:
-        codes = [p.wait(timeout) for p in procs]
-    finally:
-        for p in procs:
-            end_group(p)
-    return codes, out.read_text(), err.read_text()
 
 
 def gone_within(pid: int, seconds: float) -> bool:

@@ -20,6 +20,7 @@ import pytest
 
 from forge.parallel.world import restart_namespace, world_info
 from tests.conftest import REPO, TINY, once_per_session
+from tests.ranks import run_ranks
 
 RUN = [sys.executable, "-m", "torch.distributed.run"]
 SCRIPT = str(REPO / "scripts" / "train.py")
@@ -90,13 +91,13 @@ def ok(out: subprocess.CompletedProcess) -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, small_corpus) -> tuple[pathlib.Path, pathlib.Path]:
     """The config, and the run directory of the same 2-rank run, uninterrupted (once per
-    session: ``once_per_session``)."""
+    session: ``once_per_session``): ranks started without an agent (``tests/ranks.py``), what
+    is compared being the ranks' numbers, not torchrun's part."""
 
     def uninterrupted(tmp: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
         config = tmp / "tiny.toml"
         config.write_text(TINY.format(data=small_corpus))
-        out, _ = torchrun(config, tmp / "run")
-        ok(out)
+        ok(run_ranks(2, [SCRIPT, str(config), f"--run.dir={tmp / 'run'}", *ARGS], timeout=180))
         assert [s for s, _ in losses(tmp / "run")] == list(range(1, 9))
         return config, tmp / "run"
 

@@ -21,6 +21,7 @@ from forge.data.corpus import Document
 from forge.model.transformer import Transformer
 from forge.training.loop.hooks import Hooks
 from tests.conftest import REPO, make_dataset
+from tests.zygote import run_script
 
 
 def load_script(name: str):
@@ -136,7 +137,7 @@ def test_resume_across_processes_is_bit_identical(tiny_config, tmp_path):
         assert out.returncode == 0, out.stderr
         return out
 
-    run(reference)
+    assert TRAIN.main([str(reference), same_lr]) == 0  # in this one (the halves: fresh ones)
     run(tiny_config, "--train.max_steps=6")
     assert latest(tiny_config) == "step_6"
     resumed = run(tiny_config)
@@ -243,25 +244,14 @@ def test_checkpoint_from_another_architecture_is_refused_naming_the_keys(
 
 def test_generate_prints_text_from_the_trained_run(tiny_config):
     assert TRAIN.main([str(tiny_config)]) == 0
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "generate.py"),
-            str(run_dir(tiny_config)),
-            "--max-new-tokens",
-            "20",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("def ") and len(out.stdout) > 10
+    argv = [str(REPO / "scripts" / "generate.py"), str(run_dir(tiny_config)), "--max-new-tokens"]
+    out = run_script([*argv, "20"])  # a process of its own, forked: tests/zygote.py
+    assert out.returncode == 0, out.stderr.decode()
+    assert out.stdout.decode().startswith("def ") and len(out.stdout) > 10
     # past the model's 32 positions: refused in one line, not slid
-    too_long = [*out.args[:-1], "40"]
-    out = subprocess.run(too_long, capture_output=True, text=True, check=False)
+    out = run_script([*argv, "40"])
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1] == (
+    assert out.stderr.decode().strip().splitlines()[-1] == (
         "error: --max-new-tokens: the prompt (5 tokens) + 40 new tokens exceed "
         "model.max_seq_len=32; ask for at most 27"
     )
