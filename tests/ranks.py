@@ -13,12 +13,13 @@ has imported torch and forge once, where that starts it as a fresh process would
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from torch.distributed import TCPStore
 
@@ -47,16 +48,17 @@ def rank_env(env: Mapping[str, str], rank: int, ranks: int, port: int) -> dict[s
     }
 
 
-def run_ranks(
+@contextlib.contextmanager
+def started_ranks(
     ranks: int,
     argv: Sequence[str],
-    *,
-    env: Mapping[str, str] | None = None,
-    timeout: float = 240,
-) -> subprocess.CompletedProcess[str]:
-    """``python argv...`` as ``ranks`` ranks; the exit code of the first rank that failed on
-    its own (0 when all succeed). A rank that fails ends the others after ``GRACE_S``, as
-    the agent would; so does ``timeout`` (``TimeoutExpired``, with the ranks' output)."""
+    env: Mapping[str, str] | None,
+    timeout: float,
+    file_size_limit: int | None = None,
+) -> Iterator[tuple[list[subprocess.Popen | Forked], str, str]]:
+    """``python argv...`` started as ``ranks`` ranks joined through a store this process
+    hosts; the ranks and the files of their interleaved stdout and stderr, each rank's group
+    ended on leaving. ``file_size_limit``: each rank's ``ulimit -f``."""
     # faulthandler on: a rank that dies of a signal (SIGSEGV, SIGABRT) leaves every thread's
     # Python stack in the stderr a failing test shows (#46: the MoE tp=2 case's rare SIGSEGV
     # left none; docs/distributed.md, Tests)
@@ -71,14 +73,32 @@ def run_ranks(
         try:
             for rank in range(ranks):
                 rank_vars = rank_env(base, rank, ranks, store.port)
-                procs.append(start_script(argv, out, err, env=rank_vars))
-            code = wait_all(procs, timeout)
+                procs.append(start_script(argv, out, err, env=rank_vars,
+                                          file_size_limit=file_size_limit))  # fmt: skip
+            yield procs, out, err
         finally:
             for p in procs:
                 end_group(p)
-        if code is None:
-            raise subprocess.TimeoutExpired(list(argv), timeout, read(out), read(err))
-        return subprocess.CompletedProcess(list(argv), code, read(out), read(err))
+
+
+def run_ranks(
+    ranks: int,
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 240,
+) -> subprocess.CompletedProcess[str]:
+    """``python argv...`` as ``ranks`` ranks; the exit code of the first rank that failed on
+    its own (0 when all succeed). A rank that fails ends the others after ``GRACE_S``, as
+    the agent would; so does ``timeout`` (``TimeoutExpired``, with the ranks' output)."""
+    with started_ranks(ranks, argv, env, timeout) as (procs, out, err):
+        code = wait_all(procs, timeout)
+        for p in procs:  # what they left running too, before their output is read
+            end_group(p)
+        stdout, stderr = read(out), read(err)
+    if code is None:
+        raise subprocess.TimeoutExpired(list(argv), timeout, stdout, stderr)
+    return subprocess.CompletedProcess(list(argv), code, stdout, stderr)
 
 
 def every_exit_code(
@@ -92,20 +112,10 @@ def every_exit_code(
     """``python argv...`` as ``ranks`` ranks, started as ``run_ranks`` starts them, each left
     to end on its own (no rank is ended for another's failure): every rank's exit code, and
     the ranks' output. ``file_size_limit``: each rank's ``ulimit -f``."""
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                     timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        for path in (out, err):
-            open(path, "w").close()
-        envs = [rank_env(base, rank, ranks, store.port) for rank in range(ranks)]
-        procs = [start_script(argv, out, err, env=e, file_size_limit=file_size_limit) for e in envs]
-        try:
-            codes = [p.wait(timeout) for p in procs]
-        finally:
-            for p in procs:
-                end_group(p)
+    with started_ranks(ranks, argv, env, timeout, file_size_limit) as (procs, out, err):
+        codes = [p.wait(timeout) for p in procs]
+        for p in procs:
+            end_group(p)
         return codes, read(out), read(err)
 
 
