@@ -7,7 +7,9 @@ Set ``FORGE_FAULTS`` (test-only; never in production) to a comma-separated list 
 - ``nan:step=3:rank=1`` — the model's outputs in step 3 on rank 1 are multiplied by NaN, and
   so its loss and gradients (``with_faults``, composed around the step by the driver);
 - ``signal:step=5:rank=0:sig=TERM`` — rank 0 sends itself SIGTERM after step 5;
-- ``stall:step=4:rank=1:seconds=30`` — rank 1 sleeps 30 s after step 4;
+- ``stall:step=4:rank=1:seconds=30`` — rank 1 sleeps 30 s after step 4; with
+  ``until=PATH``, until a file appears at PATH (at most ``seconds``): a test holds the rank
+  there until an event it waits for has happened elsewhere;
 - ``corrupt:step=3:rank=1[:times=N]`` — one bit of one gradient element flips on rank 1 in
   each of the first N computations of step 3 (default 1), a different element each time
   (``GradientFaults``: a replayed step outvotes one, not three); with ``sticky=1`` the same
@@ -72,6 +74,7 @@ class Fault:
     times: int = 1
     scale: float = 1.0
     sticky: bool = False  # corrupt: the same element each time (a persistent fault)
+    until: str = ""  # stall: until a file appears at this path (at most ``seconds``)
 
     def hits(self, step: int, rank: int) -> bool:
         return self.step == step and self.on(rank)
@@ -97,6 +100,7 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
                     times=int(fields.pop("times", "1")),
                     scale=float(fields.pop("scale", "1")),
                     sticky=bool(int(fields.pop("sticky", "0"))),
+                    until=fields.pop("until", ""),
                 )
             )
         except (KeyError, ValueError) as exc:
@@ -265,4 +269,14 @@ class FaultHooks(Hooks):
             if f.kind is FaultKind.SIGNAL:
                 os.kill(os.getpid(), getattr(signal, f"SIG{f.sig}"))
             elif f.kind is FaultKind.STALL:
-                time.sleep(f.seconds)
+                stall(f)
+
+
+def stall(fault: Fault) -> None:
+    """Sleep ``fault.seconds``, or until a file appears at ``fault.until`` (at most as long)."""
+    if not fault.until:
+        time.sleep(fault.seconds)
+        return
+    end = time.monotonic() + fault.seconds
+    while not os.path.exists(fault.until) and time.monotonic() < end:
+        time.sleep(0.05)

@@ -42,11 +42,12 @@ RUN = [
 ]
 
 
-def start_lighthouse(*extra: str) -> tuple[Launched, str]:
-    """``scripts/lighthouse.py`` on a free port; its address, read from its first line."""
+def start_lighthouse(*extra: str, logs: bool = False) -> tuple[Launched, str]:
+    """``scripts/lighthouse.py`` on a free port; its address, read from its first line.
+    ``logs``: torchft's own info lines on its stderr (each quorum request, ``asked``)."""
     # a group silent for 1 s is left out of the next quorum
     argv = [str(REPO / "scripts" / "lighthouse.py"), "--port=0", "--heartbeat-timeout-ms=1000"]
-    lighthouse = start([*argv, *extra])
+    lighthouse = start([*argv, *extra], {**os.environ, "RUST_LOG": "info"} if logs else None)
     line = lighthouse.wait_for_output("\n", timeout=60).splitlines()[0]
     assert line.startswith("lighthouse: http://"), line
     return lighthouse, line.split()[1]
@@ -108,9 +109,11 @@ def weights(
 @pytest.fixture(scope="module")
 def killed_and_healed(tmp_path_factory, small_corpus):
     """Group 1 kills itself after step 20 and is launched again once group 0 has trained a
-    step alone (slowed to 0.2 s a step, so that the relaunch finds it running), healing past
-    the freeze schedule's transition at step 22; a NaN at step 55 (after the heal) in group 0
-    only.
+    step alone, healing past the freeze schedule's transition at step 22; a NaN at step 55 in
+    group 0 only, after the heal: group 0 waits after step 50 until the relaunched group has
+    asked the lighthouse for a quorum (which forms with both: the lighthouse refuses a quorum
+    of one of two live groups), by events, not by a race between the relaunch's start-up and
+    the steps group 0 trains alone.
     Beside it, the same run without replica groups, in one process (the reference). Once per
     session (``once_per_session``)."""
     return once_per_session(
@@ -123,18 +126,23 @@ def kill_and_heal(
 ) -> tuple[pathlib.Path, pathlib.Path, tuple[tuple[int, str], tuple[int, str]]]:
     config = tmp / "tiny.toml"
     config.write_text(TINY.format(data=small_corpus) + FREEZE)
-    lighthouse, address = start_lighthouse()
+    lighthouse, address = start_lighthouse(logs=True)
+    release = tmp / "release"
     try:
-        first = launch(config, tmp / "run", 0, address, "slow:step=1:seconds=0.2,nan:step=55")
+        held = f"stall:step=50:until={release}:seconds=120,nan:step=55"
+        first = launch(config, tmp / "run", 0, address, held)
         doomed = launch(config, tmp / "run", 1, address, "signal:step=20:sig=KILL")
         killed = finished(doomed)
         assert killed[0] == -signal.SIGKILL, killed[1][-3000:]
         # relaunched once group 0 has committed a step alone (by events, not a delay: a
         # collective with a peer that died before it connected waits fault_tolerance.timeout_s)
         until_alone(tmp / "run" / "group_0", after=20)
+        before = asked(lighthouse, "group_1")
         # a fresh interpreter (its own string-hash seed, unlike forks of the warm one): the
         # heal crosses two interpreters that share nothing
         second = launch(config, tmp / "run", 1, address, fresh=True)
+        until_asked(lighthouse, "group_1", more_than=before, peer=second)
+        release.touch()
         outcomes = finished(first), finished(second)
     finally:
         stop(lighthouse)
@@ -315,6 +323,23 @@ def until_alone(run_dir: pathlib.Path, after: int, timeout: float = 120) -> None
             return
         time.sleep(0.1)
     raise AssertionError(f"{run_dir} never ran a step alone after step {after}")
+
+
+def asked(lighthouse: Launched, group: str) -> int:
+    """How often ``group`` has asked ``lighthouse`` (started with ``logs``) for a quorum."""
+    return lighthouse.stderr().count(f"Received quorum request for replica {group}")
+
+
+def until_asked(
+    lighthouse: Launched, group: str, more_than: int, peer: Launched, timeout: float = 120
+) -> None:
+    """Until ``group`` (the process ``peer``) has asked for a quorum more than ``more_than``
+    times."""
+    deadline = time.monotonic() + timeout
+    while asked(lighthouse, group) <= more_than:
+        assert peer.poll() is None, f"{group} ended before asking for a quorum: {peer.stderr()}"
+        assert time.monotonic() < deadline, f"{group} never asked for a quorum"
+        time.sleep(0.1)
 
 
 def until_step(run_dir: pathlib.Path, step: int, timeout: float = 120) -> None:

@@ -17,10 +17,12 @@ import torch
 
 from tests.conftest import OPT_IN, REPO, TINY
 from tests.e2e.test_replica_groups import (
+    asked,
     finished,
     records,
     start_lighthouse,
     stop,
+    until_asked,
     until_step,
     weights,
 )
@@ -90,10 +92,13 @@ def test_groups_heal_a_relaunched_group_and_train_the_one_run_model(
 ):
     config = tmp_path / "tiny.toml"
     config.write_text(TINY.format(data=small_corpus))
-    lighthouse, address = start_lighthouse()
-    run = tmp_path / "run"
+    lighthouse, address = start_lighthouse(logs=True)
+    run, release = tmp_path / "run", tmp_path / "release"
     try:
-        first = torchrun_group(config, run, 0, address, "slow:step=1:seconds=0.3", layout)
+        # group 0 waits after step 35 until the relaunched group has asked for a quorum: the
+        # heal comes before the run ends, whatever the relaunch's start-up costs
+        held = f"stall:step=35:until={release}:seconds=300"
+        first = torchrun_group(config, run, 0, address, held, layout)
         doomed = torchrun_group(config, run, 1, address, "", layout)
         until_step(run / "group_1", 15)
         assert doomed.poll() is None, finished(doomed)[1][-3000:]
@@ -101,7 +106,10 @@ def test_groups_heal_a_relaunched_group_and_train_the_one_run_model(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         doomed.finish()
+        before = asked(lighthouse, "group_1")
         second = torchrun_group(config, run, 1, address, "", layout)
+        until_asked(lighthouse, "group_1", more_than=before, peer=second, timeout=300)
+        release.touch()
         (code0, log0), (code1, log1) = finished(first, 400), finished(second, 400)
     finally:
         stop(lighthouse)

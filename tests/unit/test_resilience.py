@@ -1,12 +1,14 @@
 """The NaN state machine, the control word and fault parsing: pure tables, no process group."""
 
 import math
+import pathlib
 
 import pytest
 import torch
 
 from forge.checkpoint.policy import SaveSchedule
 from forge.config.sections import NonFinitePolicy
+from forge.resilience import faults
 from forge.resilience.control import ControlChannel, StepMonitor, decode, encode
 from forge.resilience.faults import Fault, FaultKind, NanInjector, parse_faults, with_faults
 from forge.training.loop.plan import (
@@ -204,6 +206,10 @@ FAULTS = [
         "stall:step=4:rank=0:seconds=2.5, nan:step=1",
         (Fault(FaultKind.STALL, 4, 0, seconds=2.5), Fault(FaultKind.NAN, 1)),
     ),
+    (
+        "stall:step=9:until=/tmp/go:seconds=60",
+        (Fault(FaultKind.STALL, 9, seconds=60, until="/tmp/go"),),
+    ),
 ]
 
 
@@ -218,6 +224,37 @@ def test_parse_faults(text, faults):
 def test_malformed_faults_are_rejected(text):
     with pytest.raises(ValueError, match="FORGE_FAULTS"):
         parse_faults(text)
+
+
+class Clock:
+    """``time``'s ``monotonic`` and ``sleep`` for ``faults``: sleeping advances it, and the
+    ``touch_at``-th sleep makes the file ``path``."""
+
+    def __init__(self, path: pathlib.Path, touch_at: int | None) -> None:
+        self.now, self.sleeps, self.path, self.touch_at = 0.0, 0, path, touch_at
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.sleeps += 1
+        if self.sleeps == self.touch_at:
+            self.path.touch()
+
+
+# (the sleep that makes the file, the stall's bound, the sleeps it takes)
+STALLS = [(3, 30.0, 3), (1, 30.0, 1), (None, 1.0, 20)]
+
+
+@pytest.mark.parametrize("touch_at,seconds,sleeps", STALLS)
+def test_a_stall_until_a_file_ends_when_it_appears_or_at_its_bound(
+    tmp_path, monkeypatch, touch_at, seconds, sleeps
+):
+    clock = Clock(tmp_path / "release", touch_at)
+    monkeypatch.setattr(faults, "time", clock)
+    faults.stall(Fault(FaultKind.STALL, 1, seconds=seconds, until=str(clock.path)))
+    assert clock.sleeps == sleeps
 
 
 def test_nan_injection_is_one_shot_and_rank_specific():
