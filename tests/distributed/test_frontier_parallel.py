@@ -41,6 +41,22 @@ MTP = "mtp_depth = 2\n"
 PACKED = "[data]\npack_documents = true\n"
 
 
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """The one-rank run of a config's text and arguments (three steps), trained once per
+    module: the cases of a test that share their reference compare against the same run."""
+    runs: dict[tuple[str, tuple[str, ...]], pathlib.Path] = {}
+
+    def reference(config: pathlib.Path, *args: str) -> pathlib.Path:
+        key = (config.read_text(), args)
+        if key not in runs:
+            runs[key] = tmp_path_factory.mktemp("one_rank") / "one"
+            train(config, runs[key], *THREE_STEPS, *args)
+        return runs[key]
+
+    return reference
+
+
 def with_mtp(path: pathlib.Path) -> pathlib.Path:
     text = path.read_text().replace("[model]\n", "[model]\n" + MTP, 1)
     path.write_text(text.replace("[data]\n", PACKED, 1))
@@ -100,17 +116,17 @@ AT_TWO = ["--distributed.dp_shard=1", "--train.batch_size=4", "--train.grad_accu
     ],
 )
 def test_mtp_under_tensor_context_or_pipeline_parallelism_at_two_ranks_equals_one_rank(
-    tmp_path, small_corpus, layout, chunk
+    one_rank, tmp_path, small_corpus, layout, chunk
 ):
     """Packed documents: under context parallelism a depth's last tokens and targets at the
     end of a rank's chunk lie in its peer's chunk."""
     config = with_mtp(write_config(tmp_path, small_corpus))
-    train(config, tmp_path / "one", *THREE_STEPS, *ONE_RANK, chunk)
+    one = one_rank(config, *ONE_RANK, chunk)
     train(config, tmp_path / "two", *THREE_STEPS, layout, *AT_TWO, chunk, ranks=2)
-    ref, got = training_metrics(tmp_path / "one"), training_metrics(tmp_path / "two")
+    ref, got = training_metrics(one), training_metrics(tmp_path / "two")
     assert "mtp/loss_2" in ref[3]
     assert_same_metrics(got, ref, steps=(1, 2, 3))
-    assert_same_weights(config, tmp_path / "one", tmp_path / "two", step=3)
+    assert_same_weights(config, one, tmp_path / "two", step=3)
 
 
 @pytest.fixture(scope="module")
@@ -155,39 +171,39 @@ def test_latent_attention_in_each_composition_without_cp_at_four_ranks_as_one_ra
 
 
 def test_experts_with_expert_depth_blocks_under_pp_x_fsdp_x_ep_at_four_ranks_as_one_rank(
-    tmp_path, small_corpus
+    one_rank, tmp_path, small_corpus
 ):
     """DeepSeek-V3's form (``model.mtp_moe``): the depths' blocks are mixtures of experts on
     the last stage, their experts split over the expert-parallel ranks."""
     keys = "moe_first_dense = 1\nmtp_moe = true\n"
     config = with_mtp(write_moe_config(tmp_path, small_corpus, keys))
-    train(config, tmp_path / "one", *THREE_STEPS, *MOE_ONE_RANK)
-    assert "mtp/loss_2" in training_metrics(tmp_path / "one")[3]
-    assert_at_four(config, tmp_path / "one", tmp_path, PP_FSDP_EP, MOE_ONE_RANK)
+    one = one_rank(config, *MOE_ONE_RANK)
+    assert "mtp/loss_2" in training_metrics(one)[3]
+    assert_at_four(config, one, tmp_path, PP_FSDP_EP, MOE_ONE_RANK)
 
 
 def test_experts_with_expert_depth_blocks_under_tensor_parallelism_at_two_ranks_as_one_rank(
-    tmp_path, small_corpus
+    one_rank, tmp_path, small_corpus
 ):
     keys = "moe_first_dense = 1\nmtp_moe = true\n"
     config = with_mtp(write_moe_config(tmp_path, small_corpus, keys))
-    train(config, tmp_path / "one", *THREE_STEPS, *MOE_ONE_RANK)
+    one = one_rank(config, *MOE_ONE_RANK)
     train(config, tmp_path / "two", *THREE_STEPS, *MOE_TP, ranks=2)
-    ref, got = training_metrics(tmp_path / "one"), training_metrics(tmp_path / "two")
+    ref, got = training_metrics(one), training_metrics(tmp_path / "two")
     assert_same_metrics(got, ref, steps=(1, 2, 3))
-    assert_same_weights(config, tmp_path / "one", tmp_path / "two", step=3)
+    assert_same_weights(config, one, tmp_path / "two", step=3)
 
 
 @pytest.mark.parametrize("q_rank", [8, 0], ids=["query bottleneck", "full query projection"])
 @pytest.mark.parametrize("layout", ["--distributed.tp=2", "--distributed.pp=2"], ids=["tp", "pp"])
 def test_latent_attention_under_tensor_or_pipeline_parallelism_at_two_ranks_equals_one_rank(
-    tmp_path, small_corpus, layout, q_rank
+    one_rank, tmp_path, small_corpus, layout, q_rank
 ):
     """Under TP the heads split; the compressions are computed whole on each rank."""
     config = with_latent(write_config(tmp_path, small_corpus))
     config.write_text(config.read_text().replace("q_rank = 8", f"q_rank = {q_rank}"))
-    train(config, tmp_path / "one", *THREE_STEPS, *ONE_RANK)
+    one = one_rank(config, *ONE_RANK)
     train(config, tmp_path / "two", *THREE_STEPS, layout, *AT_TWO, ranks=2)
-    ref, got = training_metrics(tmp_path / "one"), training_metrics(tmp_path / "two")
+    ref, got = training_metrics(one), training_metrics(tmp_path / "two")
     assert_same_metrics(got, ref, steps=(1, 2, 3))
-    assert_same_weights(config, tmp_path / "one", tmp_path / "two", step=3)
+    assert_same_weights(config, one, tmp_path / "two", step=3)
