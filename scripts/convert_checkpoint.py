@@ -38,7 +38,7 @@ from forge.interop.export import (
     require_safetensors,
     tokenizer_info,
 )
-from forge.interop.export_rules import export_family
+from forge.interop.export_rules import export_caveats, export_family
 from forge.interop.hf_import import import_model
 from forge.interrupts import exits_on_interrupt
 from forge.model.transformer import Transformer
@@ -95,6 +95,8 @@ def export(
                 "its checkpoints serve scripts/generate.py --image and scripts/eval.py"
             ]
         )
+    for caveat in export_caveats(config.model):
+        print(f"warning: {caveat}", file=sys.stderr)
     device = start_script_world(WorldInfo(), choice)  # one process reads: no group
     model = empty_model(config.model, device, stored_dtype(config.train.param_dtype))
     optimizer = inference_optimizer(model, config.optimizer)

@@ -77,3 +77,27 @@ def export_problem(cfg: ModelConfig, families: Sequence[FamilySpec] = FAMILIES) 
             f"{label} export"
         )
     return chosen.export_refusal(cfg)
+
+
+def export_caveats(cfg: ModelConfig, families: Sequence[FamilySpec] = FAMILIES) -> list[str]:
+    """What an export of ``cfg`` (one that has one) computes otherwise than forge's model, or
+    what its family's engines read otherwise than transformers: exported all the same (the
+    weights are the model's), and said in one line each wherever an export is made or
+    asked for."""
+    chosen = holder(cfg, families)
+    if chosen is None or export_problem(cfg, families) is not None:
+        return []
+    caveats = []
+    if chosen.moe and cfg.moe_capacity_factor > 0:
+        caveats.append(
+            f"model.moe_capacity_factor={cfg.moe_capacity_factor:g}: {chosen.architecture} "
+            "computes every expert assignment (dropless), so the export's outputs differ from "
+            "this model's wherever capacity drops one"
+        )
+    if chosen.mtp_names and cfg.mtp_depth and not cfg.mtp_moe:
+        caveats.append(
+            f"model.mtp_moe=false: {chosen.label}'s inference engines build each multi-token "
+            "layer as a mixture of experts, so they misread this model's dense depths "
+            "(transformers skips the layers; forge's import reads them back)"
+        )
+    return caveats

@@ -136,6 +136,35 @@ def test_convert_script_round_trip_through_a_run(tiny_config, tmp_path):
     assert first_new["loss"] < first_old["loss"]  # same first batch, trained initial weights
 
 
+def test_an_export_that_computes_otherwise_says_so_at_start_up_and_when_written(
+    tiny_config, tmp_path
+):
+    """A mixture of experts trained with a capacity factor exports as Mixtral, which computes
+    every assignment: said when ``checkpoint.export_final`` is asked for and when
+    ``convert_checkpoint.py export`` writes it (``export_rules.export_caveats``)."""
+    from tests.e2e.test_train_script import TRAIN, load_script, run_dir
+    from tests.in_process import run_main
+
+    moe = ["--model.moe_num_experts=4", "--model.moe_top_k=2", "--model.moe_capacity_factor=1.25"]
+    said = "warning: checkpoint.export_final: model.moe_capacity_factor=1.25: MixtralForCausalLM"
+    trained = run_main(
+        TRAIN.main,
+        [str(tiny_config), "--train.max_steps=3", "--checkpoint.export_final=true", *moe],
+    )
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert said in trained.stdout + trained.stderr
+    assert (run_dir(tiny_config) / "export" / "config.json").is_file()  # exported all the same
+    convert = load_script("convert_checkpoint").main
+    out = run_main(convert, ["export", str(run_dir(tiny_config)), "--out", str(tmp_path / "exp")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    warnings = [line for line in out.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: model.moe_capacity_factor=1.25: MixtralForCausalLM computes every expert "
+        "assignment (dropless), so the export's outputs differ from this model's wherever "
+        "capacity drops one"
+    ]
+
+
 @pytest.mark.parametrize(
     ("option", "line"),
     [

@@ -205,3 +205,32 @@ def test_the_deepseek_v3_presets_export_as_deepseek_v3(name):
         "DeepseekV3ForCausalLM"
     )
     assert cfg.mla is not None and cfg.mtp_depth == 1 and cfg.mtp_moe
+
+
+MOE_NO_LATENT = ModelConfig(dim=32, n_layers=2, n_heads=4, moe_num_experts=4, moe_top_k=2)
+
+# (case, the model, the keys its export's caveats name)
+CAVEATS = [
+    ("DeepSeek-V3 as released", preset("deepseek_v3_debug"), []),
+    ("dense depths", attrs.evolve(preset("deepseek_v3_debug"), mtp_moe=False), ["model.mtp_moe"]),
+    (
+        "a capacity factor and dense depths",
+        attrs.evolve(preset("deepseek_v3_debug"), mtp_moe=False, moe_capacity_factor=1.25),
+        ["model.moe_capacity_factor", "model.mtp_moe"],
+    ),
+    ("Mixtral, dropless", MOE_NO_LATENT, []),
+    (
+        "Mixtral with a capacity factor",
+        attrs.evolve(MOE_NO_LATENT, moe_capacity_factor=1.0),
+        ["model.moe_capacity_factor"],
+    ),
+    # no export at all: its refusal is what is said, not a caveat
+    ("no export", attrs.evolve(MOE_NO_LATENT, moe_capacity_factor=1.0, sliding_window=8), []),
+]
+
+
+@pytest.mark.parametrize("cfg,keys", [c[1:] for c in CAVEATS], ids=[c[0] for c in CAVEATS])
+def test_an_export_that_computes_or_reads_otherwise_names_the_key_that_makes_it(cfg, keys):
+    from forge.interop.export_rules import export_caveats
+
+    assert [line.split("=")[0] for line in export_caveats(cfg)] == keys

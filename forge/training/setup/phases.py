@@ -26,6 +26,7 @@ from forge.config.loader import ConfigError, load_config_checked, unstructure_co
 from forge.config.sections import Precision
 from forge.config.toml_writer import dumps_toml
 from forge.data.shards import dataset_fingerprint, read_manifest
+from forge.interop.export_rules import export_caveats
 from forge.model.chunked_loss import loss_spec_of
 from forge.model.transformer import num_parameters
 from forge.model.vlm import build_model
@@ -276,6 +277,8 @@ def setup_checkpointing(
     cfg = run.config.checkpoint
     plan = resolve_resume(run.checkpoint_dir, load_path_of(run.config))
     say = dist.say
+    for caveat in export_caveats(run.config.model) if cfg.export_final else ():
+        say(f"warning: checkpoint.export_final: {caveat}")
     for path in plan.skipped:
         say(f"skipping incomplete checkpoint {path}")
     if plan.latest_note is not None:
