@@ -155,3 +155,43 @@ def test_a_path_a_save_needs_is_refused_before_training(sandbox, entry, words):
     assert len(result.errors) == 1, result.stderr
     assert words in result.errors[0]
     assert not (sandbox.dir / "metrics.jsonl").exists()
+
+
+def test_a_run_launched_with_relative_paths_is_read_from_any_folder(sandbox, monkeypatch):
+    """``config.toml`` records the local paths absolute, against the launch's folder: a reader
+    started in another folder finds the run's data and checkpoints (it looked for them beside
+    itself, and said to prepare the data there)."""
+    from tests.e2e.test_train_script import load_script
+    from tests.in_process import run_main
+
+    monkeypatch.chdir(sandbox.root)
+    relative = ["--data.path=data", "--checkpoint.dir=ckpts", "--train.max_steps=3"]
+    result = train_here(sandbox, *relative)
+    assert result.code == 0, result.stderr
+    recorded = load_run_config(sandbox.dir)
+    assert recorded.data.path == str(sandbox.root / "data")
+    assert recorded.checkpoint.dir == str(sandbox.root / "ckpts")
+    elsewhere = sandbox.root / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    out = run_main(load_script("eval").main, [str(sandbox.dir)])
+    assert out.returncode == 0, out.stderr
+    assert f"{sandbox.root / 'ckpts' / 'step_3'}" in out.stdout
+    monkeypatch.chdir(sandbox.root)  # the same launch again: its record stands as it was
+    assert train_here(sandbox, *relative).code == 0
+    assert sorted(recorded_configs(sandbox.dir)) == [0]
+
+
+def test_a_resume_after_config_toml_was_deleted_says_so_and_records_its_own_as_a_change(
+    sandbox, trained
+):
+    """Not written as ``config.toml``, which would claim the resumed config trained steps
+    1-10 too."""
+    copy_trained(trained, sandbox)
+    (sandbox.dir / "config.toml").unlink()
+    result = train_here(sandbox, "--train.max_steps=12")
+    assert result.code == 0, result.stderr
+    said = [line for line in result.stderr.splitlines() if "config.toml is gone" in line]
+    assert len(said) == 1 and "steps 1-10 is recorded nowhere" in said[0], result.stderr
+    assert sorted(recorded_configs(sandbox.dir)) == [10]  # no config.toml written
+    assert load_run_config(sandbox.dir).train.max_steps == 12

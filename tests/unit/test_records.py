@@ -9,7 +9,12 @@ import pytest
 
 from forge.metrics.sinks import sink_failure, superseded_path, trim_records_after
 from forge.training.loop.outcome import log_failure_line
-from forge.training.records.run_records import ConfigRecord, config_record, write_run_records
+from forge.training.records.run_records import (
+    ConfigRecord,
+    config_record,
+    unrecorded_configs_note,
+    write_run_records,
+)
 from forge.types import LoopOutcome
 
 
@@ -73,6 +78,8 @@ CONFIG_CASES = [
     ("a resume before a discarded change", {0: "A", 30: "B"}, 20, "A", None, ("config.step_30.toml",)),
     ("a resume before it, changed", {0: "A", 30: "B"}, 20, "C", "config.step_20.toml", ("config.step_30.toml",)),
     ("a run whose config.toml is gone", {10: "B"}, 20, "B", None, ()),
+    ("a resume whose every config is gone", {}, 10, "A", "config.step_10.toml", ()),
+    ("... but a discarded change's", {30: "B"}, 20, "A", "config.step_20.toml", ("config.step_30.toml",)),
 ]  # fmt: skip
 
 
@@ -85,6 +92,20 @@ def test_a_start_records_its_config_only_when_it_differs_from_the_one_in_force(
     recorded, step, text, write, drop
 ):
     assert config_record(recorded, step, text) == ConfigRecord(write, drop)
+
+
+# (recorded configs' steps, the start's step, whether the start warns that steps before it
+# have no recorded config)
+UNRECORDED = [((), 0, False), ((0,), 10, False), ((10,), 20, False), ((), 10, True),
+              ((30,), 20, True), ((20,), 20, False)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("recorded", "step", "warns"), UNRECORDED)
+def test_a_resume_says_when_no_config_of_its_earlier_steps_is_recorded(recorded, step, warns):
+    note = unrecorded_configs_note(recorded, step)
+    assert (note is not None) == warns
+    if note is not None:
+        assert f"steps 1-{step}" in note and f"config.step_{step}.toml" in note
 
 
 class Failing:

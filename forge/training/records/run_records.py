@@ -17,7 +17,7 @@ import os
 import pathlib
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import attrs
 
@@ -69,11 +69,25 @@ def config_record(recorded: Mapping[int, str], step: int, text: str) -> ConfigRe
     resolved config ``text`` writes. A fresh start (step 0) writes ``config.toml``."""
     drop = tuple(step_config_file(n) for n in sorted(recorded) if n > step)
     kept = {n: t for n, t in recorded.items() if n <= step}
-    if step == 0 or not kept:
+    if step == 0:
         return ConfigRecord(CONFIG_FILE if kept.get(0) != text else None, drop)
+    if not kept:  # config.toml gone: this config is the resumed steps' only, not the run's
+        return ConfigRecord(step_config_file(step), drop)
     if kept[max(kept)] == text:
         return ConfigRecord(None, drop)
     return ConfigRecord(step_config_file(step), drop)
+
+
+def unrecorded_configs_note(recorded: Collection[int], step: int) -> str | None:
+    """The warning of a resume at ``step`` whose earlier steps' config is recorded nowhere
+    (``config.toml`` deleted): the resumed config is not theirs, and is not recorded as if it
+    were (``config_record``)."""
+    if step == 0 or any(n <= step for n in recorded):
+        return None
+    return (
+        f"{CONFIG_FILE} is gone: the config of steps 1-{step} is recorded nowhere; this "
+        f"launch's is recorded as {step_config_file(step)}, the config from step {step} on"
+    )
 
 
 class RunRecordsError(UserInputError):

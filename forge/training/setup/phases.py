@@ -22,6 +22,7 @@ import torch
 
 from forge.checkpoint.resume import ResumeSource, resolve_resume
 from forge.checkpoint.store import load_checkpoint, read_train_state, remove_stale_temporaries
+from forge.config.absolute import with_absolute_paths
 from forge.config.loader import ConfigError, load_config_checked, unstructure_config
 from forge.config.sections import Precision
 from forge.config.toml_writer import dumps_toml
@@ -70,7 +71,12 @@ from forge.training.records.run_dir import (
     lock_directories,
 )
 from forge.training.records.run_record import predated_model_defaults, run_identity
-from forge.training.records.run_records import RunRecordsError, write_run_records
+from forge.training.records.run_records import (
+    RunRecordsError,
+    recorded_configs,
+    unrecorded_configs_note,
+    write_run_records,
+)
 from forge.training.setup.loaders import image_caption_loaders, text_loaders
 from forge.training.setup.pipeline_setup import pipeline_of, pipeline_parts
 from forge.training.setup.problems import (
@@ -322,10 +328,14 @@ def prepare_run_dir(run: RunContext, dist: DistContext, ckpt: CheckpointContext)
         return
     problem = None
     if dist.is_main:
-        text = dumps_toml(unstructure_config(run.config))
-        problem = write_run_records(
-            run.run_dir, run.metrics_path, ckpt.initial_state.step, text, ckpt.rewound_from
-        )
+        # local paths absolute: a reader started in another folder finds what the run read
+        recorded = with_absolute_paths(run.config, pathlib.Path.cwd())
+        text = dumps_toml(unstructure_config(recorded))
+        step = ckpt.initial_state.step
+        note = unrecorded_configs_note(recorded_configs(run.run_dir), step)
+        problem = write_run_records(run.run_dir, run.metrics_path, step, text, ckpt.rewound_from)
+        if problem is None and note is not None:
+            dist.say(f"warning: run.dir: {note}")
         if problem is None:
             remove_stale_temporaries(run.checkpoint_dir)
     problem = broadcast_from_main(problem, dist.world_size)
