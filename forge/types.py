@@ -75,6 +75,9 @@ class LoopState:
     spikes: int = 0  # steps whose loss was a spike, since the run began
     nonfinite_steps: int = 0  # steps not finite on some rank (update dropped), since it began
     replay_mismatches: int = 0  # replayed steps whose computations disagreed, since it began
+    # the step whose FP8 drift switched the run to high precision (float8_on_drift = "fallback"):
+    # a resume computes in high precision too, as the run never interrupted does
+    float8_fallback_step: int | None = None
 
 
 @attrs.frozen

@@ -35,7 +35,7 @@ from forge.resilience.faults import (
 )
 from forge.resilience.health import guard_collectives
 from forge.resilience.replica_groups import GroupsLostError
-from forge.resilience.reports import FaultReport
+from forge.resilience.reports import FaultReport, fallback_kept_line
 from forge.resilience.signals import (
     SetupInterrupted,
     ShutdownFlag,
@@ -77,6 +77,7 @@ from forge.training.setup.phases import (
     teardown,
 )
 from forge.training.setup.replica_join import join_replica_groups
+from forge.training.steps.float8_check import keep_fallback
 from forge.training.steps.replay import kernel_modes_kept
 from forge.training.steps.replicas import (
     LayoutMismatchError,
@@ -216,6 +217,9 @@ def train(
     clock.replicated = replicas is not None
     flag.timeout_s = run.config.resilience.shutdown_timeout_s
     model = ckpt.applied_to(model)  # schedule_from = "checkpoint": the recorded LR schedule
+    fell_back = ckpt.initial_state.float8_fallback_step
+    if keep_fallback(model.model, run.config.train.float8, fell_back) and fell_back is not None:
+        dist.say(fallback_kept_line(fell_back))
     if dist.is_main:
         print(f"[forge] {model.num_params:,} parameters; run dir {run.run_dir}", file=sys.stderr)
     policy = run.policy

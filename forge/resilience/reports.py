@@ -110,11 +110,20 @@ def uncompared_line(step: int, verdict: ReplayVerdict) -> str:
 DRIFT_HANDLING = {
     Float8Drift.WARN: "training on in FP8 (train.float8_on_drift='warn')",
     Float8Drift.FALLBACK: (
-        "applied; the rest of this launch computes in high precision "
-        f"(train.float8_on_drift='fallback'): resume with {FLOAT8_OFF}"
+        "applied; the run computes in high precision from here on, its resumes too "
+        f"(train.float8_on_drift='fallback'); {FLOAT8_OFF} says so in the config"
     ),
     Float8Drift.STOP: "not applied; the run ends (train.float8_on_drift='stop')",
 }
+
+
+def fallback_kept_line(step: int) -> str:
+    """The start of a resumed run whose FP8 fell back to high precision before."""
+    return (
+        f"FP8 fell back to high precision at step {step} (train.float8_on_drift='fallback'): "
+        f"this launch computes in high precision too, as the run would have; {FLOAT8_OFF} "
+        "says so in the config"
+    )
 
 
 def drift_line(step: int, verdict: Float8Verdict) -> str:

@@ -16,6 +16,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from forge.config.train import FLOAT8_OFF
 from forge.training.loop.finalize import CheckpointView, FinalSaveReason, finalize
@@ -98,14 +99,14 @@ def scale_fault(monkeypatch):
     return fault
 
 
-def run(tmp_path, corpus, fault, *args):
+def run(tmp_path, corpus, fault, *args, hooks=()):
     config = write_config(tmp_path, corpus)
     out = run_main(TRAIN.main, [str(config), f"--run.dir={tmp_path / 'run'}", *COMMON,
                                 "--train.max_steps=24", "--scheduler.decay_steps=24",
                                 "--checkpoint.interval=1", "--checkpoint.keep_last_n=2",
                                 "--eval.interval=24", "--metrics.log_interval=1",
                                 "--train.float8=tensorwise", "--train.float8_check=2", *args],
-                   hooks=[fault])  # fmt: skip
+                   hooks=[fault, *hooks])  # fmt: skip
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     return out, [json.loads(line) for line in lines if '"loss"' in line]
 
@@ -132,13 +133,41 @@ def test_fallback_computes_in_high_precision_for_the_rest_of_the_launch(
 ):
     out, records = run(tmp_path, small_corpus, scale_fault, "--train.float8_on_drift=fallback")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert drifted_steps(out.stderr) == [22] and f"resume with {FLOAT8_OFF}" in out.stderr
+    assert drifted_steps(out.stderr) == [22] and "its resumes too" in out.stderr
     assert [r["step"] for r in records if "float8/loss_drift" in r][-1] == 22  # checks stop
     assert [r["step"] for r in records] == list(range(1, 25))
     casts = scale_fault.casts_after
     assert casts > 0  # steps 21 and 22 cast; 23, 24 and the evaluation cast nothing:
     fp8_step = casts // 2  # step 21's casts (step 22's FP8 computation casts as many)
     assert casts == 2 * fp8_step
+
+
+def test_a_run_stopped_after_its_fallback_resumes_in_high_precision_as_if_never_stopped(
+    tmp_path, small_corpus, scale_fault
+):
+    """The fallback is the run's, not one launch's: a resume (a requeue, the same command)
+    computes in high precision from its first step and ends with the weights of the run
+    never stopped; in FP8 again, its step 24 was another computation."""
+    from tests.distributed.test_equivalence import weights
+    from tests.e2e.test_train_script import SignalAt
+
+    fallback = "--train.float8_on_drift=fallback"
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    for folder in (whole, stopped):
+        folder.mkdir()
+    assert run(whole, small_corpus, scale_fault, fallback)[0].returncode == 0
+    scale_fault.active = False  # each launch starts clean; the fault begins after step 20
+    out, _ = run(stopped, small_corpus, scale_fault, fallback, hooks=[SignalAt(22)])
+    assert out.returncode == ExitCode.SHUTDOWN, out.stderr[-2000:]
+    scale_fault.active = False
+    out, records = run(stopped, small_corpus, scale_fault, fallback)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "FP8 fell back to high precision at step 22" in out.stderr
+    assert not [r for r in records if r["step"] > 22 and "float8/loss_drift" in r]  # no checks
+    config = whole / "tiny.toml"
+    reference = weights(config, whole / "run", 24)
+    for name, tensor in weights(config, stopped / "run", 24).items():
+        assert torch.equal(tensor, reference[name]), name
 
 
 def test_stop_applies_nothing_and_ends_the_run_with_exit_7(tmp_path, small_corpus, scale_fault):

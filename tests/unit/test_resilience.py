@@ -3,6 +3,7 @@
 import math
 import pathlib
 
+import attrs
 import pytest
 import torch
 
@@ -18,7 +19,15 @@ from forge.training.loop.plan import (
     plan_step,
     rolled_back,
 )
-from forge.types import LoopOutcome, LoopState, LossStats, Signals, StepResult
+from forge.types import (
+    Float8Drift,
+    Float8Verdict,
+    LoopOutcome,
+    LoopState,
+    LossStats,
+    Signals,
+    StepResult,
+)
 
 SKIP, ROLLBACK, ABORT = NonFinitePolicy.SKIP, NonFinitePolicy.ROLLBACK, NonFinitePolicy.ABORT
 A = NonFiniteAction
@@ -151,6 +160,33 @@ def test_rolled_back_state_keeps_the_runs_counts_and_the_snapshots_statistics():
     after = rolled_back(current, snap)
     assert (after.spikes, after.replay_mismatches) == (2, 1)
     assert after.loss_stats == snap.loss_stats
+
+
+def checked(action: Float8Drift | None) -> StepResult:
+    """A step checked against high precision, with the drift guard's ``action``."""
+    return attrs.evolve(OK, float8=Float8Verdict(0.1, 0.1, action))
+
+
+# (the step's result, the recorded fallback step before it, after it: step 5 runs)
+FALLBACKS = [
+    (OK, None, None),
+    (checked(None), None, None),
+    (checked(Float8Drift.WARN), None, None),
+    (checked(Float8Drift.FALLBACK), None, 5),
+    (OK, 3, 3),  # kept, once fallen back
+    (BAD, 3, 3),
+]
+
+
+@pytest.mark.parametrize("result,before,after", FALLBACKS)
+def test_the_step_of_an_fp8_fallback_is_kept_in_the_state_for_good(result, before, after):
+    state = LoopState(step=4, float8_fallback_step=before)
+    assert plan_step(state, result, Signals(), ROLL).state.float8_fallback_step == after
+    snapshot = LoopState(step=2)  # from before the fallback: the model computes as it does now
+    assert (
+        rolled_back(LoopState(step=4, float8_fallback_step=before), snapshot).float8_fallback_step
+        == before
+    )
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ import attrs
 from forge.checkpoint.policy import SaveSchedule
 from forge.config.sections import JobConfig, NonFinitePolicy, SpikePolicy
 from forge.training.loop.finalize import FAILURES
-from forge.types import LoopOutcome, LoopState, LossStats, Signals, StepResult
+from forge.types import Float8Drift, LoopOutcome, LoopState, LossStats, Signals, StepResult
 
 SPIKE_WARMUP = 10  # applied steps in the statistics before a loss can be called a spike
 SPIKE_WINDOW = 20  # the statistics' horizon in steps: each new loss weighs at least 1/20
@@ -210,6 +210,7 @@ def advance(state: LoopState, result: StepResult, finite: bool = True) -> LoopSt
         stats = observed(stats, result.world_loss)
     replay = result.replay
     disagreed = replay is not None and bool(replay.mismatched or replay.diverged)
+    fell_back = result.float8 is not None and result.float8.action is Float8Drift.FALLBACK
     return attrs.evolve(
         state,
         step=step,
@@ -221,6 +222,7 @@ def advance(state: LoopState, result: StepResult, finite: bool = True) -> LoopSt
         spikes=state.spikes + (ok and result.spike),
         nonfinite_steps=state.nonfinite_steps + (not ok),
         replay_mismatches=state.replay_mismatches + disagreed,
+        float8_fallback_step=state.float8_fallback_step or (step if fell_back else None),
     )
 
 
@@ -313,6 +315,7 @@ def rolled_back(current: LoopState, snapshot: LoopState) -> LoopState:
         spikes=current.spikes,  # counts of the run, not of the model's state
         replay_mismatches=current.replay_mismatches,
         nonfinite_steps=current.nonfinite_steps,
+        float8_fallback_step=current.float8_fallback_step,  # the model computes as it did
     )
 
 

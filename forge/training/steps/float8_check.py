@@ -6,7 +6,8 @@ norm kept and the gradients dropped; then the step runs in FP8 as usual. The rel
 differences of the two losses and the two norms, the MAX over every rank, are the step's
 ``Float8Verdict``: past ``float8_check_tolerance`` (the loss's) or
 ``float8_check_grad_tolerance`` (the norm's), FP8 has drifted, and the run warns, falls
-back to high precision for the rest of the launch, or stops (``float8_on_drift``). The RNG
+back to high precision for the rest of the run (its resumes too: ``LoopState``'s
+``float8_fallback_step``), or stops (``float8_on_drift``). The RNG
 state is restored between the two computations, as a replay does. What it costs: one more
 forward and backward every ``float8_check`` steps, in high precision.
 """
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
+from forge.config.train import Float8Recipe
 from forge.types import Float8Drift, Float8Verdict
 
 Computation = Callable[[int], object]
@@ -80,6 +82,23 @@ def compute_in_high_precision(layers: list[nn.Module]) -> None:
         layer.forward = types.MethodType(nn.Linear.forward, layer)
 
 
+def computes_in_high_precision(layers: list[nn.Module]) -> bool:
+    """Whether ``layers`` compute as plain ``Linear`` for good (``compute_in_high_precision``:
+    a fallback, this launch's or a resumed run's)."""
+    return bool(layers) and all("forward" in vars(layer) for layer in layers)
+
+
+def keep_fallback(model: nn.Module, recipe: Float8Recipe, fallback_step: int | None) -> bool:
+    """A resumed run whose FP8 fell back at ``fallback_step`` (None: it did not) computes in
+    high precision from its first step, as the run never interrupted does; whether it had
+    FP8 layers to switch (none under ``train.float8 = "off"``)."""
+    if fallback_step is None or recipe is Float8Recipe.OFF:
+        return False
+    layers = float8_layers(model)
+    compute_in_high_precision(layers)
+    return bool(layers)
+
+
 @contextlib.contextmanager
 def high_precision(layers: list[nn.Module]) -> Iterator[None]:
     """``layers`` computing in high precision while inside (``compute_in_high_precision``)."""
@@ -107,7 +126,8 @@ class Float8Check:
         self.device = next(model.parameters()).device
         self.reset = reset  # drops the reference computation's gradients
         self.world_size = world_size
-        self.fallen_back = False
+        # a resumed run that fell back before (``keep_fallback``): nothing left to check
+        self.fallen_back = computes_in_high_precision(self.layers)
 
     def reference(self, step: int, compute: Computation) -> tuple[float, float] | None:
         """The high-precision loss and gradient norm of step ``step`` where it is checked
