@@ -8,7 +8,8 @@ import argparse
 import enum
 import pathlib
 import re
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 
 
 class DeviceRequest(enum.Enum):
@@ -48,6 +49,23 @@ def run_path(text: str) -> pathlib.Path:
             "checkpoint.dir, which may be a URL: its checkpoints are read from there)"
         )
     return pathlib.Path(text)
+
+
+def help_first(name: str, show: Callable[[Sequence[str]], object]) -> None:
+    """A script's ``-h``/``--help`` answered by ``show`` (given the arguments; argparse's
+    ``parse_args`` prints the usage and exits 0) before the script imports torch, when it runs
+    as a program (``name``: its ``__name__``): the first command a new user runs answers in a
+    fraction of a second instead of the seconds torch's import takes."""
+    args = sys.argv[1:]
+    if name != "__main__" or not {"-h", "--help"} & set(args):
+        return
+    show(args)
+    sys.exit(0)
+
+
+def task_names(value: str) -> list[str]:
+    """``--tasks a,b``: lm-eval task names, each once, blanks dropped."""
+    return list(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
 
 
 def summary(doc: str | None) -> str:

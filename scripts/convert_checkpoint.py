@@ -15,16 +15,59 @@ at once.
 from __future__ import annotations
 
 import argparse
+import pathlib
+
+from forge.cli import DeviceRequest, add_device_options, help_first, run_path, summary
+from forge.config.checkpoint import ExportDtype
+
+OVERWRITE_HELP = "replace an earlier output of this command in --out (nothing else is replaced)"
+
+
+def parser() -> argparse.ArgumentParser:
+    """The commands and their options, built before torch is imported (``help_first``)."""
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(description=summary(__doc__), formatter_class=defaults)
+    sub = parser.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser(
+        "export", help="forge run -> safetensors + config.json", formatter_class=defaults
+    )
+    ex.add_argument(
+        "run_dir", type=run_path, help="a run directory or one checkpoint (step_N folder)"
+    )
+    ex.add_argument("--out", type=pathlib.Path, required=True, help="folder to write")
+    ex.add_argument(
+        "--dtype",
+        choices=sorted(d.value for d in ExportDtype),
+        default="bfloat16",
+        help="dtype of the weights",
+    )
+    ex.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    im = sub.add_parser(
+        "import", help="safetensors + config.json -> forge checkpoint", formatter_class=defaults
+    )
+    im.add_argument(
+        "folder",
+        type=pathlib.Path,
+        help="a DeepSeek-V3, Llama, Mixtral, Qwen3 or Qwen3-MoE folder (config.json + safetensors)",
+    )
+    im.add_argument(
+        "--out", type=pathlib.Path, required=True, help="checkpoint folder to write (step_0)"
+    )
+    im.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    add_device_options(ex, dtype=False, default=DeviceRequest.CPU)
+    return parser
+
+
+help_first(__name__, lambda args: parser().parse_args(args))
+
 import contextlib
 import os
-import pathlib
 import sys
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from forge.checkpoint.store import save_model_only
-from forge.cli import DeviceRequest, add_device_options, run_path, summary
 from forge.config import JobConfig, ModelConfig
 from forge.config.loader import CONVERTER
 from forge.config.toml_writer import dumps_toml
@@ -32,7 +75,6 @@ from forge.console import console_may_close
 from forge.data.shards import MANIFEST, read_manifest
 from forge.errors import UserInputError, one_line, print_errors
 from forge.interop.export import (
-    DTYPES,
     TokenizerInfo,
     export_model,
     require_safetensors,
@@ -151,40 +193,10 @@ def import_(folder: pathlib.Path, out: pathlib.Path, overwrite: bool) -> None:
     print(dumps_toml({"model": model}).strip())
 
 
-OVERWRITE_HELP = "replace an earlier output of this command in --out (nothing else is replaced)"
-
-
 @console_may_close()
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
-    defaults = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser(description=summary(__doc__), formatter_class=defaults)
-    sub = parser.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser(
-        "export", help="forge run -> safetensors + config.json", formatter_class=defaults
-    )
-    ex.add_argument(
-        "run_dir", type=run_path, help="a run directory or one checkpoint (step_N folder)"
-    )
-    ex.add_argument("--out", type=pathlib.Path, required=True, help="folder to write")
-    ex.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the weights"
-    )
-    ex.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    im = sub.add_parser(
-        "import", help="safetensors + config.json -> forge checkpoint", formatter_class=defaults
-    )
-    im.add_argument(
-        "folder",
-        type=pathlib.Path,
-        help="a DeepSeek-V3, Llama, Mixtral, Qwen3 or Qwen3-MoE folder (config.json + safetensors)",
-    )
-    im.add_argument(
-        "--out", type=pathlib.Path, required=True, help="checkpoint folder to write (step_0)"
-    )
-    im.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    add_device_options(ex, dtype=False, default=DeviceRequest.CPU)
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     problems = convert(args, world_info(os.environ))
     if problems:
         print_errors(problems)

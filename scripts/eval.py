@@ -15,16 +15,40 @@ checkpoint's).
 from __future__ import annotations
 
 import argparse
+import pathlib
+
+from forge.cli import add_device_options, help_first, run_path, summary
+
+
+def parser() -> argparse.ArgumentParser:
+    """The options ``main`` reads, built before torch is imported (``help_first``)."""
+    parser = argparse.ArgumentParser(
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("path", type=run_path, help="a run directory or one checkpoint")
+    parser.add_argument("--data", type=pathlib.Path, default=None, help="a prepared dataset")
+    parser.add_argument("--split", default="validation", help="which split of --data")
+    parser.add_argument("--batch-size", type=int, default=8, help="windows per forward")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--mismatched-images",
+        action="store_true",
+        help="a vision-language run: give each caption the next example's image",
+    )
+    add_device_options(parser)
+    return parser
+
+
+help_first(__name__, lambda args: parser().parse_args(args))
+
 import json
 import math
-import pathlib
 import sys
 from collections.abc import Sequence
 
 import attrs
 import torch
 
-from forge.cli import add_device_options, run_path, summary
 from forge.console import console_may_close
 from forge.data.batch import Batch
 from forge.data.dataset import open_windows
@@ -75,21 +99,7 @@ def report(line: str) -> None:
 @console_may_close()
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument("path", type=run_path, help="a run directory or one checkpoint")
-    parser.add_argument("--data", type=pathlib.Path, default=None, help="a prepared dataset")
-    parser.add_argument("--split", default="validation", help="which split of --data")
-    parser.add_argument("--batch-size", type=int, default=8, help="windows per forward")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument(
-        "--mismatched-images",
-        action="store_true",
-        help="a vision-language run: give each caption the next example's image",
-    )
-    add_device_options(parser)
-    return run_on_chosen_device(parser.parse_args(argv), evaluate)
+    return run_on_chosen_device(parser().parse_args(argv), evaluate)
 
 
 def evaluate(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice) -> int:

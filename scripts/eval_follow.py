@@ -15,11 +15,45 @@ whole model. See docs/evaluation.md#beside-training.
 from __future__ import annotations
 
 import argparse
+import pathlib
+
+from forge.cli import add_device_options, help_first, run_path, summary, task_names
+
+
+def parser_of() -> argparse.ArgumentParser:
+    """The options ``main`` reads, built before torch is imported (``help_first``)."""
+    parser = argparse.ArgumentParser(
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("run", type=run_path, help="the run directory to follow")
+    parser.add_argument(
+        "--every", type=int, default=None,
+        help="evaluate steps that are multiples of this (and the last); default: the run's "
+        "eval.interval, or every committed step when it is 0",
+    )  # fmt: skip
+    parser.add_argument("--tasks", type=task_names, default=None, help="lm-eval tasks, a,b")
+    parser.add_argument("--include-path", type=pathlib.Path, default=None, help="task YAMLs")
+    parser.add_argument("--limit", type=int, default=None, help="documents per --tasks task")
+    parser.add_argument("--no-loss", action="store_true", help="tasks only, no held-out loss")
+    parser.add_argument("--poll-s", type=float, default=5.0, help="seconds between looks")
+    parser.add_argument(
+        "--pin-ttl-s", type=float, default=300.0,
+        help="a pin this follower leaves (killed) stops counting after this long",
+    )  # fmt: skip
+    parser.add_argument(
+        "--start-timeout-s", type=float, default=600.0,
+        help="how long to wait for the run's config.toml to appear",
+    )  # fmt: skip
+    add_device_options(parser)
+    return parser
+
+
+help_first(__name__, lambda args: parser_of().parse_args(args))
+
 import contextlib
 import fcntl
 import math
 import os
-import pathlib
 import socket
 import sys
 import time
@@ -31,7 +65,6 @@ import torch.distributed as dist
 
 from forge.checkpoint.paths import CheckpointPath
 from forge.checkpoint.pins import finish_all_deferred, reclaim_pins
-from forge.cli import add_device_options, run_path, summary
 from forge.config.data import EvalTask
 from forge.console import console_may_close
 from forge.errors import UserInputError, one_line, print_errors
@@ -65,37 +98,6 @@ from forge.training.records.run_dir import checkpoint_dir_of, load_run_config
 from forge.types import ExitCode
 
 HOLDER = "eval_follow"  # one follower per run (its lock): a pin by this name is its own
-
-
-def task_names(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
-def parser_of() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument("run", type=run_path, help="the run directory to follow")
-    parser.add_argument(
-        "--every", type=int, default=None,
-        help="evaluate steps that are multiples of this (and the last); default: the run's "
-        "eval.interval, or every committed step when it is 0",
-    )  # fmt: skip
-    parser.add_argument("--tasks", type=task_names, default=None, help="lm-eval tasks, a,b")
-    parser.add_argument("--include-path", type=pathlib.Path, default=None, help="task YAMLs")
-    parser.add_argument("--limit", type=int, default=None, help="documents per --tasks task")
-    parser.add_argument("--no-loss", action="store_true", help="tasks only, no held-out loss")
-    parser.add_argument("--poll-s", type=float, default=5.0, help="seconds between looks")
-    parser.add_argument(
-        "--pin-ttl-s", type=float, default=300.0,
-        help="a pin this follower leaves (killed) stops counting after this long",
-    )  # fmt: skip
-    parser.add_argument(
-        "--start-timeout-s", type=float, default=600.0,
-        help="how long to wait for the run's config.toml to appear",
-    )  # fmt: skip
-    add_device_options(parser)
-    return parser
 
 
 @console_may_close()

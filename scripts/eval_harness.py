@@ -14,14 +14,39 @@ the ``eval`` extra: ``pip install -e '.[eval]'``.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
+
+from forge.cli import add_device_options, help_first, run_path, summary, task_names
+
+
+def parser() -> argparse.ArgumentParser:
+    """The options ``main`` reads, built before torch is imported (``help_first``)."""
+    parser = argparse.ArgumentParser(
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("path", type=run_path, help="a run directory or one checkpoint")
+    parser.add_argument("--tasks", type=task_names, required=True, help="lm-eval tasks, a,b")
+    parser.add_argument("--limit", type=int, default=None, help="documents per task (all)")
+    parser.add_argument(
+        "--include-path", type=pathlib.Path, default=None, help="a folder of task YAMLs"
+    )
+    parser.add_argument("--batch-size", type=int, default=8, help="requests per forward")
+    parser.add_argument(
+        "--bootstrap-iters", type=int, default=100_000, help="lm-eval's stderr resamples"
+    )
+    parser.add_argument("--output", type=pathlib.Path, default=None, help="the JSON's path")
+    add_device_options(parser)
+    return parser
+
+
+help_first(__name__, lambda args: parser().parse_args(args))
+
+import json
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from forge.checkpoint.paths import CheckpointPath
-from forge.cli import add_device_options, run_path, summary
 from forge.config.data import EvalTask
 from forge.console import console_may_close
 from forge.errors import UserInputError, one_line, print_errors
@@ -55,11 +80,6 @@ def report(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def task_names(value: str) -> list[str]:
-    """``--tasks a,b``: the names, each once, blanks dropped."""
-    return list(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
-
-
 def option_problems(args: argparse.Namespace) -> list[str]:
     """The options' own problems, before anything is read."""
     lines = []
@@ -91,22 +111,7 @@ def output_path(args: argparse.Namespace, run_dir: pathlib.Path, checkpoint: Che
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
     """The script: options, the device, then ``evaluate``; the exit code."""
-    parser = argparse.ArgumentParser(
-        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument("path", type=run_path, help="a run directory or one checkpoint")
-    parser.add_argument("--tasks", type=task_names, required=True, help="lm-eval tasks, a,b")
-    parser.add_argument("--limit", type=int, default=None, help="documents per task (all)")
-    parser.add_argument(
-        "--include-path", type=pathlib.Path, default=None, help="a folder of task YAMLs"
-    )
-    parser.add_argument("--batch-size", type=int, default=8, help="requests per forward")
-    parser.add_argument(
-        "--bootstrap-iters", type=int, default=100_000, help="lm-eval's stderr resamples"
-    )
-    parser.add_argument("--output", type=pathlib.Path, default=None, help="the JSON's path")
-    add_device_options(parser)
-    return run_on_chosen_device(parser.parse_args(argv), evaluate)
+    return run_on_chosen_device(parser().parse_args(argv), evaluate)
 
 
 def harness_record(path: pathlib.Path) -> bool:

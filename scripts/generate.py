@@ -18,10 +18,66 @@ all N, in rank order (greedy decoding, at temperature 0, gives one text: printed
 from __future__ import annotations
 
 import argparse
+import pathlib
+
+from forge.cli import add_device_options, help_first, run_path, summary
+
+
+def parser() -> argparse.ArgumentParser:
+    """The options ``main`` reads, built before torch is imported (``help_first``)."""
+    parser = argparse.ArgumentParser(
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "run_dir", type=run_path, help="a run directory or one checkpoint (step_N folder)"
+    )
+    parser.add_argument(
+        "--prompt",
+        default=None,
+        help="text to continue; the byte tokenizer takes bytes that are not UTF-8 as they are "
+        "(default: 'def ', or '' with --image)",
+    )
+    parser.add_argument(
+        "--image",
+        type=pathlib.Path,
+        default=None,
+        help="a vision-language run: the image to caption (PNG, JPEG...; needs Pillow)",
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="tokens to sample (default: up to the model's max_seq_len)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="softmax temperature, 0: greedy (default: 0.8, or 0 with --image)",
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=40, help="sample among the k likeliest tokens (0: all)"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="sample within this much probability (1: all)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument(
+        "--speculative",
+        action="store_true",
+        help="the model's multi-token depths draft, the main model verifies (the same output: "
+        "greedy the same tokens, sampled the same distribution); prints the acceptance rate and "
+        "the tokens/s against plain generation of the same length, timed here too",
+    )
+    add_device_options(parser)
+    return parser
+
+
+help_first(__name__, lambda args: parser().parse_args(args))
+
 import importlib.util
 import math
 import os
-import pathlib
 import sys
 import time
 from collections.abc import Sequence
@@ -30,7 +86,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from forge.cli import add_device_options, run_path, summary
 from forge.config import JobConfig
 from forge.console import console_may_close
 from forge.data.image_text import load_image
@@ -159,52 +214,7 @@ def report(line: str) -> None:
 @console_may_close()
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument(
-        "run_dir", type=run_path, help="a run directory or one checkpoint (step_N folder)"
-    )
-    parser.add_argument(
-        "--prompt",
-        default=None,
-        help="text to continue; the byte tokenizer takes bytes that are not UTF-8 as they are "
-        "(default: 'def ', or '' with --image)",
-    )
-    parser.add_argument(
-        "--image",
-        type=pathlib.Path,
-        default=None,
-        help="a vision-language run: the image to caption (PNG, JPEG...; needs Pillow)",
-    )
-    parser.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=None,
-        help="tokens to sample (default: up to the model's max_seq_len)",
-    )
-    parser.add_argument(
-        "--temperature",
-        type=float,
-        default=None,
-        help="softmax temperature, 0: greedy (default: 0.8, or 0 with --image)",
-    )
-    parser.add_argument(
-        "--top-k", type=int, default=40, help="sample among the k likeliest tokens (0: all)"
-    )
-    parser.add_argument(
-        "--top-p", type=float, default=1.0, help="sample within this much probability (1: all)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    parser.add_argument(
-        "--speculative",
-        action="store_true",
-        help="the model's multi-token depths draft, the main model verifies (the same output: "
-        "greedy the same tokens, sampled the same distribution); prints the acceptance rate and "
-        "the tokens/s against plain generation of the same length, timed here too",
-    )
-    add_device_options(parser)
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     try:
         return generate(args)
     finally:

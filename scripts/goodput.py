@@ -9,12 +9,26 @@ wall time, and goodput, the productive share (docs/observability.md#the-goodput-
 from __future__ import annotations
 
 import argparse
+
+from forge.cli import help_first, run_path, summary
+
+
+def parser() -> argparse.ArgumentParser:
+    """The options ``main`` reads, built before torch is imported (``help_first``)."""
+    parser = argparse.ArgumentParser(
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("run", type=run_path, help="a run directory")
+    return parser
+
+
+help_first(__name__, lambda args: parser().parse_args(args))
+
 import pathlib
 import sys
 import time
 from collections.abc import Sequence
 
-from forge.cli import run_path, summary
 from forge.console import console_may_close
 from forge.errors import print_errors
 from forge.interrupts import exits_on_interrupt
@@ -66,11 +80,7 @@ def launch_rows(run_dir: pathlib.Path, launches: list[LaunchRecord]) -> list[str
 @console_may_close()
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument("run", type=run_path, help="a run directory")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     ledger = args.run / LEDGER_FILE
     if ledger.exists() and not ledger.is_file():
         print_errors([f"{ledger}: not a regular file (a folder, a FIFO or a device); no ledger"])

@@ -10,16 +10,9 @@ forms as soon as every group it knows alive has asked, or ``--join-timeout-ms`` 
 from __future__ import annotations
 
 import argparse
-import sys
-import threading
 from collections.abc import Sequence
 
-from forge.cli import summary
-from forge.console import console_may_close
-from forge.errors import print_errors
-from forge.interrupts import exits_on_interrupt
-from forge.resilience.replica_groups import quiet_torchft, torchft_problem
-from forge.types import ExitCode
+from forge.cli import help_first, summary
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -50,6 +43,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="a group silent this long is left out of the next quorum",
     )
     return parser.parse_args(argv)
+
+
+help_first(__name__, parse_args)  # before torchft's and torch's imports: seconds
+
+import sys
+import threading
+
+from forge.console import console_may_close
+from forge.errors import print_errors
+from forge.interrupts import exits_on_interrupt
+from forge.resilience.replica_groups import quiet_torchft, torchft_problem
+from forge.types import ExitCode
 
 
 def option_problems(args: argparse.Namespace) -> list[str]:

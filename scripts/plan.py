@@ -10,11 +10,27 @@ the model is counted from its config (``forge/parallel/memory_plan.py`` says wha
 from __future__ import annotations
 
 import argparse
+
+from forge.cli import help_first, summary
+
+
+def parser() -> argparse.ArgumentParser:
+    """plan.py's own options (the config and its overrides follow), built before torch is
+    imported (``help_first``)."""
+    parser = argparse.ArgumentParser(
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--nproc", type=int, default=1, help="ranks in the job (the world size)")
+    parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per device, GiB")
+    return parser
+
+
+help_first(__name__, lambda args: parser().parse_known_args(args))
+
 import math
 import sys
 from collections.abc import Sequence
 
-from forge.cli import summary
 from forge.config import JobConfig, load_config
 from forge.config.distributed import PipelineSchedule
 from forge.console import console_may_close
@@ -108,12 +124,7 @@ def pipeline_lines(config: JobConfig, pp: int, sharded: bool = False) -> list[st
 @console_may_close()
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument("--nproc", type=int, default=1, help="ranks in the job (the world size)")
-    parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per device, GiB")
-    args, rest = parser.parse_known_args(argv)
+    args, rest = parser().parse_known_args(argv)
     try:
         problems = option_problems(args)
         if problems:

@@ -15,14 +15,42 @@ centre-cropped to a square and resized. Needs Pillow (``pip install -e '.[vision
 from __future__ import annotations
 
 import argparse
+import pathlib
+
+from forge.cli import help_first, summary
+
+
+def parser() -> argparse.ArgumentParser:
+    """The options ``main`` reads, built before torch is imported (``help_first``)."""
+    parser = argparse.ArgumentParser(
+        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("data/shapes"))
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier dataset of this script in --out (nothing else is replaced)",
+    )
+    parser.add_argument(
+        "--input", type=pathlib.Path, default=None, help="your pairs (unset: procedural shapes)"
+    )
+    parser.add_argument("--n", type=int, default=20000, help="procedural images")
+    parser.add_argument("--image-size", type=int, default=32, help="side length in pixels")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--validation-percent", type=float, default=5.0, help="share held out, 0 to 100"
+    )
+    return parser
+
+
+help_first(__name__, lambda args: parser().parse_args(args))
+
 import importlib.util
 import json
-import pathlib
 import sys
 import zlib
 from collections.abc import Sequence
 
-from forge.cli import summary
 from forge.console import console_may_close
 from forge.data.image_text import load_image, write_image_text_dataset
 from forge.data.scenes import procedural_pairs
@@ -92,25 +120,7 @@ def listed_pairs(path: pathlib.Path) -> list[tuple[pathlib.Path, str, str]]:
 @console_may_close()
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("data/shapes"))
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace an earlier dataset of this script in --out (nothing else is replaced)",
-    )
-    parser.add_argument(
-        "--input", type=pathlib.Path, default=None, help="your pairs (unset: procedural shapes)"
-    )
-    parser.add_argument("--n", type=int, default=20000, help="procedural images")
-    parser.add_argument("--image-size", type=int, default=32, help="side length in pixels")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--validation-percent", type=float, default=5.0, help="share held out, 0 to 100"
-    )
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     try:
         problems = option_problems(args)
         if problems:

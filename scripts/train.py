@@ -13,7 +13,12 @@ from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-if __name__ == "__main__":  # first: a signal waits for the imports and the config's checks
+if __name__ == "__main__":  # first: --help before torch's import, which takes seconds; a
+    # signal waits for the imports and the config's checks
+    from forge.cli import help_first
+    from forge.config.help import help_text
+
+    help_first(__name__, lambda _: print(help_text()))
     from forge.resilience.signals import hold_shutdown_signals
 
     HELD = hold_shutdown_signals()

@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 import torch
 
+from forge.config.checkpoint import ExportDtype
 from forge.config.sections import ModelConfig
 from forge.config.shapes import ROUTER_BIAS
 from forge.interop.export_rules import export_family, export_problem
@@ -33,7 +34,8 @@ from forge.interop.hf_tokenizer import BYTE_SPECIAL_TOKENS, byte_tokenizer_json,
 from forge.interop.tensor_names import ExportError, hf_names, is_expert_weight
 from forge.outputs import OutputKind, replace_output, staged_output
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the dtypes an export writes: checkpoint.export_dtype's, and convert_checkpoint.py's --dtype
+DTYPES = {d.value: getattr(torch, d.value) for d in ExportDtype}
 
 
 @attrs.frozen
