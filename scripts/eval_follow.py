@@ -184,10 +184,8 @@ def task_problems(tasks: tuple[EvalTask, ...], where: str) -> list[str]:
     if not tasks:
         return []
     from forge.harness.tasks import (
-        include_paths,
         lm_eval_problem,
         path_lines,
-        task_manager,
         unknown_task_lines,
     )
 
@@ -197,8 +195,7 @@ def task_problems(tasks: tuple[EvalTask, ...], where: str) -> list[str]:
     lines = path_lines(list(tasks), where)
     if lines:
         return lines
-    manager = task_manager(include_paths(list(tasks)), [t.name for t in tasks])
-    return unknown_task_lines(manager, list(tasks), where)
+    return unknown_task_lines(list(tasks), where)
 
 
 def broadcast(value: Any, world: WorldInfo) -> Any:

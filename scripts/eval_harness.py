@@ -149,10 +149,10 @@ def prepared(args: argparse.Namespace, world: WorldInfo, choice: DeviceChoice):
     problem = tokenizer_problem(config, run_dir)
     if problem is not None:
         raise UserInputError([problem])
-    manager = task_manager(include_paths(tasks), args.tasks)
-    unknown = unknown_task_lines(manager, tasks, "--tasks")
+    unknown = unknown_task_lines(tasks, "--tasks")
     if unknown:
         raise UserInputError(unknown)
+    manager = task_manager(include_paths(tasks), args.tasks)
     try:  # a task's YAML, data or dependencies: read before the model is
         loaded_tasks = load_tasks(manager, args.tasks)
     except Exception as exc:  # lm-eval raises what its tasks' loaders raise

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import logging
+import os
 import pathlib
 import random
 from collections.abc import Iterator, Sequence
@@ -17,10 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from forge.cache import this_cache_dir, write_cache_file
 from forge.config.data import EvalTask
 from forge.config.sections import JobConfig
 
 LM_EVAL_SEEDS = (0, 1234, 1234, 1234)  # simple_evaluate's: Python, NumPy, torch, few-shot
+TASKS_CACHE = "lm_eval_tasks.json"  # lm-eval's own task names, in forge's cache folder
 MISSING_EXTRA = (
     "downstream tasks need lm-evaluation-harness, forge's 'eval' extra: pip install -e '.[eval]'"
 )
@@ -34,6 +38,68 @@ def lm_eval_problem() -> str | None:
 def include_paths(tasks: Sequence[EvalTask]) -> list[str]:
     """The task folders ``tasks`` name, each once, in order."""
     return list(dict.fromkeys(t.include_path for t in tasks if t.include_path))
+
+
+def tasks_fingerprint(folder: pathlib.Path) -> str:
+    """What a list of the tasks under ``folder`` (lm-eval's own) depends on: its task files'
+    count, bytes and newest change (a reinstall or an edit changes it)."""
+    count, size, newest = 0, 0, 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            if name.endswith((".yaml", ".yml", ".py")):
+                st = os.stat(os.path.join(root, name))
+                count, size, newest = count + 1, size + st.st_size, max(newest, st.st_mtime_ns)
+    return f"{count} files, {size} bytes, newest {newest}"
+
+
+def cached_names(path: pathlib.Path, key: str) -> frozenset[str] | None:
+    """The names the cache file at ``path`` holds for ``key``; None when it holds none (missing,
+    unreadable, corrupt, or another key's)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None
+    names = data.get("names") if isinstance(data, dict) and data.get("key") == key else None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return None
+    return frozenset(names)
+
+
+def default_task_names() -> frozenset[str]:
+    """Every name lm-eval's own index holds (tasks, groups, tags). The index reads thousands of
+    YAML files (15 s on a small machine), so its names are kept in forge's cache folder
+    (``TASKS_CACHE``), keyed by lm-eval's version and ``tasks_fingerprint``: a start-up that
+    checks a task name, or refuses a misspelt one, reads them."""
+    import lm_eval
+    import lm_eval.tasks
+    from lm_eval.tasks import TaskManager
+
+    folder = pathlib.Path(lm_eval.tasks.__file__).parent
+    key = f"lm_eval {lm_eval.__version__} | {tasks_fingerprint(folder)}"
+    cache = this_cache_dir()
+    path = None if cache is None else cache / TASKS_CACHE
+    if path is not None and (names := cached_names(path, key)) is not None:
+        return names
+    quiet_lm_eval()
+    names = frozenset(TaskManager().all_tasks)
+    if path is not None:  # not written: the next check indexes again, nothing worse
+        write_cache_file(path, json.dumps({"key": key, "names": sorted(names)}) + "\n")
+    return names
+
+
+def known_task_names(paths: Sequence[str], names: Sequence[str]) -> frozenset[str]:
+    """The task names an lm-eval ``TaskManager`` over ``paths`` would know, as far as
+    ``names`` need: those of ``paths`` alone when they hold every one of ``names``, else
+    lm-eval's own too (``default_task_names``)."""
+    from lm_eval.tasks import TaskManager
+
+    quiet_lm_eval()
+    local: frozenset[str] = frozenset()
+    if paths:
+        local = frozenset(TaskManager(include_path=list(paths), include_defaults=False).all_tasks)
+        if all(n in local for n in names):
+            return local
+    return local | default_task_names()
 
 
 def task_manager(paths: Sequence[str], names: Sequence[str]) -> Any:
@@ -51,11 +117,13 @@ def task_manager(paths: Sequence[str], names: Sequence[str]) -> Any:
     return TaskManager()
 
 
-def unknown_task_lines(manager: Any, tasks: Sequence[EvalTask], where: str) -> list[str]:
-    """One line per task name ``manager`` does not know, naming ``where`` it was asked."""
+def unknown_task_lines(tasks: Sequence[EvalTask], where: str) -> list[str]:
+    """One line per task name lm-eval does not know (``known_task_names`` of the tasks' own
+    folders), naming ``where`` it was asked."""
+    known = known_task_names(include_paths(tasks), [t.name for t in tasks])
     lines = []
     for i, task in enumerate(tasks):
-        if task.name not in manager.all_tasks:
+        if task.name not in known:
             found = f" or in {task.include_path}" if task.include_path else ""
             lines.append(
                 f"{where.format(i=i)}: no lm-eval task {task.name!r} among lm-eval's "
@@ -94,8 +162,7 @@ def downstream_problems(config: JobConfig) -> list[str]:
     lines += path_lines(tasks, "eval.tasks[{i}]")
     if lines:
         return lines
-    manager = task_manager(include_paths(tasks), [t.name for t in tasks])
-    return unknown_task_lines(manager, tasks, "eval.tasks[{i}].name")
+    return unknown_task_lines(tasks, "eval.tasks[{i}].name")
 
 
 def custom_dataset_note(record: logging.LogRecord) -> bool:

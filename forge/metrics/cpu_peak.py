@@ -11,7 +11,6 @@ run: the peak is measured and the run goes on.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
@@ -19,12 +18,13 @@ import math
 import os
 import pathlib
 import platform
-import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
+
+from forge.cache import this_cache_dir, write_cache_file
 
 MEASURE_SIZES = (256, 512, 1024, 2048)
 MEASURE_BUDGET_S = 0.8  # all sizes together; a size that would not fit is skipped
@@ -77,16 +77,6 @@ def measure_matmul_peak(
         if later is None or not next_size_fits(fastest, size, later, deadline - clock()):
             break
     return best_peak(samples)
-
-
-def cache_dir(environ: Mapping[str, str], home: pathlib.Path | None) -> pathlib.Path | None:
-    """forge's cache folder: ``$FORGE_CACHE_DIR``, else ``$XDG_CACHE_HOME/forge``, else
-    ``~/.cache/forge``; None without any of them (no home directory)."""
-    if environ.get("FORGE_CACHE_DIR"):
-        return pathlib.Path(environ["FORGE_CACHE_DIR"])
-    if environ.get("XDG_CACHE_HOME"):
-        return pathlib.Path(environ["XDG_CACHE_HOME"]) / "forge"
-    return None if home is None else home / ".cache" / "forge"
 
 
 def cpu_identity(cpuinfo: str) -> tuple[str, str]:
@@ -145,32 +135,17 @@ def cached_peaks(path: pathlib.Path) -> dict[str, float]:
 
 
 def write_cached_peak(path: pathlib.Path, key: str, flops: float) -> str | None:
-    """Add ``key``'s peak to the cache file, written whole to a temporary sibling and renamed
-    into place (a reader never sees half a file). None when written, else why not."""
+    """Add ``key``'s peak to the cache file (``write_cache_file``: whole or not at all). None
+    when written, else why not."""
     text = json.dumps({"version": CACHE_VERSION, "peaks": cached_peaks(path) | {key: flops}})
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text + "\n")
-            os.replace(tmp, path)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)  # gone after a rename
-    except OSError as exc:
-        return f"{type(exc).__name__}: {exc.strerror or exc}"
-    return None
+    return write_cache_file(path, text + "\n")
 
 
 def raise_cached_peak(dtype: torch.dtype, flops: float) -> str | None:
     """Record ``flops`` as this CPU's peak in ``dtype`` where it beats the cached one (a run
     achieved more than a measurement on a loaded machine found): later runs start from it.
     None when recorded (or nothing to raise), else why not."""
-    try:
-        folder = cache_dir(os.environ, pathlib.Path.home())
-    except (RuntimeError, KeyError):
-        return "no home folder"
+    folder = this_cache_dir()
     if folder is None:
         return "no cache folder"
     path, key = folder / CACHE_FILE, this_machine_key(dtype, torch.get_num_threads())
@@ -199,11 +174,7 @@ def cpu_peak(dtype: torch.dtype) -> CpuPeak:
 def _cpu_peak(dtype: torch.dtype, threads: int) -> CpuPeak:
     """From the cache file, else measured now and cached; a cache that cannot be read or
     written costs only the measurement."""
-    try:
-        home: pathlib.Path | None = pathlib.Path.home()
-    except (RuntimeError, KeyError):  # no HOME and no passwd entry
-        home = None
-    folder = cache_dir(os.environ, home)
+    folder = this_cache_dir()
     path = None if folder is None else folder / CACHE_FILE
     key = this_machine_key(dtype, threads)
     cached = None if path is None else cached_peaks(path).get(key)

@@ -10,12 +10,12 @@ import pathlib
 import pytest
 import torch
 
+from forge.cache import cache_dir
 from forge.config.sections import ModelConfig, Precision
 from forge.metrics import cpu_peak as cpu_peak_module
 from forge.metrics.cpu_peak import (
     CACHE_FILE,
     best_peak,
-    cache_dir,
     cached_peaks,
     cpu_identity,
     measure_matmul_peak,

@@ -17,6 +17,7 @@ FLOORS = {
     "outputs": 0,  # the rules for output folders that scripts write
     "jsonl": 0,  # the rule for the JSON-lines records a run appends to
     "console": 0,  # a script's console that goes away
+    "cache": 0,  # forge's cache folder and its files (the CPU peak, lm-eval's task names)
     "interrupts": 1,  # how a script ends at Ctrl-C or SIGTERM (reads ExitCode)
     "cli": 1,  # the scripts' shared command-line options (--device, --dtype)
     "config": 1,
