@@ -20,7 +20,7 @@ import pathlib
 from forge.cli import add_device_options, help_first, run_path, summary, task_names
 
 
-def parser_of() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     """The options ``main`` reads, built before torch is imported (``help_first``)."""
     parser = argparse.ArgumentParser(
         description=summary(__doc__), formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -48,7 +48,7 @@ def parser_of() -> argparse.ArgumentParser:
     return parser
 
 
-help_first(__name__, lambda args: parser_of().parse_args(args))
+help_first(__name__, lambda args: parser().parse_args(args))
 
 import contextlib
 import fcntl
@@ -103,7 +103,7 @@ HOLDER = "eval_follow"  # one follower per run (its lock): a pin by this name is
 @console_may_close()
 @exits_on_interrupt
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_on_chosen_device(parser_of().parse_args(argv), follow)
+    return run_on_chosen_device(parser().parse_args(argv), follow)
 
 
 def option_problems(args: argparse.Namespace) -> list[str]:

@@ -13,15 +13,15 @@ from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
-if __name__ == "__main__":  # first: --help before torch's import, which takes seconds; a
-    # signal waits for the imports and the config's checks
+if __name__ == "__main__":  # first: a signal waits for the imports and the config's checks;
+    # then --help, before torch's import, which takes seconds
+    from forge.resilience.signals import hold_shutdown_signals
+
+    HELD = hold_shutdown_signals()
     from forge.cli import help_first
     from forge.config.help import help_text
 
     help_first(__name__, lambda _: print(help_text()))
-    from forge.resilience.signals import hold_shutdown_signals
-
-    HELD = hold_shutdown_signals()
 
 from forge.config.help import help_text
 from forge.console import console_may_close
@@ -82,7 +82,7 @@ from forge.training.setup.phases import (
     teardown,
 )
 from forge.training.setup.replica_join import join_replica_groups
-from forge.training.steps.float8_check import keep_fallback
+from forge.training.steps.float8_check import kept_fallback
 from forge.training.steps.replay import kernel_modes_kept
 from forge.training.steps.replicas import (
     LayoutMismatchError,
@@ -223,7 +223,8 @@ def train(
     flag.timeout_s = run.config.resilience.shutdown_timeout_s
     model = ckpt.applied_to(model)  # schedule_from = "checkpoint": the recorded LR schedule
     fell_back = ckpt.initial_state.float8_fallback_step
-    if keep_fallback(model.model, run.config.train.float8, fell_back) and fell_back is not None:
+    model = kept_fallback(model, run.config.train.float8, fell_back)
+    if model.float8_fallen_back and fell_back is not None:
         dist.say(fallback_kept_line(fell_back))
     if dist.is_main:
         print(f"[forge] {model.num_params:,} parameters; run dir {run.run_dir}", file=sys.stderr)

@@ -6,12 +6,30 @@ already, and an object-store URL, stay as they are."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pathlib
+from collections.abc import Mapping
 
 import attrs
+import tomli
 
+from forge.config.loader import ConfigError, structure_config, unstructure_config
 from forge.config.ranges import url_scheme
 from forge.config.sections import JobConfig
+from forge.config.toml_writer import dumps_toml
+
+
+def launch_folder(environ: Mapping[str, str]) -> pathlib.Path:
+    """The folder this launch runs in, as the user's shell names it: ``$PWD`` where it is this
+    folder (a symlinked or automounted home stays as typed, as other nodes see it), else the
+    physical one."""
+    pwd = environ.get("PWD", "")
+    if os.path.isabs(pwd):
+        with contextlib.suppress(OSError):
+            if os.path.samefile(pwd, "."):
+                return pathlib.Path(pwd)
+    return pathlib.Path.cwd()
 
 
 def absolute(path: str | None, cwd: pathlib.Path) -> str | None:
@@ -43,3 +61,15 @@ def with_absolute_paths(config: JobConfig, cwd: pathlib.Path) -> JobConfig:
             ckpt, dir=absolute(ckpt.dir, cwd), load_path=absolute(ckpt.load_path, cwd)
         ),
     )
+
+
+def recorded_text(text: str, cwd: pathlib.Path) -> str:
+    """A recorded config's text as a launch from ``cwd`` records it: a run recorded with
+    relative paths (by a forge before they were recorded absolute), relaunched from the
+    folder it ran in, reads as the config in force and writes no ``config.step_N.toml``.
+    ``text`` itself when it is no config (a record a newer or damaged forge wrote)."""
+    try:
+        config = structure_config(tomli.loads(text))
+    except (tomli.TOMLDecodeError, ConfigError):
+        return text
+    return dumps_toml(unstructure_config(with_absolute_paths(config, cwd)))

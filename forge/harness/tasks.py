@@ -7,6 +7,7 @@ extra, and a config that asks for tasks without it is refused with one line.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import logging
@@ -25,6 +26,7 @@ from forge.config.sections import JobConfig
 
 LM_EVAL_SEEDS = (0, 1234, 1234, 1234)  # simple_evaluate's: Python, NumPy, torch, few-shot
 TASKS_CACHE = "lm_eval_tasks.json"  # lm-eval's own task names, in forge's cache folder
+CACHED_INSTALLS = 4  # entries kept: a few virtual environments share one home folder
 MISSING_EXTRA = (
     "downstream tasks need lm-evaluation-harness, forge's 'eval' extra: pip install -e '.[eval]'"
 )
@@ -40,81 +42,105 @@ def include_paths(tasks: Sequence[EvalTask]) -> list[str]:
     return list(dict.fromkeys(t.include_path for t in tasks if t.include_path))
 
 
-def tasks_fingerprint(folder: pathlib.Path) -> str:
+def tasks_fingerprint(folder: pathlib.Path) -> str | None:
     """What a list of the tasks under ``folder`` (lm-eval's own) depends on: its task files'
-    count, bytes and newest change (a reinstall or an edit changes it)."""
+    count, bytes and newest change (a reinstall or an edit changes it); None when a file
+    cannot be read (one removed under the walk): then nothing is cached or read."""
     count, size, newest = 0, 0, 0
-    for root, _, files in os.walk(folder):
-        for name in files:
-            if name.endswith((".yaml", ".yml", ".py")):
-                st = os.stat(os.path.join(root, name))
-                count, size, newest = count + 1, size + st.st_size, max(newest, st.st_mtime_ns)
+    try:
+        for root, _, files in os.walk(folder):
+            for name in files:
+                if name.endswith((".yaml", ".yml", ".py")):
+                    st = os.stat(os.path.join(root, name))
+                    count, size = count + 1, size + st.st_size
+                    newest = max(newest, st.st_mtime_ns)
+    except OSError:
+        return None
     return f"{count} files, {size} bytes, newest {newest}"
 
 
-def cached_names(path: pathlib.Path, key: str) -> frozenset[str] | None:
-    """The names the cache file at ``path`` holds for ``key``; None when it holds none (missing,
-    unreadable, corrupt, or another key's)."""
+def cached_entries(path: pathlib.Path) -> dict[str, list[str]]:
+    """Every valid entry of the cache file at ``path`` (names by key); none from a missing,
+    unreadable or corrupt one."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        return None
-    names = data.get("names") if isinstance(data, dict) and data.get("key") == key else None
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        return None
-    return frozenset(names)
+        return {}
+    entries = data.get("entries") if isinstance(data, dict) else None
+    if not isinstance(entries, dict):
+        return {}
+    return {
+        str(k): v
+        for k, v in entries.items()
+        if isinstance(v, list) and all(isinstance(n, str) for n in v)
+    }
+
+
+@functools.cache  # once per process: the index a check built serves the tasks' loading too
+def lm_eval_index() -> Any:
+    """lm-eval's ``TaskManager`` over its own tasks: thousands of YAML files read (10-15 s on
+    a small machine)."""
+    from lm_eval.tasks import TaskManager
+
+    quiet_lm_eval()
+    return TaskManager()
 
 
 def default_task_names() -> frozenset[str]:
-    """Every name lm-eval's own index holds (tasks, groups, tags). The index reads thousands of
-    YAML files (15 s on a small machine), so its names are kept in forge's cache folder
-    (``TASKS_CACHE``), keyed by lm-eval's version and ``tasks_fingerprint``: a start-up that
-    checks a task name, or refuses a misspelt one, reads them."""
+    """Every name lm-eval's own index holds (tasks, groups, tags), kept in forge's cache folder
+    (``TASKS_CACHE``, the latest ``CACHED_INSTALLS`` installs of lm-eval by their version and
+    ``tasks_fingerprint``): a start-up that checks a task name, or refuses a misspelt one,
+    reads them instead of building the index."""
     import lm_eval
     import lm_eval.tasks
+
+    fingerprint = tasks_fingerprint(pathlib.Path(lm_eval.tasks.__file__).parent)
+    cache = this_cache_dir()
+    if fingerprint is None or cache is None:
+        return frozenset(lm_eval_index().all_tasks)
+    path, key = cache / TASKS_CACHE, f"lm_eval {lm_eval.__version__} | {fingerprint}"
+    entries = cached_entries(path)
+    if key in entries:
+        return frozenset(entries[key])
+    names = sorted(lm_eval_index().all_tasks)
+    kept = dict(list(entries.items())[-(CACHED_INSTALLS - 1) :]) | {key: names}
+    write_cache_file(path, json.dumps({"entries": kept}) + "\n")  # unwritten: indexed again
+    return frozenset(names)
+
+
+def local_manager(paths: Sequence[str], names: Sequence[str]) -> Any | None:
+    """An lm-eval ``TaskManager`` over the task folders ``paths`` alone (milliseconds) when it
+    knows every one of ``names``, else None (lm-eval's own tasks are needed)."""
     from lm_eval.tasks import TaskManager
 
-    folder = pathlib.Path(lm_eval.tasks.__file__).parent
-    key = f"lm_eval {lm_eval.__version__} | {tasks_fingerprint(folder)}"
-    cache = this_cache_dir()
-    path = None if cache is None else cache / TASKS_CACHE
-    if path is not None and (names := cached_names(path, key)) is not None:
-        return names
+    if not paths:
+        return None
     quiet_lm_eval()
-    names = frozenset(TaskManager().all_tasks)
-    if path is not None:  # not written: the next check indexes again, nothing worse
-        write_cache_file(path, json.dumps({"key": key, "names": sorted(names)}) + "\n")
-    return names
+    local = TaskManager(include_path=list(paths), include_defaults=False)
+    return local if all(n in local.all_tasks for n in names) else None
 
 
 def known_task_names(paths: Sequence[str], names: Sequence[str]) -> frozenset[str]:
-    """The task names an lm-eval ``TaskManager`` over ``paths`` would know, as far as
-    ``names`` need: those of ``paths`` alone when they hold every one of ``names``, else
-    lm-eval's own too (``default_task_names``)."""
+    """The task names a ``task_manager(paths, names)`` knows, as far as ``names`` need:
+    lm-eval's own from the cache (``default_task_names``)."""
     from lm_eval.tasks import TaskManager
 
-    quiet_lm_eval()
-    local: frozenset[str] = frozenset()
-    if paths:
-        local = frozenset(TaskManager(include_path=list(paths), include_defaults=False).all_tasks)
-        if all(n in local for n in names):
-            return local
-    return local | default_task_names()
+    if (local := local_manager(paths, names)) is not None:
+        return frozenset(local.all_tasks)
+    if not paths:
+        return default_task_names()
+    mine = TaskManager(include_path=list(paths), include_defaults=False).all_tasks
+    return frozenset(mine) | default_task_names()
 
 
 def task_manager(paths: Sequence[str], names: Sequence[str]) -> Any:
     """An lm-eval ``TaskManager`` that knows ``names``: one over ``paths`` alone when they
-    hold every name (lm-eval's own index of thousands of tasks takes seconds), else one
-    over lm-eval's tasks too."""
+    hold every name, else one over lm-eval's tasks too."""
     from lm_eval.tasks import TaskManager
 
-    quiet_lm_eval()
-    if paths:
-        local = TaskManager(include_path=list(paths), include_defaults=False)
-        if all(n in local.all_tasks for n in names):
-            return local
-        return TaskManager(include_path=list(paths))
-    return TaskManager()
+    if (local := local_manager(paths, names)) is not None:
+        return local
+    return TaskManager(include_path=list(paths)) if paths else lm_eval_index()
 
 
 def unknown_task_lines(tasks: Sequence[EvalTask], where: str) -> list[str]:

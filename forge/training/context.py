@@ -171,6 +171,9 @@ class ModelContext:
     # the config (a hand-built context gets the plain loss unless it passes its own)
     loss: LossSpec = PLAIN_LOSS
     peak_lr: float | None = None  # the schedule's peak LR; None: the config's optimizer.lr
+    # FP8 fell back to high precision before this launch (float8_on_drift = "fallback",
+    # ``kept_fallback``): its layers compute in high precision, and no step is checked
+    float8_fallen_back: bool = False
 
 
 @attrs.frozen

@@ -78,18 +78,18 @@ def with_latent(path: pathlib.Path) -> pathlib.Path:
     ids=["mtp", "mtp and latent attention", "mtp with expert depth blocks"],
 )
 def test_experts_with_depths_under_fsdp_x_ep_at_two_ranks_equal_one_rank(
-    tmp_path, small_corpus, model_keys, latent
+    one_rank, tmp_path, small_corpus, model_keys, latent
 ):
     keys = "moe_first_dense = 1\n" + model_keys
     config = with_mtp(write_moe_config(tmp_path, small_corpus, keys))
     if latent:
         config = with_latent(config)
-    train(config, tmp_path / "one", *THREE_STEPS, *MOE_ONE_RANK)
+    one = one_rank(config, *MOE_ONE_RANK)
     train(config, tmp_path / "two", *THREE_STEPS, *EP, ranks=2)
-    ref, got = training_metrics(tmp_path / "one"), training_metrics(tmp_path / "two")
+    ref, got = training_metrics(one), training_metrics(tmp_path / "two")
     assert "mtp/loss_2" in ref[3] and "moe/load_cv" in ref[3]
     assert_same_metrics(got, ref, steps=(1, 2, 3))
-    assert_same_weights(config, tmp_path / "one", tmp_path / "two", step=3)
+    assert_same_weights(config, one, tmp_path / "two", step=3)
 
 
 AT_TWO = ["--distributed.dp_shard=1", "--train.batch_size=4", "--train.grad_accum_steps=2",

@@ -31,6 +31,9 @@ from tests.launched import launch as start
 pytest.importorskip("torchft")
 
 STEPS = 60
+# the lighthouse's info line for each quorum request (torchft 0.2.0's wording, RUST_LOG=info):
+# a torchft that words it otherwise fails ``until_asked`` by its timeout, naming the group
+ASKED = "Received quorum request for replica"
 # the blocks frozen until step 22: the relaunched group (its checkpoint at step 20, frozen)
 # heals past the transition, its optimizer's groups put in the peer's stage first
 FREEZE = '\n[[freeze]]\nmodule = "layers"\nuntil_step = 22\n'
@@ -129,7 +132,7 @@ def kill_and_heal(
     lighthouse, address = start_lighthouse(logs=True)
     release = tmp / "release"
     try:
-        held = f"stall:step=50:until={release}:seconds=120,nan:step=55"
+        held = f"stall:step=50:until={release}:seconds=600,nan:step=55"  # past until_asked's wait
         first = launch(config, tmp / "run", 0, address, held)
         doomed = launch(config, tmp / "run", 1, address, "signal:step=20:sig=KILL")
         killed = finished(doomed)
@@ -327,7 +330,7 @@ def until_alone(run_dir: pathlib.Path, after: int, timeout: float = 120) -> None
 
 def asked(lighthouse: Launched, group: str) -> int:
     """How often ``group`` has asked ``lighthouse`` (started with ``logs``) for a quorum."""
-    return lighthouse.stderr().count(f"Received quorum request for replica {group}")
+    return lighthouse.stderr().count(f"{ASKED} {group}")
 
 
 def until_asked(
@@ -338,7 +341,7 @@ def until_asked(
     deadline = time.monotonic() + timeout
     while asked(lighthouse, group) <= more_than:
         assert peer.poll() is None, f"{group} ended before asking for a quorum: {peer.stderr()}"
-        assert time.monotonic() < deadline, f"{group} never asked for a quorum"
+        assert time.monotonic() < deadline, f"{group} never asked for a quorum ({ASKED!r})"
         time.sleep(0.1)
 
 

@@ -97,7 +97,7 @@ def test_groups_heal_a_relaunched_group_and_train_the_one_run_model(
     try:
         # group 0 waits after step 35 until the relaunched group has asked for a quorum: the
         # heal comes before the run ends, whatever the relaunch's start-up costs
-        held = f"stall:step=35:until={release}:seconds=300"
+        held = f"stall:step=35:until={release}:seconds=900"  # past until_asked's wait
         first = torchrun_group(config, run, 0, address, held, layout)
         doomed = torchrun_group(config, run, 1, address, "", layout)
         until_step(run / "group_1", 15)

@@ -94,18 +94,22 @@ def test_a_start_records_its_config_only_when_it_differs_from_the_one_in_force(
     assert config_record(recorded, step, text) == ConfigRecord(write, drop)
 
 
-# (recorded configs' steps, the start's step, whether the start warns that steps before it
-# have no recorded config)
-UNRECORDED = [((), 0, False), ((0,), 10, False), ((10,), 20, False), ((), 10, True),
-              ((30,), 20, True), ((20,), 20, False)]  # fmt: skip
+# (recorded configs' steps, the start's step, the last step recorded nowhere (None: no
+# warning), whether this launch's config is recorded as config.step_N.toml for want of one)
+UNRECORDED = [((), 0, None, False), ((0,), 10, None, False), ((0, 10), 20, None, False),
+              ((10,), 20, 10, False), ((), 10, 10, True), ((30,), 20, 20, True),
+              ((20,), 20, 20, False)]  # fmt: skip
 
 
-@pytest.mark.parametrize(("recorded", "step", "warns"), UNRECORDED)
-def test_a_resume_says_when_no_config_of_its_earlier_steps_is_recorded(recorded, step, warns):
+@pytest.mark.parametrize(("recorded", "step", "last", "recorded_now"), UNRECORDED)
+def test_a_resume_says_which_first_steps_have_no_recorded_config(
+    recorded, step, last, recorded_now
+):
     note = unrecorded_configs_note(recorded, step)
-    assert (note is not None) == warns
+    assert (note is not None) == (last is not None)
     if note is not None:
-        assert f"steps 1-{step}" in note and f"config.step_{step}.toml" in note
+        assert f"steps 1-{last} is recorded nowhere" in note
+        assert (f"config.step_{step}.toml" in note) is recorded_now
 
 
 class Failing:

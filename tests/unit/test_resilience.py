@@ -182,11 +182,13 @@ FALLBACKS = [
 def test_the_step_of_an_fp8_fallback_is_kept_in_the_state_for_good(result, before, after):
     state = LoopState(step=4, float8_fallback_step=before)
     assert plan_step(state, result, Signals(), ROLL).state.float8_fallback_step == after
+
+
+@pytest.mark.parametrize("fell_back", [None, 3])
+def test_a_rollback_keeps_the_fallback_the_model_computes_under(fell_back):
     snapshot = LoopState(step=2)  # from before the fallback: the model computes as it does now
-    assert (
-        rolled_back(LoopState(step=4, float8_fallback_step=before), snapshot).float8_fallback_step
-        == before
-    )
+    current = LoopState(step=4, float8_fallback_step=fell_back)
+    assert rolled_back(current, snapshot).float8_fallback_step == fell_back
 
 
 @pytest.mark.parametrize(
@@ -280,17 +282,19 @@ class Clock:
 
 
 # (the sleep that makes the file, the stall's bound, the sleeps it takes)
-STALLS = [(3, 30.0, 3), (1, 30.0, 1), (None, 1.0, 20)]
+STALLS = [(3, 30.0, 3), (1, 30.0, 1), (None, 1.025, 21)]  # 0.05 s a sleep
 
 
 @pytest.mark.parametrize("touch_at,seconds,sleeps", STALLS)
 def test_a_stall_until_a_file_ends_when_it_appears_or_at_its_bound(
-    tmp_path, monkeypatch, touch_at, seconds, sleeps
+    tmp_path, monkeypatch, capsys, touch_at, seconds, sleeps
 ):
     clock = Clock(tmp_path / "release", touch_at)
     monkeypatch.setattr(faults, "time", clock)
     faults.stall(Fault(FaultKind.STALL, 1, seconds=seconds, until=str(clock.path)))
     assert clock.sleeps == sleeps
+    said = capsys.readouterr().err
+    assert ("not there after" in said) is (touch_at is None)  # a bound passed is said
 
 
 def test_nan_injection_is_one_shot_and_rank_specific():

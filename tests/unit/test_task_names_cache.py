@@ -9,31 +9,27 @@ import json
 import pytest
 
 from forge.harness import tasks as harness_tasks
-from forge.harness.tasks import TASKS_CACHE, cached_names, tasks_fingerprint
+from forge.harness.tasks import CACHED_INSTALLS, TASKS_CACHE, cached_entries, tasks_fingerprint
 
-pytest.importorskip("lm_eval")
-
-# (case, the cache file's text, or None: no file; the names read for key "k", or None)
+# (case, the cache file's text, or None: no file; the entries read)
 CACHE_FILES = [
-    ("no file", None, None),
-    ("the key's names", json.dumps({"key": "k", "names": ["a", "b"]}), {"a", "b"}),
-    ("another key's", json.dumps({"key": "other", "names": ["a"]}), None),
-    ("not JSON", "{", None),
-    ("no names", json.dumps({"key": "k"}), None),
-    ("names that are no strings", json.dumps({"key": "k", "names": [1]}), None),
-    ("not an object", json.dumps(["a"]), None),
+    ("no file", None, {}),
+    ("entries", json.dumps({"entries": {"k": ["a", "b"], "j": []}}), {"k": ["a", "b"], "j": []}),
+    ("not JSON", "{", {}),
+    ("no entries", json.dumps({"k": ["a"]}), {}),
+    ("names that are no strings", json.dumps({"entries": {"k": [1], "j": ["a"]}}), {"j": ["a"]}),
+    ("not an object", json.dumps(["a"]), {}),
 ]
 
 
 @pytest.mark.parametrize(
-    "text,names", [c[1:] for c in CACHE_FILES], ids=[c[0] for c in CACHE_FILES]
+    "text,entries", [c[1:] for c in CACHE_FILES], ids=[c[0] for c in CACHE_FILES]
 )
-def test_a_cache_file_gives_names_only_for_its_own_key(tmp_path, text, names):
+def test_a_cache_file_gives_its_valid_entries_only(tmp_path, text, entries):
     path = tmp_path / TASKS_CACHE
     if text is not None:
         path.write_text(text)
-    read = cached_names(path, "k")
-    assert (None if read is None else set(read)) == names
+    assert cached_entries(path) == entries
 
 
 class Index:
@@ -46,18 +42,30 @@ class Index:
         self.all_tasks = ["hellaswag", "arc_easy"]
 
 
-def test_the_index_is_built_once_and_again_when_lm_evals_task_files_change(tmp_path, monkeypatch):
-    import lm_eval.tasks
+def names_in_a_fresh_process() -> frozenset[str]:
+    harness_tasks.lm_eval_index.cache_clear()  # a process's own index is built once
+    return harness_tasks.default_task_names()
 
+
+def test_the_index_is_built_once_per_install_of_lm_eval(tmp_path, monkeypatch):
+    lm_eval_tasks = pytest.importorskip("lm_eval.tasks")
     monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Index)
+    monkeypatch.setattr(lm_eval_tasks, "TaskManager", Index)
     Index.built = 0
-    assert harness_tasks.default_task_names() == {"hellaswag", "arc_easy"}
-    assert harness_tasks.default_task_names() == {"hellaswag", "arc_easy"}
+    assert names_in_a_fresh_process() == {"hellaswag", "arc_easy"}
+    assert names_in_a_fresh_process() == {"hellaswag", "arc_easy"}
     assert Index.built == 1 and (tmp_path / "cache" / TASKS_CACHE).is_file()
-    monkeypatch.setattr(harness_tasks, "tasks_fingerprint", lambda folder: "reinstalled")
-    harness_tasks.default_task_names()
-    assert Index.built == 2
+    for install in range(CACHED_INSTALLS + 1):  # other installs: the latest ones are kept
+        monkeypatch.setattr(harness_tasks, "tasks_fingerprint", lambda _, i=install: f"i{i}")
+        names_in_a_fresh_process()
+    assert Index.built == 2 + CACHED_INSTALLS
+    assert len(cached_entries(tmp_path / "cache" / TASKS_CACHE)) == CACHED_INSTALLS
+    names_in_a_fresh_process()  # the latest install's names: read
+    assert Index.built == 2 + CACHED_INSTALLS
+    monkeypatch.setattr(harness_tasks, "tasks_fingerprint", lambda _: None)  # unreadable files
+    names_in_a_fresh_process()
+    assert Index.built == 3 + CACHED_INSTALLS
+    harness_tasks.lm_eval_index.cache_clear()
 
 
 def test_the_fingerprint_follows_the_task_files(tmp_path):

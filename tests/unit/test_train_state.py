@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
+import attrs
 import pytest
 
 from forge.checkpoint.store import CheckpointError
@@ -38,6 +39,16 @@ def test_a_train_state_round_trips():
 def test_an_older_train_state_with_the_retired_model_fingerprint_still_parses():
     older = train_state_to_json(STATE) | {"model_fingerprint": "3f2a9c0d1e4b5a6c"}
     assert parse_train_state(older, PATH) == STATE
+
+
+def test_a_train_state_from_before_the_fp8_fallback_was_kept_parses_as_never_fallen_back():
+    older = train_state_to_json(STATE)
+    del older["loop_state"]["float8_fallback_step"]
+    assert parse_train_state(older, PATH).loop_state.float8_fallback_step is None
+    fell_back = attrs.evolve(
+        STATE, loop_state=attrs.evolve(STATE.loop_state, float8_fallback_step=3)
+    )
+    assert parse_train_state(train_state_to_json(fell_back), PATH) == fell_back
 
 
 def test_an_earlier_forges_micro_batch_position_is_refused_by_name_not_skipped():

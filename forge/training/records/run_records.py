@@ -17,7 +17,7 @@ import os
 import pathlib
 import re
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import attrs
 
@@ -79,11 +79,15 @@ def config_record(recorded: Mapping[int, str], step: int, text: str) -> ConfigRe
 
 
 def unrecorded_configs_note(recorded: Collection[int], step: int) -> str | None:
-    """The warning of a resume at ``step`` whose earlier steps' config is recorded nowhere
-    (``config.toml`` deleted): the resumed config is not theirs, and is not recorded as if it
-    were (``config_record``)."""
-    if step == 0 or any(n <= step for n in recorded):
+    """The warning of a resume at ``step`` whose first steps' config is recorded nowhere
+    (``config.toml`` deleted): up to the earliest recorded config at or before ``step``, or
+    to ``step`` itself, whose config is then recorded as ``config.step_N.toml``, not as the
+    run's (``config_record``)."""
+    if step == 0 or 0 in recorded:
         return None
+    earlier = [n for n in recorded if n <= step]
+    if earlier:
+        return f"{CONFIG_FILE} is gone: the config of steps 1-{min(earlier)} is recorded nowhere"
     return (
         f"{CONFIG_FILE} is gone: the config of steps 1-{step} is recorded nowhere; this "
         f"launch's is recorded as {step_config_file(step)}, the config from step {step} on"
@@ -100,16 +104,18 @@ def write_run_records(
     step: int,
     config_text: str,
     rewound_from: int | None = None,
+    as_recorded: Callable[[str], str] = str,
 ) -> str | None:
-    """Trim ``metrics.jsonl`` to ``step``, then record the config (see ``config_record``) and,
-    for a start that went back from step ``rewound_from`` on purpose, that decision; returns
-    the problem, naming the file and the OS error, when one cannot be read or written. Each
+    """Trim ``metrics.jsonl`` to ``step``, then record the config (see ``config_record``, which
+    compares ``config_text`` with each recorded text as ``as_recorded`` reads it) and, for a
+    start that went back from step ``rewound_from`` on purpose, that decision; returns the
+    problem, naming the file and the OS error, when one cannot be read or written. Each
     write is atomic, so a failure leaves that file as it was."""
     configs = recorded_configs(run_dir)
     recorded: dict[int, str] = {}
     for n, path in configs.items():
         try:
-            recorded[n] = path.read_text(encoding="utf-8")
+            recorded[n] = as_recorded(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError) as exc:
             return (
                 f"run.dir: cannot read {path} ({reason(exc)}); restore it, or move it away to "

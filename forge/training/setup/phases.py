@@ -22,7 +22,7 @@ import torch
 
 from forge.checkpoint.resume import ResumeSource, resolve_resume
 from forge.checkpoint.store import load_checkpoint, read_train_state, remove_stale_temporaries
-from forge.config.absolute import with_absolute_paths
+from forge.config.absolute import launch_folder, recorded_text, with_absolute_paths
 from forge.config.loader import ConfigError, load_config_checked, unstructure_config
 from forge.config.sections import Precision
 from forge.config.toml_writer import dumps_toml
@@ -329,11 +329,14 @@ def prepare_run_dir(run: RunContext, dist: DistContext, ckpt: CheckpointContext)
     problem = None
     if dist.is_main:
         # local paths absolute: a reader started in another folder finds what the run read
-        recorded = with_absolute_paths(run.config, pathlib.Path.cwd())
-        text = dumps_toml(unstructure_config(recorded))
+        cwd = launch_folder(os.environ)
+        text = dumps_toml(unstructure_config(with_absolute_paths(run.config, cwd)))
         step = ckpt.initial_state.step
         note = unrecorded_configs_note(recorded_configs(run.run_dir), step)
-        problem = write_run_records(run.run_dir, run.metrics_path, step, text, ckpt.rewound_from)
+        problem = write_run_records(
+            run.run_dir, run.metrics_path, step, text, ckpt.rewound_from,
+            lambda recorded: recorded_text(recorded, cwd),
+        )  # fmt: skip
         if problem is None and note is not None:
             dist.say(f"warning: run.dir: {note}")
         if problem is None:

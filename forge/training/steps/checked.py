@@ -34,7 +34,9 @@ def checked_step(
 
     device = next(model.parameters()).device
     replayer = Replayer(spec.replay, reset, spec.world_size, spec.rank, device)
-    float8_check = Float8Check(spec.float8_check, model, reset, spec.world_size)
+    float8_check = Float8Check(
+        spec.float8_check, model, reset, spec.world_size, spec.float8_fallen_back
+    )
     replicas = spec.replicas
 
     def step(batches: tuple[Batch, ...], state: LoopState) -> StepResult:

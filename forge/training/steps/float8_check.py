@@ -25,6 +25,7 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from forge.config.train import Float8Recipe
+from forge.training.context import ModelContext
 from forge.types import Float8Drift, Float8Verdict
 
 Computation = Callable[[int], object]
@@ -82,21 +83,21 @@ def compute_in_high_precision(layers: list[nn.Module]) -> None:
         layer.forward = types.MethodType(nn.Linear.forward, layer)
 
 
-def computes_in_high_precision(layers: list[nn.Module]) -> bool:
-    """Whether ``layers`` compute as plain ``Linear`` for good (``compute_in_high_precision``:
-    a fallback, this launch's or a resumed run's)."""
-    return bool(layers) and all("forward" in vars(layer) for layer in layers)
-
-
-def keep_fallback(model: nn.Module, recipe: Float8Recipe, fallback_step: int | None) -> bool:
-    """A resumed run whose FP8 fell back at ``fallback_step`` (None: it did not) computes in
-    high precision from its first step, as the run never interrupted does; whether it had
-    FP8 layers to switch (none under ``train.float8 = "off"``)."""
+def kept_fallback(
+    model: ModelContext, recipe: Float8Recipe, fallback_step: int | None
+) -> ModelContext:
+    """``model`` of a resumed run whose FP8 fell back at ``fallback_step`` (None: it did not):
+    its FP8 layers compute in high precision from the first step, as the run never
+    interrupted does, whatever ``train.float8_on_drift`` says now, and its steps check
+    nothing (``float8_fallen_back``); ``model`` itself without FP8 layers
+    (``train.float8 = "off"``: the same computation)."""
     if fallback_step is None or recipe is Float8Recipe.OFF:
-        return False
-    layers = float8_layers(model)
+        return model
+    layers = float8_layers(model.model)
+    if not layers:
+        return model
     compute_in_high_precision(layers)
-    return bool(layers)
+    return attrs.evolve(model, float8_fallen_back=True)
 
 
 @contextlib.contextmanager
@@ -120,14 +121,14 @@ class Float8Check:
         model: nn.Module,
         reset: Callable[[], None],
         world_size: int,
+        fallen_back: bool = False,
     ) -> None:
         self.rule = rule
         self.layers = float8_layers(model) if rule.interval > 0 else []
         self.device = next(model.parameters()).device
         self.reset = reset  # drops the reference computation's gradients
         self.world_size = world_size
-        # a resumed run that fell back before (``keep_fallback``): nothing left to check
-        self.fallen_back = computes_in_high_precision(self.layers)
+        self.fallen_back = fallen_back  # before this launch (``kept_fallback``): nothing to check
 
     def reference(self, step: int, compute: Computation) -> tuple[float, float] | None:
         """The high-precision loss and gradient norm of step ``step`` where it is checked
@@ -147,7 +148,7 @@ class Float8Check:
     ) -> Float8Verdict | None:
         """The checked step's verdict, agreed by every rank (None for a step not checked);
         where the rule says so, the model computes in high precision from here on (training,
-        evaluation, everything) for the rest of the launch."""
+        evaluation, everything) for the rest of the run, its resumes too (``kept_fallback``)."""
         if reference is None:
             return None
         loss, grad_norm = float(totals.loss), float(totals.grad_norm)  # type: ignore[attr-defined]

@@ -84,6 +84,7 @@ class StepSpec:
     replay: ReplayRule = attrs.Factory(ReplayRule)  # which steps are computed again and compared
     # which steps are also computed in high precision, and what a drift does (FP8 runs)
     float8_check: Float8CheckRule = attrs.Factory(Float8CheckRule)
+    float8_fallen_back: bool = False  # before this launch: nothing left to check
     fault: GradientFault | None = None  # test-only faults in the step's computations
     replicas: ReplicaSums | None = None  # replica groups ([fault_tolerance]); None: none
 
@@ -147,6 +148,7 @@ def step_spec(
             cfg.train.float8_check_grad_tolerance,
             cfg.train.float8_on_drift,
         ),
+        float8_fallen_back=model.float8_fallen_back,
         fault=fault,
         replicas=replicas,
     )
