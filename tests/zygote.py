@@ -203,10 +203,22 @@ class Zygote:
     def fits(self, env: Mapping[str, str]) -> bool:
         """Whether a child with ``env`` starts as a fresh process would (``become`` honours
         PYTHONPATH, as sys.path, and PYTHONFAULTHANDLER)."""
-        if not self.fit or not self.alive or self.proc.poll() is not None:
-            return False
+        return self.unfit_reason(env) is None
+
+    def unfit_reason(self, env: Mapping[str, str]) -> str | None:
+        """Why a child with ``env`` would not start as a fresh process would; None if it would
+        (what a test that expects a fork says when it gets none)."""
+        if not self.fit:
+            return "the zygote found a thread after its imports"
+        if not self.alive or self.proc.poll() is not None:
+            return f"the zygote ended (exit code {self.proc.poll()})"
         keys = {k for k in set(env) | set(self.env) if k.startswith(START_UP_PREFIXES)}
-        return all(env.get(k) == self.env.get(k) for k in keys - IN_CHILD)
+        differ = sorted(k for k in keys - IN_CHILD if env.get(k) != self.env.get(k))
+        if differ:
+            return "; ".join(
+                f"{k}: {env.get(k)!r}, the zygote's {self.env.get(k)!r}" for k in differ
+            )
+        return None
 
     def start(
         self,

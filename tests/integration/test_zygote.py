@@ -57,7 +57,8 @@ ENDINGS = [
 @pytest.mark.parametrize("action,code,err", ENDINGS, ids=[e[0] for e in ENDINGS])
 def test_a_forked_script_runs_as_a_fresh_one_would(script, action, code, err):
     warm = zygote()
-    assert warm is not None and warm.fits({**os.environ, "ZYGOTE_PROBE": "seen"})
+    assert warm is not None
+    assert warm.fits({**os.environ, "ZYGOTE_PROBE": "seen"}), warm.unfit_reason(os.environ)
     done = run_script([str(script), action, b"\xff"], env={"ZYGOTE_PROBE": "seen"})
     out = done.stdout.decode()
     assert f"parent {warm.proc.pid}" in out  # forked by the zygote, not a fresh process
@@ -80,7 +81,8 @@ def test_an_environment_read_at_start_up_gets_a_fresh_process(script):
     warm = zygote()
     assert warm is not None
     env = {**os.environ, "PYTHONWARNINGS": "error"}
-    assert not warm.fits(env) and warm.fits({**os.environ, "ZYGOTE_PROBE": "x"})
+    assert not warm.fits(env)
+    assert warm.fits({**os.environ, "ZYGOTE_PROBE": "x"}), warm.unfit_reason(os.environ)
     done = run_script([str(script), "ok", "x"], env={"PYTHONWARNINGS": "error"})
     out = done.stdout.decode()
     assert done.returncode == 0 and "env None error" in out
@@ -94,9 +96,9 @@ def test_a_training_run_in_this_worker_leaves_later_scripts_forked(tiny_config):
     from tests.e2e.test_train_script import TRAIN
 
     warm = zygote()
-    assert warm is not None and warm.fits(dict(os.environ))
+    assert warm is not None and warm.fits(dict(os.environ)), warm and warm.unfit_reason(os.environ)
     assert TRAIN.main([str(tiny_config), "--train.max_steps=3"]) == 0
-    assert warm.fits(dict(os.environ))
+    assert warm.fits(dict(os.environ)), warm.unfit_reason(os.environ)
 
 
 CRASH = """
