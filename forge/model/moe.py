@@ -287,10 +287,16 @@ class MoE(nn.Module):
     """
 
     shared: nn.Module | None
+    stats_row: torch.Tensor
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
+        # the forward reads its row as a tensor, not as the int ``layer``: torch.compile
+        # specialises a module's int attributes, so every MoE block compiled its own graph
+        # and those past dynamo's recompile limit (8) ran eager
+        selector = row_selector(layer, len(cfg.moe_layers))
+        self.register_buffer("stats_row", selector, persistent=False)
         self.n_experts = cfg.moe_num_experts
         self.top_k = cfg.moe_top_k
         self.router_kind = cfg.moe_router
@@ -324,8 +330,7 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(flat)
         row = layer_stats(logits, routing, chosen)
-        mine = F.one_hot(torch.tensor(self.layer, device=x.device), stats.shape[0])
-        return y.reshape(shape), stats + mine.to(stats.dtype)[:, None] * row[None, :]
+        return y.reshape(shape), stats + self.stats_row.to(stats.dtype) * row[None, :]
 
     def dispatched(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Expert parallelism: send each row to the rank holding its expert, compute there,
@@ -348,6 +353,11 @@ class MoE(nn.Module):
         out = self.experts(arrived[order], by_source.sum(0))
         back = torch.empty_like(out).index_copy(0, order, out)
         return all_to_all_single_autograd(back, send, receive, group)
+
+
+def row_selector(layer: int, n_layers: int) -> torch.Tensor:
+    """``(n_layers, 1)``: 1 at MoE layer ``layer``'s row of the statistics, 0 elsewhere."""
+    return F.one_hot(torch.tensor(layer), n_layers).float()[:, None]
 
 
 def empty_stats(cfg: ModelConfig, device: torch.device | str) -> torch.Tensor:

@@ -1,0 +1,68 @@
+"""A mixture-of-experts model under ``train.compile``: every MoE block shares the compiled
+graphs, however many there are.
+
+A block that read its layer index as a Python int compiled one graph per MoE layer (dynamo
+specialises a module's int attributes), and the blocks past dynamo's recompile limit (8)
+silently ran eager.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch._dynamo.utils import counters
+
+from forge.config.sections import ModelConfig
+from forge.model.moe import MoE, empty_stats, row_selector
+from forge.model.vlm import build_model, empty_model
+from forge.parallel.parallelize import apply_compile
+
+CFG = ModelConfig(
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=259,
+    max_seq_len=16,
+    moe_num_experts=4,
+    moe_top_k=2,
+    moe_hidden_dim=32,
+)
+
+
+def compiled_graphs(cfg: ModelConfig, monkeypatch: pytest.MonkeyPatch) -> int:
+    """How many graphs dynamo compiled for one forward and backward of the model forge's
+    ``apply_compile`` compiles (in bf16: the grouped-GEMM path, whose graphs do not depend on
+    the routing's counts)."""
+    compile_module = nn.Module.compile
+    # dynamo's tracing and guards, no C++ compiler: the graph count is dynamo's decision
+    monkeypatch.setattr(nn.Module, "compile", lambda m, **kw: compile_module(m, backend="eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = build_model(cfg).to(torch.bfloat16)
+    apply_compile(model)
+    out = model(torch.randint(0, cfg.vocab_size, (2, 16)), empty_stats(cfg, "cpu"))
+    out[0].float().sum().backward()
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    return graphs
+
+
+def test_more_moe_layers_than_dynamos_recompile_limit_compile_no_more_graphs(monkeypatch):
+    many = torch._dynamo.config.recompile_limit + 2
+    few = compiled_graphs(CFG, monkeypatch)
+    assert few > 0
+    assert compiled_graphs(attrs.evolve(CFG, n_layers=many), monkeypatch) == few
+
+
+def test_a_model_materialised_from_meta_selects_each_moe_layers_own_row():
+    cfg = attrs.evolve(CFG, n_layers=4, moe_first_dense=1)
+    model = empty_model(cfg, "cpu", torch.bfloat16)
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    assert [m.layer for m in layers] == [0, 1, 2]
+    for m in layers:
+        assert torch.equal(m.stats_row.float(), row_selector(m.layer, 3))
