@@ -197,8 +197,8 @@ def test_with_mtp_moe_each_depths_block_is_a_mixture_of_experts_counted_as_one()
     m = model(MOE_DEPTHS)
     assert MOE_DEPTHS.moe_layers == (1, 2, 3)  # main block 1, then depths 1 and 2
     assert all(isinstance(d.block.feed_forward, MoE) for d in m.mtp.values())  # type: ignore[union-attr]
-    named = {n: tuple(p.shape) for n, p in m.named_parameters() if n.startswith("mtp.")}
-    named |= {n: tuple(b.shape) for n, b in m.named_buffers() if n.startswith("mtp.")}
+    # the checkpoint's tensors: parameters and saved buffers
+    named = {n: tuple(t.shape) for n, t in m.state_dict().items() if n.startswith("mtp.")}
     assert named == mtp_shapes(MOE_DEPTHS)
     assert {n.removeprefix("mtp.1.block.") for n in named if n.startswith("mtp.1.block.")} == set(
         block_shapes(MOE_DEPTHS, 1)
