@@ -7,7 +7,7 @@ import os
 import pathlib
 import pickle
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import pytest
@@ -52,6 +52,26 @@ def pytest_configure(config: pytest.Config) -> None:
         folder = tempfile.mkdtemp(prefix="forge-test-cache-")
         os.environ["FORGE_CACHE_DIR"] = folder
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def start_up_environment_kept() -> Iterator[None]:
+    """A test leaves the worker's start-up variables (``tests/zygote.py``'s
+    ``start_up_variables``: what an interpreter, torch or OpenMP read while starting) as it
+    found them: one it changed would make every script the worker starts after it a fresh
+    interpreter instead of a fork of the warm one (slower, and the zygote's own tests fail)."""
+    from tests.zygote import kmp_runtime_loaded, start_up_variables
+
+    def variables() -> dict[str, str]:
+        return start_up_variables(os.environ, kmp_runtime_loaded(os.getpid()))
+
+    before = variables()
+    yield
+    after = variables()
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, "this test changed the worker's start-up variables: " + ", ".join(
+        f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in changed
+    )
 
 
 # tests that cost minutes of this machine's two cores: run with FORGE_SLOW_TESTS=1

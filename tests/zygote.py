@@ -60,6 +60,33 @@ START_UP_PREFIXES = (
 )  # fmt: skip
 # the start-up variables ``become`` applies in the child, so a request may set them freely
 IN_CHILD = frozenset({"PYTHONPATH", "PYTHONFAULTHANDLER"})
+# the OpenMP runtimes that read ``KMP_*`` variables when they load (Intel's, LLVM's): torch's
+# wheels link GNU's libgomp, so in a process that has loaded neither, a KMP_ variable is read
+# by whatever loads one later, from the child's own environment, as in a fresh process.
+# (threadpoolctl sets KMP_DUPLICATE_LIB_OK when imported, and a streamed ``load_dataset``
+# imports it through scipy: counted as read at start-up, every script a worker started after
+# such a test was a fresh interpreter, and test_zygote failed in that worker.)
+KMP_RUNTIMES = ("libiomp", "libomp.")
+
+
+def kmp_runtime_loaded(pid: int) -> bool:
+    """Whether process ``pid`` has loaded an OpenMP runtime that reads ``KMP_*``."""
+    maps = pathlib.Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return any(line.rsplit("/", 1)[-1].startswith(KMP_RUNTIMES) for line in maps)
+
+
+def start_up_variables(env: Mapping[str, str], kmp_runtime: bool) -> dict[str, str]:
+    """The variables of ``env`` a child forked from a process (one with a KMP-reading OpenMP
+    runtime loaded, or not) would not honour as a fresh process does."""
+    return {
+        k: v
+        for k, v in env.items()
+        if k.startswith(START_UP_PREFIXES)
+        and k not in IN_CHILD
+        and (kmp_runtime or not k.startswith("KMP_"))
+    }
+
+
 PROTOCOL_FD = 3  # the zygote's answers (fd 1 becomes its stderr: a stray print cannot garble them)
 
 
@@ -68,8 +95,8 @@ def threads_of_this_process() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def preload() -> bool:
-    """Import what the scripts import; False when that fails (a fresh process then shows
+def preload() -> str | None:
+    """Import what the scripts import; what failed, or None (a fresh process then shows
     the error where it happens)."""
     sys.path.insert(0, str(REPO / "scripts"))
     try:
@@ -78,20 +105,28 @@ def preload() -> bool:
             del sys.modules[name]
         for name in PRELOAD_LATER:
             importlib.import_module(name)
-    except Exception:
-        return False
+    except Exception as e:
+        return f"its imports failed: {e!r}"
     finally:
         sys.path.pop(0)
-    return True
+    return None
+
+
+def thread_names() -> list[str]:
+    """The names the OS gives this process's threads (a native one's too)."""
+    tasks = pathlib.Path("/proc/self/task")
+    return sorted((task / "comm").read_text().strip() for task in tasks.iterdir())
 
 
 def serve() -> None:
     """Answer fork requests until stdin closes."""
     os.dup2(1, PROTOCOL_FD)
     os.dup2(2, 1)
-    fit = preload() and threads_of_this_process() == 1
-    os.write(PROTOCOL_FD, json.dumps({"id": 0, "ready": fit}).encode() + b"\n")
-    if not fit:
+    why = preload()
+    if why is None and threads_of_this_process() != 1:
+        why = f"it had threads after its imports: {thread_names()}"
+    os.write(PROTOCOL_FD, json.dumps({"id": 0, "ready": why is None, "why": why}).encode() + b"\n")
+    if why is not None:
         return
     pending = b""
     while True:
@@ -198,7 +233,10 @@ class Zygote:
         self.exits: dict[int, int] = {}
         self.requests = 0
         self.alive = True
-        self.fit = bool(self.answer_to(0)["ready"])
+        first = self.answer_to(0)
+        self.fit = bool(first["ready"])
+        self.why_unfit: str = first.get("why") or ""
+        self.kmp_runtime = self.fit and kmp_runtime_loaded(self.proc.pid)
 
     def fits(self, env: Mapping[str, str]) -> bool:
         """Whether a child with ``env`` starts as a fresh process would (``become`` honours
@@ -209,11 +247,12 @@ class Zygote:
         """Why a child with ``env`` would not start as a fresh process would; None if it would
         (what a test that expects a fork says when it gets none)."""
         if not self.fit:
-            return "the zygote found a thread after its imports"
+            return f"the zygote was unfit from its start: {self.why_unfit}"
         if not self.alive or self.proc.poll() is not None:
             return f"the zygote ended (exit code {self.proc.poll()})"
-        keys = {k for k in set(env) | set(self.env) if k.startswith(START_UP_PREFIXES)}
-        differ = sorted(k for k in keys - IN_CHILD if env.get(k) != self.env.get(k))
+        mine = start_up_variables(self.env, self.kmp_runtime)
+        theirs = start_up_variables(env, self.kmp_runtime)
+        differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
         if differ:
             return "; ".join(
                 f"{k}: {env.get(k)!r}, the zygote's {self.env.get(k)!r}" for k in differ

@@ -101,6 +101,22 @@ def test_a_training_run_in_this_worker_leaves_later_scripts_forked(tiny_config):
     assert warm.fits(dict(os.environ)), warm.unfit_reason(os.environ)
 
 
+def test_a_library_that_sets_an_openmp_variable_on_import_leaves_later_scripts_forked(
+    script, monkeypatch
+):
+    """threadpoolctl sets ``KMP_DUPLICATE_LIB_OK`` when it is imported (a streamed
+    ``load_dataset`` imports it, through scipy): read only by an OpenMP runtime the zygote has
+    not loaded (torch's is GNU's), it reaches the forked child's environment as a fresh
+    process's. Counted as read at start-up, it made every later script of that worker a
+    fresh interpreter, and this module's tests failed there."""
+    warm = zygote()
+    assert warm is not None and not warm.kmp_runtime
+    monkeypatch.setenv("KMP_DUPLICATE_LIB_OK", "True")  # what threadpoolctl's import does
+    assert warm.fits(dict(os.environ)), warm.unfit_reason(os.environ)
+    done = run_script([str(script), "ok"], env={"ZYGOTE_PROBE": "kmp"})
+    assert f"parent {warm.proc.pid}" in done.stdout.decode()
+
+
 CRASH = """
 import ctypes, os
 def read_address_zero():
