@@ -29,7 +29,7 @@ from forge.config.sections import ModelConfig
 from forge.model import moe as moe_module
 from forge.model.expert_groups import ExpertKernel
 from forge.model.feed_forward import FeedForward
-from forge.model.moe import LOADS, MoE
+from forge.model.moe import MoE, empty_stats
 from forge.training.setup.problems import cpu_flags
 
 
@@ -62,7 +62,7 @@ def modes(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, Callable[[], 
         nn.init.normal_(w, std=0.02)
     dense = FeedForward(cfg.dim, cfg.hidden_dim)
     x = torch.randn(args.tokens, cfg.dim, requires_grad=True)
-    stats = torch.zeros(1, LOADS + cfg.moe_num_experts)
+    stats = empty_stats(cfg, "cpu")
 
     def autocast() -> contextlib.AbstractContextManager:
         if args.dtype == "bf16":

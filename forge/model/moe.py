@@ -5,7 +5,8 @@ A layer's auxiliary losses and counts are *returned* with its output, in one row
 model's MoE statistics tensor (``MoeStats`` gives the columns): the step adds the losses to
 its objective and logs the counts. Nothing is stored on the module during ``forward``; the
 only state beside the weights is the sigmoid router's balancing bias, a buffer that
-``forge.training.loop.expert_balance`` updates after the optimizer step.
+``forge.training.loop.expert_balance`` updates after the optimizer step (and each layer's
+constant row selector, a buffer not saved).
 
 Parameter names (checkpoint keys): ``feed_forward.router.gate.weight`` ``(E, dim)``,
 ``feed_forward.router.expert_bias`` ``(E,)``, ``feed_forward.experts.{w1,w3}`` ``(E, dim,
@@ -330,6 +331,8 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(flat)
         row = layer_stats(logits, routing, chosen)
+        rows = self.stats_row.shape[0]
+        torch._check(stats.shape[0] == rows, lambda: f"the MoE statistics need {rows} rows")
         return y.reshape(shape), stats + self.stats_row.to(stats.dtype) * row[None, :]
 
     def dispatched(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -225,7 +225,7 @@ def empty_model(
 ) -> Transformer | VisionLanguageModel:
     """``build_model``'s model allocated on ``device`` in ``dtype`` and left uninitialised, for
     weights about to be loaded (nothing is initialised only to be overwritten, nor built on
-    the CPU first); RoPE tables and other buffers are computed as usual, in fp32."""
+    the CPU first); RoPE tables and other buffers are computed as usual (RoPE's in fp32)."""
     with torch.device("meta"):
         model = build_model(cfg)
     model.to(dtype=dtype)

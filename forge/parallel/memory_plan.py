@@ -23,7 +23,8 @@ The estimate adds what a training rank holds at its peak (``MemoryPlan``):
   many micro-batches in flight as its schedule does (1F1B: up to ``pp``; GPipe: all);
 - **loss**: the chunked loss's few ``chunk × vocab`` fp32 buffers, or the plain loss's three
   ``tokens × vocab`` ones;
-- **buffers**: the RoPE tables, cos and sin of ``max_seq_len × head_dim / 2`` in fp32.
+- **buffers**: the RoPE tables, cos and sin of ``max_seq_len × head_dim / 2`` in fp32 (the
+  MoE layers' row selectors, a few bytes each, are left out).
 - **FP8 casts** (``train.float8``): the largest FP8 layer's transient casts, a byte an element
   (``float8_bytes``); torchao keeps the high-precision input and weight for backward, so the
   activations are those without FP8. Where FSDP2 gathers the FP8 weights in FP8

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from forge.config.sections import ModelConfig
 from forge.model import moe as moe_module
 from forge.model.expert_groups import ExpertKernel, buffered_swiglu, padded_grouped_swiglu
-from forge.model.moe import LOADS, MoE, grouped_mm_supported
+from forge.model.moe import MoE, empty_stats, grouped_mm_supported
 
 pytestmark = [
     pytest.mark.cuda,
@@ -108,7 +108,7 @@ def test_a_moe_layer_under_bf16_autocast_equals_the_loop(kernel):
             mock.patch.object(moe_module, "expert_kernel", lambda *_, k=k: k),
             torch.autocast("cuda", dtype=torch.bfloat16),
         ):
-            out, _ = layer(x, torch.zeros(1, LOADS + 4, device="cuda"))
+            out, _ = layer(x, empty_stats(cfg, "cuda"))
         outs.append(out.float())
     torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from forge.config.sections import ModelConfig
-from forge.model.moe import MoE, empty_stats, row_selector
+from forge.model.moe import MoE, empty_stats, row_selector, stats_width
 from forge.model.vlm import build_model, empty_model
 from forge.parallel.parallelize import apply_compile
 
@@ -66,3 +66,11 @@ def test_a_model_materialised_from_meta_selects_each_moe_layers_own_row():
     assert [m.layer for m in layers] == [0, 1, 2]
     for m in layers:
         assert torch.equal(m.stats_row.float(), row_selector(m.layer, 3))
+
+
+def test_statistics_with_another_number_of_rows_are_refused():
+    """A layer adds its row where its selector says: statistics of another shape would be
+    broadcast into a wrong one, so they are refused."""
+    layer = MoE(CFG, 1)  # CFG's two MoE layers
+    with pytest.raises(RuntimeError, match="the MoE statistics need 2 rows"):
+        layer(torch.randn(1, 4, CFG.dim), torch.zeros(1, stats_width(CFG.moe_num_experts)))

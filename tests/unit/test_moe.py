@@ -27,6 +27,7 @@ from forge.model.moe import (
     Routing,
     Z,
     balance_loss,
+    empty_stats,
     expert_capacity,
     grouped_swiglu,
     route,
@@ -204,7 +205,7 @@ def test_one_expert_top_1_dropless_equals_the_dense_swiglu():
         moe.experts.w3.copy_(dense.w3.weight.t()[None])
         moe.experts.w2.copy_(dense.w2.weight.t()[None])
     x = torch.randn(2, 5, 16)
-    out, stats = moe(x, torch.zeros(1, LOADS + 1))
+    out, stats = moe(x, empty_stats(cfg, "cpu"))
     torch.testing.assert_close(out, dense(x))
     assert stats[0, LOADS].item() == 10 and stats[0, DROPPED].item() == 0
 
