@@ -62,8 +62,10 @@ def start_up_environment_kept() -> Iterator[None]:
     interpreter instead of a fork of the warm one (slower, and the zygote's own tests fail)."""
     from tests.zygote import kmp_runtime_loaded, start_up_variables
 
+    kmp_runtime = kmp_runtime_loaded(os.getpid())  # once: a runtime the test loads changes nothing
+
     def variables() -> dict[str, str]:
-        return start_up_variables(os.environ, kmp_runtime_loaded(os.getpid()))
+        return start_up_variables(os.environ, kmp_runtime)
 
     before = variables()
     yield

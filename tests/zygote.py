@@ -66,7 +66,7 @@ IN_CHILD = frozenset({"PYTHONPATH", "PYTHONFAULTHANDLER"})
 # (threadpoolctl sets KMP_DUPLICATE_LIB_OK when imported, and a streamed ``load_dataset``
 # imports it through scipy: counted as read at start-up, every script a worker started after
 # such a test was a fresh interpreter, and test_zygote failed in that worker.)
-KMP_RUNTIMES = ("libiomp", "libomp.")
+KMP_RUNTIMES = ("libiomp", "libomp.", "libomp-")  # libomp-<hash>.so: bundled in a wheel
 
 
 def kmp_runtime_loaded(pid: int) -> bool:
@@ -114,8 +114,11 @@ def preload() -> str | None:
 
 def thread_names() -> list[str]:
     """The names the OS gives this process's threads (a native one's too)."""
-    tasks = pathlib.Path("/proc/self/task")
-    return sorted((task / "comm").read_text().strip() for task in tasks.iterdir())
+    names = []
+    for task in pathlib.Path("/proc/self/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that has ended since
+            names.append((task / "comm").read_text().strip())
+    return sorted(names)
 
 
 def serve() -> None:

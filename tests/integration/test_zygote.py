@@ -20,6 +20,7 @@ atexit.register(lambda: print("atexit ran", flush=True))
 print("argv", sys.argv[1:])
 print("cwd", os.getcwd())
 print("env", os.environ.get("ZYGOTE_PROBE"), os.environ.get("PYTHONWARNINGS"))
+print("kmp", os.environ.get("KMP_DUPLICATE_LIB_OK"))
 print("pid is group leader", os.getpgid(0) == os.getpid())
 print("path0", sys.path[0])
 print("main", __name__)
@@ -110,11 +111,14 @@ def test_a_library_that_sets_an_openmp_variable_on_import_leaves_later_scripts_f
     process's. Counted as read at start-up, it made every later script of that worker a
     fresh interpreter, and this module's tests failed there."""
     warm = zygote()
-    assert warm is not None and not warm.kmp_runtime
+    assert warm is not None
+    if warm.kmp_runtime:
+        pytest.skip("this torch loads an OpenMP runtime that reads KMP_ variables")
     monkeypatch.setenv("KMP_DUPLICATE_LIB_OK", "True")  # what threadpoolctl's import does
     assert warm.fits(dict(os.environ)), warm.unfit_reason(os.environ)
     done = run_script([str(script), "ok"], env={"ZYGOTE_PROBE": "kmp"})
-    assert f"parent {warm.proc.pid}" in done.stdout.decode()
+    out = done.stdout.decode()
+    assert f"parent {warm.proc.pid}" in out and "kmp True" in out
 
 
 CRASH = """
