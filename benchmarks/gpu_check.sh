@@ -25,21 +25,28 @@ if [ -z "$py" ]; then
     if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if ! "$py" -c "import attrs, cattrs, tomli, numpy, torch" 2>/dev/null && [ -d .whl ]; then
-    "$py" -m pip install -q --no-index --no-deps --target /tmp/forge-site .whl/*.whl
-    export PYTHONPATH="/tmp/forge-site:$PYTHONPATH"
+# one interpreter checks the dependencies and reads the machine (torch's import is seconds)
+probe='import attrs, cattrs, tomli, numpy, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())
+print(int(torch.cuda.is_available()))'
+if ! info=$("$py" -c "$probe" 2>/dev/null); then
+    info=""
+    if [ -d .whl ]; then
+        "$py" -m pip install -q --no-index --no-deps --target /tmp/forge-site .whl/*.whl
+        export PYTHONPATH="/tmp/forge-site:$PYTHONPATH"
+    fi
 fi
-if ! "$py" -c "import attrs, cattrs, tomli, numpy, torch"; then
+if [ -z "$info" ] && ! info=$("$py" -c "$probe"); then
     echo "error: $py lacks forge's dependencies (attrs, cattrs, tomli, numpy, torch): pip install -e . or put their wheels in .whl/" >&2
     exit 2
 fi
 {
     date -u
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
-    "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
+    echo "$info" | head -n 1
 } | tee "$out/machine.txt"
 
-cuda=$("$py" -c "import torch; print(int(torch.cuda.is_available()))")
+cuda=$(echo "$info" | tail -n 1)
 status=0
 # 1. the CUDA tests (expected about 2 minutes on an H200: the 1B memory test is the longest)
 export CUBLAS_WORKSPACE_CONFIG=:4096:8  # deterministic cuBLAS: the exact-resume test needs it

@@ -30,10 +30,23 @@ def test_without_a_gpu_the_check_skips_every_cuda_test_with_its_reason(tmp_path)
     assert count >= 1 and f"{count} skipped" in log  # every CUDA test collected, none run
     assert " passed" not in log and " failed" not in log
     assert "no CUDA device here" in done.stderr.splitlines()[-1]
-    assert (tmp_path / "machine.txt").is_file()
+    machine = (tmp_path / "machine.txt").read_text()
+    assert f"torch {torch.__version__} " in machine and "gpus 0" in machine
     # the rehearsal: every row of the table validated and planned, none run
     table = (tmp_path / "table.txt").read_text().splitlines()
     rows = [line.split()[:3] for line in table[1:]]
     assert [r[:2] for r in rows] == [["1b", "bf16"], ["1b", "fp8"], ["8b", "bf16"], ["8b", "fp8"],
                                      ["1b", "fp8-checked"], ["1b", "deterministic"]]  # fmt: skip
     assert all(r[2] == "dry-run" for r in rows), table
+
+
+def test_a_python_without_forges_dependencies_is_named_and_nothing_runs(tmp_path):
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho 'No module named torch' >&2\nexit 1\n")
+    python.chmod(0o755)
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHON": str(python)}, check=False)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "lacks forge's dependencies" in done.stderr and "No module named torch" in done.stderr
+    assert sorted(p.name for p in out.iterdir()) == []  # no stage ran
