@@ -293,11 +293,9 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
-        # the forward reads its row as a tensor, not as the int ``layer``: torch.compile
-        # specialises a module's int attributes, so every MoE block compiled its own graph
-        # and those past dynamo's recompile limit (8) ran eager
-        selector = row_selector(layer, len(cfg.moe_layers))
-        self.register_buffer("stats_row", selector, persistent=False)
+        # a tensor, not the int ``layer``: dynamo specialises int attributes, so each MoE block
+        # compiled its own graphs and those past its recompile limit (8) ran eager
+        self.register_buffer("stats_row", row_selector(layer, len(cfg.moe_layers)), False)
         self.n_experts = cfg.moe_num_experts
         self.top_k = cfg.moe_top_k
         self.router_kind = cfg.moe_router
@@ -311,6 +309,12 @@ class MoE(nn.Module):
             self.shared = FeedForward(cfg.dim, cfg.moe_shared_experts * cfg.expert_hidden_dim)
         self.ep_group: dist.ProcessGroup | None = None  # set by ``apply_ep``
         self.ep_size = 1
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """The balancing bias at zero and the row selector again (after ``to_empty``)."""
+        self.router.expert_bias.zero_()
+        self.stats_row.copy_(row_selector(self.layer, self.stats_row.shape[0]))
 
     def forward(self, x: torch.Tensor, stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape

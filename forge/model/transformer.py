@@ -31,7 +31,7 @@ from forge.model.feed_forward import FeedForward
 from forge.model.init import fill_, initial_value
 from forge.model.latent_attention import LatentAttention
 from forge.model.layers import RMSNorm, apply_rope
-from forge.model.moe import MoE, Router, empty_stats, row_selector
+from forge.model.moe import MoE, empty_stats
 from forge.model.mtp import MTPModule, depth_losses
 
 
@@ -277,17 +277,14 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
-        """Recompute the RoPE tables and the MoE layers' row selectors, and zero the routers'
-        balancing biases (needed after ``to_empty`` from the meta device)."""
+        """Recompute the RoPE tables and the MoE layers' buffers (needed after ``to_empty``
+        from the meta device)."""
         cos, sin = model_rope_tables(self.cfg)
         self.rope_cos = cos.to(self.rope_cos.device)
         self.rope_sin = sin.to(self.rope_sin.device)
         for module in self.modules():
-            if isinstance(module, Router):  # the balancing bias starts at zero
-                module.expert_bias.zero_()
-            elif isinstance(module, MoE):
-                selector = row_selector(module.layer, len(self.cfg.moe_layers))
-                module.stats_row.copy_(selector.to(module.stats_row.dtype))
+            if isinstance(module, MoE):
+                module.reset_buffers()
 
     def forward(
         self,
