@@ -90,11 +90,6 @@ def start_up_variables(env: Mapping[str, str], kmp_runtime: bool) -> dict[str, s
 PROTOCOL_FD = 3  # the zygote's answers (fd 1 becomes its stderr: a stray print cannot garble them)
 
 
-def threads_of_this_process() -> int:
-    """The OS threads of this process (Python's and native ones)."""
-    return len(os.listdir("/proc/self/task"))
-
-
 def preload() -> str | None:
     """Import what the scripts import; what failed, or None (a fresh process then shows
     the error where it happens)."""
@@ -113,7 +108,8 @@ def preload() -> str | None:
 
 
 def thread_names() -> list[str]:
-    """The names the OS gives this process's threads (a native one's too)."""
+    """The names the OS gives this process's threads (native ones too): one, the main
+    thread, is what a safe fork needs."""
     names = []
     for task in pathlib.Path("/proc/self/task").iterdir():
         with contextlib.suppress(FileNotFoundError):  # a thread that has ended since
@@ -126,8 +122,8 @@ def serve() -> None:
     os.dup2(1, PROTOCOL_FD)
     os.dup2(2, 1)
     why = preload()
-    if why is None and threads_of_this_process() != 1:
-        why = f"it had threads after its imports: {thread_names()}"
+    if why is None and len(threads := thread_names()) != 1:
+        why = f"it had threads after its imports: {threads}"
     os.write(PROTOCOL_FD, json.dumps({"id": 0, "ready": why is None, "why": why}).encode() + b"\n")
     if why is not None:
         return
