@@ -12,6 +12,7 @@ that cannot act, before anything is written.
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 import tempfile
 import time
@@ -97,14 +98,17 @@ def measures_own_time() -> bool:
 def dumps_stacks() -> bool:
     """Whether the watchdog a rank re-arms after every step (``StackWatch``) writes the
     stacks when no step ends in time: armed for 1 ms, it must write within 10 s (a few
-    milliseconds when it works; the bound only spares a loaded machine a false refusal)."""
+    milliseconds when it works; the bound only spares a loaded machine a false refusal).
+    The watchdog reads every thread's frames without the GIL while this thread waits, so
+    the wait calls only C functions (``os.fstat``, ``time.sleep``): no Python frame is pushed
+    or popped under the reader."""
     with tempfile.TemporaryDirectory() as folder:
         watch = StackWatch(stacks_path(pathlib.Path(folder), 0), 0.001)
         try:
             watch.arm()
             deadline = time.monotonic() + 10.0
             while time.monotonic() < deadline:
-                if watch.path.stat().st_size > 0:
+                if os.fstat(watch.file.fileno()).st_size > 0:
                     return True
                 time.sleep(0.002)
             return False
