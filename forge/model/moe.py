@@ -143,11 +143,12 @@ def sort_by_expert(routing: Routing, n_experts: int, capacity: int | None) -> As
     tokens = torch.arange(n, device=experts.device).repeat(k)
     weights = routing.weights.t().reshape(-1)
     order = experts.argsort(stable=True)
-    routed = torch.bincount(experts, minlength=n_experts)
-    counts = routed
+    sorted_experts = experts[order]
+    # each expert's first row: a static shape (bincount's depends on the data: graph breaks)
+    bounds = torch.arange(n_experts + 1, device=experts.device, dtype=experts.dtype)
+    starts = torch.searchsorted(sorted_experts, bounds)
+    routed = counts = starts.diff()
     if capacity is not None:
-        starts = routed.cumsum(0) - routed
-        sorted_experts = experts[order]
         position = torch.arange(order.numel(), device=order.device) - starts[sorted_experts]
         order = order[position < capacity]
         counts = routed.clamp(max=capacity)

@@ -1,9 +1,10 @@
 """A mixture-of-experts model under ``train.compile``: every MoE block shares the compiled
-graphs, however many there are.
+graphs, however many there are, and a dropless one traces whole.
 
 A block that read its layer index as a Python int compiled one graph per MoE layer (dynamo
 specialises a module's int attributes), and the blocks past dynamo's recompile limit (8)
-silently ran eager.
+silently ran eager. Counting each expert's rows with ``bincount`` (whose length depends on
+the data) broke the graph in every MoE layer.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ CFG = ModelConfig(
 )
 
 
-def compiled_graphs(cfg: ModelConfig, monkeypatch: pytest.MonkeyPatch) -> int:
-    """How many graphs dynamo compiled for one forward and backward of the model forge's
-    ``apply_compile`` compiles (in bf16: the grouped-GEMM path, whose graphs do not depend on
-    the routing's counts)."""
+def compiled_graphs(cfg: ModelConfig, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
+    """How many graphs dynamo compiled, and how many graph breaks it met, for one forward and
+    backward of the model forge's ``apply_compile`` compiles (in bf16: the grouped-GEMM path,
+    whose graphs do not depend on the routing's counts)."""
     compile_module = nn.Module.compile
     # dynamo's tracing and guards, no C++ compiler: the graph count is dynamo's decision
     monkeypatch.setattr(nn.Module, "compile", lambda m, **kw: compile_module(m, backend="eager"))
@@ -47,16 +48,24 @@ def compiled_graphs(cfg: ModelConfig, monkeypatch: pytest.MonkeyPatch) -> int:
     apply_compile(model)
     out = model(torch.randint(0, cfg.vocab_size, (2, 16)), empty_stats(cfg, "cpu"))
     out[0].float().sum().backward()
-    graphs = counters["stats"]["unique_graphs"]
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     torch._dynamo.reset()
-    return graphs
+    return graphs, breaks
 
 
 def test_more_moe_layers_than_dynamos_recompile_limit_compile_no_more_graphs(monkeypatch):
     many = torch._dynamo.config.recompile_limit + 2
-    few = compiled_graphs(CFG, monkeypatch)
+    few, _ = compiled_graphs(CFG, monkeypatch)
     assert few > 0
-    assert compiled_graphs(attrs.evolve(CFG, n_layers=many), monkeypatch) == few
+    assert compiled_graphs(attrs.evolve(CFG, n_layers=many), monkeypatch)[0] == few
+
+
+@pytest.mark.parametrize("first_dense", [0, 1])
+def test_a_dropless_moe_model_compiles_without_a_graph_break(monkeypatch, first_dense):
+    """Routing, the sort by expert and the grouped GEMM trace into the model's graph."""
+    graphs, breaks = compiled_graphs(attrs.evolve(CFG, moe_first_dense=first_dense), monkeypatch)
+    assert graphs > 0
+    assert breaks == 0
 
 
 def test_a_model_materialised_from_meta_selects_each_moe_layers_own_row():

@@ -167,6 +167,28 @@ def test_capacity_drops_the_assignments_past_it_first_choices_first():
     assert dropless.tokens.tolist() == [0, 1, 2, 3, 4, 0, 2, 3, 1, 4]
 
 
+@pytest.mark.parametrize(
+    ("experts", "n_experts", "counts"),
+    [
+        ([[2, 2], [2, 2]], 5, [0, 0, 4, 0, 0]),  # empty experts before and after
+        ([[4, 0]], 5, [1, 0, 0, 0, 1]),  # empty ones between
+        ([[1, 3], [3, 1], [0, 3]], 4, [1, 2, 0, 3]),
+    ],
+)
+def test_each_experts_rows_are_counted_empty_experts_included(experts, n_experts, counts):
+    assert sort_by_expert(routing_of(experts, n_experts), n_experts, None).counts.tolist() == counts
+
+
+def test_the_counts_equal_bincount_over_random_routings():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n_experts = int(torch.randint(1, 9, (1,), generator=generator))
+        tokens = int(torch.randint(1, 20, (1,), generator=generator))
+        experts = torch.randint(0, n_experts, (tokens, 1), generator=generator)
+        chosen = sort_by_expert(routing_of(experts.tolist(), n_experts), n_experts, None)
+        assert torch.equal(chosen.counts, torch.bincount(experts.flatten(), minlength=n_experts))
+
+
 def test_the_balancing_loss_is_one_when_balanced_and_matches_a_hand_computation():
     probs = torch.full((4, 2), 0.5)
     assert balance_loss(probs, torch.tensor([2, 2])).item() == pytest.approx(1.0)
