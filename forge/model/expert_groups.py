@@ -35,15 +35,22 @@ class ExpertKernel(enum.Enum):
 
 
 def expert_kernel(
-    grouped: bool, device_type: str, rows: int, n_experts: int, bound: int | None
+    grouped: bool,
+    device_type: str,
+    rows: int,
+    n_experts: int,
+    bound: int | None,
+    compiling: bool = False,
 ) -> ExpertKernel:
     """The kernel for ``rows`` rows over ``n_experts`` experts, each expert taking at most
-    ``bound`` of them (None: unknown). The grouped GEMM where it is supported; else, on a
-    GPU, the sync-free buffers when they compute at most ``MAX_BUFFER_ROW_RATIO`` × the real
-    rows; else the loop (on a CPU a host read costs nothing, and the loop is the fastest)."""
+    ``bound`` of them (None: unknown), in eager mode or under ``torch.compile``. The grouped
+    GEMM where it is supported; else, on a GPU or under compile, the sync-free buffers when
+    they compute at most ``MAX_BUFFER_ROW_RATIO`` × the real rows; else the loop. (In eager
+    mode on a CPU a host read costs nothing, and the loop is the fastest; under compile the
+    loop's host read is a graph break, and each new split of the rows a recompile.)"""
     if grouped:
         return ExpertKernel.GROUPED
-    if device_type != "cuda" or bound is None:
+    if (device_type != "cuda" and not compiling) or bound is None:
         return ExpertKernel.LOOP
     affordable = 0 < n_experts * bound <= MAX_BUFFER_ROW_RATIO * rows
     return ExpertKernel.BUFFERED if affordable else ExpertKernel.LOOP

@@ -184,8 +184,9 @@ def grouped_swiglu(
     """``w2(silu(x w1) * x w3)`` per expert, for rows ``x`` grouped by expert (``counts`` rows
     each, at most ``bound`` per expert when known), by the kernel ``expert_kernel`` picks:
     grouped GEMMs, fixed-capacity buffers, or one matmul per expert on its slice."""
-    device = x.device.type
-    kernel = expert_kernel(grouped_mm_supported(x, w1), device, x.shape[0], w1.shape[0], bound)
+    device, compiling = x.device.type, torch.compiler.is_compiling()
+    grouped = grouped_mm_supported(x, w1)
+    kernel = expert_kernel(grouped, device, x.shape[0], w1.shape[0], bound, compiling)
     if kernel is ExpertKernel.GROUPED:
         return padded_grouped_swiglu(x, counts, w1, w2, w3, group_alignment(x.dtype, device))
     if kernel is ExpertKernel.BUFFERED:
@@ -199,9 +200,8 @@ def grouped_swiglu(
 
 
 def layer_stats(logits: torch.Tensor, routing: Routing, chosen: Assignments) -> torch.Tensor:
-    """One MoE layer's statistics row (``stats_width`` columns): the balancing loss and the
-    z-loss (differentiable), the assignments dropped and made, the tokens routed to each
-    expert."""
+    """One MoE layer's statistics row (``stats_width`` columns): the balancing and z-losses
+    (differentiable), the assignments dropped and made, the tokens routed to each expert."""
     counts = torch.stack(
         [
             balance_loss(routing.probs, chosen.routed),

@@ -94,6 +94,21 @@ def test_expert_kernel_choice(grouped, device, rows, experts, bound, kernel):
 
 
 @pytest.mark.parametrize(
+    ("grouped", "device", "rows", "experts", "bound", "kernel"),
+    [
+        (True, "cpu", 4096, 8, 640, ExpertKernel.GROUPED),
+        # the loop's host read is a graph break: the buffers where affordable, on any device
+        (False, "cpu", 4096, 8, 640, ExpertKernel.BUFFERED),  # capacity factor 1.25
+        (False, "cuda", 4096, 8, 640, ExpertKernel.BUFFERED),
+        (False, "cpu", 4096, 8, 2048, ExpertKernel.LOOP),  # dropless top-2 of 8: 4x
+        (False, "cpu", 4096, 8, None, ExpertKernel.LOOP),  # bound unknown (EP)
+    ],
+)
+def test_expert_kernel_choice_under_compile(grouped, device, rows, experts, bound, kernel):
+    assert expert_kernel(grouped, device, rows, experts, bound, compiling=True) is kernel
+
+
+@pytest.mark.parametrize(
     ("dtype", "device", "alignment"),
     [
         (torch.bfloat16, "cuda", 8),
