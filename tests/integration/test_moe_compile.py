@@ -63,17 +63,20 @@ def test_more_moe_layers_than_dynamos_recompile_limit_compile_no_more_graphs(mon
 
 
 @pytest.mark.parametrize(
-    ("first_dense", "dtype"),
+    ("first_dense", "experts", "dtype"),
     [
-        (0, torch.bfloat16),  # the grouped GEMM
-        (1, torch.bfloat16),
-        (0, torch.float32),  # no grouped GEMM in fp32 under compile: the buffers (2x the rows)
+        (0, 4, torch.bfloat16),  # the grouped GEMM
+        (1, 4, torch.bfloat16),
+        # no grouped GEMM in fp32 under compile: the buffers, 3 x 32 rows for 2 x 32 (1.5x)
+        (0, 3, torch.float32),
     ],
 )
-def test_a_dropless_moe_model_compiles_without_a_graph_break(monkeypatch, first_dense, dtype):
+def test_a_dropless_moe_model_compiles_without_a_graph_break(
+    monkeypatch, first_dense, experts, dtype
+):
     """Routing, the sort by expert and the experts trace into the model's graph: no count is
     read on the host (the per-expert loop's split sizes would be a graph break)."""
-    cfg = attrs.evolve(CFG, moe_first_dense=first_dense)
+    cfg = attrs.evolve(CFG, moe_first_dense=first_dense, moe_num_experts=experts)
     graphs, breaks = compiled_graphs(cfg, monkeypatch, dtype)
     assert graphs > 0
     assert breaks == 0

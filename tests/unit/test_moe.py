@@ -180,13 +180,21 @@ def test_each_experts_rows_are_counted_empty_experts_included(experts, n_experts
 
 
 def test_the_counts_equal_bincount_over_random_routings():
+    """Top-k of 1 to 8 experts (each token's k distinct), no token included."""
     generator = torch.Generator().manual_seed(0)
     for _ in range(200):
         n_experts = int(torch.randint(1, 9, (1,), generator=generator))
-        tokens = int(torch.randint(1, 20, (1,), generator=generator))
-        experts = torch.randint(0, n_experts, (tokens, 1), generator=generator)
-        chosen = sort_by_expert(routing_of(experts.tolist(), n_experts), n_experts, None)
+        k = int(torch.randint(1, n_experts + 1, (1,), generator=generator))
+        tokens = int(torch.randint(0, 20, (1,), generator=generator))
+        scores = torch.rand(tokens, n_experts, generator=generator)
+        experts = scores.topk(k, dim=-1).indices
+        routing = Routing(experts, torch.full(experts.shape, 1.0 / k), scores)
+        chosen = sort_by_expert(routing, n_experts, None)
         assert torch.equal(chosen.counts, torch.bincount(experts.flatten(), minlength=n_experts))
+        # every row sits in its expert's slice: the (expert, token) pairs are the routing's
+        row_expert = torch.arange(n_experts).repeat_interleave(chosen.counts)
+        pairs = sorted(zip(row_expert.tolist(), chosen.tokens.tolist(), strict=True))
+        assert pairs == sorted((e, i) for i, row in enumerate(experts.tolist()) for e in row)
 
 
 def test_the_balancing_loss_is_one_when_balanced_and_matches_a_hand_computation():

@@ -11,6 +11,7 @@ that cannot act, before anything is written.
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import os
 import pathlib
@@ -97,20 +98,22 @@ def measures_own_time() -> bool:
 
 def dumps_stacks() -> bool:
     """Whether the watchdog a rank re-arms after every step (``StackWatch``) writes the
-    stacks when no step ends in time: armed for 1 ms, it must write within 10 s (a few
-    milliseconds when it works; the bound only spares a loaded machine a false refusal).
-    The watchdog reads every thread's frames without the GIL while this thread waits, so
-    the wait calls only C functions (``os.fstat``, ``time.sleep``): no Python frame is pushed
-    or popped under the reader."""
+    stacks when no step ends in time: armed for 20 ms, it must write within 10 s (a few
+    tens of milliseconds when it works; the bound only spares a loaded machine a false
+    refusal). The watchdog reads every thread's frames without the GIL, so this thread
+    waits in C calls only, its frames still (``arm`` returns well within the 20 ms before
+    the watchdog fires): ``time.sleep``, ``os.fstat`` and, once the dump has begun, the
+    cancel, which returns when the dump has ended."""
     with tempfile.TemporaryDirectory() as folder:
-        watch = StackWatch(stacks_path(pathlib.Path(folder), 0), 0.001)
+        watch = StackWatch(stacks_path(pathlib.Path(folder), 0), 0.02)
         try:
             watch.arm()
             deadline = time.monotonic() + 10.0
             while time.monotonic() < deadline:
+                time.sleep(0.005)
                 if os.fstat(watch.file.fileno()).st_size > 0:
+                    faulthandler.cancel_dump_traceback_later()
                     return True
-                time.sleep(0.002)
             return False
         finally:
             watch.close()
