@@ -47,7 +47,7 @@ from forge.resilience.signals import (
     pause_if_asked,
     release_shutdown_signals,
 )
-from forge.resilience.stacks import StackWatch, stack_watch
+from forge.resilience.stacks import StackWatch, native_crash_stacks, stack_watch
 from forge.training.context import (
     CheckpointContext,
     DataContext,
@@ -314,6 +314,7 @@ def train(
 
 
 if __name__ == "__main__":
+    native_crash_stacks()  # with faulthandler on, a crashed rank shows its C++ frames too
     code = main(held=HELD)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -25,6 +25,22 @@ from collections.abc import Iterator
 from forge.types import Hooks, LoopOutcome, LoopState, StepResult
 
 
+def native_crash_stacks() -> bool:
+    """Where faulthandler is on (``PYTHONFAULTHANDLER=1``, ``python -X faulthandler``): torch's
+    native stacks too when a fatal signal (SIGSEGV, SIGBUS, SIGILL, SIGABRT) ends the
+    process, every thread's C++ frames before faulthandler's Python ones; whether they are
+    on. Only where asked: torch's handler formats them with calls that are not
+    async-signal-safe, so a crash inside the allocator could hang there instead of ending
+    the rank. (A process-wide setting: for a script's own process, not a notebook's.)"""
+    import torch  # only when called: importing this module stays light
+
+    enable = getattr(torch._C, "_set_print_stack_traces_on_fatal_signal", None)
+    if not faulthandler.is_enabled() or enable is None:  # (a torch without it: Python's)
+        return False
+    enable(True)
+    return True
+
+
 def stacks_path(run_dir: pathlib.Path, rank: int | str) -> pathlib.Path:
     """Where rank ``rank`` writes its stacks (``"<R>"``: every rank's, as messages name
     them)."""

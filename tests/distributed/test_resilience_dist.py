@@ -121,6 +121,22 @@ def test_stalled_rank_ends_in_health_failure_without_hanging(tmp_path, small_cor
     assert "in guarded" in waiting  # its stacks, dumped where guard_collectives caught it
 
 
+def test_a_rank_that_dies_of_sigsegv_prints_its_native_and_python_stacks(tmp_path, small_corpus):
+    """With faulthandler on (every rank ``run_ranks`` starts has it), a rank ended by a fatal
+    signal prints every thread's C++ frames (torch's handler), then its Python stack; the
+    peer ends HEALTH_FAILURE with its one line."""
+    config = write_config(tmp_path, small_corpus)
+    argv = [str(REPO / "scripts" / "train.py"), str(config), f"--run.dir={tmp_path / 'run'}",
+            *COMMON, *FSDP]  # fmt: skip
+    env = {"FORGE_FAULTS": "signal:step=2:rank=1:sig=SEGV"}
+    codes, _, err = every_exit_code(2, argv, env=env, timeout=120)
+    assert codes == [4, -11], err[-3000:]
+    native = err.index("SIGSEGV(11), PID: ")
+    assert "frame #" in err[native:] and "libc10" in err[native:]
+    python = err.index("Fatal Python error: Segmentation fault", native)
+    assert "faults.py" in err[python:]  # the rank's Python stack: it signalled itself there
+
+
 REPLAY = [*FSDP, "--resilience.replay_interval=1", "--checkpoint.interval=1"]
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import faulthandler
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -89,3 +92,26 @@ def test_only_a_health_failure_at_the_end_is_recorded(tmp_path, outcome):
         assert (
             stacks_path(tmp_path, 0).read_text().startswith("the health check failed after step 4")
         )
+
+
+CRASH = """
+import ctypes
+from forge.resilience.stacks import native_crash_stacks
+print(native_crash_stacks(), flush=True)
+ctypes.string_at(0)
+"""
+
+
+@pytest.mark.parametrize("asked", [True, False], ids=["faulthandler on", "off"])
+def test_torch_s_native_stacks_only_where_faulthandler_is_on(asked):
+    """Asked for (``PYTHONFAULTHANDLER=1``), a SIGSEGV prints every thread's C++ frames and
+    then the Python stack; not asked for, torch's handler stays off (it is not
+    async-signal-safe) and nothing is printed."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}
+    if asked:
+        env["PYTHONFAULTHANDLER"] = "1"
+    done = subprocess.run([sys.executable, "-c", CRASH], env=env, capture_output=True, text=True)
+    assert done.returncode == -11
+    assert done.stdout == f"{asked}\n"
+    assert ("SIGSEGV(11), PID: " in done.stderr) is asked, done.stderr[-2000:]
+    assert ("Fatal Python error: Segmentation fault" in done.stderr) is asked
