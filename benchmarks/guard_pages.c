@@ -8,6 +8,10 @@
 // faults; a freed block is made inaccessible and held in a quarantine of QUARANTINE blocks
 // before its pages are returned, so a read or write after free faults too — by any thread,
 // gloo's included. Past LIVE_LIMIT live blocks (the kernel's map count) the rest go to glibc.
+// GUARD_THREADS=<prefix>[,<prefix>...] guards every malloc / calloc / posix_memalign, of any
+// size, made by a thread whose name starts with one of them (pt_gloo,gloo_tcp: gloo's worker
+// and transport threads): a small object of theirs written after its free faults at the
+// writer, where a whole-process guard would pass the kernel's map count.
 //
 // Build and use (docs/distributed.md, the MoE tp=2 case):
 //   gcc -O2 -shared -fPIC -o /tmp/guard_pages.so benchmarks/guard_pages.c -ldl -lpthread
@@ -19,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #define SLOTS (1u << 21)  // the open-addressing table of live blocks
@@ -47,6 +52,23 @@ static void *(*real_realloc)(void *, size_t);
 static void (*real_free)(void *);
 static size_t memalign_min = 1, malloc_min = (size_t)-1;
 static int under;
+static char thread_prefixes[256];  // GUARD_THREADS, commas turned into NULs, NUL-NUL ended
+
+// whether this thread's allocations are all guarded: its name read again every 4096 calls
+// until it matches (a thread is named after it starts); initial-exec TLS allocates nothing
+static __thread int thread_state __attribute__((tls_model("initial-exec")));
+static __thread unsigned thread_calls __attribute__((tls_model("initial-exec")));
+
+static int thread_guarded(void) {
+  if (!thread_prefixes[0] || thread_state == 1) return thread_state == 1;
+  if (thread_state == 2 && (++thread_calls & 4095)) return 0;
+  char name[17] = {0};
+  prctl(PR_GET_NAME, name, 0, 0, 0);
+  thread_state = 2;
+  for (const char *q = thread_prefixes; *q; q += strlen(q) + 1)
+    if (strncmp(name, q, strlen(q)) == 0) thread_state = 1;
+  return thread_state == 1;
+}
 
 // dlsym may allocate: its calls are served from here while the real functions are looked up
 static int looking_up;
@@ -73,6 +95,11 @@ static void init(void) {
   if ((v = getenv("GUARD_MIN"))) memalign_min = strtoul(v, 0, 10);
   if ((v = getenv("GUARD_MALLOC_MIN"))) malloc_min = strtoul(v, 0, 10);
   under = getenv("GUARD_UNDER") != 0;
+  if ((v = getenv("GUARD_THREADS"))) {
+    strncpy(thread_prefixes, v, sizeof thread_prefixes - 2);
+    for (char *c = thread_prefixes; *c; c++)
+      if (*c == ',') *c = 0;
+  }
   looking_up = 0;
 }
 
@@ -126,7 +153,8 @@ static int guarded(void **out, size_t align, size_t size) {
 
 int posix_memalign(void **out, size_t align, size_t size) {
   init();
-  if (size < memalign_min || guarded(out, align, size) != 0) return real_memalign(out, align, size);
+  if ((size < memalign_min && !thread_guarded()) || guarded(out, align, size) != 0)
+    return real_memalign(out, align, size);
   return 0;
 }
 
@@ -134,7 +162,7 @@ void *malloc(size_t size) {
   if (looking_up) return boot_alloc(size);
   init();
   void *p;
-  if (size >= malloc_min && guarded(&p, 16, size) == 0) return p;
+  if ((size >= malloc_min || thread_guarded()) && guarded(&p, 16, size) == 0) return p;
   return real_malloc(size);
 }
 
@@ -142,7 +170,8 @@ void *calloc(size_t n, size_t size) {
   if (looking_up) return memset(boot_alloc(n * size), 0, n * size);
   init();
   void *p;
-  if (n * size >= malloc_min && guarded(&p, 16, n * size) == 0) return p;  // mmap zeroes
+  if ((n * size >= malloc_min || thread_guarded()) && guarded(&p, 16, n * size) == 0)
+    return p;  // mmap zeroes
   return real_calloc(n, size);
 }
 
